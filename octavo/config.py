@@ -1,0 +1,136 @@
+"""Engine configuration: small frozen dataclasses, one per component.
+
+Each component receives only its own part. Command-line flags are derived from these fields
+(`add_engine_args` / `EngineConfig.from_cli`), so a flag exists exactly once: here.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _opt(help: str, **extra: Any) -> Any:
+    return {"help": help, **extra}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = field(default=DEFAULT_MODEL, metadata=_opt(
+        "model: a catalog name, a local Hugging Face folder, a .gguf file or a hub id"))
+    dtype: str = field(default="auto", metadata=_opt(
+        "weights and activations dtype", choices=["auto", "float32", "bfloat16"]))
+    max_model_len: int | None = field(default=None, metadata=_opt(
+        "context length (prompt + output); default: the model's own"))
+    tokenizer: str | None = field(default=None, metadata=_opt(
+        "tokenizer folder, if not the model's own"))
+    revision: str | None = field(default=None, metadata=_opt("hub revision for a hub id"))
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata=_opt("tokens per KV-cache block"))
+    kv_cache_memory: int = field(default=1 << 30, metadata=_opt(
+        "bytes of memory for the KV cache (all layers), allocated once at start-up"))
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = field(default=64, metadata=_opt("most requests running in one step"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_opt(
+        "token budget of one step; longer prompts are prefilled in chunks"))
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = field(default="cpu", metadata=_opt("device to run on", choices=["cpu", "cuda"]))
+    num_threads: int | None = field(default=None, metadata=_opt(
+        "torch threads for the engine; default: all cores"))
+    seed: int = field(default=0, metadata=_opt("seed of requests that set none"))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (`max_num_seqs=8`), each routed to its section."""
+        unknown = set(kwargs)
+        parts = {}
+        for name, section in _SECTIONS.items():
+            sub = {f.name: kwargs[f.name] for f in fields(section) if f.name in kwargs}
+            unknown -= set(sub)
+            parts[name] = section(**sub)
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        return cls(**parts)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls.from_kwargs(**{
+            f.name: getattr(args, f.name) for sec in _SECTIONS.values() for f in fields(sec)
+            if hasattr(args, f.name)})
+
+    def replace(self, **kwargs: Any) -> EngineConfig:
+        flat = {f.name: getattr(getattr(self, s), f.name)
+                for s, sec in _SECTIONS.items() for f in fields(sec)}
+        flat.update(kwargs)
+        return EngineConfig.from_kwargs(**flat)
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig}
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """Add one `--flag` per engine config field to `parser`."""
+    for section in _SECTIONS.values():
+        group = parser.add_argument_group(section.__name__)
+        for f in fields(section):
+            if f.name in skip:
+                continue
+            meta = dict(f.metadata)
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if f.name == "kv_cache_memory":
+                group.add_argument(flag, type=_parse_bytes, default=default,
+                                   help=meta["help"] + " (e.g. 2GiB)")
+            elif isinstance(default, bool):
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                   help=meta["help"])
+            else:
+                kind = int if f.type in ("int", "int | None") else str
+                group.add_argument(flag, type=kind, default=default, **meta)

@@ -1,0 +1,1 @@
+"""Engine core: scheduling and KV-cache bookkeeping in pure Python and numpy (no torch)."""

@@ -1,0 +1,61 @@
+"""The only types that cross between the core and the workers.
+
+SchedulerOutput is diff-shaped: a request the worker has not seen (new, or resumed after
+preemption) arrives in full; a running one arrives as a delta. ModelOutput carries back only the
+sampled token ids and the logprobs that were asked for, as numpy arrays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from octavo.params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt + output so far (non-empty output only when resumed)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute this step, in batch order
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)  # worker drops their state
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @classmethod
+    def empty(cls) -> SchedulerOutput:
+        return cls([], [], {}, 0)
+
+
+@dataclass(slots=True)
+class TopLogprobs:
+    """Logprobs for a run of positions: column 0 is the chosen token, columns 1.. the top-k."""
+
+    token_ids: np.ndarray  # [num_positions, 1 + k] int64
+    logprobs: np.ndarray  # [num_positions, 1 + k] float32
+    ranks: np.ndarray  # [num_positions] int64, rank of the chosen token (1 = most likely)
+
+
+@dataclass
+class ModelOutput:
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # empty list: a prefill chunk that did not reach the end
+    logprobs: dict[str, TopLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)

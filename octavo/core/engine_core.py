@@ -1,0 +1,63 @@
+"""EngineCore.step() = schedule → execute → update."""
+from __future__ import annotations
+
+import logging
+
+from octavo.arch_config import ArchConfig
+from octavo.config import EngineConfig
+from octavo.core.kv_manager import KVCacheManager, cdiv
+from octavo.core.request import Request
+from octavo.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from octavo.executor.base import Executor
+from octavo.model_source import ModelSource
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int) -> None:
+        self.executor = executor
+        block_size = config.cache.block_size
+        num_blocks = executor.init_kv_cache(config.cache.kv_cache_memory, block_size)
+        if num_blocks * block_size < max_model_len:
+            raise ValueError(
+                f"kv_cache_memory ({config.cache.kv_cache_memory} bytes) holds {num_blocks} blocks "
+                f"= {num_blocks * block_size} tokens, fewer than max_model_len ({max_model_len}); "
+                "raise kv_cache_memory or lower max_model_len")
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens; max concurrency at %d tokens per request: "
+                    "%.2fx", num_blocks, block_size, max_model_len,
+                    num_blocks / cdiv(max_model_len, block_size))
+        self.scheduler = Scheduler(config.scheduler, KVCacheManager(num_blocks, block_size),
+                                   max_model_len)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids: list[str]) -> list[str]:
+        return self.scheduler.abort_requests(req_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.total_num_scheduled_tokens == 0:
+            return []
+        out = self.executor.execute(sched)
+        return self.scheduler.update_from_output(sched, out)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def create_engine_core(config: EngineConfig, source: ModelSource, arch: ArchConfig,
+                       max_model_len: int, eos_token_ids: list[int]) -> EngineCore:
+    """Build the executor (loading the model) and the core around it."""
+    from octavo.executor.uniproc import UniprocExecutor  # the torch side loads only here
+
+    executor = UniprocExecutor(config, source, arch, max_model_len, eos_token_ids)
+    return EngineCore(config, executor, max_model_len)

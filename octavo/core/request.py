@@ -1,0 +1,70 @@
+"""A request as the core sees it, and its state machine.
+
+    WAITING ──schedule──▶ RUNNING ──stop / length / abort──▶ FINISHED_*
+       ▲                    │
+       └──── PREEMPTED ◀────┘  (blocks freed; recomputed when scheduled again)
+
+Every state after PREEMPTED is a finished one.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from octavo.params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]  # ends the request unless ignore_eos
+    max_tokens: int  # resolved: never None in the core
+    arrival_seq: int = 0  # FCFS order, assigned by the scheduler
+    priority: int = 0  # lower is served first
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    num_prompt_logprobs_sent: int = 0  # prompt positions whose logprobs went out already
+    stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival_seq)

@@ -1,0 +1,202 @@
+"""The token-budget step.
+
+One rule: each request's `num_computed_tokens` chases its `num_tokens`. Every step serves running
+requests first (a decode token each, or the next chunk of a long prompt), then admits waiting ones,
+under one token budget (`max_num_batched_tokens`) and one sequence budget (`max_num_seqs`).
+When blocks run out, the lowest-priority, latest running request is preempted: its blocks are
+freed and it goes back to the waiting queue, to be recomputed later.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from octavo.config import SchedulerConfig
+from octavo.core.contract import (
+    CachedRequestData, ModelOutput, NewRequestData, SchedulerOutput, TopLogprobs)
+from octavo.core.kv_manager import KVCacheManager
+from octavo.core.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: TopLogprobs | None = None
+    prompt_logprobs: TopLogprobs | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.running: list[Request] = []  # sorted by (priority, arrival): the tail is preempted first
+        self._finished_ids: set[str] = set()
+        self._arrivals = 0
+        self.num_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.req_id in self.requests:
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        request.arrival_seq = self._arrivals
+        self._arrivals += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.req_id] = request
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    def abort_requests(self, req_ids: list[str]) -> list[str]:
+        """Abort the given requests in any state; returns the ids that were still unfinished."""
+        aborted = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            aborted.append(req_id)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
+                              self.num_preemptions)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = self.kv.allocate_slots(req, num_new)
+            while new_blocks is None:
+                # The tail of `running` has not been scheduled yet this step (it is at or after i).
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.req_id)
+                if victim is req:
+                    break
+                new_blocks = self.kv.allocate_slots(req, num_new)
+            if new_blocks is None:
+                break
+            cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
+            num_scheduled[req.req_id] = num_new
+            budget -= num_new
+            i += 1
+
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.kv.allocate_slots(req, num_new) is None:
+                break
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=Request.sort_key)
+            new_reqs.append(NewRequestData(
+                req.req_id, req.all_token_ids, req.num_prompt_tokens, req.sampling_params,
+                list(self.kv.blocks_of(req.req_id)), req.num_computed_tokens))
+            num_scheduled[req.req_id] = num_new
+            budget -= num_new
+
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
+                               self.max_num_batched_tokens - budget, finished, preempted)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, req, key=Request.sort_key)
+
+    def update_from_output(self, sched: SchedulerOutput, out: ModelOutput) -> list[EngineCoreOutput]:
+        outputs = []
+        for req_id, sampled in zip(out.req_ids, out.sampled_token_ids):
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            new_tokens: list[int] = []
+            status = None
+            for tok in sampled:
+                req.output_token_ids.append(tok)
+                new_tokens.append(tok)
+                status = self._check_stop(req, tok)
+                if status is not None:
+                    break
+            prompt_lp = self._new_prompt_logprobs(req, sched, out.prompt_logprobs.get(req_id))
+            if not new_tokens and prompt_lp is None:
+                continue
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            outputs.append(EngineCoreOutput(
+                req_id, new_tokens, status.finish_reason if status else None,
+                req.stop_reason, out.logprobs.get(req_id), prompt_lp))
+        return outputs
+
+    @staticmethod
+    def _new_prompt_logprobs(req: Request, sched: SchedulerOutput,
+                             lp: TopLogprobs | None) -> TopLogprobs | None:
+        """Drop the positions already sent before a preemption made the worker recompute them."""
+        if lp is None:
+            return None
+        first = req.num_computed_tokens - sched.num_scheduled_tokens[req.req_id]
+        skip = max(0, req.num_prompt_logprobs_sent - first)
+        req.num_prompt_logprobs_sent = max(req.num_prompt_logprobs_sent, first + len(lp.ranks))
+        if skip >= len(lp.ranks):
+            return None
+        if skip:
+            lp = TopLogprobs(lp.token_ids[skip:], lp.logprobs[skip:], lp.ranks[skip:])
+        return lp
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if len(req.output_token_ids) >= params.min_tokens:  # the sampler masks stops before
+            if token in req.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        del self.requests[req.req_id]
+        self._finished_ids.add(req.req_id)

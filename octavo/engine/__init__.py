@@ -1,0 +1,1 @@
+"""Front end: tokenize, validate, fan out n > 1, detokenize, stop strings, outputs."""

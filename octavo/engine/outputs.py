@@ -1,0 +1,149 @@
+"""Turn the core's per-step token outputs into RequestOutputs: text, logprobs, finish reasons.
+
+A request with n > 1 was fanned out into n core requests (children); their completions are
+gathered back into one RequestOutput under the parent's id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from octavo.core.contract import TopLogprobs
+from octavo.core.scheduler import EngineCoreOutput
+from octavo.engine.detokenizer import IncrementalDetokenizer
+from octavo.params import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, SamplingParams
+
+
+@dataclass
+class ChildState:
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_text: str = ""  # the delta produced by the latest step
+
+    def completion(self, delta: bool) -> CompletionOutput:
+        text = self.new_text if delta else self.detok.text
+        return CompletionOutput(self.index, text, list(self.token_ids), self.cumulative_logprob,
+                                self.logprobs, self.finish_reason, self.stop_reason)
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: dict[str, ChildState]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+    def output(self, delta: bool = False) -> RequestOutput:
+        outs = [c.completion(delta) for c in self.children.values()]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             self.prompt_logprobs, outs, self.finished)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.parent_of: dict[str, str] = {}  # child (core) request id -> parent id
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, child_ids: list[str]) -> None:
+        children = {
+            cid: ChildState(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                            logprobs=[] if params.logprobs is not None else None,
+                            cumulative_logprob=0.0 if params.logprobs is not None else None)
+            for i, cid in enumerate(child_ids)}
+        parent = ParentState(request_id, prompt, prompt_token_ids, params, children)
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
+        self.parents[request_id] = parent
+        for cid in child_ids:
+            self.parent_of[cid] = request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return list(parent.children) if parent else []
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Mark every unfinished child aborted and drop the request; returns its final output."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return None
+        for cid, child in parent.children.items():
+            self.parent_of.pop(cid, None)
+            if child.finish_reason is None:
+                child.finish_reason = "abort"
+        return parent.output()
+
+    def process(self, core_outputs: list[EngineCoreOutput]
+                ) -> tuple[list[ParentState], list[str]]:
+        """Apply one step. Returns the parents that changed, and children to abort in the core
+        (they hit a stop string)."""
+        changed: dict[str, ParentState] = {}
+        to_abort: list[str] = []
+        for out in core_outputs:
+            parent_id = self.parent_of.get(out.req_id)
+            if parent_id is None:
+                continue
+            parent = self.parents[parent_id]
+            child = parent.children[out.req_id]
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is not None:
+                parent.prompt_logprobs.extend(self._positions(out.prompt_logprobs))
+            if child.finish_reason is None:
+                self._apply(child, parent.params, out, to_abort)
+            changed[parent_id] = parent
+        for parent in changed.values():
+            if parent.finished:
+                del self.parents[parent.request_id]
+                for cid in parent.children:
+                    self.parent_of.pop(cid, None)
+        return list(changed.values()), to_abort
+
+    def _apply(self, child: ChildState, params: SamplingParams, out: EngineCoreOutput,
+               to_abort: list[str]) -> None:
+        child.token_ids.extend(out.new_token_ids)
+        if out.logprobs is not None and child.logprobs is not None:
+            positions = self._positions(out.logprobs)
+            child.logprobs.extend(positions)
+            child.cumulative_logprob += float(out.logprobs.logprobs[:, 0].sum())
+        text_tokens = out.new_token_ids
+        ended_by_token = out.finish_reason == "stop" and out.new_token_ids
+        if ended_by_token and not params.include_stop_str_in_output:
+            text_tokens = text_tokens[:-1]  # the eos / stop token itself is not text
+        stop_str = child.detok.add_tokens(text_tokens)
+        if stop_str is not None:
+            child.finish_reason, child.stop_reason = "stop", stop_str
+            to_abort.append(out.req_id)
+        elif out.finish_reason is not None:
+            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+        child.new_text = child.detok.delta(child.finish_reason is not None)
+
+    def _positions(self, lp: TopLogprobs) -> list[PositionLogprobs]:
+        ids = lp.token_ids
+        texts = self.tokenizer.batch_decode(ids.reshape(-1, 1).tolist())
+        texts = np.array(texts, dtype=object).reshape(ids.shape)
+        out = []
+        for p in range(ids.shape[0]):
+            entry: PositionLogprobs = {}
+            for c in range(ids.shape[1]):
+                tok = int(ids[p, c])
+                if tok in entry:
+                    continue
+                rank = int(lp.ranks[p]) if c == 0 else c
+                entry[tok] = Logprob(float(lp.logprobs[p, c]), rank, texts[p, c])
+            out.append(entry)
+        return out

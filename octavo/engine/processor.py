@@ -1,0 +1,70 @@
+"""Validate and tokenize inputs; turn them into core requests."""
+from __future__ import annotations
+
+from octavo.core.request import Request
+from octavo.params import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class Processor:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
+                 eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer(prompt).input_ids
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty string or list of token ids")
+        ids = list(prompt)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {t!r}")
+        return None, ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Check `params` against the model; returns the resolved max_tokens."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt is {n} tokens, max_model_len is {self.max_model_len}: "
+                             "it must leave room for at least one output token")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {k}")
+        for tok in list(params.logit_bias or {}) + params.stop_token_ids:
+            if not 0 <= tok < self.vocab_size:
+                raise ValueError(f"token id {tok} (in logit_bias or stop_token_ids) is outside "
+                                 f"the vocabulary [0, {self.vocab_size})")
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})")
+        return max_tokens
+
+    def child_params(self, params: SamplingParams, index: int) -> SamplingParams:
+        """Parameters of the index-th of n parallel samples (distinct seeds when seeded)."""
+        if params.n == 1:
+            return params
+        fields = {k: getattr(params, k) for k in params.__dataclass_fields__ if k != "stop_strings"}
+        fields["n"] = 1
+        if params.seed is not None:
+            fields["seed"] = params.seed + index
+        return SamplingParams(**fields)
+
+    def make_request(self, req_id: str, prompt_ids: list[int], params: SamplingParams,
+                     max_tokens: int, priority: int) -> Request:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        return Request(req_id, prompt_ids, params, self.eos_token_ids, max_tokens,
+                       priority=priority)

@@ -1,0 +1,1 @@
+"""Executors run a SchedulerOutput on the workers and return one ModelOutput."""

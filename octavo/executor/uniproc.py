@@ -1,0 +1,22 @@
+"""One worker in this process."""
+from __future__ import annotations
+
+from octavo.arch_config import ArchConfig
+from octavo.config import EngineConfig
+from octavo.core.contract import ModelOutput, SchedulerOutput
+from octavo.executor.base import Executor
+from octavo.model_source import ModelSource
+from octavo.worker.worker import Worker
+
+
+class UniprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, source: ModelSource, arch: ArchConfig,
+                 max_model_len: int, eos_token_ids: list[int]) -> None:
+        self.worker = Worker(config, source, arch, max_model_len, eos_token_ids)
+        self.worker.load_model()
+
+    def init_kv_cache(self, kv_cache_memory: int, block_size: int) -> int:
+        return self.worker.init_kv_cache(kv_cache_memory, block_size)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        return self.worker.execute(scheduler_output)

@@ -1,0 +1,115 @@
+"""Attention of a mixed batch (prefill chunks and decodes) over the paged KV cache, in torch.
+
+The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`; token slot
+`s = block_id * block_size + offset`. Requests are grouped into decodes (one query token) and
+prefills (several); each group is padded to its longest query and context and run through one
+`scaled_dot_product_attention` call, so no Python loop runs over requests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    token_index: torch.Tensor  # [R, Qmax] index into the flat query tokens; T = padding
+    token_valid: torch.Tensor  # [R, Qmax] bool
+    key_slots: torch.Tensor  # [R, Lmax] cache slot of each context position (0 for padding)
+    mask: torch.Tensor  # [R, 1, Qmax, Lmax] bool, True = attend
+
+
+@dataclass
+class AttentionPlan:
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
+    groups: list[AttentionGroup]
+
+
+def build_plan(query_lens: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
+               block_size: int, sliding_window: int | None = None,
+               device: torch.device | str = "cpu") -> AttentionPlan:
+    """Index tensors for one step, shared by every layer.
+
+    query_lens[r]: tokens of request r computed this step; seq_lens[r]: its context length after
+    this step; block_table[r]: its block ids (padded). Tokens are laid out request after request.
+    """
+    num_tokens = int(query_lens.sum())
+    starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]])
+    req_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    pos = seq_lens[req_of_token] - query_lens[req_of_token] + (
+        np.arange(num_tokens) - starts[req_of_token])
+    slots = block_table[req_of_token, pos // block_size] * block_size + pos % block_size
+    groups = []
+    for members in (np.flatnonzero(query_lens == 1), np.flatnonzero(query_lens > 1)):
+        if len(members):
+            groups.append(_group(members, query_lens, seq_lens, starts, block_table, block_size,
+                                 num_tokens, sliding_window, device))
+    return AttentionPlan(num_tokens, torch.from_numpy(slots.astype(np.int64)).to(device), groups)
+
+
+def _group(members: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, starts: np.ndarray,
+           block_table: np.ndarray, block_size: int, num_tokens: int, window: int | None,
+           device: torch.device | str) -> AttentionGroup:
+    qlen, slen = query_lens[members], seq_lens[members]
+    q_max, l_max = int(qlen.max()), int(slen.max())
+    i = np.arange(q_max)
+    valid = i[None, :] < qlen[:, None]
+    token_index = np.where(valid, starts[members][:, None] + i[None, :], num_tokens)
+    j = np.arange(l_max)
+    key_slots = block_table[members][:, j // block_size] * block_size + j % block_size
+    # Padded query rows get position 0 so they attend to one key and never produce NaN.
+    q_pos = np.where(valid, (slen - qlen)[:, None] + i[None, :], 0)
+    mask = j[None, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        mask &= j[None, None, :] > q_pos[:, :, None] - window
+    return AttentionGroup(
+        torch.from_numpy(token_index.astype(np.int64)).to(device),
+        torch.from_numpy(valid).to(device),
+        torch.from_numpy(key_slots.astype(np.int64)).to(device),
+        torch.from_numpy(mask[:, None]).to(device))
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values ([T, num_kv_heads, head_dim]) in their slots."""
+    _, _, _, kvh, d = kv_cache.shape
+    kv_cache[0].view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan,
+                    scale: float, softcap: float | None = None) -> torch.Tensor:
+    """q: [T, num_heads, head_dim] -> [T, num_heads, head_dim]. K/V must already be written."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, _, kvh, _ = kv_cache.shape
+    out = torch.empty_like(q)
+    q_padded = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
+    k_flat = kv_cache[0].view(-1, kvh, head_dim)
+    v_flat = kv_cache[1].view(-1, kvh, head_dim)
+    for g in plan.groups:
+        qg = q_padded[g.token_index].transpose(1, 2)  # [R, H, Qmax, D]
+        kg = k_flat[g.key_slots].transpose(1, 2).to(q.dtype)  # [R, KVH, Lmax, D]
+        vg = v_flat[g.key_slots].transpose(1, 2).to(q.dtype)
+        if softcap is None:
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+                                                enable_gqa=kvh != num_heads)
+        else:
+            og = _softcapped_attention(qg, kg, vg, g.mask, scale, softcap)
+        og = og.transpose(1, 2)  # [R, Qmax, H, D]
+        out[g.token_index[g.token_valid]] = og[g.token_valid]
+    return out
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                          scale: float, softcap: float) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v)

@@ -1,0 +1,103 @@
+"""The offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(messages)`."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from octavo.config import DEFAULT_MODEL, EngineConfig
+from octavo.engine.llm_engine import LLMEngine
+from octavo.params import RequestOutput, SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """An engine in this process. Keyword arguments are engine options (`max_num_seqs=8`, ...)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for one prompt or many (strings or token-id lists); outputs in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        return self._run(prompts, list(params), list(priority or [0] * len(prompts)), use_tqdm)
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or many, through the model's chat template."""
+        if not messages:
+            return []
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, chat_template, add_generation_prompt,
+                                            chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: Sequence[Message], chat_template: str | None = None,
+                            add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        template = chat_template or self.tokenizer.chat_template
+        if template is None:
+            raise ValueError("this model has no chat template; pass chat_template=")
+        for m in conversation:
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"messages must be dicts with a 'role', got {m!r}")
+        ids = self.tokenizer.apply_chat_template(
+            list(conversation), chat_template=template, tokenize=True,
+            add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], priority: list[int],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p, prio in zip(prompts, params, priority):
+                rid = engine.next_request_id()
+                engine.add_request(rid, prompt, p, prio)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        bar = None
+        if use_tqdm and len(prompts) > 1:
+            from tqdm import tqdm
+            bar = tqdm(total=len(prompts), desc="Processed prompts", dynamic_ncols=True)
+        done: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        try:
+            while len(done) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        if bar:
+                            bar.update(1)
+        except BaseException:
+            for rid in wanted - set(done):
+                engine.abort_request(rid)
+            raise
+        finally:
+            if bar:
+                bar.close()
+        return [done[rid] for rid in ids]

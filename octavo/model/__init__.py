@@ -1,0 +1,1 @@
+"""Models built from shared layers, their weight loaders and the architecture registry."""

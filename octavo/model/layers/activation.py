@@ -1,0 +1,23 @@
+"""Gated activations on a packed [gate | up] projection."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def gated_act(name: str):
+    if name not in _ACTIVATIONS:
+        raise NotImplementedError(f"activation {name!r} is not supported")
+    act = _ACTIVATIONS[name]
+
+    def act_and_mul(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return act(gate) * up
+
+    return act_and_mul

@@ -1,0 +1,62 @@
+"""Rotary position embeddings (rotate-half layout) with the common scaling variants."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _inv_freq(dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    factor = s["factor"]
+    low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(is_mid, mid, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, base: float,
+                 scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        position_scale = 1.0
+        if kind == "default":
+            inv_freq = _inv_freq(head_dim, base)
+        elif kind == "linear":
+            inv_freq = _inv_freq(head_dim, base)
+            position_scale = 1.0 / scaling["factor"]
+        elif kind == "dynamic":
+            # NTK base fixed for the longest context (factor x the original), as vLLM does.
+            factor = scaling["factor"]
+            base = base * (factor * factor - (factor - 1)) ** (head_dim / (head_dim - 2))
+            inv_freq = _inv_freq(head_dim, base)
+        elif kind == "llama3":
+            inv_freq = _llama3_inv_freq(_inv_freq(head_dim, base), scaling)
+        else:
+            raise NotImplementedError(f"rope scaling {kind!r} is not supported yet")
+        positions = torch.arange(max_positions, dtype=torch.float64) * position_scale
+        freqs = torch.outer(positions, inv_freq)
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)  # [P, head_dim / 2]
+        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, KVH, D], rotated at `positions` [T]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

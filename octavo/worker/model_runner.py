@@ -1,0 +1,103 @@
+"""The hot path: turn a SchedulerOutput into one forward pass over the mixed batch and sample."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from octavo.core.contract import ModelOutput, SchedulerOutput, TopLogprobs
+from octavo.kernels.paged_attention import build_plan
+from octavo.model.context import ForwardContext, forward_context
+from octavo.worker.input_batch import InputBatch
+from octavo.worker.sampler import Sampler, gather_logprobs
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, device: torch.device, max_num_seqs: int,
+                 max_model_len: int, block_size: int, vocab_size: int, eos_token_ids: list[int],
+                 seed: int, sliding_window: int | None = None) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
+        self.sliding_window = sliding_window
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, vocab_size)
+        self.sampler = Sampler(seed)
+        self.kv_caches: list[torch.Tensor] = []
+
+    def update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            self.batch.remove(req_id)
+        for new in sched.new_requests:
+            self.batch.add(new, self.eos_token_ids)
+        for cached in sched.cached_requests:
+            self.batch.update(cached)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        self.update_states(sched)
+        b = self.batch
+        req_ids = list(sched.num_scheduled_tokens)
+        if not req_ids:
+            return ModelOutput([], [])
+        rows = np.fromiter((b.row_of[r] for r in req_ids), np.int64, len(req_ids))
+        query_lens = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(req_ids))
+        computed = b.num_computed[rows]
+        seq_lens = computed + query_lens
+        ends = np.cumsum(query_lens)
+        starts = ends - query_lens
+        req_of_token = np.repeat(np.arange(len(rows)), query_lens)
+        positions = computed[req_of_token] + np.arange(ends[-1]) - starts[req_of_token]
+        input_ids = b.token_ids[rows[req_of_token], positions]
+
+        tables = b.block_table[rows]
+        plan = build_plan(query_lens, seq_lens, tables, self.block_size, device=self.device)
+        sliding = None
+        if self.sliding_window is not None:
+            sliding = build_plan(query_lens, seq_lens, tables, self.block_size,
+                                 self.sliding_window, self.device)
+        positions_t = torch.from_numpy(positions).to(self.device)
+        with forward_context(ForwardContext(plan, self.kv_caches, sliding)):
+            hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions_t)
+        b.num_computed[rows] = seq_lens
+
+        sampling = seq_lens >= b.num_tokens[rows]
+        sample_idx = np.flatnonzero(sampling)
+        sampled_lists: list[list[int]] = [[] for _ in req_ids]
+        logprobs: dict[str, TopLogprobs] = {}
+        if len(sample_idx):
+            logits = self.model.compute_logits(hidden[torch.from_numpy(ends[sample_idx] - 1)])
+            sample_rows = rows[sample_idx]
+            tokens, top = self.sampler(logits, b.sampling_batch(sample_rows, self.device))
+            tokens_np = tokens.cpu().numpy()
+            b.append_tokens(sample_rows, tokens_np)
+            for j, i in enumerate(sample_idx):
+                sampled_lists[i] = [int(tokens_np[j])]
+                if top is not None and b.params[rows[i]].logprobs is not None:
+                    k = b.params[rows[i]].logprobs
+                    logprobs[req_ids[i]] = TopLogprobs(
+                        top.token_ids[j:j + 1, :k + 1], top.logprobs[j:j + 1, :k + 1],
+                        top.ranks[j:j + 1])
+        prompt_logprobs = self._prompt_logprobs(req_ids, rows, computed, seq_lens, starts, hidden)
+        return ModelOutput(req_ids, sampled_lists, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, req_ids: list[str], rows: np.ndarray, computed: np.ndarray,
+                         seq_lens: np.ndarray, starts: np.ndarray,
+                         hidden: torch.Tensor) -> dict[str, TopLogprobs]:
+        """Logprobs of prompt tokens 1.. (position p's logits score token p + 1)."""
+        b = self.batch
+        out: dict[str, TopLogprobs] = {}
+        for i, row in enumerate(rows):
+            params = b.params[row]
+            if params.prompt_logprobs is None:
+                continue
+            last = min(int(seq_lens[i]), int(b.num_prompt_tokens[row]) - 1)
+            first = int(computed[i])
+            if last <= first:
+                continue
+            idx = torch.arange(first, last) - first + int(starts[i])
+            logits = self.model.compute_logits(hidden[idx])
+            targets = torch.from_numpy(b.token_ids[row, first + 1:last + 1]).to(self.device)
+            out[req_ids[i]] = gather_logprobs(torch.log_softmax(logits, -1), targets,
+                                              params.prompt_logprobs)
+        return out

@@ -1,0 +1,130 @@
+"""Batched sampling: penalties, logit bias, min_tokens, temperature, top-k/top-p/min-p, seeds.
+
+Everything is a tensor op over the whole batch. Random rows sample by exponential-noise argmax
+(argmax p_i / q_i with q_i ~ Exp(1) draws i with probability p_i). A seeded request draws its
+noise from a generator reseeded from (seed, output position), so its tokens do not depend on the
+batch it runs in, nor on preemption.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from octavo.core.contract import TopLogprobs
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step sampling inputs for R rows (built by the InputBatch)."""
+
+    temperature: torch.Tensor  # [R] float32
+    top_k: torch.Tensor  # [R] int64, 0 = off
+    top_p: torch.Tensor  # [R] float32
+    min_p: torch.Tensor  # [R] float32
+    all_greedy: bool
+    greedy: torch.Tensor  # [R] bool
+    seeds: list[int | None]  # per row; each already mixed with the output position
+    presence: torch.Tensor | None  # [R] (None: no row has penalties)
+    frequency: torch.Tensor | None
+    repetition: torch.Tensor | None
+    output_counts: torch.Tensor | None  # [R, V] counts of each output token so far
+    seen_mask: torch.Tensor | None  # [R, V] bool: token in prompt or output (repetition penalty)
+    bias_rows: torch.Tensor | None  # sparse logit bias: rows, token ids, values
+    bias_tokens: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    banned_rows: torch.Tensor | None  # min_tokens: (row, token) pairs set to -inf
+    banned_tokens: torch.Tensor | None
+    max_num_logprobs: int | None  # None: no row asked for logprobs
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self._row_generator = torch.Generator()
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch
+                 ) -> tuple[torch.Tensor, TopLogprobs | None]:
+        """logits: [R, V] float32 -> sampled token ids [R], logprobs of the raw model output."""
+        raw_logprobs = None
+        if batch.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = apply_penalties(logits, batch)
+        if batch.bias_rows is not None:
+            logits[batch.bias_rows, batch.bias_tokens] += batch.bias_values
+        if batch.banned_rows is not None:
+            logits[batch.banned_rows, batch.banned_tokens] = float("-inf")
+        greedy_tokens = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            sampled = greedy_tokens
+        else:
+            probs = self.probabilities(logits, batch)
+            noise = self._exponential_noise(probs, batch.seeds)
+            sampled = torch.where(batch.greedy, greedy_tokens, (probs / noise).argmax(dim=-1))
+        top = None
+        if raw_logprobs is not None:
+            top = gather_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
+        return sampled, top
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution random rows sample from, after temperature and truncation."""
+        temp = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)
+        logits = logits / temp.unsqueeze(1)
+        if bool((batch.top_k > 0).any()) or bool((batch.top_p < 1.0).any()):
+            logits = truncate_top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if bool((batch.min_p > 0).any()):
+            keep = probs >= batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs * keep
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+    def _exponential_noise(self, probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seed in enumerate(seeds):
+            if seed is not None:
+                self._row_generator.manual_seed(seed)
+                noise[row].exponential_(generator=self._row_generator)
+        return noise
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.repetition is not None:
+        pen = batch.repetition.unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / pen, logits * pen)
+        logits = torch.where(batch.seen_mask, penalized, logits)
+    if batch.frequency is not None:
+        counts = batch.output_counts
+        logits = logits - batch.frequency.unsqueeze(1) * counts
+        logits = logits - batch.presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def truncate_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
+                         top_p: torch.Tensor) -> torch.Tensor:
+    """Set every logit outside each row's top-k and top-p nucleus to -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep a token when the mass strictly before it is below top_p: the nucleus is the smallest
+    # prefix whose mass reaches top_p, and the most likely token always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> TopLogprobs:
+    """logprobs: [N, V], chosen: [N] -> the chosen token's logprob and rank, plus the top-k."""
+    chosen_lp = logprobs.gather(-1, chosen.unsqueeze(1))
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+        ids = torch.cat([chosen.unsqueeze(1), top_ids], dim=1)
+        lps = torch.cat([chosen_lp, top_lp], dim=1)
+    else:
+        ids, lps = chosen.unsqueeze(1), chosen_lp
+    return TopLogprobs(ids.cpu().numpy(), lps.float().cpu().numpy(), ranks.cpu().numpy())

@@ -1,0 +1,82 @@
+"""A worker: device and threads, model loading, KV-cache allocation, step execution."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from octavo.arch_config import ArchConfig
+from octavo.config import EngineConfig
+from octavo.core.contract import ModelOutput, SchedulerOutput
+from octavo.model.loader import load_model
+from octavo.model_source import ModelSource
+from octavo.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "float32":
+        return torch.float32
+    if dtype == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, source: ModelSource, arch: ArchConfig,
+                 max_model_len: int, eos_token_ids: list[int]) -> None:
+        self.config = config
+        self.source = source
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.device = torch.device(config.device.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: cuda was asked for but torch sees no CUDA device")
+        torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.arch = arch
+        self.runner: ModelRunner | None = None
+
+    def load_model(self) -> None:
+        start = time.perf_counter()
+        model = load_model(self.source, self.arch, self.dtype, self.device, self.max_model_len)
+        logger.info("loaded %s (%s, %s) in %.1f s", self.source.name, self.arch.architecture,
+                    self.dtype, time.perf_counter() - start)
+        sched = self.config.scheduler
+        self.runner = ModelRunner(
+            model, self.device, sched.max_num_seqs, self.max_model_len,
+            self.config.cache.block_size, self.arch.vocab_size, self.eos_token_ids,
+            self.config.device.seed, self.arch.extra.get("sliding_window"))
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        a = self.arch
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * block_size * a.num_kv_heads * a.head_dim * elem * a.num_layers
+
+    def init_kv_cache(self, kv_cache_memory: int, block_size: int) -> int:
+        num_blocks = kv_cache_memory // self.kv_bytes_per_block(block_size)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than one "
+                             f"block ({self.kv_bytes_per_block(block_size)} bytes)")
+        a = self.arch
+        self.runner.kv_caches = [
+            torch.zeros(2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=self.dtype,
+                        device=self.device) for _ in range(a.num_layers)]
+        return num_blocks
+
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        return self.runner.execute(sched)
