@@ -59,6 +59,8 @@ class SamplingParams:
                     tok_id = int(tok)
                 except (TypeError, ValueError):
                     raise ValueError(f"logit_bias keys must be token ids, got {tok!r}") from None
+                if tok_id < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok!r}")
                 _check_float(f"logit_bias[{tok_id}]", val, -100.0, 100.0)
                 bias[tok_id] = float(val)
             self.logit_bias = bias

@@ -42,8 +42,9 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
-        if sched.total_num_scheduled_tokens == 0:
-            return []
+        if (sched.total_num_scheduled_tokens == 0 and not sched.finished_req_ids
+                and not sched.preempted_req_ids):
+            return []  # nothing to run and nothing for the workers to drop
         out = self.executor.execute(sched)
         return self.scheduler.update_from_output(sched, out)
 

@@ -98,13 +98,15 @@ class InputBatch:
                 (p.logit_bias or {}).items()]
         if bias:
             r, tok, val = zip(*bias)
-            batch.bias_rows, batch.bias_tokens = torch.tensor(r), torch.tensor(tok)
-            batch.bias_values = torch.tensor(val, dtype=torch.float32)
+            batch.bias_rows = torch.tensor(r, device=device)
+            batch.bias_tokens = torch.tensor(tok, device=device)
+            batch.bias_values = torch.tensor(val, dtype=torch.float32, device=device)
         banned = [(i, tok) for i, (p, n) in enumerate(zip(params, num_out))
                   if n < p.min_tokens for tok in self.eos[rows[i]]]
         if banned:
             r, tok = zip(*banned)
-            batch.banned_rows, batch.banned_tokens = torch.tensor(r), torch.tensor(tok)
+            batch.banned_rows = torch.tensor(r, device=device)
+            batch.banned_tokens = torch.tensor(tok, device=device)
         return batch
 
     def _add_penalties(self, batch: SamplingBatch, rows: np.ndarray, device: torch.device) -> None:

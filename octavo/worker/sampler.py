@@ -111,9 +111,11 @@ def truncate_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
     sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # Keep a token when the mass strictly before it is below top_p: the nucleus is the smallest
-    # prefix whose mass reaches top_p, and the most likely token always stays.
+    # prefix whose mass reaches top_p, and the most likely token always stays. Rows with
+    # top_p >= 1 are left alone: float32 round-off in the cumsum would otherwise cut their tail.
     mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    cut = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 

@@ -53,11 +53,11 @@ def iterate_gguf_weights(path: Path, cfg: ArchConfig) -> Iterator[tuple[str, tor
             raise NotImplementedError("GGUF rope_freqs (llama3 rope scaling) is not supported yet")
         shape = tuple(int(d) for d in reversed(t.shape))
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            w = np.asarray(t.data).reshape(shape)
+            w = np.array(t.data).reshape(shape)  # a copy: the mmap is read-only
         else:
             w = dequantize(t.data, t.tensor_type).reshape(shape)
         name = hf_name(t.name)
         if cfg.gguf_arch in _PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.num_heads if "attn_q" in t.name else cfg.num_kv_heads
             w = _unpermute(w, heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(w))
+        yield name, torch.from_numpy(w)

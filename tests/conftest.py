@@ -1,0 +1,27 @@
+"""Shared fixtures: the real catalog model and its transformers oracle, fetched once and cached."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf():
+    from octavo.model_source import pull
+
+    return pull("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm_oracle_folder():
+    from tests.oracle import oracle_folder
+
+    return oracle_folder("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm_llm(smollm_gguf):
+    """One float32 engine on SmolLM2 shared by the tests that only read from it."""
+    from octavo import LLM
+
+    return LLM(str(smollm_gguf), dtype="float32", max_model_len=2048, max_num_seqs=16,
+               kv_cache_memory=256 << 20)
