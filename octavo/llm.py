@@ -16,7 +16,16 @@ class LLM:
     """An engine in this process. Keyword arguments are engine options (`max_num_seqs=8`, ...)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+        self._start(EngineConfig.from_kwargs(model=model, **engine_options))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

@@ -63,12 +63,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.outputs.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step; returns the outputs of the requests that changed."""
+    def step(self, delta: bool = False) -> list[RequestOutput]:
+        """One engine step; returns the outputs of the requests that changed (with `delta`, each
+        completion's text is only what this step added)."""
         changed, to_abort = self.outputs.process(self.client.step())
         if to_abort:
             self.client.abort_requests(to_abort)
-        return [p.output() for p in changed]
+        return [p.output(delta) for p in changed]
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -1,0 +1,1 @@
+"""`octavo` subcommands: generate, chat, pull, bench."""
