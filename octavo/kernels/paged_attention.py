@@ -92,24 +92,39 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
     v_flat = kv_cache[1].view(-1, kvh, head_dim)
     for g in plan.groups:
         qg = q_padded[g.token_index].transpose(1, 2)  # [R, H, Qmax, D]
-        kg = k_flat[g.key_slots].transpose(1, 2).to(q.dtype)  # [R, KVH, Lmax, D]
-        vg = v_flat[g.key_slots].transpose(1, 2).to(q.dtype)
-        if softcap is None:
+        kg = _gather(k_flat, g.key_slots).to(q.dtype)  # [R, KVH, Lmax, D]
+        vg = _gather(v_flat, g.key_slots).to(q.dtype)
+        if softcap is None and qg.shape[2] > 1:
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
                                                 enable_gqa=kvh != num_heads)
         else:
-            og = _softcapped_attention(qg, kg, vg, g.mask, scale, softcap)
+            og = _matmul_attention(qg, kg, vg, g.mask, scale, softcap)
         og = og.transpose(1, 2)  # [R, Qmax, H, D]
         out[g.token_index[g.token_valid]] = og[g.token_valid]
     return out
 
 
-def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                          scale: float, softcap: float) -> torch.Tensor:
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """flat: [num_slots, KVH, D], slots: [R, L] -> [R, KVH, L, D] (a strided view of one copy).
+    index_select on 2-D rows is several times faster than advanced indexing here."""
+    r, length = slots.shape
+    _, kvh, d = flat.shape
+    rows = flat.view(-1, kvh * d).index_select(0, slots.reshape(-1))
+    return rows.view(r, length, kvh, d).transpose(1, 2)
+
+
+def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float, softcap: float | None) -> torch.Tensor:
+    """Plain matmul attention. The query heads of a KV head are folded into the query axis, so
+    GQA needs no copy of K/V. On the CPU this beats SDPA for single-token (decode) queries by
+    about 10x in bf16."""
+    r, h, q_len, d = q.shape
+    kvh = k.shape[1]
+    groups = h // kvh
+    qf = q.reshape(r, kvh, groups * q_len, d)  # heads are contiguous per KV head
+    scores = torch.matmul(qf, k.transpose(-1, -2)).float() * scale  # [R, KVH, G*Q, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(r, kvh, groups, q_len, -1).masked_fill(~mask.unsqueeze(1), float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype).view(r, kvh, groups * q_len, -1)
+    return torch.matmul(probs, v).view(r, h, q_len, d)
