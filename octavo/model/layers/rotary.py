@@ -26,7 +26,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, base: float,
-                 scaling: dict[str, Any] | None = None) -> None:
+                 scaling: dict[str, Any] | None = None,
+                 original_max_positions: int | None = None) -> None:
         super().__init__()
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         position_scale = 1.0
@@ -36,9 +37,14 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _inv_freq(head_dim, base)
             position_scale = 1.0 / scaling["factor"]
         elif kind == "dynamic":
-            # NTK base fixed for the longest context (factor x the original), as vLLM does.
+            # transformers rescales the base by the current length once it passes the original
+            # context; a paged cache needs one fixed table, so the base is the one for the
+            # longest context served: identical to transformers up to the original length.
             factor = scaling["factor"]
-            base = base * (factor * factor - (factor - 1)) ** (head_dim / (head_dim - 2))
+            original = scaling.get("original_max_position_embeddings") or original_max_positions
+            if max_positions > original:
+                growth = factor * max_positions / original - (factor - 1)
+                base = base * growth ** (head_dim / (head_dim - 2))
             inv_freq = _inv_freq(head_dim, base)
         elif kind == "llama3":
             inv_freq = _llama3_inv_freq(_inv_freq(head_dim, base), scaling)

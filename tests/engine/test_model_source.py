@@ -1,0 +1,51 @@
+"""Model resolution: catalog fetch with sha256, local paths, hub ids failing fast offline."""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+from octavo.model_source import CATALOG, resolve_model
+
+
+def test_catalog_fetch_verifies_and_refetches_corrupt_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "octavo.entrypoints.cli.main", "pull",
+                           "smollm2-135m-instruct"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    path = tmp_path / "models" / CATALOG["smollm2-135m-instruct"].file
+    assert done.stdout.strip() == str(path)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == CATALOG["smollm2-135m-instruct"].sha256
+    # Same size, wrong bytes: detected by the hash and fetched again.
+    data = bytearray(path.read_bytes())
+    data[1000] ^= 0xFF
+    path.write_bytes(bytes(data))
+    source = resolve_model("smollm2-135m-instruct")
+    assert hashlib.sha256(source.path.read_bytes()).hexdigest() == \
+        CATALOG["smollm2-135m-instruct"].sha256
+
+
+def test_hub_id_fails_fast_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="cannot fetch 'nobody/no-such-model'"):
+        resolve_model("nobody/no-such-model")
+    assert time.perf_counter() - start < 30
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("/nonexistent/model.gguf", "does not exist"),
+    ("./not/a/model", "neither a catalog name"),
+    ("no-such-catalog-name", "neither a catalog name"),
+])
+def test_bad_model_arguments(arg, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_model(arg)
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        resolve_model(str(tmp_path))

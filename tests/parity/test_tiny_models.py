@@ -1,0 +1,64 @@
+"""Architectures and RoPE variants with no real weights here: tiny random models built with
+transformers, saved as safetensors, and compared logit for logit."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from octavo import LLM, SamplingParams
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+CASES = {
+    "llama-default": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama-tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    "linear-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
+    "dynamic-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
+}
+
+
+def _build(tmp_path, tokenizer_folder, name):
+    import transformers
+
+    config_cls, model_cls, extra = CASES[name]
+    vocab = 49152  # the SmolLM2 tokenizer, copied in so the folder is a complete model
+    config = getattr(transformers, config_cls)(vocab_size=vocab, **_COMMON, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # larger weights than the default init, so differences show
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    folder = tmp_path / name
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_folder / f, folder / f)
+    return folder, model
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tiny_model_matches_transformers(tmp_path, smollm_oracle_folder, name):
+    folder, ref = _build(tmp_path, smollm_oracle_folder, name)
+    prompt = torch.randint(100, 49000, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        ref_lp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].float(), -1)
+        ref_tokens = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              max_num_batched_tokens=64)  # the prompt spans several chunks
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                prompt_logprobs=0), use_tqdm=False)[0]
+    ours = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
+    ref_prompt = ref_lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(ours, ref_prompt, atol=1e-4), (ours - ref_prompt).abs().max()
+    assert out.outputs[0].token_ids == ref_tokens
