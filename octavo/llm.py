@@ -7,6 +7,7 @@ from typing import Any
 from octavo.config import DEFAULT_MODEL, EngineConfig
 from octavo.engine.llm_engine import LLMEngine
 from octavo.params import RequestOutput, SamplingParams
+from octavo.serving.chat_template import render_chat
 
 Prompt = str | Sequence[int]
 Message = dict[str, Any]
@@ -63,18 +64,8 @@ class LLM:
     def apply_chat_template(self, conversation: Sequence[Message], chat_template: str | None = None,
                             add_generation_prompt: bool = True,
                             chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        template = chat_template or self.tokenizer.chat_template
-        if template is None:
-            raise ValueError("this model has no chat template; pass chat_template=")
-        for m in conversation:
-            if not isinstance(m, dict) or "role" not in m:
-                raise ValueError(f"messages must be dicts with a 'role', got {m!r}")
-        ids = self.tokenizer.apply_chat_template(
-            list(conversation), chat_template=template, tokenize=True,
-            add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return render_chat(self.tokenizer, conversation, chat_template, add_generation_prompt,
+                           template_kwargs=chat_template_kwargs)
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], priority: list[int],
              use_tqdm: bool) -> list[RequestOutput]:

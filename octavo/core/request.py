@@ -52,6 +52,9 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     num_prompt_logprobs_sent: int = 0  # prompt positions whose logprobs went out already
+    arrival_time: float = 0.0  # wall clock, set by the front end
+    first_scheduled_time: float | None = None  # wall clock, when it first left the waiting queue
+    first_output_sent: bool = False
     stop_reason: int | str | None = None
 
     @property

@@ -9,6 +9,7 @@ freed and it goes back to the waiting queue, to be recomputed later.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 
 from octavo.config import SchedulerConfig
@@ -29,6 +30,7 @@ class EngineCoreOutput:
     logprobs: TopLogprobs | None = None
     prompt_logprobs: TopLogprobs | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # on a request's first output only
 
 
 @dataclass(slots=True)
@@ -122,6 +124,8 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
             bisect.insort(self.running, req, key=Request.sort_key)
             new_reqs.append(NewRequestData(
                 req.req_id, req.all_token_ids, req.num_prompt_tokens, req.sampling_params,
@@ -165,7 +169,9 @@ class Scheduler:
                 self._finish(req, status)
             outputs.append(EngineCoreOutput(
                 req_id, new_tokens, status.finish_reason if status else None,
-                req.stop_reason, out.logprobs.get(req_id), prompt_lp))
+                req.stop_reason, out.logprobs.get(req_id), prompt_lp,
+                first_scheduled_time=None if req.first_output_sent else req.first_scheduled_time))
+            req.first_output_sent = True
         return outputs
 
     @staticmethod

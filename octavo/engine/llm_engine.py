@@ -4,35 +4,58 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from octavo.arch_config import read_arch_config
+from octavo.arch_config import ArchConfig, read_arch_config
 from octavo.config import EngineConfig
 from octavo.engine.client import InprocClient
 from octavo.engine.outputs import OutputProcessor
 from octavo.engine.processor import Processor
 from octavo.engine.tokenizer import load_tokenizer
-from octavo.model_source import resolve_model
+from octavo.model_source import ModelSource, resolve_model
 from octavo.params import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class ModelSetup:
+    """What both front ends derive from the config before the core starts."""
+
+    source: ModelSource
+    arch: ArchConfig
+    tokenizer: Any
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    processor: Processor
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> ModelSetup:
+        source = resolve_model(config.model.model, config.model.revision)
+        arch = read_arch_config(source)
+        tokenizer = load_tokenizer(source, config.model.tokenizer)
+        max_model_len = config.model.max_model_len or arch.max_position_embeddings
+        eos = set(arch.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        eos_ids = frozenset(eos)
+        processor = Processor(tokenizer, max_model_len, arch.vocab_size, eos_ids)
+        return cls(source, arch, tokenizer, max_model_len, eos_ids, processor)
+
+    def core_args(self) -> tuple:
+        return (self.source, self.arch, self.max_model_len, sorted(self.eos_token_ids))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.source = resolve_model(config.model.model, config.model.revision)
-        self.arch = read_arch_config(self.source)
-        self.tokenizer = load_tokenizer(self.source, config.model.tokenizer)
-        self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
-        eos = set(self.arch.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
-        self.processor = Processor(self.tokenizer, self.max_model_len, self.arch.vocab_size,
-                                   self.eos_token_ids)
+        self.setup = ModelSetup.load(config)
+        self.source, self.arch = self.setup.source, self.setup.arch
+        self.tokenizer = self.setup.tokenizer
+        self.processor = self.setup.processor
         self.outputs = OutputProcessor(self.tokenizer)
-        self.client = InprocClient(config, self.source, self.arch, self.max_model_len,
-                                   sorted(self.eos_token_ids))
+        self.client = InprocClient(config, *self.setup.core_args())
         self._ids = itertools.count()
 
     def next_request_id(self) -> str:
@@ -43,16 +66,9 @@ class LLMEngine:
         """Validate, tokenize and queue one request (n > 1 fans out into n core requests)."""
         if request_id in self.outputs.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, prompt_ids = self.processor.tokenize(prompt)
-        max_tokens = self.processor.validate(prompt_ids, params)
-        children = [request_id] if params.n == 1 else [
-            f"{request_id}#{i}" for i in range(params.n)]
-        core_requests = [
-            self.processor.make_request(cid, prompt_ids, self.processor.child_params(params, i),
-                                        max_tokens, priority)
-            for i, cid in enumerate(children)]
-        self.outputs.add_request(request_id, text, prompt_ids, params, children)
-        for req in core_requests:
+        prepared = self.processor.build(request_id, prompt, params, priority)
+        self.outputs.add_request(prepared)
+        for req in prepared.core_requests:
             self.client.add_request(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -12,6 +12,7 @@ import numpy as np
 from octavo.core.contract import TopLogprobs
 from octavo.core.scheduler import EngineCoreOutput
 from octavo.engine.detokenizer import IncrementalDetokenizer
+from octavo.engine.processor import PreparedRequest
 from octavo.params import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, SamplingParams
 
 
@@ -25,11 +26,18 @@ class ChildState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     new_text: str = ""  # the delta produced by the latest step
+    num_sent: int = 0  # tokens already handed out as deltas
 
     def completion(self, delta: bool) -> CompletionOutput:
-        text = self.new_text if delta else self.detok.text
-        return CompletionOutput(self.index, text, list(self.token_ids), self.cumulative_logprob,
-                                self.logprobs, self.finish_reason, self.stop_reason)
+        if not delta:
+            return CompletionOutput(self.index, self.detok.text, list(self.token_ids),
+                                    self.cumulative_logprob, self.logprobs, self.finish_reason,
+                                    self.stop_reason)
+        start, self.num_sent = self.num_sent, len(self.token_ids)
+        text, self.new_text = self.new_text, ""
+        logprobs = None if self.logprobs is None else self.logprobs[start:]
+        return CompletionOutput(self.index, text, self.token_ids[start:], self.cumulative_logprob,
+                                logprobs, self.finish_reason, self.stop_reason)
 
 
 @dataclass
@@ -40,6 +48,8 @@ class ParentState:
     params: SamplingParams
     children: dict[str, ChildState]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -48,7 +58,7 @@ class ParentState:
     def output(self, delta: bool = False) -> RequestOutput:
         outs = [c.completion(delta) for c in self.children.values()]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             self.prompt_logprobs, outs, self.finished)
+                             self.prompt_logprobs, outs, self.finished, self.num_cached_tokens)
 
 
 class OutputProcessor:
@@ -57,19 +67,22 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         self.parent_of: dict[str, str] = {}  # child (core) request id -> parent id
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, child_ids: list[str]) -> None:
+    def add_request(self, prepared: PreparedRequest) -> None:
+        params = prepared.params
+        want_lp = params.logprobs is not None
         children = {
-            cid: ChildState(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
-                            logprobs=[] if params.logprobs is not None else None,
-                            cumulative_logprob=0.0 if params.logprobs is not None else None)
-            for i, cid in enumerate(child_ids)}
-        parent = ParentState(request_id, prompt, prompt_token_ids, params, children)
+            cid: ChildState(i, IncrementalDetokenizer(self.tokenizer, prepared.prompt_token_ids,
+                                                      params),
+                            logprobs=[] if want_lp else None,
+                            cumulative_logprob=0.0 if want_lp else None)
+            for i, cid in enumerate(prepared.child_ids)}
+        parent = ParentState(prepared.request_id, prepared.prompt, prepared.prompt_token_ids,
+                             params, children)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
-        self.parents[request_id] = parent
-        for cid in child_ids:
-            self.parent_of[cid] = request_id
+        self.parents[prepared.request_id] = parent
+        for cid in children:
+            self.parent_of[cid] = prepared.request_id
 
     def has_unfinished(self) -> bool:
         return bool(self.parents)
@@ -101,6 +114,9 @@ class OutputProcessor:
                 continue
             parent = self.parents[parent_id]
             child = parent.children[out.req_id]
+            if out.first_scheduled_time is not None and parent.first_scheduled_time is None:
+                parent.first_scheduled_time = out.first_scheduled_time
+                parent.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None and parent.prompt_logprobs is not None:
                 parent.prompt_logprobs.extend(self._positions(out.prompt_logprobs))
             if child.finish_reason is None:
@@ -130,7 +146,7 @@ class OutputProcessor:
             to_abort.append(out.req_id)
         elif out.finish_reason is not None:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
-        child.new_text = child.detok.delta(child.finish_reason is not None)
+        child.new_text += child.detok.delta(child.finish_reason is not None)
 
     def _positions(self, lp: TopLogprobs) -> list[PositionLogprobs]:
         ids = lp.token_ids

@@ -1,6 +1,10 @@
 """Validate and tokenize inputs; turn them into core requests."""
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from octavo.core.request import Request
 from octavo.params import SamplingParams
 
@@ -62,9 +66,29 @@ class Processor:
             fields["seed"] = params.seed + index
         return SamplingParams(**fields)
 
-    def make_request(self, req_id: str, prompt_ids: list[int], params: SamplingParams,
-                     max_tokens: int, priority: int) -> Request:
+    def build(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+              priority: int = 0) -> PreparedRequest:
+        """Validate and tokenize; fan n > 1 out into n core requests with distinct seeds."""
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        return Request(req_id, prompt_ids, params, self.eos_token_ids, max_tokens,
-                       priority=priority)
+        text, prompt_ids = self.tokenize(prompt)
+        max_tokens = self.validate(prompt_ids, params)
+        ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        now = time.time()
+        reqs = [Request(cid, prompt_ids, self.child_params(params, i), self.eos_token_ids,
+                        max_tokens, priority=priority, arrival_time=now)
+                for i, cid in enumerate(ids)]
+        return PreparedRequest(request_id, text, prompt_ids, params, reqs)
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    core_requests: list[Request]
+
+    @property
+    def child_ids(self) -> list[str]:
+        return [r.req_id for r in self.core_requests]

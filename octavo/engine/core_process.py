@@ -1,0 +1,105 @@
+"""The engine core's own process: a busy loop of (drain inputs → step → send outputs).
+
+It never waits on HTTP, tokenization or detokenization: the front end sends ready-made requests
+and gets one message per step with every request's new tokens (outputs are coalesced per step).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from multiprocessing.connection import Connection
+
+import zmq
+
+from octavo.arch_config import ArchConfig
+from octavo.config import EngineConfig
+from octavo.core.engine_core import EngineCore, create_engine_core
+from octavo.engine.messages import (
+    AbortRequests, AddRequest, CoreOutputs, Shutdown, UtilityCall, encoder, input_decoder)
+from octavo.model_source import ModelSource
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 1000
+
+
+class EngineCoreProcess:
+    UTILITIES = ("stats",)
+
+    def __init__(self, core: EngineCore, input_addr: str, output_addr: str) -> None:
+        self.core = core
+        self.ctx = zmq.Context()
+        self.inputs = self.ctx.socket(zmq.PULL)
+        self.inputs.connect(input_addr)
+        self.outputs = self.ctx.socket(zmq.PUSH)
+        self.outputs.connect(output_addr)
+        self.running = True
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inputs, zmq.POLLIN)
+        while self.running:
+            timeout = 0 if self.core.has_unfinished_requests() else IDLE_POLL_MS
+            changed = False
+            while poller.poll(timeout):
+                self._handle(input_decoder.decode(self.inputs.recv()))
+                changed = True
+                timeout = 0
+                if not self.running:
+                    return
+            if self.core.has_unfinished_requests():
+                self._send(CoreOutputs(self.core.step(), self.core.stats()))
+            elif changed:
+                self._send(CoreOutputs([], self.core.stats()))  # e.g. usage after an abort
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, AddRequest):
+            try:
+                self.core.add_request(msg.to_request())
+            except ValueError as exc:  # validated by the front end; never kill the loop
+                logger.error("rejected request %s: %s", msg.req_id, exc)
+        elif isinstance(msg, AbortRequests):
+            self.core.abort_requests(msg.req_ids)
+        elif isinstance(msg, UtilityCall):
+            result, error = None, None
+            try:
+                if msg.method == "stats":
+                    result = self.core.stats()
+                else:
+                    error = f"unknown utility {msg.method!r}"
+            except Exception as exc:  # reported to the caller, the loop goes on
+                error = f"{type(exc).__name__}: {exc}"
+            self._send(CoreOutputs([], self.core.stats(), msg.call_id, result, error))
+        elif isinstance(msg, Shutdown):
+            self.running = False
+
+    def _send(self, outputs: CoreOutputs) -> None:
+        self.outputs.send(encoder.encode(outputs), copy=False)
+
+    def close(self) -> None:
+        self.core.shutdown()
+        self.inputs.close(linger=0)
+        self.outputs.close(linger=0)
+        self.ctx.term()
+
+
+def run_engine_core(config: EngineConfig, source: ModelSource, arch: ArchConfig,
+                    max_model_len: int, eos_token_ids: list[int], input_addr: str,
+                    output_addr: str, ready: Connection, log_level: int) -> None:
+    """Entry point of the core process."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    # The front end owns SIGINT/SIGTERM and shuts the core down through a message.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        core = create_engine_core(config, source, arch, max_model_len, eos_token_ids)
+    except BaseException as exc:
+        ready.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+    proc = EngineCoreProcess(core, input_addr, output_addr)
+    ready.send(("ready", {"num_blocks": core.num_blocks, "pid": os.getpid()}))
+    try:
+        proc.run()
+    finally:
+        proc.close()

@@ -1,0 +1,190 @@
+"""Anthropic Messages API: POST /v1/messages (stream and not) and /v1/messages/count_tokens."""
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from octavo.engine.processor import PreparedRequest
+from octavo.entrypoints.http import APIError, ServerState, check_model, state_of, unless_disconnected
+from octavo.params import RequestOutput, SamplingParams
+from octavo.serving.chat_template import render_chat
+
+router = APIRouter()
+
+_UNSUPPORTED = {"tools": "tool use", "tool_choice": "tool use", "thinking": "extended thinking",
+                "mcp_servers": "MCP servers", "container": "containers",
+                "output_config": "output configuration (structured output)"}
+
+
+class TextBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None
+    citations: Any = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    # accepted bookkeeping fields of newer SDKs, with no effect on generation here
+    service_tier: str | None = None
+    cache_control: dict[str, Any] | None = None
+    diagnostics: Any = None
+    inference_geo: str | None = None
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+    output_config: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    thinking: Any = None
+    mcp_servers: Any = None
+    container: Any = None
+
+
+class CountTokensRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    cache_control: dict[str, Any] | None = None
+    output_config: Any = None
+    mcp_servers: Any = None
+    container: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    thinking: Any = None
+
+
+def _conversation(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    for name, what in _UNSUPPORTED.items():
+        if getattr(body, name, None) is not None:
+            raise APIError(400, f"'{name}' is not supported yet ({what})", name)
+    conv: list[dict[str, Any]] = []
+    if body.system:
+        text = body.system if isinstance(body.system, str) else \
+            "".join(b.text for b in body.system)
+        conv.append({"role": "system", "content": text})
+    for i, m in enumerate(body.messages):
+        content = m.content
+        if isinstance(content, list):
+            for j, block in enumerate(content):
+                if block.get("type") != "text":
+                    raise APIError(400, f"messages.{i}.content.{j}: content blocks of type "
+                                        f"{block.get('type')!r} are not supported; only 'text'",
+                                   f"messages.{i}.content")
+            content = "".join(str(b.get("text", "")) for b in content)
+        conv.append({"role": m.role, "content": content})
+    return conv
+
+
+def _prompt_ids(state: ServerState, conv: list[dict[str, Any]]) -> list[int]:
+    # A final assistant turn is a prefill the reply continues, as Anthropic's API defines.
+    prefill = conv[-1]["role"] == "assistant"
+    return render_chat(state.engine.tokenizer, conv, state.chat_template,
+                       add_generation_prompt=not prefill, continue_final_message=prefill)
+
+
+def _stop_reason(finish: str | None, stop: int | str | None) -> tuple[str, str | None]:
+    if finish == "length":
+        return "max_tokens", None
+    if isinstance(stop, str):
+        return "stop_sequence", stop
+    return "end_turn", None
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
+    state = state_of(request)
+    check_model(state, body.model)
+    return {"input_tokens": len(_prompt_ids(state, _conversation(body)))}
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request):
+    state = state_of(request)
+    model = check_model(state, body.model)
+    ids = _prompt_ids(state, _conversation(body))
+    if body.max_tokens < 1:
+        raise APIError(400, f"max_tokens must be >= 1, got {body.max_tokens}", "max_tokens")
+    defaults = SamplingParams()
+    params = SamplingParams(
+        max_tokens=body.max_tokens, stop=body.stop_sequences,
+        temperature=defaults.temperature if body.temperature is None else body.temperature,
+        top_p=defaults.top_p if body.top_p is None else body.top_p,
+        top_k=defaults.top_k if body.top_k is None else body.top_k)
+    if body.temperature is not None and body.temperature > 1.0:
+        raise APIError(400, f"temperature must be in [0, 1], got {body.temperature}",
+                       "temperature")
+    msg_id = f"msg_{uuid.uuid4().hex}"
+    prepared = state.engine.prepare(msg_id, ids, params)
+    stream = state.engine.generate(prepared)
+    if body.stream:
+        return StreamingResponse(_stream(prepared, stream, model), media_type="text/event-stream")
+
+    async def run() -> tuple[str, int, Any]:
+        text, n_out, last = "", 0, None
+        async for out in stream:
+            last = out.outputs[0]
+            text += last.text
+            n_out += len(last.token_ids)
+        return text, n_out, last
+
+    text, n_out, last = await unless_disconnected(request, run())
+    reason, sequence = _stop_reason(last.finish_reason, last.stop_reason)
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": text}], "stop_reason": reason,
+            "stop_sequence": sequence, "usage": {"input_tokens": len(ids), "output_tokens": n_out}}
+
+
+def _event(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _stream(prepared: PreparedRequest, stream: AsyncIterator[RequestOutput],
+                  model: str) -> AsyncIterator[str]:
+    n_in = len(prepared.prompt_token_ids)
+    yield _event("message_start", {"type": "message_start", "message": {
+        "id": prepared.request_id, "type": "message", "role": "assistant", "model": model,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": n_in, "output_tokens": 0}}})
+    yield _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                         "content_block": {"type": "text", "text": ""}})
+    yield _event("ping", {"type": "ping"})
+    n_out, last = 0, None
+    async for out in stream:
+        c = out.outputs[0]
+        n_out += len(c.token_ids)
+        last = c
+        if c.text:
+            yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                 "delta": {"type": "text_delta", "text": c.text}})
+    yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    reason, sequence = _stop_reason(last.finish_reason if last else None,
+                                    last.stop_reason if last else None)
+    yield _event("message_delta", {"type": "message_delta",
+                                   "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                   "usage": {"output_tokens": n_out}})
+    yield _event("message_stop", {"type": "message_stop"})

@@ -1,0 +1,96 @@
+"""`octavo serve [MODEL]`: the OpenAI- and Anthropic-compatible HTTP server."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from pathlib import Path
+
+from octavo.config import DEFAULT_MODEL, EngineConfig, add_engine_args
+
+logger = logging.getLogger(__name__)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="serve a model over HTTP (OpenAI and Anthropic APIs)")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help=f"the model (default {DEFAULT_MODEL}); same as --model")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="required bearer / x-api-key (default: $OCTAVO_API_KEY, else none)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names clients may use for the model (default: the model argument)")
+    s.add_argument("--chat-template", default=None, help="a chat template file or string")
+    s.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins ('*' = any)")
+    s.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests waiting for their first token before 429 (default 4 x "
+                        "max-num-seqs)")
+    s.add_argument("--max-queued-tokens", type=int, default=None,
+                   help="prompt tokens waiting before 429 (default 16 x max-num-batched-tokens)")
+    s.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                   help="largest request body (413 beyond)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM")
+    add_engine_args(s)
+    s.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after a graceful shutdown (exit code -15); a clean stop
+        must exit 0, so the signals only ask the server to stop."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGINT,
+                                                                       signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        def _stop(self, sig: int, frame) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+    from octavo.engine.async_engine import AsyncEngine
+    from octavo.entrypoints.http import ServerState, build_app
+
+    if args.model_tag:
+        args.model = args.model_tag
+    for name in ("max_queued_requests", "max_queued_tokens", "max_request_bytes"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    config = EngineConfig.from_cli(args)
+    template = args.chat_template
+    if template and Path(template).is_file():
+        template = Path(template).read_text()
+    engine = AsyncEngine(config, args.max_queued_requests, args.max_queued_tokens)
+    state = ServerState(engine, args.served_model_name or [args.model],
+                        api_key=args.api_key or os.environ.get("OCTAVO_API_KEY") or None,
+                        chat_template=template, max_request_bytes=args.max_request_bytes)
+    app = build_app(state, args.allowed_origins)
+    server = _Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=logging.getLogger().level,
+        timeout_graceful_shutdown=args.shutdown_timeout, access_log=False))
+    exit_code = 0
+
+    def on_engine_death() -> None:
+        nonlocal exit_code
+        exit_code = 1
+        server.should_exit = True
+
+    state.on_engine_death = on_engine_death
+    logger.info("serving %s as %s on http://%s:%d", args.model,
+                ", ".join(state.served_model_names), args.host, args.port)
+    asyncio.run(server.serve())
+    return exit_code

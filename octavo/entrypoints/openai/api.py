@@ -1,0 +1,288 @@
+"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions,
+/tokenize, /detokenize."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from octavo.engine.processor import PreparedRequest
+from octavo.entrypoints.http import (
+    APIError, ServerState, check_model, state_of, unless_disconnected)
+from octavo.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
+from octavo.entrypoints.openai.protocol import (
+    UNSUPPORTED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
+from octavo.params import CompletionOutput, RequestOutput
+from octavo.serving.chat_template import render_chat
+
+router = APIRouter()
+
+
+def _refuse_unsupported(req) -> None:
+    bad = req.unsupported_fields()
+    if bad:
+        raise APIError(400, f"'{bad[0]}' is not supported yet ({UNSUPPORTED[bad[0]]})", bad[0])
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Collected:
+    """The deltas of one request merged back into complete outputs."""
+
+    def __init__(self) -> None:
+        self.text: dict[int, str] = {}
+        self.tokens: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list] = {}
+        self.last: dict[int, CompletionOutput] = {}
+        self.final: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        for c in out.outputs:
+            self.text[c.index] = self.text.get(c.index, "") + c.text
+            self.tokens.setdefault(c.index, []).extend(c.token_ids)
+            if c.logprobs is not None:
+                self.logprobs.setdefault(c.index, []).extend(c.logprobs)
+            self.last[c.index] = c
+        self.final = out
+
+
+async def _collect(stream: AsyncIterator[RequestOutput]) -> _Collected:
+    collected = _Collected()
+    async for out in stream:
+        collected.add(out)
+    return collected
+
+
+# -- models, tokenize --------------------------------------------------------------------------
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    state = state_of(request)
+    created = int(time.time())
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": created, "owned_by": "octavo",
+         "root": state.engine.config.model.model, "max_model_len": state.engine.max_model_len}
+        for name in state.served_model_names]}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    state = state_of(request)
+    check_model(state, body.model)
+    tok = state.engine.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
+    if body.messages is not None:
+        ids = render_chat(tok, [m.model_dump(exclude_none=True) for m in body.messages],
+                          state.chat_template, body.add_generation_prompt,
+                          template_kwargs=body.chat_template_kwargs)
+    else:
+        ids = tok(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+    return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    state = state_of(request)
+    check_model(state, body.model)
+    vocab = state.engine.processor.vocab_size
+    for t in body.tokens:
+        if not 0 <= t < vocab:
+            raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab})", "tokens")
+    return {"prompt": state.engine.tokenizer.decode(body.tokens)}
+
+
+# -- completions -------------------------------------------------------------------------------
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    state = state_of(request)
+    model = check_model(state, body.model)
+    _refuse_unsupported(body)
+    if body.logprobs is not None and body.logprobs < 0:
+        raise APIError(400, f"logprobs must be >= 0, got {body.logprobs}", "logprobs")
+    prompts = body.prompt
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    params = body.sampling_params(body.max_tokens, body.logprobs,
+                                  body.logprobs if body.echo and body.logprobs is not None
+                                  else None)
+    engine = state.engine
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    prepared = [engine.prepare(f"{rid}-{i}", p, params, body.priority)
+                for i, p in enumerate(prompts)]
+    created = int(time.time())
+    streams = engine.generate_all(prepared)
+    if body.stream:
+        return StreamingResponse(
+            _stream_completions(state, body, prepared, streams, rid, model, created),
+            media_type="text/event-stream")
+
+    async def run_all():
+        return await asyncio.gather(*(_collect(s) for s in streams))
+
+    results = await unless_disconnected(request, run_all())
+    choices, n_prompt, n_out, cached = [], 0, 0, 0
+    for i, (prep, col) in enumerate(zip(prepared, results)):
+        n_prompt += len(prep.prompt_token_ids)
+        cached += col.final.num_cached_tokens
+        for idx in sorted(col.text):
+            text, tokens, last = col.text[idx], col.tokens[idx], col.last[idx]
+            n_out += len(tokens)
+            lps = None
+            if body.echo:
+                text = (prep.prompt if prep.prompt is not None
+                        else engine.tokenizer.decode(prep.prompt_token_ids)) + text
+            if body.logprobs is not None:
+                positions = col.logprobs.get(idx, [])
+                ids = tokens
+                if body.echo:
+                    positions = (col.final.prompt_logprobs or []) + positions
+                    ids = prep.prompt_token_ids + tokens
+                lps = completion_logprobs(positions, ids, body.logprobs, engine.tokenizer)
+            choices.append({"index": i * body.n + idx, "text": text, "logprobs": lps,
+                            "finish_reason": last.finish_reason, "stop_reason": last.stop_reason})
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": _usage(n_prompt, n_out, cached)}
+
+
+async def _stream_completions(state: ServerState, body: CompletionRequest,
+                              prepared: list[PreparedRequest],
+                              streams: list[AsyncIterator[RequestOutput]], rid: str, model: str,
+                              created: int) -> AsyncIterator[str]:
+    engine = state.engine
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    n_prompt = sum(len(p.prompt_token_ids) for p in prepared)
+    n_out, cached = 0, 0
+    try:
+        for i, (prep, stream) in enumerate(zip(prepared, streams)):
+            offsets: dict[int, int] = {}
+            if body.echo:
+                text = prep.prompt if prep.prompt is not None else \
+                    engine.tokenizer.decode(prep.prompt_token_ids)
+                for idx in range(body.n):
+                    yield _sse({"id": rid, "object": "text_completion", "created": created,
+                                "model": model, "choices": [{
+                                    "index": i * body.n + idx, "text": text, "logprobs": None,
+                                    "finish_reason": None}]})
+            async for out in stream:
+                cached = max(cached, out.num_cached_tokens)
+                for c in out.outputs:
+                    if not c.text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    n_out += len(c.token_ids)
+                    lps = None
+                    if body.logprobs is not None:
+                        lps = completion_logprobs(c.logprobs or [], c.token_ids, body.logprobs,
+                                                  engine.tokenizer, offsets.get(c.index, 0))
+                    offsets[c.index] = offsets.get(c.index, 0) + len(c.text)
+                    chunk = {"id": rid, "object": "text_completion", "created": created,
+                             "model": model, "choices": [{
+                                 "index": i * body.n + c.index, "text": c.text, "logprobs": lps,
+                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield _sse(chunk)
+    finally:  # a client gone mid-stream also abandons the prompts not reached yet
+        for prep in prepared:
+            engine.abort(prep.request_id)
+    if include_usage:
+        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [], "usage": _usage(n_prompt, n_out, cached)})
+    yield "data: [DONE]\n\n"
+
+
+# -- chat --------------------------------------------------------------------------------------
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    state = state_of(request)
+    model = check_model(state, body.model)
+    _refuse_unsupported(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    engine = state.engine
+    ids = render_chat(engine.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages],
+                      body.chat_template or state.chat_template,
+                      body.add_generation_prompt and not body.continue_final_message,
+                      body.continue_final_message, body.chat_template_kwargs)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = body.sampling_params(max_tokens, logprobs)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    prepared = engine.prepare(rid, ids, params, body.priority)
+    created = int(time.time())
+    stream = engine.generate(prepared)
+    if body.stream:
+        return StreamingResponse(_stream_chat(body, prepared, stream, model, created),
+                                 media_type="text/event-stream")
+    col = await unless_disconnected(request, _collect(stream))
+    choices, n_out = [], 0
+    for idx in sorted(col.text):
+        last = col.last[idx]
+        n_out += len(col.tokens[idx])
+        lps = None
+        if body.logprobs:
+            lps = {"content": chat_logprobs(col.logprobs.get(idx, []), col.tokens[idx],
+                                            body.top_logprobs or 0)}
+        choices.append({"index": idx, "message": {"role": "assistant", "content": col.text[idx]},
+                        "logprobs": lps, "finish_reason": last.finish_reason,
+                        "stop_reason": last.stop_reason})
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices,
+            "usage": _usage(len(ids), n_out, col.final.num_cached_tokens)}
+
+
+async def _stream_chat(body: ChatCompletionRequest, prepared: PreparedRequest,
+                       stream: AsyncIterator[RequestOutput], model: str,
+                       created: int) -> AsyncIterator[str]:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    base = {"id": prepared.request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model}
+
+    def chunk(choices: list[dict]) -> str:
+        obj = {**base, "choices": choices}
+        if include_usage:
+            obj["usage"] = None
+        return _sse(obj)
+
+    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None} for i in range(body.n)])
+    n_out, cached = 0, 0
+    async for out in stream:
+        cached = out.num_cached_tokens
+        choices = []
+        for c in out.outputs:
+            if not c.text and not c.token_ids and c.finish_reason is None:
+                continue
+            n_out += len(c.token_ids)
+            lps = None
+            if body.logprobs:
+                lps = {"content": chat_logprobs(c.logprobs or [], c.token_ids,
+                                                body.top_logprobs or 0)}
+            delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+            choices.append({"index": c.index, "delta": delta, "logprobs": lps,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        if choices:
+            yield chunk(choices)
+    if include_usage:
+        yield _sse({**base, "choices": [],
+                    "usage": _usage(len(prepared.prompt_token_ids), n_out, cached)})
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,98 @@
+"""Prometheus metrics (prefix `octavo:`) and the periodic stats line.
+
+Request metrics are observed by the front end; scheduler gauges come from the core's stats,
+which travel with every step's outputs.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.prompt_tokens = Counter("octavo:prompt_tokens", "Prompt tokens computed",
+                                     registry=r)
+        self.generation_tokens = Counter("octavo:generation_tokens", "Generated tokens",
+                                         registry=r)
+        self.request_success = Counter("octavo:request_success", "Finished requests",
+                                       ["finished_reason"], registry=r)
+        self.rejections = Counter("octavo:requests_rejected",
+                                  "Requests refused by admission control (HTTP 429)", registry=r)
+        self.aborts = Counter("octavo:requests_aborted",
+                              "Requests aborted before they finished (client gone)", registry=r)
+        self.preemptions = Counter("octavo:num_preemptions", "Preempted requests", registry=r)
+        self.ttft = Histogram("octavo:time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("octavo:time_per_output_token_seconds",
+                              "Time per output token after the first", buckets=_TPOT_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("octavo:e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("octavo:request_queue_time_seconds",
+                                    "Time from arrival to first scheduling",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("octavo:num_requests_running", "Requests running", registry=r)
+        self.waiting = Gauge("octavo:num_requests_waiting", "Requests waiting", registry=r)
+        self.kv_usage = Gauge("octavo:kv_cache_usage_perc", "Fraction of KV blocks in use",
+                              registry=r)
+        self._preemptions_seen = 0
+        self._tokens_at_last_log = (0.0, 0.0)
+        self._last_log = time.monotonic()
+
+    def observe_stats(self, stats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        if stats.num_preemptions > self._preemptions_seen:
+            self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = stats.num_preemptions
+
+    def first_token(self, ttft: float, queue_time: float | None) -> None:
+        self.ttft.observe(ttft)
+        if queue_time is not None:
+            self.queue_time.observe(max(0.0, queue_time))
+
+    def tokens(self, prompt: int, generated: int) -> None:
+        """Counted as they are computed: prompts at their first output, tokens as they stream."""
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(generated)
+
+    def finished(self, reasons: list[str | None], output_tokens: int, e2e: float,
+                 decode_time: float | None) -> None:
+        for reason in reasons:
+            self.request_success.labels(finished_reason=reason or "abort").inc()
+        self.e2e.observe(e2e)
+        if decode_time is not None and output_tokens > len(reasons):
+            self.tpot.observe(decode_time / (output_tokens - len(reasons)))
+
+    def rejected(self) -> None:
+        self.rejections.inc()
+
+    def aborted(self) -> None:
+        self.aborts.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def stats_line(self) -> str | None:
+        """Throughput since the last call and the current gauges; None when idle throughout."""
+        now = time.monotonic()
+        prompt, gen = self.prompt_tokens._value.get(), self.generation_tokens._value.get()
+        last_prompt, last_gen = self._tokens_at_last_log
+        elapsed = max(now - self._last_log, 1e-9)
+        self._tokens_at_last_log, self._last_log = (prompt, gen), now
+        running, waiting = self.running._value.get(), self.waiting._value.get()
+        if prompt == last_prompt and gen == last_gen and not running and not waiting:
+            return None
+        return (f"prompt throughput {(prompt - last_prompt) / elapsed:.1f} tokens/s, "
+                f"generation throughput {(gen - last_gen) / elapsed:.1f} tokens/s, "
+                f"running {running:.0f}, waiting {waiting:.0f}, "
+                f"KV cache usage {100 * self.kv_usage._value.get():.1f}%")

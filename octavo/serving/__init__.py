@@ -1,0 +1,1 @@
+"""Protocol-neutral serving pieces: chat templates (later: tool-call and reasoning parsers)."""
