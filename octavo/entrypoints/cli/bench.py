@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from octavo.config import EngineConfig, add_engine_args
+from octavo.entrypoints.cli import bench_serve
 
 
 @dataclass
@@ -49,6 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--json", default=None, help="write the results to this file")
     add_engine_args(t)
     t.set_defaults(run=run_throughput)
+    bench_serve.register(kinds)
 
 
 def _prompts(args: argparse.Namespace, vocab_size: int, special: set[int]) -> list[list[int]]:

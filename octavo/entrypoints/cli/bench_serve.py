@@ -1,0 +1,145 @@
+"""`octavo bench serve`: streaming clients against a running OpenAI-compatible server.
+
+Requests arrive all at once or as a Poisson process (`--request-rate`), at most
+`--max-concurrency` in flight; each streams a completion of `--output-len` tokens for a prompt of
+`--input-len` random token ids. Reports TTFT, TPOT, ITL and end-to-end latency percentiles and
+output throughput.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Timing:
+    ok: bool = False
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def register(kinds: argparse._SubParsersAction) -> None:
+    s = kinds.add_parser("serve", help="streaming clients against a running server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--model", default=None, help="model name to send (default: the first served)")
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--num-prompts", type=int, default=32)
+    s.add_argument("--input-len", type=int, default=128)
+    s.add_argument("--output-len", type=int, default=64)
+    s.add_argument("--vocab-size", type=int, default=49152,
+                   help="random prompt ids are drawn below this")
+    s.add_argument("--max-concurrency", type=int, default=None)
+    s.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s of a Poisson arrival process (inf = all at once)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", default=None)
+    s.set_defaults(run=run)
+
+
+async def _one(client, model: str | None, prompt: list[int], output_len: int) -> Timing:
+    t = Timing()
+    start = time.perf_counter()
+    last, chunks = start, 0
+    body = {"prompt": prompt, "max_tokens": output_len, "stream": True, "ignore_eos": True,
+            "temperature": 0, "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                t.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return t
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                if obj.get("usage"):
+                    t.output_tokens = obj["usage"]["completion_tokens"]
+                if not obj["choices"] or not obj["choices"][0]["text"]:
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    t.ttft = now - start
+                else:
+                    t.itl.append(now - last)
+                last = now
+                chunks += 1
+    except Exception as exc:  # a failed request is counted, not fatal
+        t.error = f"{type(exc).__name__}: {exc}"
+        return t
+    t.e2e = time.perf_counter() - start
+    t.ok = True
+    return t
+
+
+async def _run(args: argparse.Namespace) -> dict:
+    import httpx
+
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(100, args.vocab_size - 100, args.input_len).tolist()
+               for _ in range(args.num_prompts)]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
+    arrivals = random.Random(args.seed)
+
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=3600) as c:
+        async def gated(p):
+            async with limit:
+                return await _one(c, args.model, p, args.output_len)
+
+        tasks = []
+        start = time.perf_counter()
+        for p in prompts:
+            tasks.append(asyncio.create_task(gated(p)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(arrivals.expovariate(args.request_rate))
+        timings = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    ok = [t for t in timings if t.ok]
+
+    def pct(values: list[float]) -> dict:
+        if not values:
+            return {}
+        a = np.array(values) * 1000
+        return {"mean_ms": round(float(a.mean()), 2), "p50_ms": round(float(np.percentile(a, 50)), 2),
+                "p90_ms": round(float(np.percentile(a, 90)), 2),
+                "p99_ms": round(float(np.percentile(a, 99)), 2)}
+
+    tpot = [(t.e2e - t.ttft) / (t.output_tokens - 1) for t in ok if t.output_tokens > 1]
+    out_tokens = sum(t.output_tokens for t in ok)
+    return {"num_prompts": args.num_prompts, "completed": len(ok),
+            "failed": len(timings) - len(ok), "errors": sorted({t.error for t in timings
+                                                                if t.error})[:5],
+            "duration_s": round(duration, 3),
+            "output_tokens_per_s": round(out_tokens / duration, 2),
+            "requests_per_s": round(len(ok) / duration, 3),
+            "ttft": pct([t.ttft for t in ok]), "tpot": pct(tpot),
+            "itl": pct([x for t in ok for x in t.itl]), "e2e": pct([t.e2e for t in ok])}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    report = asyncio.run(_run(args))
+    print(f"completed {report['completed']}/{report['num_prompts']} in {report['duration_s']} s: "
+          f"{report['output_tokens_per_s']} output tokens/s")
+    for key in ("ttft", "tpot", "itl", "e2e"):
+        if report[key]:
+            r = report[key]
+            print(f"  {key:>4}: mean {r['mean_ms']} ms, p50 {r['p50_ms']}, p90 {r['p90_ms']}, "
+                  f"p99 {r['p99_ms']}")
+    if report["errors"]:
+        print("  errors:", "; ".join(report["errors"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["failed"] == 0 else 1

@@ -1,0 +1,21 @@
+"""`octavo bench serve` against the test server."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.e2e.conftest import API_KEY
+
+
+def test_bench_serve_reports_latencies(server, tmp_path):
+    out = tmp_path / "serve.json"
+    done = subprocess.run([sys.executable, "-m", "octavo.entrypoints.cli.main", "bench", "serve",
+                           "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "4",
+                           "--input-len", "16", "--output-len", "8", "--max-concurrency", "2",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["completed"] == 4 and report["failed"] == 0
+    assert report["output_tokens_per_s"] > 0
+    assert report["ttft"]["p50_ms"] > 0 and report["tpot"]["p50_ms"] > 0
