@@ -102,7 +102,7 @@ def test_disconnects_abort_without_disturbing_others(server):
     for t in quitters + threads:
         t.join(300)
     assert results == [(200, "length")] * 4
-    assert _idle_within(server.url, 3.0)
+    assert _idle_within(server.url, 1.0)
     assert metric(server.url, "octavo:requests_aborted_total") - before_aborts == 4
 
 
