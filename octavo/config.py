@@ -40,6 +40,8 @@ class CacheConfig:
     block_size: int = field(default=16, metadata=_opt("tokens per KV-cache block"))
     kv_cache_memory: int = field(default=1 << 30, metadata=_opt(
         "bytes of memory for the KV cache (all layers), allocated once at start-up"))
+    enable_prefix_caching: bool = field(default=True, metadata=_opt(
+        "reuse the KV blocks of prompt prefixes computed before"))
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

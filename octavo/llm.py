@@ -67,6 +67,10 @@ class LLM:
         return render_chat(self.tokenizer, conversation, chat_template, add_generation_prompt,
                            template_kwargs=chat_template_kwargs)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block. Refused (returns False) while requests run."""
+        return self.engine.client.reset_prefix_cache()
+
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], priority: list[int],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

@@ -29,6 +29,10 @@ class EngineMetrics:
         self.aborts = Counter("octavo:requests_aborted",
                               "Requests aborted before they finished (client gone)", registry=r)
         self.preemptions = Counter("octavo:num_preemptions", "Preempted requests", registry=r)
+        self.prefix_queries = Counter("octavo:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("octavo:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache", registry=r)
         self.ttft = Histogram("octavo:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("octavo:time_per_output_token_seconds",
@@ -44,6 +48,8 @@ class EngineMetrics:
         self.kv_usage = Gauge("octavo:kv_cache_usage_perc", "Fraction of KV blocks in use",
                               registry=r)
         self._preemptions_seen = 0
+        self._prefix_seen = (0, 0)
+        self._prefix_at_last_log = (0, 0)
         self._tokens_at_last_log = (0.0, 0.0)
         self._last_log = time.monotonic()
 
@@ -54,6 +60,12 @@ class EngineMetrics:
         if stats.num_preemptions > self._preemptions_seen:
             self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions
+        # The core's counters are cumulative; Prometheus counters take the increments.
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        if queries > self._prefix_seen[0]:
+            self.prefix_queries.inc(queries - self._prefix_seen[0])
+            self.prefix_hits.inc(hits - self._prefix_seen[1])
+            self._prefix_seen = (queries, hits)
 
     def first_token(self, ttft: float, queue_time: float | None) -> None:
         self.ttft.observe(ttft)
@@ -92,7 +104,12 @@ class EngineMetrics:
         running, waiting = self.running._value.get(), self.waiting._value.get()
         if prompt == last_prompt and gen == last_gen and not running and not waiting:
             return None
+        queries, hits = self._prefix_seen
+        dq, dh = queries - self._prefix_at_last_log[0], hits - self._prefix_at_last_log[1]
+        self._prefix_at_last_log = (queries, hits)
+        hit_rate = f"{100 * dh / dq:.1f}%" if dq else "n/a"
         return (f"prompt throughput {(prompt - last_prompt) / elapsed:.1f} tokens/s, "
                 f"generation throughput {(gen - last_gen) / elapsed:.1f} tokens/s, "
                 f"running {running:.0f}, waiting {waiting:.0f}, "
-                f"KV cache usage {100 * self.kv_usage._value.get():.1f}%")
+                f"KV cache usage {100 * self.kv_usage._value.get():.1f}%, "
+                f"prefix cache hit rate {hit_rate}")

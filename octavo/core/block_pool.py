@@ -1,21 +1,29 @@
-"""The pool of KV-cache blocks: ids, reference counts and the queue of free blocks."""
+"""The pool of KV-cache blocks: ids, reference counts, the hash → block map of cached full blocks,
+and the LRU queue of free blocks.
+
+A free block (reference count 0) that holds a cached full block keeps its hash and stays findable
+until the queue hands it out again: only then is it evicted. The queue gives out the least
+recently freed block first.
+"""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from octavo.core.hashing import BlockHash
 
 
 class BlockPool:
-    """Hands out block ids. A block is free when its reference count is 0.
-
-    Free blocks wait in a FIFO queue so that the least recently freed block is reused first.
-    """
-
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -24,19 +32,69 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
+    def is_free(self, block: int) -> bool:
+        return block in self._free
+
     def allocate(self, count: int) -> list[int]:
+        """Hand out `count` blocks from the front of the free queue, evicting cached content."""
         if count > len(self._free):
             raise RuntimeError(f"asked for {count} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
-        for b in blocks:
+        blocks = []
+        for _ in range(count):
+            b, _ = self._free.popitem(last=False)
+            self._evict(b)
             self.ref_counts[b] = 1
+            blocks.append(b)
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
-        """Drop one reference of each block; those left unreferenced go back to the queue."""
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference of each block; those left unreferenced join the queue's tail."""
         for b in blocks:
             if self.ref_counts[b] <= 0:
                 raise RuntimeError(f"block {b} freed twice")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+
+    # -- prefix cache ----------------------------------------------------------------------------
+
+    def lookup(self, block_hash: BlockHash, tokens: Sequence[int]) -> int | None:
+        """The cached block holding exactly `tokens` under `block_hash`, if any."""
+        b = self.cached.get(block_hash)
+        if b is None or self.block_tokens[b] != tuple(tokens):
+            return None
+        return b
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Take a reference on cached blocks a request reuses (out of the free queue if idle)."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self._free[b]
+            self.ref_counts[b] += 1
+
+    def cache(self, block: int, block_hash: BlockHash, tokens: Sequence[int]) -> None:
+        """Register a full, referenced block under its hash (first writer wins)."""
+        if self.block_hash[block] is not None or block_hash in self.cached:
+            return
+        self.block_hash[block] = block_hash
+        self.block_tokens[block] = tuple(tokens)
+        self.cached[block_hash] = block
+
+    def _evict(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self.block_hash[block] = None
+            self.block_tokens[block] = None
+            self.num_evictions += 1
+
+    def reset_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is in use."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for b in range(self.num_blocks):
+            self.block_hash[b] = None
+            self.block_tokens[b] = None
+        self.cached.clear()
+        return True

@@ -28,8 +28,8 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens; max concurrency at %d tokens per request: "
                     "%.2fx", num_blocks, block_size, max_model_len,
                     num_blocks / cdiv(max_model_len, block_size))
-        self.scheduler = Scheduler(config.scheduler, KVCacheManager(num_blocks, block_size),
-                                   max_model_len)
+        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, kv, max_model_len)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -47,6 +47,12 @@ class EngineCore:
             return []  # nothing to run and nothing for the workers to drop
         out = self.executor.execute(sched)
         return self.scheduler.update_from_output(sched, out)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache; refused (False) while any request is unfinished."""
+        if self.scheduler.has_unfinished_requests():
+            return False
+        return self.scheduler.kv.reset_prefix_cache()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -1,7 +1,9 @@
-"""Per-request block tables on top of the block pool."""
+"""Per-request block tables on top of the block pool: cached-prefix lookup, allocation, caching of
+full blocks, freeing, and the accounting of hits and unused slots."""
 from __future__ import annotations
 
 from octavo.core.block_pool import BlockPool
+from octavo.core.hashing import extend_block_hashes
 from octavo.core.request import Request
 
 
@@ -10,37 +12,97 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self._num_cached: dict[str, int] = {}  # leading blocks of a table already in the cache
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of those, found in the cache
+        self.slots_allocated = 0  # over finished tables: slots they held ...
+        self.slots_unwritten = 0  # ... and how many of those were never written
 
     def blocks_of(self, req_id: str) -> list[int]:
         return self.block_tables.get(req_id, [])
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Make room for `num_new_tokens` more computed tokens of `request`.
+    def _update_hashes(self, request: Request) -> None:
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                                request.cache_extra_keys())
 
-        Returns the newly added block ids (possibly none), or None when the pool is too small
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The cached blocks holding the longest prefix of `request` and the tokens they cover.
+        At least one token is always left to compute; requests asking for prompt logprobs get no
+        hits (they need the logits of every prompt position)."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        self._update_hashes(request)
+        bs = self.block_size
+        usable = min((request.num_tokens - 1) // bs, len(request.block_hashes))
+        hits: list[int] = []
+        if usable:
+            tokens = request.all_token_ids
+            for i in range(usable):
+                b = self.pool.lookup(request.block_hashes[i], tokens[i * bs:(i + 1) * bs])
+                if b is None:
+                    break
+                hits.append(b)
+        return hits, len(hits) * bs
+
+    def record_lookup(self, num_tokens: int, num_hit: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       hit_blocks: list[int] | None = None) -> list[int] | None:
+        """Make room for `num_new_tokens` more computed tokens of `request`, after reusing
+        `hit_blocks` (from get_computed_blocks) as its leading blocks.
+
+        Returns the newly allocated block ids (possibly none), or None when the pool is too small
         right now; then nothing changes.
         """
-        table = self.block_tables.setdefault(request.req_id, [])
-        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(table)
-        if needed <= 0:
-            return []
-        if needed > self.pool.num_free_blocks:
-            if not table:
-                del self.block_tables[request.req_id]
+        hits = hit_blocks or []
+        table = self.block_tables.get(request.req_id, [])
+        computed = request.num_computed_tokens + len(hits) * self.block_size
+        needed = cdiv(computed + num_new_tokens, self.block_size) - len(table) - len(hits)
+        idle_hits = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
+        if needed > self.pool.num_free_blocks - idle_hits:
             return None
-        new = self.pool.allocate(needed)
+        table = self.block_tables.setdefault(request.req_id, table)
+        if hits:
+            self.pool.touch(hits)  # before allocating, so the hits cannot be evicted
+            table.extend(hits)
+        new = self.pool.allocate(max(needed, 0))
         table.extend(new)
+        if self.enable_caching:
+            self._cache_full_blocks(request, table, computed + num_new_tokens)
         return new
+
+    def _cache_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
+        self._update_hashes(request)
+        start = self._num_cached.get(request.req_id, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        if end <= start:
+            return
+        bs = self.block_size
+        tokens = request.all_token_ids
+        for i in range(start, end):
+            self.pool.cache(table[i], request.block_hashes[i], tokens[i * bs:(i + 1) * bs])
+        self._num_cached[request.req_id] = end
 
     def free(self, request: Request) -> None:
         table = self.block_tables.pop(request.req_id, None)
+        self._num_cached.pop(request.req_id, None)
         if table:
-            # Reverse order: the tail of a sequence is the least useful to keep around.
+            slots = len(table) * self.block_size
+            self.slots_allocated += slots
+            self.slots_unwritten += max(0, slots - request.num_computed_tokens)
+            # Reverse order: the tail of a sequence is the least useful to keep cached.
             self.pool.free(table[::-1])
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_cache()
 
     def usage(self) -> float:
         return self.pool.usage()

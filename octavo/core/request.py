@@ -55,6 +55,9 @@ class Request:
     arrival_time: float = 0.0  # wall clock, set by the front end
     first_scheduled_time: float | None = None  # wall clock, when it first left the waiting queue
     first_output_sent: bool = False
+    cache_salt: str | None = None  # requests with different salts never share cached blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # of each full block, chained
+    num_cached_tokens: int | None = None  # prefix-cache hit when first scheduled
     stop_reason: int | str | None = None
 
     @property
@@ -68,6 +71,9 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def cache_extra_keys(self) -> tuple[object, ...]:
+        return ("salt", self.cache_salt) if self.cache_salt is not None else ()
 
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival_seq)

@@ -39,6 +39,11 @@ class SchedulerStats:
     num_waiting: int
     kv_cache_usage: float
     num_preemptions: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # of those, found cached
+    kv_slots_allocated: int = 0  # slots held by finished block tables (cumulative)
+    kv_slots_unwritten: int = 0  # of those, never written
+    peak_running: int = 0
 
 
 class Scheduler:
@@ -53,6 +58,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._arrivals = 0
         self.num_preemptions = 0
+        self.peak_running = 0
 
     # -- requests in and out ---------------------------------------------------------------------
 
@@ -84,8 +90,10 @@ class Scheduler:
         return bool(self.requests)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
-                              self.num_preemptions)
+        kv = self.kv
+        return SchedulerStats(len(self.running), len(self.waiting), kv.usage(),
+                              self.num_preemptions, kv.prefix_queries, kv.prefix_hits,
+                              kv.slots_allocated, kv.slots_unwritten, self.peak_running)
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -119,14 +127,20 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.kv.allocate_slots(req, num_new) is None:
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(req, num_new, hits) is None:
                 break
+            self.kv.record_lookup(req.num_tokens, num_hit)
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = num_hit
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
             bisect.insort(self.running, req, key=Request.sort_key)
+            self.peak_running = max(self.peak_running, len(self.running))
             new_reqs.append(NewRequestData(
                 req.req_id, req.all_token_ids, req.num_prompt_tokens, req.sampling_params,
                 list(self.kv.blocks_of(req.req_id)), req.num_computed_tokens))
@@ -170,6 +184,7 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 req_id, new_tokens, status.finish_reason if status else None,
                 req.stop_reason, out.logprobs.get(req_id), prompt_lp,
+                num_cached_tokens=req.num_cached_tokens or 0,
                 first_scheduled_time=None if req.first_output_sent else req.first_scheduled_time))
             req.first_output_sent = True
         return outputs

@@ -198,9 +198,9 @@ class AsyncEngine:
         return f"{prefix}-{next(self._ids)}-{os.getpid()}"
 
     def prepare(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                priority: int = 0) -> PreparedRequest:
+                priority: int = 0, cache_salt: str | None = None) -> PreparedRequest:
         """Validate and tokenize (raises ValueError on bad input)."""
-        return self.processor.build(request_id, prompt, params, priority)
+        return self.processor.build(request_id, prompt, params, priority, cache_salt)
 
     def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Admit the request (or raise QueueFullError / EngineDeadError now, before any

@@ -28,6 +28,9 @@ class InprocClient:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
     def stats(self) -> SchedulerStats:
         return self.core.stats()
 

@@ -25,7 +25,7 @@ IDLE_POLL_MS = 1000
 
 
 class EngineCoreProcess:
-    UTILITIES = ("stats",)
+    UTILITIES = ("stats", "reset_prefix_cache")
 
     def __init__(self, core: EngineCore, input_addr: str, output_addr: str) -> None:
         self.core = core
@@ -66,6 +66,8 @@ class EngineCoreProcess:
             try:
                 if msg.method == "stats":
                     result = self.core.stats()
+                elif msg.method == "reset_prefix_cache":
+                    result = self.core.reset_prefix_cache()
                 else:
                     error = f"unknown utility {msg.method!r}"
             except Exception as exc:  # reported to the caller, the loop goes on

@@ -62,11 +62,11 @@ class LLMEngine:
         return str(next(self._ids))
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                    priority: int = 0) -> None:
+                    priority: int = 0, cache_salt: str | None = None) -> None:
         """Validate, tokenize and queue one request (n > 1 fans out into n core requests)."""
         if request_id in self.outputs.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prepared = self.processor.build(request_id, prompt, params, priority)
+        prepared = self.processor.build(request_id, prompt, params, priority, cache_salt)
         self.outputs.add_request(prepared)
         for req in prepared.core_requests:
             self.client.add_request(req)

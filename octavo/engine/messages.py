@@ -24,13 +24,15 @@ class AddRequest(msgspec.Struct, tag=True):
     max_tokens: int
     priority: int
     arrival_time: float
+    cache_salt: str | None = None
 
     @classmethod
     def of(cls, req: Request, arrival_time: float) -> AddRequest:
         p = req.sampling_params
         return cls(req.req_id, req.prompt_token_ids,
                    {f.name: getattr(p, f.name) for f in fields(p) if f.init},
-                   sorted(req.eos_token_ids), req.max_tokens, req.priority, arrival_time)
+                   sorted(req.eos_token_ids), req.max_tokens, req.priority, arrival_time,
+                   req.cache_salt)
 
     def to_request(self) -> Request:
         params = dict(self.params)
@@ -38,7 +40,7 @@ class AddRequest(msgspec.Struct, tag=True):
             params["logit_bias"] = {int(k): v for k, v in params["logit_bias"].items()}
         return Request(self.req_id, self.prompt_token_ids, SamplingParams(**params),
                        frozenset(self.eos_token_ids), self.max_tokens, priority=self.priority,
-                       arrival_time=self.arrival_time)
+                       arrival_time=self.arrival_time, cache_salt=self.cache_salt)
 
 
 class AbortRequests(msgspec.Struct, tag=True):

@@ -67,16 +67,18 @@ class Processor:
         return SamplingParams(**fields)
 
     def build(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-              priority: int = 0) -> PreparedRequest:
+              priority: int = 0, cache_salt: str | None = None) -> PreparedRequest:
         """Validate and tokenize; fan n > 1 out into n core requests with distinct seeds."""
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string")
         text, prompt_ids = self.tokenize(prompt)
         max_tokens = self.validate(prompt_ids, params)
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         now = time.time()
         reqs = [Request(cid, prompt_ids, self.child_params(params, i), self.eos_token_ids,
-                        max_tokens, priority=priority, arrival_time=now)
+                        max_tokens, priority=priority, arrival_time=now, cache_salt=cache_salt)
                 for i, cid in enumerate(ids)]
         return PreparedRequest(request_id, text, prompt_ids, params, reqs)
 

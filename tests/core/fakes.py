@@ -33,12 +33,13 @@ def make_request(req_id: str, prompt_len: int, max_tokens: int = 16, priority: i
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 64, max_model_len: int | None = None) -> Scheduler:
+                   max_num_batched_tokens: int = 64, max_model_len: int | None = None,
+                   enable_caching: bool = False) -> Scheduler:
     if max_model_len is None:
         max_model_len = num_blocks * block_size
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=max_num_batched_tokens),
-                     KVCacheManager(num_blocks, block_size), max_model_len)
+                     KVCacheManager(num_blocks, block_size, enable_caching), max_model_len)
 
 
 # (req_id, output index) -> token id

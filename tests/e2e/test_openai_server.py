@@ -189,3 +189,25 @@ def test_sse_wire_format(server):
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[0][6:])["object"] == "chat.completion.chunk"
+
+
+def test_prefix_cache_reported_in_usage_and_metrics(server, client):
+    prefix = "You are a meticulous assistant. " * 120  # ~840 tokens, shared
+    first = client.completions.create(model=SERVED_NAME, prompt=prefix + "Question one?",
+                                      max_tokens=2)
+    second = client.completions.create(model=SERVED_NAME, prompt=prefix + "Question two?",
+                                       max_tokens=2)
+    hit = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert hit % 16 == 0 and hit >= second.usage.prompt_tokens - 20  # only the suffix computed
+    from tests.e2e.conftest import metric
+    assert metric(server.url, "octavo:prefix_cache_hits_total") >= hit
+    assert metric(server.url, "octavo:prefix_cache_queries_total") >= \
+        first.usage.prompt_tokens + second.usage.prompt_tokens
+    salted = client.completions.create(model=SERVED_NAME, prompt=prefix + "Question two?",
+                                       max_tokens=2, extra_body={"cache_salt": "tenant-b"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert _post(server, "/reset_prefix_cache", {}).status_code == 200
+    third = client.completions.create(model=SERVED_NAME, prompt=prefix + "Question two?",
+                                      max_tokens=2)
+    assert third.usage.prompt_tokens_details.cached_tokens == 0

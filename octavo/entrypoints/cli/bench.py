@@ -1,8 +1,10 @@
-"""`octavo bench throughput`: offline throughput of octavo, optionally beside transformers.
+"""`octavo bench throughput`: offline throughput of octavo, optionally beside other backends.
 
-Each backend runs the same prompts (random token ids, or a fixed-length synthetic dataset) for
-`--repeats` timed runs after one warm-up; the median is reported, and with several backends the
-ratio to the first one.
+Every backend runs the same prompts for `--repeats` timed runs after one warm-up, interleaved so
+that drift hits all alike; medians are reported, with ratios to the first backend. Backends:
+`octavo`, `octavo-no-prefix-cache` (the same engine with prefix caching off) and `transformers`
+(batched `generate`). Datasets: `random` (seeded token ids, fixed lengths) and `prefix` (one
+shared `--prefix-len` system prompt + distinct `--input-len` suffixes).
 """
 from __future__ import annotations
 
@@ -10,28 +12,46 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from octavo.config import EngineConfig, add_engine_args
 from octavo.entrypoints.cli import bench_serve
 
+BACKENDS = ("octavo", "octavo-no-prefix-cache", "transformers")
+
+
+@dataclass
+class Run:
+    seconds: float
+    output_tokens: int
+    ttft: list[float] = field(default_factory=list)  # per request, octavo backends only
+
 
 @dataclass
 class Result:
     backend: str
-    seconds: float
+    runs: list[Run]
     num_requests: int
     prompt_tokens: int
-    output_tokens: int
+    kv: dict | None = None
 
     def row(self) -> dict:
-        return {"backend": self.backend, "seconds": round(self.seconds, 3),
-                "requests_per_s": round(self.num_requests / self.seconds, 3),
-                "output_tokens_per_s": round(self.output_tokens / self.seconds, 2),
-                "total_tokens_per_s": round((self.prompt_tokens + self.output_tokens)
-                                            / self.seconds, 2)}
+        secs = statistics.median(r.seconds for r in self.runs)
+        out = self.runs[0].output_tokens
+        row = {"backend": self.backend, "seconds": round(secs, 3),
+               "requests_per_s": round(self.num_requests / secs, 3),
+               "output_tokens_per_s": round(out / secs, 2),
+               "total_tokens_per_s": round((self.prompt_tokens + out) / secs, 2)}
+        if self.runs[0].ttft:
+            row["ttft_mean_s"] = round(statistics.median(
+                statistics.fmean(r.ttft) for r in self.runs), 4)
+            row["ttft_p50_s"] = round(statistics.median(
+                statistics.median(r.ttft) for r in self.runs), 4)
+        if self.kv:
+            row.update(self.kv)
+        return row
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,12 +59,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     kinds = b.add_subparsers(dest="kind", required=True)
     t = kinds.add_parser("throughput", help="offline throughput")
     t.add_argument("--num-prompts", type=int, default=64)
-    t.add_argument("--input-len", type=int, default=256)
+    t.add_argument("--input-len", type=int, default=256,
+                   help="prompt tokens (with --dataset prefix: the distinct suffix)")
     t.add_argument("--output-len", type=int, default=128)
-    t.add_argument("--dataset", choices=["random"], default="random",
-                   help="random: token ids drawn uniformly (seeded), fixed lengths")
+    t.add_argument("--dataset", choices=["random", "prefix"], default="random")
+    t.add_argument("--prefix-len", type=int, default=1024, help="shared prefix of --dataset prefix")
     t.add_argument("--backends", default="octavo",
-                   help="comma-separated: octavo, transformers (run side by side, same prompts)")
+                   help=f"comma-separated, run side by side on the same prompts: "
+                        f"{', '.join(BACKENDS)}")
     t.add_argument("--hf-batch-size", type=int, default=16, help="batch size of transformers")
     t.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     t.add_argument("--json", default=None, help="write the results to this file")
@@ -56,20 +78,36 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _prompts(args: argparse.Namespace, vocab_size: int, special: set[int]) -> list[list[int]]:
     rng = np.random.default_rng(0)
     allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special, int, len(special)))
-    return [rng.choice(allowed, args.input_len).tolist() for _ in range(args.num_prompts)]
+    prefix = rng.choice(allowed, args.prefix_len).tolist() if args.dataset == "prefix" else []
+    return [prefix + rng.choice(allowed, args.input_len).tolist()
+            for _ in range(args.num_prompts)]
 
 
-def _time_octavo(llm, prompts, output_len: int) -> tuple[float, int]:
+def _time_octavo(llm, prompts, output_len: int) -> Run:
     from octavo.params import SamplingParams
 
+    engine = llm.engine
+    llm.reset_prefix_cache()  # every run starts cold: the same work each time
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+    pending = {}
+    for p in prompts:
+        rid = engine.next_request_id()
+        engine.add_request(rid, p, params)
+        pending[rid] = None
+    first: dict[str, float] = {}
+    produced = 0
+    while pending:
+        for out in engine.step():
+            if out.request_id not in first and out.outputs[0].token_ids:
+                first[out.request_id] = time.perf_counter() - start
+            if out.finished:
+                produced += len(out.outputs[0].token_ids)
+                pending.pop(out.request_id, None)
+    return Run(time.perf_counter() - start, produced, list(first.values()))
 
 
-def _time_transformers(model, prompts, output_len: int, batch_size: int) -> tuple[float, int]:
+def _time_transformers(model, prompts, output_len: int, batch_size: int) -> Run:
     import torch
 
     produced = 0
@@ -81,7 +119,7 @@ def _time_transformers(model, prompts, output_len: int, batch_size: int) -> tupl
                                  max_new_tokens=output_len, min_new_tokens=output_len,
                                  pad_token_id=0)
             produced += (out.shape[1] - batch.shape[1]) * batch.shape[0]
-    return time.perf_counter() - start, produced
+    return Run(time.perf_counter() - start, produced)
 
 
 def _load_transformers(llm):
@@ -97,7 +135,14 @@ def _load_transformers(llm):
                                                      dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
-    return model.eval().to(torch.device("cpu"))
+    return model.eval()
+
+
+def _kv_accounting(llm) -> dict:
+    """KV slots held by finished requests but never written, and the peak concurrency."""
+    s = llm.engine.client.stats()
+    waste = s.kv_slots_unwritten / s.kv_slots_allocated if s.kv_slots_allocated else 0.0
+    return {"kv_unwritten_fraction": round(waste, 4), "peak_running_requests": s.peak_running}
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -105,44 +150,60 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
-        if b not in ("octavo", "transformers"):
-            raise ValueError(f"--backends: unknown backend {b!r}")
+        if b not in BACKENDS:
+            raise ValueError(f"--backends: unknown backend {b!r}; known: {', '.join(BACKENDS)}")
     if args.repeats < 1 or args.num_prompts < 1:
         raise ValueError("--repeats and --num-prompts must be >= 1")
-    llm = LLM.from_config(EngineConfig.from_cli(args))
-    tok = llm.tokenizer
-    prompts = _prompts(args, llm.engine.arch.vocab_size, set(tok.all_special_ids))
+    config = EngineConfig.from_cli(args)
+    llm = LLM.from_config(config)
+    prompts = _prompts(args, llm.engine.arch.vocab_size, set(llm.tokenizer.all_special_ids))
+    engines = {"octavo": llm}
     runners = {}
-    if "octavo" in backends:
-        runners["octavo"] = lambda ps: _time_octavo(llm, ps, args.output_len)
-    if "transformers" in backends:
-        hf = _load_transformers(llm)
-        runners["transformers"] = lambda ps: _time_transformers(hf, ps, args.output_len,
-                                                                args.hf_batch_size)
-    timings: dict[str, list[float]] = {b: [] for b in backends}
-    produced: dict[str, int] = {}
+    for b in backends:
+        if b == "octavo-no-prefix-cache":
+            engines[b] = LLM.from_config(config.replace(enable_prefix_caching=False))
+        if b.startswith("octavo"):
+            runners[b] = (lambda e: lambda ps: _time_octavo(e, ps, args.output_len))(engines[b])
+        else:
+            hf = _load_transformers(llm)
+            runners[b] = lambda ps: _time_transformers(hf, ps, args.output_len,
+                                                       args.hf_batch_size)
+    runs: dict[str, list[Run]] = {b: [] for b in backends}
     for b in backends:  # warm-up
         runners[b](prompts[:2])
-    for _ in range(args.repeats):  # interleaved, so drift hits every backend alike
+    for _ in range(args.repeats):
         for b in backends:
-            seconds, produced[b] = runners[b](prompts)
-            timings[b].append(seconds)
-    results = [Result(b, statistics.median(timings[b]), len(prompts),
-                      args.input_len * len(prompts), produced[b]) for b in backends]
-    report = {"num_prompts": args.num_prompts, "input_len": args.input_len,
-              "output_len": args.output_len, "repeats": args.repeats,
-              "runs_seconds": timings, "results": [r.row() for r in results]}
+            runs[b].append(runners[b](prompts))
+    n_prompt = sum(len(p) for p in prompts)
+    results = [Result(b, runs[b], len(prompts), n_prompt,
+                      _kv_accounting(engines[b]) if b in engines else None) for b in backends]
+    report = {"dataset": args.dataset, "num_prompts": args.num_prompts,
+              "input_len": args.input_len, "output_len": args.output_len,
+              "prefix_len": args.prefix_len if args.dataset == "prefix" else 0,
+              "repeats": args.repeats,
+              "runs_seconds": {b: [round(r.seconds, 3) for r in runs[b]] for b in backends},
+              "results": [r.row() for r in results]}
     for r in results:
         row = r.row()
-        print(f"{r.backend:>12}: {row['requests_per_s']:.2f} requests/s, "
-              f"{row['output_tokens_per_s']:.1f} output tokens/s, "
-              f"{row['total_tokens_per_s']:.1f} total tokens/s (median of {args.repeats})")
-    if len(results) > 1:
-        base = results[0]
-        for r in results[1:]:
-            ratio = r.seconds / base.seconds
-            report[f"{base.backend}_speedup_over_{r.backend}"] = round(ratio, 3)
-            print(f"{base.backend} is {ratio:.2f}x the throughput of {r.backend}")
+        line = (f"{r.backend:>24}: {row['requests_per_s']:.2f} requests/s, "
+                f"{row['output_tokens_per_s']:.1f} output tokens/s, "
+                f"{row['total_tokens_per_s']:.1f} total tokens/s")
+        if "ttft_mean_s" in row:
+            line += f", TTFT mean {row['ttft_mean_s']:.3f} s"
+        if "kv_unwritten_fraction" in row:
+            line += (f", KV slots never written {100 * row['kv_unwritten_fraction']:.2f}%, "
+                     f"peak {row['peak_running_requests']} running")
+        print(line + f" (median of {args.repeats})")
+    base = results[0].row()
+    for r in results[1:]:
+        row = r.row()
+        report[f"{results[0].backend}_speedup_over_{r.backend}"] = round(
+            row["seconds"] / base["seconds"], 3)
+        msg = f"{results[0].backend} is {row['seconds'] / base['seconds']:.2f}x the throughput " \
+              f"of {r.backend}"
+        if "ttft_mean_s" in row and "ttft_mean_s" in base:
+            msg += f"; TTFT {row['ttft_mean_s'] / base['ttft_mean_s']:.2f}x lower"
+        print(msg)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

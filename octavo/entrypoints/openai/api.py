@@ -125,7 +125,7 @@ async def completions(body: CompletionRequest, request: Request):
                                   else None)
     engine = state.engine
     rid = f"cmpl-{uuid.uuid4().hex}"
-    prepared = [engine.prepare(f"{rid}-{i}", p, params, body.priority)
+    prepared = [engine.prepare(f"{rid}-{i}", p, params, body.priority, body.cache_salt)
                 for i, p in enumerate(prompts)]
     created = int(time.time())
     streams = engine.generate_all(prepared)
@@ -227,7 +227,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(max_tokens, logprobs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    prepared = engine.prepare(rid, ids, params, body.priority)
+    prepared = engine.prepare(rid, ids, params, body.priority, body.cache_salt)
     created = int(time.time())
     stream = engine.generate(prepared)
     if body.stream:
