@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from octavo.config import EngineConfig, add_engine_args
-from octavo.entrypoints.cli import bench_serve
+from octavo.entrypoints.cli import bench_latency, bench_serve
 
 BACKENDS = ("octavo", "octavo-no-prefix-cache", "transformers")
 
@@ -73,6 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_args(t)
     t.set_defaults(run=run_throughput)
     bench_serve.register(kinds)
+    bench_latency.register(kinds)
 
 
 def _prompts(args: argparse.Namespace, vocab_size: int, special: set[int]) -> list[list[int]]:
