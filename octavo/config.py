@@ -27,10 +27,15 @@ class ModelConfig:
     tokenizer: str | None = field(default=None, metadata=_opt(
         "tokenizer folder, if not the model's own"))
     revision: str | None = field(default=None, metadata=_opt("hub revision for a hub id"))
+    decode_weights: str = field(default="auto", metadata=_opt(
+        "auto: linear layers from 4/8-bit GGUF tensors keep an int4/int8 copy for small batches "
+        "(bf16 on the CPU); none: dense weights only", choices=["auto", "none"]))
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
+        if self.decode_weights not in ("auto", "none"):
+            raise ValueError(f"decode_weights must be auto or none, got {self.decode_weights!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -53,7 +53,8 @@ class Worker:
 
     def load_model(self) -> None:
         start = time.perf_counter()
-        model = load_model(self.source, self.arch, self.dtype, self.device, self.max_model_len)
+        model = load_model(self.source, self.arch, self.dtype, self.device, self.max_model_len,
+                           self.config.model.decode_weights)
         logger.info("loaded %s (%s, %s) in %.1f s", self.source.name, self.arch.architecture,
                     self.dtype, time.perf_counter() - start)
         sched = self.config.scheduler

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from octavo.model.quant.decode_weights import make_decode_weight, small_batch_linear
 
 
 class Linear(nn.Module):
@@ -15,6 +16,7 @@ class Linear(nn.Module):
         out = sum(shards)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
+        self.decode_weight = None
 
     def load_shard(self, name: str, index: int, tensor: torch.Tensor) -> None:
         """Copy checkpoint tensor `name` (weight or bias) into packed slot `index`."""
@@ -28,5 +30,9 @@ class Linear(nn.Module):
                              f"layer slot {tuple(dest.shape)}")
         dest.copy_(tensor)
 
+    def set_decode_bits(self, bits: int) -> None:
+        """Keep a low-bit copy for small batches when the source had `bits` bits per weight."""
+        self.decode_weight = make_decode_weight(self.weight.data, bits)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return small_batch_linear(x, self.weight, self.bias, self.decode_weight)

@@ -46,7 +46,17 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iterate_gguf_weights(path: Path, cfg: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def source_bits(tensor_type: GGMLQuantizationType) -> int:
+    """Bits per weight of a GGML type, before its block scales (Q4_1 -> 4, Q8_0 -> 8, F16 -> 16)."""
+    m = re.search(r"Q(\d)", tensor_type.name)
+    if m:
+        return int(m.group(1))
+    return 32 if tensor_type.name == "F32" else 16
+
+
+def iterate_gguf_weights(path: Path, cfg: ArchConfig,
+                         bits: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, dequantized tensor); `bits` gets each tensor's source width."""
     reader = GGUFReader(path)
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
@@ -57,6 +67,8 @@ def iterate_gguf_weights(path: Path, cfg: ArchConfig) -> Iterator[tuple[str, tor
         else:
             w = dequantize(t.data, t.tensor_type).reshape(shape)
         name = hf_name(t.name)
+        if bits is not None:
+            bits[name] = source_bits(t.tensor_type)
         if cfg.gguf_arch in _PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.num_heads if "attn_q" in t.name else cfg.num_kv_heads
             w = _unpermute(w, heads)

@@ -1,0 +1,1 @@
+"""Quantized weight formats and the kernels that run them."""

@@ -1,0 +1,92 @@
+"""The int4/int8 small-batch weight copies against the dense weights they stand for."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo import LLM, SamplingParams
+from octavo.model.quant.decode_weights import (
+    MAX_ROWS, Int4Weight, Int8Weight, make_decode_weight, small_batch_linear)
+
+
+def _q4_weight(n: int, k: int) -> torch.Tensor:
+    """A weight that is exactly 4-bit per group of 32 (like a dequantized GGUF Q4_1 tensor)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # each group spans the full range, as min/max quantizers do
+    scale = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 0.001).bfloat16().float()
+    low = (torch.randn(n, k // 32, 1, generator=g) * 0.05).bfloat16().float()
+    return (q * scale + low).reshape(n, k).bfloat16()
+
+
+def test_int4_reproduces_a_4bit_weight():
+    w = _q4_weight(96, 256)
+    x = torch.randn(3, 256).bfloat16()
+    dense = torch.nn.functional.linear(x.float(), w.float())
+    out = Int4Weight(w).matmul(x).float()
+    assert (out - dense).norm() / dense.norm() < 1e-2
+
+
+def test_int8_close_to_dense():
+    w = torch.randn(64, 128).bfloat16()
+    x = torch.randn(2, 128).bfloat16()
+    dense = torch.nn.functional.linear(x.float(), w.float())
+    out = Int8Weight(w).matmul(x).float()
+    assert (out - dense).norm() / dense.norm() < 2e-2
+
+
+def test_only_small_bf16_batches_take_the_low_bit_path():
+    w = _q4_weight(64, 128)
+    decode = make_decode_weight(w, 4)
+    small = torch.randn(MAX_ROWS, 128).bfloat16()
+    large = torch.randn(MAX_ROWS + 1, 128).bfloat16()
+    assert torch.equal(small_batch_linear(small, w, None, decode), decode.matmul(small))
+    assert torch.equal(small_batch_linear(large, w, None, decode),
+                       torch.nn.functional.linear(large, w))
+    assert make_decode_weight(w.float(), 4) is None  # fp32 runs stay dense
+    assert make_decode_weight(w, 16) is None  # so do wide sources
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(smollm_gguf):
+    kw = dict(dtype="bfloat16", max_model_len=1024, kv_cache_memory=64 << 20)
+    return LLM(str(smollm_gguf), **kw), LLM(str(smollm_gguf), decode_weights="none", **kw)
+
+
+def test_decode_copies_exist_only_when_asked(bf16_pair):
+    fast, dense = bf16_pair
+    fast_model = fast.engine.client.core.executor.worker.runner.model
+    dense_model = dense.engine.client.core.executor.worker.runner.model
+    layer = fast_model.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj.decode_weight, Int4Weight)  # Q4_1 source
+    assert isinstance(fast_model.lm_head.decode_weight, Int8Weight)  # tied Q8_0 embedding
+    assert dense_model.model.layers[0].mlp.gate_up_proj.decode_weight is None
+
+
+def _agreement(outs, ref) -> int:
+    total = 0
+    for a, b in zip(outs, ref):
+        for x, y in zip(a.outputs[0].token_ids, b.outputs[0].token_ids):
+            if x != y:
+                break
+            total += 1
+    return total
+
+
+def test_greedy_output_matches_dense_bf16(bf16_pair, smollm_llm):
+    fast, dense = bf16_pair
+    prompts = ["The capital of France is", "def fib(n):", "List three colors: red,",
+               "Explain in a few sentences why the sky is blue.", "Once upon a time",
+               "The best way to learn", "Q: What is 2+2?\nA:"]
+    params = SamplingParams(max_tokens=32, temperature=0, logprobs=5)
+    a = fast.generate(prompts, params, use_tqdm=False)
+    b = dense.generate(prompts, params, use_tqdm=False)
+    for x, y in zip(a, b):  # the top-5 criterion against dense bf16
+        for j, (p, q) in enumerate(zip(x.outputs[0].token_ids, y.outputs[0].token_ids)):
+            if p != q:
+                assert p in y.outputs[0].logprobs[j] and q in x.outputs[0].logprobs[j]
+                break
+    # ... and as close to float32 as dense bf16 is: tokens agreeing before the first divergence.
+    ref = smollm_llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0),
+                              use_tqdm=False)
+    assert _agreement(a, ref) >= 0.9 * _agreement(b, ref)
