@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 
 
+SMALL_GROUP = 4  # requests; below this the matmul path computes in fp32
+
+
 @dataclass
 class AttentionGroup:
     token_index: torch.Tensor  # [R, Qmax] index into the flat query tokens; T = padding
@@ -119,6 +122,10 @@ def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     GQA needs no copy of K/V. On the CPU this beats SDPA for single-token (decode) queries by
     about 10x in bf16."""
     r, h, q_len, d = q.shape
+    out_dtype = q.dtype
+    if r <= SMALL_GROUP and q.dtype == torch.bfloat16:
+        # Tiny bf16 matmuls cost more in dispatch than fp32 ones (36 vs 22 µs for one request).
+        q, k, v = q.float(), k.float(), v.float()
     kvh = k.shape[1]
     groups = h // kvh
     qf = q.reshape(r, kvh, groups * q_len, d)  # heads are contiguous per KV head
@@ -127,4 +134,4 @@ def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(r, kvh, groups, q_len, -1).masked_fill(~mask.unsqueeze(1), float("-inf"))
     probs = scores.softmax(-1).to(v.dtype).view(r, kvh, groups * q_len, -1)
-    return torch.matmul(probs, v).view(r, h, q_len, d)
+    return torch.matmul(probs, v).view(r, h, q_len, d).to(out_dtype)

@@ -54,12 +54,17 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)
         self.register_buffer("cos", freqs.cos().float(), persistent=False)  # [P, head_dim / 2]
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, KVH, D], rotated at `positions` [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        # One instance serves every layer: look the step's angles up once, not once per layer.
+        if self._positions is not positions:
+            self._positions = positions
+            self._cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        cos, sin = self._cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
