@@ -52,3 +52,18 @@ def test_bad_flag_values_exit_with_a_clear_error(smollm_gguf):
     assert done.returncode == 2 and "temperature must be >= 0" in done.stderr
     done = _run(["generate", "--model", "/nope.gguf", "--prompt", "x"])
     assert done.returncode == 2 and "does not exist" in done.stderr
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    from gguf import GGUFWriter
+
+    # A GGUF with only a header, naming an architecture octavo does not support.
+    path = tmp_path / "tiny.gguf"
+    w = GGUFWriter(str(path), "gpt-j-like")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    done = _run(["generate", "--model", str(path), "--prompt", "x"])
+    assert done.returncode == 2 and "not supported yet" in done.stderr, done.stderr

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.run(args) or 0
-    except ValueError as exc:
+    except (ValueError, NotImplementedError) as exc:
         print(f"octavo: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
