@@ -5,7 +5,7 @@ Torch-free: the front end reads it for the context length, the worker for buildi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from octavo.model_source import ModelSource
@@ -36,8 +36,8 @@ class ArchConfig:
     attention_bias: bool = False
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()  # from generation_config.json, when it names several
+    sliding_window: int | None = None  # every layer attends to at most this many latest tokens
     gguf_arch: str | None = None  # set for GGUF files: their tensor layout differs
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def read_arch_config(source: ModelSource) -> ArchConfig:
@@ -84,7 +84,8 @@ def _from_hf(source: ModelSource) -> ArchConfig:
         attention_bias=text.get("attention_bias", archs[0].startswith("Qwen2")),
         hidden_act=text.get("hidden_act", text.get("hidden_activation", "silu")),
         eos_token_ids=eos,
-        extra={k: v for k, v in text.items() if k in ("sliding_window", "rope_local_base_freq")},
+        # Qwen2 configs name a window they do not use unless use_sliding_window is set.
+        sliding_window=text.get("sliding_window") if text.get("use_sliding_window", True) else None,
     )
 
 

@@ -131,10 +131,10 @@ class Scheduler:
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break
-            self.kv.record_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
-            if req.num_cached_tokens is None:
+            if req.num_cached_tokens is None:  # count a prompt's lookup once, not per resume
                 req.num_cached_tokens = num_hit
+                self.kv.record_lookup(req.num_tokens, num_hit)
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:

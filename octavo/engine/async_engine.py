@@ -11,7 +11,6 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
-import os
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -73,7 +72,6 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._queued_requests = 0
         self._queued_tokens = 0
-        self._ids = itertools.count()
         self._calls = itertools.count()
         self._pending_calls: dict[int, asyncio.Future] = {}
         self._start_core()
@@ -159,8 +157,8 @@ class AsyncEngine:
         if not msg.outputs:
             return
         changed, to_abort = self.outputs.process(msg.outputs)
-        if to_abort:
-            asyncio.get_running_loop().create_task(self._send(AbortRequests(to_abort)))
+        if to_abort and not self.dead:
+            self._to_core.send(encoder.encode(AbortRequests(to_abort)))  # queued, not awaited
         now = time.time()
         for parent in changed:
             stream = self._streams.get(parent.request_id)
@@ -193,9 +191,6 @@ class AsyncEngine:
         self._queued_tokens -= stream.prompt_tokens
 
     # -- requests --------------------------------------------------------------------------------
-
-    def next_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}-{os.getpid()}"
 
     def prepare(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                 priority: int = 0, cache_salt: str | None = None) -> PreparedRequest:
@@ -270,11 +265,11 @@ class AsyncEngine:
         call_id = next(self._calls)
         fut = asyncio.get_running_loop().create_future()
         self._pending_calls[call_id] = fut
-        await self._send(UtilityCall(call_id, method))
-        return await fut
-
-    def num_unfinished(self) -> int:
-        return len(self._streams)
+        try:
+            await self._send(UtilityCall(call_id, method))
+            return await fut
+        finally:
+            self._pending_calls.pop(call_id, None)
 
     async def shutdown(self) -> None:
         for task in (self._reader, self._watchdog):

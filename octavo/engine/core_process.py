@@ -15,6 +15,7 @@ import zmq
 from octavo.arch_config import ArchConfig
 from octavo.config import EngineConfig
 from octavo.core.engine_core import EngineCore, create_engine_core
+from octavo.core.scheduler import EngineCoreOutput
 from octavo.engine.messages import (
     AbortRequests, AddRequest, CoreOutputs, Shutdown, UtilityCall, encoder, input_decoder)
 from octavo.model_source import ModelSource
@@ -25,8 +26,6 @@ IDLE_POLL_MS = 1000
 
 
 class EngineCoreProcess:
-    UTILITIES = ("stats", "reset_prefix_cache")
-
     def __init__(self, core: EngineCore, input_addr: str, output_addr: str) -> None:
         self.core = core
         self.ctx = zmq.Context()
@@ -59,6 +58,8 @@ class EngineCoreProcess:
                 self.core.add_request(msg.to_request())
             except ValueError as exc:  # validated by the front end; never kill the loop
                 logger.error("rejected request %s: %s", msg.req_id, exc)
+                self._send(CoreOutputs([EngineCoreOutput(msg.req_id, [], "abort")],
+                                       self.core.stats()))
         elif isinstance(msg, AbortRequests):
             self.core.abort_requests(msg.req_ids)
         elif isinstance(msg, UtilityCall):

@@ -49,7 +49,7 @@ class AbortRequests(msgspec.Struct, tag=True):
 
 class UtilityCall(msgspec.Struct, tag=True):
     call_id: int
-    method: str  # one of EngineCoreProcess.UTILITIES
+    method: str  # "stats" or "reset_prefix_cache"
 
 
 class Shutdown(msgspec.Struct, tag=True):

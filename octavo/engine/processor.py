@@ -62,6 +62,8 @@ class Processor:
             return params
         fields = {k: getattr(params, k) for k in params.__dataclass_fields__ if k != "stop_strings"}
         fields["n"] = 1
+        if index > 0:  # the prompt is the same for every sample: score it once
+            fields["prompt_logprobs"] = None
         if params.seed is not None:
             fields["seed"] = params.seed + index
         return SamplingParams(**fields)

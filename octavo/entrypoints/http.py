@@ -97,7 +97,7 @@ def check_model(state: ServerState, model: str | None) -> str:
                         f"{', '.join(state.served_model_names)}", "model")
 
 
-_OPEN_PATHS = {"/health", "/version", "/metrics", "/ping"}
+_OPEN_PATHS = {"/health", "/version", "/metrics"}
 
 
 def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> FastAPI:

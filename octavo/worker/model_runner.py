@@ -22,7 +22,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sliding_window = sliding_window
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, vocab_size)
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, device)
         self.kv_caches: list[torch.Tensor] = []
 
     def update_states(self, sched: SchedulerOutput) -> None:

@@ -39,9 +39,9 @@ class SamplingBatch:
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
-        self._row_generator = torch.Generator()
+    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._row_generator = torch.Generator(device=device)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[torch.Tensor, TopLogprobs | None]:

@@ -61,7 +61,7 @@ class Worker:
         self.runner = ModelRunner(
             model, self.device, sched.max_num_seqs, self.max_model_len,
             self.config.cache.block_size, self.arch.vocab_size, self.eos_token_ids,
-            self.config.device.seed, self.arch.extra.get("sliding_window"))
+            self.config.device.seed, self.arch.sliding_window)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         a = self.arch

@@ -164,3 +164,11 @@ def test_abort_frees_blocks(smollm_llm):
     engine.step()
     assert engine.client.stats().kv_cache_usage == 0
     assert not engine.has_unfinished_requests()
+
+
+def test_parallel_samples_score_the_prompt_once(smollm_llm):
+    ids = smollm_llm.tokenizer("The capital of France is").input_ids
+    out = smollm_llm.generate([ids], SamplingParams(n=3, max_tokens=3, prompt_logprobs=1,
+                                                    temperature=1.0, seed=2), use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(ids) and len(out.outputs) == 3
+    assert all(ids[p] in out.prompt_logprobs[p] for p in range(1, len(ids)))

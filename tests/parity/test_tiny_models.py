@@ -23,6 +23,7 @@ CASES = {
     "dynamic-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {
         "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "mistral-sliding-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 32}),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
 }
 

@@ -24,7 +24,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, [cfg.hidden_size])
         self.rotary = rotary
         self.attn = PagedAttention(layer_index, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   scale=self.head_dim ** -0.5)
+                                   scale=self.head_dim ** -0.5, sliding_window=cfg.sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
