@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from octavo.arch_config import ArchConfig
 from octavo.config import EngineConfig
@@ -18,7 +19,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int) -> None:
         self.executor = executor
         block_size = config.cache.block_size
+        started = time.perf_counter()
         num_blocks = executor.init_kv_cache(config.cache.kv_cache_memory, block_size)
+        logger.info("start-up: KV cache allocated in %.2f s", time.perf_counter() - started)
         if num_blocks * block_size < max_model_len:
             raise ValueError(
                 f"kv_cache_memory ({config.cache.kv_cache_memory} bytes) holds {num_blocks} blocks "

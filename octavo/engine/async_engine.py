@@ -87,6 +87,7 @@ class AsyncEngine:
         self._to_core.bind(in_addr)
         self._from_core = self.ctx.socket(zmq.PULL)
         self._from_core.bind(out_addr)
+        started = time.perf_counter()
         mp = multiprocessing.get_context("spawn")
         parent_end, child_end = mp.Pipe(duplex=False)
         self.process = mp.Process(
@@ -104,6 +105,8 @@ class AsyncEngine:
             self.process.join(5)
             raise RuntimeError(f"engine core failed to start: {info}")
         self.num_blocks = info["num_blocks"]
+        logger.info("start-up: engine core process ready in %.1f s (imports, weights, KV cache)",
+                    time.perf_counter() - started)
         self._reader: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +33,13 @@ class ModelSetup:
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelSetup:
+        start = time.perf_counter()
         source = resolve_model(config.model.model, config.model.revision)
         arch = read_arch_config(source)
+        resolved = time.perf_counter()
         tokenizer = load_tokenizer(source, config.model.tokenizer)
+        logger.info("start-up: model files and config %.1f s, tokenizer %.1f s",
+                    resolved - start, time.perf_counter() - resolved)
         max_model_len = config.model.max_model_len or arch.max_position_embeddings
         eos = set(arch.eos_token_ids)
         if tokenizer.eos_token_id is not None:
