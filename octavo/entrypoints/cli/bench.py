@@ -64,6 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--output-len", type=int, default=128)
     t.add_argument("--dataset", choices=["random", "prefix"], default="random")
     t.add_argument("--prefix-len", type=int, default=1024, help="shared prefix of --dataset prefix")
+    t.add_argument("--range-ratio", type=float, default=0.0,
+                   help="input and output lengths uniform in [L(1-r), L(1+r)] (seeded)")
     t.add_argument("--backends", default="octavo",
                    help=f"comma-separated, run side by side on the same prompts: "
                         f"{', '.join(BACKENDS)}")
@@ -76,25 +78,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench_latency.register(kinds)
 
 
-def _prompts(args: argparse.Namespace, vocab_size: int, special: set[int]) -> list[list[int]]:
+Workload = list[tuple[list[int], int]]  # (prompt token ids, output tokens) per request
+
+
+def _workload(args: argparse.Namespace, vocab_size: int, special: set[int]) -> Workload:
+    """Seeded prompts; with --range-ratio r, lengths are uniform in [L(1-r), L(1+r)]."""
     rng = np.random.default_rng(0)
     allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special, int, len(special)))
     prefix = rng.choice(allowed, args.prefix_len).tolist() if args.dataset == "prefix" else []
-    return [prefix + rng.choice(allowed, args.input_len).tolist()
-            for _ in range(args.num_prompts)]
+
+    def length(mean: int) -> int:
+        low = max(1, round(mean * (1 - args.range_ratio)))
+        return int(rng.integers(low, round(mean * (1 + args.range_ratio)) + 1))
+
+    return [(prefix + rng.choice(allowed, length(args.input_len)).tolist(),
+             length(args.output_len)) for _ in range(args.num_prompts)]
 
 
-def _time_octavo(llm, prompts, output_len: int) -> Run:
+def _time_octavo(llm, work: Workload) -> Run:
     from octavo.params import SamplingParams
 
     engine = llm.engine
     llm.reset_prefix_cache()  # every run starts cold: the same work each time
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
     start = time.perf_counter()
     pending = {}
-    for p in prompts:
+    for prompt, out_len in work:
         rid = engine.next_request_id()
-        engine.add_request(rid, p, params)
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=out_len, ignore_eos=True,
+                                                       temperature=0))
         pending[rid] = None
     first: dict[str, float] = {}
     produced = 0
@@ -108,18 +119,26 @@ def _time_octavo(llm, prompts, output_len: int) -> Run:
     return Run(time.perf_counter() - start, produced, list(first.values()))
 
 
-def _time_transformers(model, prompts, output_len: int, batch_size: int) -> Run:
+def _time_transformers(model, work: Workload, batch_size: int) -> Run:
+    """Static batches in input order, left-padded; a batch runs to its longest output and only
+    the tokens each request asked for are counted."""
     import torch
 
     produced = 0
     start = time.perf_counter()
     with torch.inference_mode():
-        for i in range(0, len(prompts), batch_size):
-            batch = torch.tensor(prompts[i:i + batch_size])  # equal lengths: no padding
-            out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False,
-                                 max_new_tokens=output_len, min_new_tokens=output_len,
-                                 pad_token_id=0)
-            produced += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+        for i in range(0, len(work), batch_size):
+            chunk = work[i:i + batch_size]
+            width = max(len(p) for p, _ in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, (p, _) in enumerate(chunk):
+                ids[row, width - len(p):] = torch.tensor(p)
+                mask[row, width - len(p):] = 1
+            longest = max(n for _, n in chunk)
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
+                           min_new_tokens=longest, pad_token_id=0)
+            produced += sum(n for _, n in chunk)
     return Run(time.perf_counter() - start, produced)
 
 
@@ -155,32 +174,35 @@ def run_throughput(args: argparse.Namespace) -> int:
             raise ValueError(f"--backends: unknown backend {b!r}; known: {', '.join(BACKENDS)}")
     if args.repeats < 1 or args.num_prompts < 1:
         raise ValueError("--repeats and --num-prompts must be >= 1")
+    if not 0.0 <= args.range_ratio < 1.0:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     config = EngineConfig.from_cli(args)
     llm = LLM.from_config(config)
-    prompts = _prompts(args, llm.engine.arch.vocab_size, set(llm.tokenizer.all_special_ids))
+    prompts = _workload(args, llm.engine.arch.vocab_size, set(llm.tokenizer.all_special_ids))
     engines = {"octavo": llm}
     runners = {}
     for b in backends:
         if b == "octavo-no-prefix-cache":
             engines[b] = LLM.from_config(config.replace(enable_prefix_caching=False))
         if b.startswith("octavo"):
-            runners[b] = (lambda e: lambda ps: _time_octavo(e, ps, args.output_len))(engines[b])
+            runners[b] = (lambda e: lambda ps: _time_octavo(e, ps))(engines[b])
         else:
             hf = _load_transformers(llm)
-            runners[b] = lambda ps: _time_transformers(hf, ps, args.output_len,
-                                                       args.hf_batch_size)
+            runners[b] = lambda ps: _time_transformers(hf, ps, args.hf_batch_size)
     runs: dict[str, list[Run]] = {b: [] for b in backends}
     for b in backends:  # warm-up
         runners[b](prompts[:2])
     for _ in range(args.repeats):
         for b in backends:
             runs[b].append(runners[b](prompts))
-    n_prompt = sum(len(p) for p in prompts)
+    n_prompt = sum(len(p) for p, _ in prompts)
     results = [Result(b, runs[b], len(prompts), n_prompt,
                       _kv_accounting(engines[b]) if b in engines else None) for b in backends]
     report = {"dataset": args.dataset, "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len,
               "prefix_len": args.prefix_len if args.dataset == "prefix" else 0,
+              "range_ratio": args.range_ratio, "prompt_tokens": n_prompt,
+              "output_tokens": sum(n for _, n in prompts),
               "repeats": args.repeats,
               "runs_seconds": {b: [round(r.seconds, 3) for r in runs[b]] for b in backends},
               "results": [r.row() for r in results]}
