@@ -62,12 +62,16 @@ class FakeWorker:
         self.reqs: dict[str, _WorkerRequest] = {}
         self.num_calls = 0
 
-    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+    def drop(self, req_id: str) -> None:
+        self.reqs.pop(req_id, None)
+
+    def apply(self, sched: SchedulerOutput) -> None:
+        """Update per-request state from a SchedulerOutput, checking the worker contract."""
         self.num_calls += 1
         assert not (sched.finished_req_ids & set(sched.num_scheduled_tokens))
         assert not (sched.preempted_req_ids & set(sched.num_scheduled_tokens))
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
-            self.reqs.pop(req_id, None)
+            self.drop(req_id)
         for new in sched.new_requests:
             assert new.req_id not in self.reqs, f"{new.req_id} sent in full twice"
             assert 0 < new.num_prompt_tokens <= len(new.token_ids)
@@ -84,6 +88,8 @@ class FakeWorker:
             [c.req_id for c in sched.cached_requests] + [n.req_id for n in sched.new_requests])
         assert sched.total_num_scheduled_tokens == sum(sched.num_scheduled_tokens.values())
 
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        self.apply(sched)
         req_ids, sampled = [], []
         for req_id, n in sched.num_scheduled_tokens.items():
             state = self.reqs[req_id]

@@ -20,7 +20,7 @@ from octavo.core.hashing import extend_block_hashes, hash_block
 from octavo.core.kv_manager import KVCacheManager, cdiv
 from octavo.core.request import Request, RequestStatus
 from octavo.params import SamplingParams
-from tests.core.fakes import EOS, FakeWorker, _WorkerRequest, make_scheduler, step
+from tests.core.fakes import EOS, FakeWorker, make_scheduler, step
 
 BS = 4
 
@@ -669,26 +669,12 @@ class SimWorker(FakeWorker):
     def _slot(self, block_ids: list[int], p: int) -> tuple[int, int]:
         return block_ids[p // self.block_size], p % self.block_size
 
+    def drop(self, req_id: str) -> None:
+        super().drop(req_id)
+        self.keys.pop(req_id, None)
+
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        self.num_calls += 1
-        assert not (sched.finished_req_ids & set(sched.num_scheduled_tokens))
-        assert not (sched.preempted_req_ids & set(sched.num_scheduled_tokens))
-        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
-            self.reqs.pop(req_id, None)
-            self.keys.pop(req_id, None)
-        for new in sched.new_requests:
-            assert new.req_id not in self.reqs, f"{new.req_id} sent in full twice"
-            assert 0 < new.num_prompt_tokens <= len(new.token_ids)
-            self.reqs[new.req_id] = _WorkerRequest(
-                list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
-                list(new.block_ids), new.sampling_params)
-        for cached in sched.cached_requests:
-            state = self.reqs[cached.req_id]
-            assert state.num_computed == cached.num_computed_tokens
-            state.block_ids.extend(cached.new_block_ids)
-        assert list(sched.num_scheduled_tokens) == (
-            [c.req_id for c in sched.cached_requests] + [n.req_id for n in sched.new_requests])
-        assert sched.total_num_scheduled_tokens == sum(sched.num_scheduled_tokens.values())
+        self.apply(sched)
         # Write the KV of every scheduled position first (all requests of the batch), as each
         # layer does before attention, then read.
         for req_id, n in sched.num_scheduled_tokens.items():
