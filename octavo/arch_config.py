@@ -5,7 +5,7 @@ Torch-free: the front end reads it for the context length, the worker for buildi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from octavo.model_source import ModelSource
@@ -15,7 +15,11 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass(frozen=True)
@@ -36,8 +40,27 @@ class ArchConfig:
     attention_bias: bool = False
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()  # from generation_config.json, when it names several
-    sliding_window: int | None = None  # every layer attends to at most this many latest tokens
+    sliding_window: int | None = None  # sliding layers attend to at most this many latest tokens
+    # Per layer SLIDING or FULL; empty means every layer is sliding when sliding_window is set.
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # RoPE base of sliding layers, when it differs (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma)
+    attn_logit_softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
+    final_logit_softcap: float | None = None  # ... and of the output logits
+    # Family-specific keys (MoE sizes, partial rotary, ...), read by that family's model file.
+    extra: dict[str, Any] = field(default_factory=dict)
     gguf_arch: str | None = None  # set for GGUF files: their tensor layout differs
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None when it attends to the whole context."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != SLIDING):
+            return None
+        return self.sliding_window
+
+    @property
+    def all_layers_sliding(self) -> bool:
+        """True when no layer ever reads keys older than the window (blocks may be freed)."""
+        return all(self.layer_window(i) is not None for i in range(self.num_layers))
 
 
 def read_arch_config(source: ModelSource) -> ArchConfig:
@@ -50,29 +73,35 @@ def _from_hf(source: ModelSource) -> ArchConfig:
     if not archs:
         raise ValueError(f"model: {source.path}/config.json names no architectures")
     text = cfg.get("text_config", cfg)
-    heads = text["num_attention_heads"]
-    hidden = text["hidden_size"]
+
+    def need(key: str) -> Any:
+        if text.get(key) is None:
+            raise ValueError(f"model: {source.path}/config.json lacks {key!r} ({archs[0]})")
+        return text[key]
+
+    heads = need("num_attention_heads")
+    hidden = need("hidden_size")
     eos: tuple[int, ...] = ()
     gen_path = source.path / "generation_config.json"
     if gen_path.is_file():
         gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
         if gen_eos is not None:
             eos = tuple(gen_eos) if isinstance(gen_eos, list) else (gen_eos,)
-    rope_theta = text.get("rope_theta")
-    rope_scaling = text.get("rope_scaling")
-    params = text.get("rope_parameters")  # transformers >= 5 folds theta and scaling here
-    if isinstance(params, dict):
-        rope_theta = params.get("rope_theta", rope_theta)
-        if params.get("rope_type", "default") != "default":
-            rope_scaling = params
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
-        rope_scaling = None
+    rope_theta, rope_scaling, local_theta = _hf_rope(text)
+    num_layers = need("num_hidden_layers")
+    layer_types = _hf_layer_types(archs[0], text, num_layers)
+    window = text.get("sliding_window")
+    # Qwen2 configs name a window they do not use unless use_sliding_window is set.
+    if not text.get("use_sliding_window", True) or (layer_types and SLIDING not in layer_types):
+        window, layer_types = None, ()
+    if layer_types and all(t == SLIDING for t in layer_types):
+        layer_types = ()
     return ArchConfig(
         architecture=archs[0],
-        vocab_size=text["vocab_size"],
+        vocab_size=need("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=text["intermediate_size"],
-        num_layers=text["num_hidden_layers"],
+        intermediate_size=text.get("intermediate_size") or 4 * hidden,
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=text.get("num_key_value_heads") or heads,
         head_dim=text.get("head_dim") or hidden // heads,
@@ -82,11 +111,48 @@ def _from_hf(source: ModelSource) -> ArchConfig:
         rope_scaling=rope_scaling,
         tie_word_embeddings=cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
         attention_bias=text.get("attention_bias", archs[0].startswith("Qwen2")),
-        hidden_act=text.get("hidden_act", text.get("hidden_activation", "silu")),
+        hidden_act=text.get("hidden_activation") or text.get("hidden_act", "silu"),
         eos_token_ids=eos,
-        # Qwen2 configs name a window they do not use unless use_sliding_window is set.
-        sliding_window=text.get("sliding_window") if text.get("use_sliding_window", True) else None,
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_local_theta=local_theta,
+        query_pre_attn_scalar=text.get("query_pre_attn_scalar"),
+        attn_logit_softcap=text.get("attn_logit_softcapping"),
+        final_logit_softcap=text.get("final_logit_softcapping"),
+        extra=text,
     )
+
+
+def _hf_rope(text: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None, float | None]:
+    """(theta, scaling of the full layers, theta of the sliding layers) from either config style."""
+    theta, scaling = text.get("rope_theta"), text.get("rope_scaling")
+    local = text.get("rope_local_base_freq")
+    params = text.get("rope_parameters")  # transformers >= 5 folds theta and scaling here
+    if isinstance(params, dict) and FULL in params:  # ... per layer type (Gemma 3)
+        local = (params.get(SLIDING) or {}).get("rope_theta", local)
+        params = params[FULL]
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        if params.get("rope_type", "default") != "default":
+            scaling = params
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return theta, scaling, local
+
+
+def _hf_layer_types(arch: str, text: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    types = text.get("layer_types")
+    if types is None and arch.startswith("Gemma2"):  # configs written before layer_types
+        types = [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
+    elif types is None and arch.startswith("Gemma3"):
+        pattern = text.get("sliding_window_pattern", 6)
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+    if types is None:
+        return ()
+    if len(types) != num_layers or set(types) - {SLIDING, FULL}:
+        raise ValueError(f"config.json: layer_types must list {SLIDING!r} or {FULL!r} for each of "
+                         f"the {num_layers} layers, got {types}")
+    return tuple(types)
 
 
 def _from_gguf(source: ModelSource) -> ArchConfig:
@@ -110,15 +176,31 @@ def _from_gguf(source: ModelSource) -> ArchConfig:
                    "factor": meta.get(f"{arch}.rope.scaling.factor", 1.0),
                    "original_max_position_embeddings":
                        meta.get(f"{arch}.rope.scaling.original_context_length")}
+    num_layers = meta[f"{arch}.block_count"]
+    head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
+    family: dict[str, Any] = {}
+    if arch in ("gemma2", "gemma3"):
+        # GGUF keeps no layer pattern, local RoPE base or query scalar: llama.cpp hard-codes them
+        # per architecture, and so does this.
+        every = 2 if arch == "gemma2" else 6
+        family = dict(
+            hidden_act="gelu_pytorch_tanh",
+            sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+            layer_types=tuple(SLIDING if (i + 1) % every else FULL for i in range(num_layers)),
+            # The 27B models (46 or 62 layers) scale by hidden / heads, the others by head_dim.
+            query_pre_attn_scalar=hidden // heads if num_layers in (46, 62) else head_dim,
+            attn_logit_softcap=meta.get(f"{arch}.attn_logit_softcapping"),
+            final_logit_softcap=meta.get(f"{arch}.final_logit_softcapping"),
+            rope_local_theta=10000.0 if arch == "gemma3" else None)
     return ArchConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=meta[f"{arch}.feed_forward_length"],
-        num_layers=meta[f"{arch}.block_count"],
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=meta.get(f"{arch}.attention.head_count_kv", heads),
-        head_dim=meta.get(f"{arch}.attention.key_length", hidden // heads),
+        head_dim=head_dim,
         max_position_embeddings=meta.get(f"{arch}.context_length", 2048),
         rms_norm_eps=meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
@@ -126,4 +208,5 @@ def _from_gguf(source: ModelSource) -> ArchConfig:
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         gguf_arch=arch,
+        **family,
     )

@@ -9,6 +9,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("octavo.model.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("octavo.model.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("octavo.model.models.llama", "LlamaForCausalLM"),
+    "Gemma2ForCausalLM": ("octavo.model.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("octavo.model.models.gemma", "Gemma3ForCausalLM"),
 }
 
 

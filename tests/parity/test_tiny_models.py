@@ -11,6 +11,10 @@ from octavo import LLM, SamplingParams
 
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+# q width (4 x 32) differs from hidden; a query scalar other than head_dim; windows shorter than the
+# 150-token prompt; local and global layers interleaved.
+_GEMMA = dict(num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=32,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 
 CASES = {
     "llama-default": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -25,6 +29,15 @@ CASES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "mistral-sliding-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 32}),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        **_GEMMA, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_GEMMA, "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}),
+    "gemma3-scaled-global-rope": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        **_GEMMA, "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}),
 }
 
 
@@ -33,13 +46,15 @@ def _build(tmp_path, tokenizer_folder, name):
 
     config_cls, model_cls, extra = CASES[name]
     vocab = 49152  # the SmolLM2 tokenizer, copied in so the folder is a complete model
-    config = getattr(transformers, config_cls)(vocab_size=vocab, **_COMMON, **extra)
+    config = getattr(transformers, config_cls)(vocab_size=vocab, **{**_COMMON, **extra})
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():  # larger weights than the default init, so differences show
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
+            else:  # norms and biases too, so a norm read as w instead of 1 + w shows
+                p.add_(torch.randn_like(p) * 0.1)
     folder = tmp_path / name
     model.save_pretrained(folder, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):

@@ -20,20 +20,28 @@ _LAYER = {
     "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Gemma puts a norm before and after each sublayer; GGUF names the one before the MLP ffn_norm.
+_LAYER_BY_ARCH = {
+    "gemma2": {**_LAYER, "ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {**_LAYER, "ffn_norm": "pre_feedforward_layernorm"},
+}
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 # Architectures whose converter permuted q/k rows for llama.cpp's interleaved RoPE.
 _PERMUTED_QK = {"llama", "mistral"}
+# Architectures whose RMSNorm scales by (1 + w): llama.cpp's converter stores 1 + w.
+_NORM_PLUS_ONE = {"gemma2", "gemma3"}
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str | None = None) -> str:
     m = _BLOCK.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        if part not in _LAYER:
+        names = _LAYER_BY_ARCH.get(arch, _LAYER)
+        if part not in names:
             raise ValueError(f"GGUF tensor {gguf_name} has no known Hugging Face name")
-        return f"model.layers.{layer}.{_LAYER[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     stem, _, kind = gguf_name.rpartition(".")
     if stem not in _GLOBAL:
         raise ValueError(f"GGUF tensor {gguf_name} has no known Hugging Face name")
@@ -66,7 +74,9 @@ def iterate_gguf_weights(path: Path, cfg: ArchConfig,
             w = np.array(t.data).reshape(shape)  # a copy: the mmap is read-only
         else:
             w = dequantize(t.data, t.tensor_type).reshape(shape)
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.gguf_arch)
+        if cfg.gguf_arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+            w = w - 1
         if bits is not None:
             bits[name] = source_bits(t.tensor_type)
         if cfg.gguf_arch in _PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_k.weight")):

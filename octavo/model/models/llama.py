@@ -1,8 +1,6 @@
 """Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2): RMSNorm, GQA with RoPE, SwiGLU."""
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -13,6 +11,7 @@ from octavo.model.layers.embedding import Embedding, LMHead
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
+from octavo.model.models.base import CausalLM
 
 
 class LlamaAttention(nn.Module):
@@ -24,7 +23,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, [cfg.hidden_size])
         self.rotary = rotary
         self.attn = PagedAttention(layer_index, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   scale=self.head_dim ** -0.5, sliding_window=cfg.sliding_window)
+                                   scale=self.head_dim ** -0.5,
+                                   sliding_window=cfg.layer_window(layer_index))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -76,54 +76,14 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
-    # checkpoint name fragment -> (packed parameter fragment, slot)
+class LlamaForCausalLM(CausalLM):
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         self.model = LlamaModel(cfg, max_positions)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden]"""
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors in; returns the names of the parameters that were filled."""
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                continue
-            module_name, _, kind = name.rpartition(".")
-            owner, leaf = module_name.rsplit(".", 1) if "." in module_name else ("", module_name)
-            if leaf in self.packed_modules_mapping:
-                packed, slot = self.packed_modules_mapping[leaf]
-                target = f"{owner}.{packed}"
-                modules[target].load_shard(kind, slot, tensor)
-                loaded.add(f"{target}.{kind}")
-                continue
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name} has no place in {type(self).__name__}")
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                                 f"model shape {tuple(param.shape)}")
-            param.data.copy_(tensor)
-            loaded.add(name)
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-        return loaded

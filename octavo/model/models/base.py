@@ -1,0 +1,75 @@
+"""What every causal LM file shares: forward over `self.model`, logits from `self.lm_head`, and
+streaming checkpoint tensors into parameters (packed q/k/v and gate/up slots, shape checks)."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from octavo.arch_config import ArchConfig
+
+
+class CausalLM(nn.Module):
+    # checkpoint name fragment -> (packed parameter fragment, slot)
+    packed_modules_mapping: dict[str, tuple[str, int]] = {}
+    final_logit_softcap: float | None = None
+
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden]"""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.final_logit_softcap:
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return logits
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The parameter name a checkpoint tensor maps to, or None to skip it."""
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+            return None
+        return name
+
+    def convert_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Reshape or transpose a checkpoint tensor into this model's layout (`name` is ours)."""
+        return tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors in; returns the names of the parameters that were filled."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        slots: dict[str, set[int]] = {}  # packed parameter -> slots filled so far
+        for ckpt_name, tensor in weights:
+            name = self.checkpoint_name(ckpt_name)
+            if name is None:
+                continue
+            tensor = self.convert_tensor(name, tensor)
+            module_name, _, kind = name.rpartition(".")
+            owner, leaf = module_name.rsplit(".", 1) if "." in module_name else ("", module_name)
+            if leaf in self.packed_modules_mapping:
+                packed, slot = self.packed_modules_mapping[leaf]
+                target = f"{owner}.{packed}" if owner else packed
+                modules[target].load_shard(kind, slot, tensor)
+                slots.setdefault(f"{target}.{kind}", set()).add(slot)
+                if len(slots[f"{target}.{kind}"]) == len(modules[target].shards):
+                    loaded.add(f"{target}.{kind}")
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {ckpt_name} has no place in "
+                                 f"{type(self).__name__}")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)}, "
+                                 f"model shape {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        return loaded

@@ -1,0 +1,122 @@
+"""Gemma 2 and Gemma 3 decoders: local (sliding-window) and global layers interleaved, a norm before
+and after each sublayer, (1 + w) RMSNorm, embeddings scaled by sqrt(hidden), GeGLU, attention
+scaled by query_pre_attn_scalar. Gemma 2 soft-caps attention scores and logits; Gemma 3 instead
+normalizes q and k per head and gives its local layers their own RoPE base."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from octavo.arch_config import ArchConfig
+from octavo.model.layers.activation import gated_act
+from octavo.model.layers.attention import PagedAttention
+from octavo.model.layers.embedding import Embedding, LMHead
+from octavo.model.layers.linear import Linear
+from octavo.model.layers.norm import GemmaRMSNorm
+from octavo.model.layers.rotary import RotaryEmbedding
+from octavo.model.models.base import CausalLM
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding,
+                 qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias)
+        self.o_proj = Linear(q_size, [cfg.hidden_size], bias=cfg.attention_bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        scalar = cfg.query_pre_attn_scalar or self.head_dim
+        self.attn = PagedAttention(layer_index, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   scale=scalar ** -0.5, sliding_window=cfg.layer_window(layer_index),
+                                   softcap=cfg.attn_logit_softcap)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shards, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim)))
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = Linear(cfg.intermediate_size, [cfg.hidden_size])
+        self.act = gated_act(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding,
+                 qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = GemmaAttention(cfg, layer_index, rotary, qk_norm)
+        self.mlp = GemmaMLP(cfg)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_positions: int, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.hidden_size = cfg.hidden_size
+        glob = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+                               cfg.max_position_embeddings)
+        # Rope scaling (long-context Gemma 3) applies to the global layers only.
+        local = glob if cfg.rope_local_theta is None else RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_local_theta)
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(cfg, i, local if cfg.layer_window(i) else glob, qk_norm)
+            for i in range(cfg.num_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        # The scale is rounded to the model dtype first, as the reference does (55.4 -> 55.5).
+        x = x * torch.tensor(self.hidden_size ** 0.5, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class Gemma2ForCausalLM(CausalLM):
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+    qk_norm = False
+
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__(cfg)
+        self.model = GemmaModel(cfg, max_positions, self.qk_norm)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
+        self.final_logit_softcap = cfg.final_logit_softcap
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    qk_norm = True
+
+    def checkpoint_name(self, name: str) -> str | None:
+        # Gemma3ForConditionalGeneration checkpoints keep the text model under language_model.
+        if name.startswith(("vision_tower.", "multi_modal_projector.")):
+            return None
+        name = name.replace("model.language_model.", "model.")
+        return super().checkpoint_name(name.replace("language_model.", ""))
