@@ -15,6 +15,7 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }

@@ -16,22 +16,32 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int,
+                 sliding_window: int | None = None) -> None:
+        """sliding_window: the model's window when every layer slides (blocks behind it are
+        freed as requests advance), else None."""
         self.executor = executor
         block_size = config.cache.block_size
         started = time.perf_counter()
         num_blocks = executor.init_kv_cache(config.cache.kv_cache_memory, block_size)
         logger.info("start-up: KV cache allocated in %.2f s", time.perf_counter() - started)
-        if num_blocks * block_size < max_model_len:
+        # A request must fit alone: all of it, or with every layer sliding, its window and one
+        # step's chunk (older blocks are released as it advances).
+        need = max_model_len
+        if sliding_window is not None:
+            chunk = config.scheduler.max_num_batched_tokens
+            need = min(need, sliding_window + chunk + 2 * block_size)
+        if num_blocks * block_size < need:
             raise ValueError(
                 f"kv_cache_memory ({config.cache.kv_cache_memory} bytes) holds {num_blocks} blocks "
-                f"= {num_blocks * block_size} tokens, fewer than max_model_len ({max_model_len}); "
-                "raise kv_cache_memory or lower max_model_len")
+                f"= {num_blocks * block_size} tokens, fewer than the {need} one request may need "
+                f"(max_model_len {max_model_len}); raise kv_cache_memory or lower max_model_len")
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens; max concurrency at %d tokens per request: "
                     "%.2fx", num_blocks, block_size, max_model_len,
                     num_blocks / cdiv(max_model_len, block_size))
-        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
+                            sliding_window)
         self.scheduler = Scheduler(config.scheduler, kv, max_model_len)
 
     def add_request(self, request: Request) -> None:
@@ -70,4 +80,5 @@ def create_engine_core(config: EngineConfig, source: ModelSource, arch: ArchConf
     from octavo.executor.uniproc import UniprocExecutor  # the torch side loads only here
 
     executor = UniprocExecutor(config, source, arch, max_model_len, eos_token_ids)
-    return EngineCore(config, executor, max_model_len)
+    window = arch.sliding_window if arch.all_layers_sliding else None
+    return EngineCore(config, executor, max_model_len, window)

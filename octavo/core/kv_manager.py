@@ -1,5 +1,14 @@
 """Per-request block tables on top of the block pool: cached-prefix lookup, allocation, caching of
-full blocks, freeing, and the accounting of hits and unused slots."""
+full blocks, freeing, and the accounting of hits and unused slots.
+
+Sliding windows: when every layer of the model attends only to the latest `sliding_window` tokens
+(Mistral), a block whose tokens all lie before the window of the request's next query is never
+read again, so it is released as the request advances (its table keeps the id, so positions still
+map to slots; the worker only reads it under a mask that excludes it). Models that interleave
+sliding and global layers (Gemma 2/3) keep every block: one block id holds a position's K/V for
+all layers, and the global layers still read it. Freeing per layer group would need a block table
+per group; it is not done.
+"""
 from __future__ import annotations
 
 from octavo.core.block_pool import BlockPool
@@ -12,9 +21,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window  # set only when every layer slides
+        self._num_released: dict[str, int] = {}  # leading blocks of a table already given back
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of a table already in the cache
@@ -60,24 +74,48 @@ class KVCacheManager:
         `hit_blocks` (from get_computed_blocks) as its leading blocks.
 
         Returns the newly allocated block ids (possibly none), or None when the pool is too small
-        right now; then nothing changes.
+        right now; then nothing changes but the release of blocks behind the window.
         """
         hits = hit_blocks or []
         table = self.block_tables.get(request.req_id, [])
         computed = request.num_computed_tokens + len(hits) * self.block_size
+        if self.sliding_window is not None and table:
+            self._release_out_of_window(request.req_id, table, computed)
         needed = cdiv(computed + num_new_tokens, self.block_size) - len(table) - len(hits)
-        idle_hits = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
+        # Hits behind the window are given back right after they are taken: they cost nothing.
+        first = len(table)
+        if self.sliding_window is not None:
+            first = max(first, self._window_start(computed))
+        idle_hits = sum(1 for i, b in enumerate(hits, len(table))
+                        if i >= first and self.pool.ref_counts[b] == 0)
         if needed > self.pool.num_free_blocks - idle_hits:
             return None
         table = self.block_tables.setdefault(request.req_id, table)
         if hits:
             self.pool.touch(hits)  # before allocating, so the hits cannot be evicted
             table.extend(hits)
+            if self.sliding_window is not None:
+                self._release_out_of_window(request.req_id, table, computed)
         new = self.pool.allocate(max(needed, 0))
         table.extend(new)
         if self.enable_caching:
             self._cache_full_blocks(request, table, computed + num_new_tokens)
         return new
+
+    def _window_start(self, computed: int) -> int:
+        """Index of the first block that the query at `computed` or any later one reads."""
+        return max(computed - self.sliding_window + 1, 0) // self.block_size
+
+    def _release_out_of_window(self, req_id: str, table: list[int], computed: int) -> None:
+        start = self._num_released.get(req_id, 0)
+        end = min(self._window_start(computed), len(table))
+        if end > start:
+            self.pool.free(table[start:end][::-1])
+            self._num_released[req_id] = end
+
+    def num_held_blocks(self, req_id: str) -> int:
+        """Blocks a request holds a reference on (its table minus those released)."""
+        return len(self.blocks_of(req_id)) - self._num_released.get(req_id, 0)
 
     def _cache_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
         self._update_hashes(request)
@@ -94,12 +132,13 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         table = self.block_tables.pop(request.req_id, None)
         self._num_cached.pop(request.req_id, None)
+        released = self._num_released.pop(request.req_id, 0)
         if table:
             slots = len(table) * self.block_size
             self.slots_allocated += slots
             self.slots_unwritten += max(0, slots - request.num_computed_tokens)
             # Reverse order: the tail of a sequence is the least useful to keep cached.
-            self.pool.free(table[::-1])
+            self.pool.free(table[released:][::-1])
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_cache()

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # listing architectures (octavo models) needs no torch
+    from torch import nn
 
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("octavo.model.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("octavo.model.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("octavo.model.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("octavo.model.models.llama", "Qwen3ForCausalLM"),
     "Gemma2ForCausalLM": ("octavo.model.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("octavo.model.models.gemma", "Gemma3ForCausalLM"),
 }

@@ -86,3 +86,56 @@ def test_bench_workloads_are_seeded_and_ranged():
                                         "range_ratio": 0.0})
     b = _workload(prefix_args, 1000, set())
     assert all(p[:64] == b[0][0][:64] and len(p) == 64 + 272 for p, _ in b)
+
+
+def test_models_lists_architectures_without_torch():
+    done = _run(["models", "--json"], timeout=60)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)["architectures"]
+    assert rows["Gemma3ForCausalLM"] == ["gemma3"] and rows["Qwen2ForCausalLM"] == ["qwen2"]
+    assert "LlamaForCausalLM" in rows and "llama" in rows["LlamaForCausalLM"]
+    table = _run(["models"], timeout=60).stdout
+    assert "Gemma2ForCausalLM" in table and "gemma2" in table
+    code = ("import sys; from octavo.entrypoints.cli.main import main; main(['models']); "
+            "assert 'torch' not in sys.modules")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_unsupported_hf_architecture_names_the_supported_ones(tmp_path):
+    from octavo import LLM
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["FancyNewForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "num_attention_heads": 2, "num_hidden_layers": 1}))
+    (folder / "model.safetensors").write_bytes(b"")
+    import shutil
+
+    from tests.oracle import oracle_folder
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(oracle_folder("smollm2-135m-instruct") / f, folder / f)
+    try:
+        LLM(str(folder), dtype="float32", kv_cache_memory=1 << 20, max_model_len=64)
+    except NotImplementedError as exc:
+        assert "FancyNewForCausalLM" in str(exc) and "Gemma3ForCausalLM" in str(exc)
+    else:
+        raise AssertionError("an unsupported architecture loaded")
+
+
+def test_config_missing_a_key_is_a_clear_error(tmp_path):
+    import pytest
+
+    from octavo.arch_config import read_arch_config
+    from octavo.model_source import ModelSource
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "num_attention_heads": 2,
+        "num_hidden_layers": 1}))
+    with pytest.raises(ValueError, match="lacks 'hidden_size'"):
+        read_arch_config(ModelSource("x", tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForCausalLM"], "vocab_size": 64, "num_attention_heads": 2,
+        "hidden_size": 32, "num_hidden_layers": 2, "layer_types": ["sliding_attention"]}))
+    with pytest.raises(ValueError, match="layer_types must list"):
+        read_arch_config(ModelSource("x", tmp_path))

@@ -29,6 +29,7 @@ CASES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "mistral-sliding-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 32}),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
+    "qwen3-qk-norm": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
         **_GEMMA, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_GEMMA, "rope_parameters": {
@@ -78,3 +79,22 @@ def test_tiny_model_matches_transformers(tmp_path, smollm_oracle_folder, name):
     ref_prompt = ref_lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert torch.allclose(ours, ref_prompt, atol=1e-4), (ours - ref_prompt).abs().max()
     assert out.outputs[0].token_ids == ref_tokens
+
+
+def test_sliding_window_model_reuses_blocks_behind_the_window(tmp_path, smollm_oracle_folder):
+    """Mistral with a 32-token window in a KV cache of 12 blocks of 16 tokens: three 150-token
+    prompts need 30 blocks at once without freeing. The blocks behind each window are given back
+    and reused by the others, and the output still matches transformers."""
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "mistral-sliding-window")
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(100, 49000, (150,), generator=gen).tolist() for _ in range(3)]
+    with torch.inference_mode():
+        expected = [ref.generate(torch.tensor([p]), do_sample=False, max_new_tokens=8,
+                                 pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    block_bytes = 2 * 16 * 2 * 16 * 4 * 2  # K and V, 16 tokens, 2 KV heads of 16, fp32, 2 layers
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=12 * block_bytes,
+              max_num_batched_tokens=64)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.client.core.num_blocks == 12

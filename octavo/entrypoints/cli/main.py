@@ -5,14 +5,14 @@ import argparse
 import logging
 import sys
 
-from octavo.entrypoints.cli import bench, generate, pull, serve
+from octavo.entrypoints.cli import bench, generate, models, pull, serve
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="octavo", description="LLM inference engine")
     parser.add_argument("--log-level", default="INFO", help="logging level")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (serve, generate, pull, bench):
+    for module in (serve, generate, pull, bench, models):
         module.register(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

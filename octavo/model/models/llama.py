@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2): RMSNorm, GQA with RoPE, SwiGLU."""
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3): RMSNorm, GQA with RoPE, SwiGLU;
+Qwen3 also RMS-normalizes q and k per head before RoPE."""
 from __future__ import annotations
 
 import torch
@@ -15,12 +16,15 @@ from octavo.model.models.base import CausalLM
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding,
+                 qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias)
         self.o_proj = Linear(q_size, [cfg.hidden_size])
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
         self.attn = PagedAttention(layer_index, self.num_heads, self.num_kv_heads, self.head_dim,
                                    scale=self.head_dim ** -0.5,
@@ -31,6 +35,8 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.shards, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim)))
 
@@ -47,9 +53,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding,
+                 qk_norm: bool) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_index, rotary)
+        self.self_attn = LlamaAttention(cfg, layer_index, rotary, qk_norm)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -60,13 +67,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ArchConfig, max_positions: int, qk_norm: bool = False) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                  cfg.max_position_embeddings)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+            LlamaDecoderLayer(cfg, i, rotary, qk_norm) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -81,9 +88,14 @@ class LlamaForCausalLM(CausalLM):
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+    qk_norm = False
 
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
         super().__init__(cfg)
-        self.model = LlamaModel(cfg, max_positions)
+        self.model = LlamaModel(cfg, max_positions, self.qk_norm)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
