@@ -44,6 +44,7 @@ class ArchConfig:
     sliding_window: int | None = None  # sliding layers attend to at most this many latest tokens
     # Per layer SLIDING or FULL; empty means every layer is sliding when sliding_window is set.
     layer_types: tuple[str, ...] = ()
+    rotary_dim: int | None = None  # RoPE covers only this many leading features of a head
     rope_local_theta: float | None = None  # RoPE base of sliding layers, when it differs (Gemma 3)
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma)
     attn_logit_softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
@@ -89,6 +90,9 @@ def _from_hf(source: ModelSource) -> ArchConfig:
         if gen_eos is not None:
             eos = tuple(gen_eos) if isinstance(gen_eos, list) else (gen_eos,)
     rope_theta, rope_scaling, local_theta = _hf_rope(text)
+    head_dim = text.get("head_dim") or hidden // heads
+    partial = (text.get("partial_rotary_factor") or text.get("rotary_pct")
+               or (text.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0)
     num_layers = need("num_hidden_layers")
     layer_types = _hf_layer_types(archs[0], text, num_layers)
     window = text.get("sliding_window")
@@ -105,7 +109,7 @@ def _from_hf(source: ModelSource) -> ArchConfig:
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=text.get("num_key_value_heads") or heads,
-        head_dim=text.get("head_dim") or hidden // heads,
+        head_dim=head_dim,
         max_position_embeddings=text.get("max_position_embeddings", 2048),
         rms_norm_eps=text.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta or 10000.0,
@@ -116,6 +120,7 @@ def _from_hf(source: ModelSource) -> ArchConfig:
         eos_token_ids=eos,
         sliding_window=window,
         layer_types=layer_types,
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
         rope_local_theta=local_theta,
         query_pre_attn_scalar=text.get("query_pre_attn_scalar"),
         attn_logit_softcap=text.get("attn_logit_softcapping"),

@@ -12,6 +12,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("octavo.model.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("octavo.model.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("octavo.model.models.llama", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("octavo.model.models.llama", "LlamaForCausalLM"),
     "Gemma2ForCausalLM": ("octavo.model.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("octavo.model.models.gemma", "Gemma3ForCausalLM"),
 }

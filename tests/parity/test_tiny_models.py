@@ -30,6 +30,16 @@ CASES = {
     "mistral-sliding-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 32}),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
     "qwen3-qk-norm": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    # partial rotary (8 of 16 features); the 150-token prompt passes the original 64: long factors
+    "phi3-longrope-partial": ("Phi3Config", "Phi3ForCausalLM", {
+        "original_max_position_embeddings": 64, "rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.3, 1.9, 2.5], "long_factor": [1.5, 2.8, 4.0, 7.0]}}),
+    "phi3-longrope-short": ("Phi3Config", "Phi3ForCausalLM", {
+        "original_max_position_embeddings": 512, "rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.2, 3.0, 4.0],
+            "long_factor": [9.0] * 8}}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
         **_GEMMA, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_GEMMA, "rope_parameters": {

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (rotate-half layout) with the common scaling variants."""
+"""Rotary position embeddings (rotate-half layout) with the common scaling variants, over the
+whole head or its first `rotary_dim` features."""
 from __future__ import annotations
 
 import math
@@ -30,7 +31,7 @@ class RotaryEmbedding(nn.Module):
                  original_max_positions: int | None = None) -> None:
         super().__init__()
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        position_scale = 1.0
+        position_scale = magnitude = 1.0
         if kind == "default":
             inv_freq = _inv_freq(head_dim, base)
         elif kind == "linear":
@@ -48,12 +49,26 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _inv_freq(head_dim, base)
         elif kind == "llama3":
             inv_freq = _llama3_inv_freq(_inv_freq(head_dim, base), scaling)
+        elif kind == "longrope":
+            # transformers picks the long factors when the sequence in a call passes the original
+            # context, the short ones otherwise; one fixed table takes the long ones when the
+            # context served passes it: identical whenever every sequence is on the same side.
+            original = scaling["original_max_position_embeddings"]
+            factor = scaling.get("factor") or (original_max_positions or original) / original
+            ext = scaling["long_factor"] if max_positions > original else scaling["short_factor"]
+            if len(ext) != head_dim // 2:
+                raise ValueError(f"longrope factors: {len(ext)} given, head_dim / 2 = "
+                                 f"{head_dim // 2} needed")
+            inv_freq = _inv_freq(head_dim, base) / torch.tensor(ext, dtype=torch.float64)
+            magnitude = scaling.get("attention_factor") or (
+                1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
         else:
             raise NotImplementedError(f"rope scaling {kind!r} is not supported yet")
         positions = torch.arange(max_positions, dtype=torch.float64) * position_scale
         freqs = torch.outer(positions, inv_freq)
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)  # [P, head_dim / 2]
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self.register_buffer("cos", (freqs.cos() * magnitude).float(),  # [P, head_dim / 2]
+                             persistent=False)
+        self.register_buffer("sin", (freqs.sin() * magnitude).float(), persistent=False)
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -71,3 +86,28 @@ class RotaryEmbedding(nn.Module):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class PartialRotaryEmbedding(RotaryEmbedding):
+    """RoPE on the first `rotary_dim` features of each head; the rest pass through (GPT-NeoX,
+    Phi-3 with partial_rotary_factor < 1)."""
+
+    def __init__(self, rotary_dim: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(rotary_dim, *args, **kwargs)
+        self.rotary_dim = rotary_dim
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.rotary_dim
+        qr, kr = super().forward(positions, q[..., :d].contiguous(), k[..., :d].contiguous())
+        return torch.cat([qr, q[..., d:]], -1), torch.cat([kr, k[..., d:]], -1)
+
+
+def make_rotary(head_dim: int, rotary_dim: int, max_positions: int, base: float,
+                scaling: dict[str, Any] | None = None,
+                original_max_positions: int | None = None) -> RotaryEmbedding:
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary dimension must be even and in (0, {head_dim}], got {rotary_dim}")
+    if rotary_dim == head_dim:
+        return RotaryEmbedding(head_dim, max_positions, base, scaling, original_max_positions)
+    return PartialRotaryEmbedding(rotary_dim, max_positions, base, scaling, original_max_positions)

@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3): RMSNorm, GQA with RoPE, SwiGLU;
-Qwen3 also RMS-normalizes q and k per head before RoPE."""
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3): RMSNorm, GQA with RoPE,
+SwiGLU. Qwen3 also RMS-normalizes q and k per head before RoPE; Phi-3 checkpoints store q/k/v and
+gate/up already packed (the names match), with longrope and possibly partial rotary."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,7 @@ from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.embedding import Embedding, LMHead
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.norm import RMSNorm
-from octavo.model.layers.rotary import RotaryEmbedding
+from octavo.model.layers.rotary import RotaryEmbedding, make_rotary
 from octavo.model.models.base import CausalLM
 
 
@@ -70,8 +71,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, max_positions: int, qk_norm: bool = False) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
-                                 cfg.max_position_embeddings)
+        rotary = make_rotary(cfg.head_dim, cfg.rotary_dim or cfg.head_dim, max_positions,
+                             cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, rotary, qk_norm) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
