@@ -34,7 +34,7 @@ class ArchConfig:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6  # of RMSNorm, or of LayerNorm in the families that use it
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
@@ -74,7 +74,10 @@ def _from_hf(source: ModelSource) -> ArchConfig:
     archs = cfg.get("architectures") or []
     if not archs:
         raise ValueError(f"model: {source.path}/config.json names no architectures")
-    text = cfg.get("text_config", cfg)
+    text = dict(cfg.get("text_config", cfg))
+    for key, alias in _ALIASES:  # GPT-2 style names
+        if text.get(key) is None and text.get(alias) is not None:
+            text[key] = text[alias]
 
     def need(key: str) -> Any:
         if text.get(key) is None:
@@ -91,8 +94,9 @@ def _from_hf(source: ModelSource) -> ArchConfig:
             eos = tuple(gen_eos) if isinstance(gen_eos, list) else (gen_eos,)
     rope_theta, rope_scaling, local_theta = _hf_rope(text)
     head_dim = text.get("head_dim") or hidden // heads
-    partial = (text.get("partial_rotary_factor") or text.get("rotary_pct")
-               or (text.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0)
+    # transformers reads the factor from rope_parameters first (its top-level copy may be stale).
+    partial = ((text.get("rope_parameters") or {}).get("partial_rotary_factor")
+               or text.get("partial_rotary_factor") or text.get("rotary_pct") or 1.0)
     num_layers = need("num_hidden_layers")
     layer_types = _hf_layer_types(archs[0], text, num_layers)
     window = text.get("sliding_window")
@@ -108,7 +112,7 @@ def _from_hf(source: ModelSource) -> ArchConfig:
         intermediate_size=text.get("intermediate_size") or 4 * hidden,
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=text.get("num_key_value_heads") or heads,
+        num_kv_heads=(heads if archs[0] in _MHA_ONLY else text.get("num_key_value_heads") or heads),
         head_dim=head_dim,
         max_position_embeddings=text.get("max_position_embeddings", 2048),
         rms_norm_eps=text.get("rms_norm_eps", 1e-6),
@@ -127,6 +131,15 @@ def _from_hf(source: ModelSource) -> ArchConfig:
         final_logit_softcap=text.get("final_logit_softcapping"),
         extra=text,
     )
+
+
+# Families without grouped-query attention: a num_key_value_heads in their config means nothing.
+_MHA_ONLY = {"GPTNeoXForCausalLM", "GPT2LMHeadModel"}
+_ALIASES = [("hidden_size", "n_embd"), ("num_attention_heads", "n_head"),
+            ("num_hidden_layers", "n_layer"), ("max_position_embeddings", "n_positions"),
+            ("intermediate_size", "n_inner"), ("hidden_act", "activation_function"),
+            ("rms_norm_eps", "layer_norm_eps"), ("rms_norm_eps", "layer_norm_epsilon"),
+            ("rope_theta", "rotary_emb_base")]
 
 
 def _hf_rope(text: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None, float | None]:

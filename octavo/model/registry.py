@@ -13,6 +13,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("octavo.model.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("octavo.model.models.llama", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("octavo.model.models.llama", "LlamaForCausalLM"),
+    "GPTNeoXForCausalLM": ("octavo.model.models.gpt_neox", "GPTNeoXForCausalLM"),
+    "GPT2LMHeadModel": ("octavo.model.models.gpt2", "GPT2LMHeadModel"),
     "Gemma2ForCausalLM": ("octavo.model.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("octavo.model.models.gemma", "Gemma3ForCausalLM"),
 }

@@ -40,6 +40,14 @@ CASES = {
             "rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.2, 3.0, 4.0],
             "long_factor": [9.0] * 8}}),
+    "gpt-neox-parallel": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {
+        "layer_norm_eps": 1e-5, "use_parallel_residual": True}),  # rotary on 4 of 16 features
+    "gpt-neox-sequential": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0,
+                            "partial_rotary_factor": 0.5},
+        "use_parallel_residual": False, "tie_word_embeddings": True}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {
+        "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "n_inner": 96}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
         **_GEMMA, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_GEMMA, "rope_parameters": {
@@ -57,7 +65,8 @@ def _build(tmp_path, tokenizer_folder, name):
 
     config_cls, model_cls, extra = CASES[name]
     vocab = 49152  # the SmolLM2 tokenizer, copied in so the folder is a complete model
-    config = getattr(transformers, config_cls)(vocab_size=vocab, **{**_COMMON, **extra})
+    base = {} if config_cls == "GPT2Config" else _COMMON  # GPT-2 has names of its own
+    config = getattr(transformers, config_cls)(vocab_size=vocab, **{**base, **extra})
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():  # larger weights than the default init, so differences show

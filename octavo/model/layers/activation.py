@@ -1,4 +1,4 @@
-"""Gated activations on a packed [gate | up] projection."""
+"""Activations: plain ones, and gated ones on a packed [gate | up] projection."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,16 @@ _ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
 }
+
+
+def activation(name: str):
+    if name not in _ACTIVATIONS:
+        raise NotImplementedError(f"activation {name!r} is not supported; supported: "
+                                  f"{', '.join(sorted(_ACTIVATIONS))}")
+    return _ACTIVATIONS[name]
 
 
 def gated_act(name: str):

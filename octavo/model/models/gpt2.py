@@ -1,0 +1,96 @@
+"""GPT-2: learned absolute positions, LayerNorm with bias, a plain GELU MLP, and Conv1D weights
+(stored [in, out], transposed on load)."""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from octavo.arch_config import ArchConfig
+from octavo.model.layers.activation import activation
+from octavo.model.layers.attention import PagedAttention
+from octavo.model.layers.embedding import Embedding, LMHead
+from octavo.model.layers.linear import Linear
+from octavo.model.models.base import CausalLM
+
+_CONV1D = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")
+_MASK_BUFFER = re.compile(r"\.attn\.(bias|masked_bias)$")
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_index: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.c_attn = Linear(h, [h, h, h], bias=True)
+        self.c_proj = Linear(h, [h], bias=True)
+        scale = self.head_dim ** -0.5 if cfg.extra.get("scale_attn_weights", True) else 1.0
+        if cfg.extra.get("scale_attn_by_inverse_layer_idx"):
+            scale /= layer_index + 1
+        self.attn = PagedAttention(layer_index, self.num_heads, self.num_heads, self.head_dim, scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = (y.view(t, self.num_heads, self.head_dim)
+                   for y in self.c_attn(x).split(self.c_attn.shards, dim=-1))
+        return self.c_proj(self.attn(q, k, v))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.c_fc = Linear(cfg.hidden_size, [cfg.intermediate_size], bias=True)
+        self.c_proj = Linear(cfg.intermediate_size, [cfg.hidden_size], bias=True)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_index: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = GPT2Attention(cfg, layer_index)
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GPT2MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__()
+        if max_positions > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_positions}) exceeds the {cfg.max_position_embeddings}"
+                             " positions GPT-2 learned")
+        self.wte = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.wte(input_ids) + self.wpe(positions)
+        for block in self.h:
+            x = block(x)
+        return self.ln_f(x)
+
+
+class GPT2LMHeadModel(CausalLM):
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__(cfg)
+        self.model = GPT2Model(cfg, max_positions)
+        # GPT-2 always ties its head to the token embeddings.
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, self.model.wte)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if _MASK_BUFFER.search(name) or name == "lm_head.weight":
+            return None
+        name = name.removeprefix("transformer.")
+        return super().checkpoint_name(f"model.{name}")
+
+    def convert_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.t() if _CONV1D.search(name) else tensor

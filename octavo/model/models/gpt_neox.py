@@ -1,0 +1,98 @@
+"""GPT-NeoX (Pythia): LayerNorm with bias, fused per-head q/k/v, partial rotary, and attention and
+MLP reading the same input in parallel (use_parallel_residual)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from octavo.arch_config import ArchConfig
+from octavo.model.layers.activation import activation
+from octavo.model.layers.attention import PagedAttention
+from octavo.model.layers.embedding import Embedding, LMHead
+from octavo.model.layers.linear import Linear
+from octavo.model.layers.rotary import RotaryEmbedding, make_rotary
+from octavo.model.models.base import CausalLM
+
+
+class NeoXAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        width = self.num_heads * self.head_dim
+        self.query_key_value = Linear(cfg.hidden_size, [width] * 3, bias=cfg.attention_bias)
+        self.dense = Linear(width, [cfg.hidden_size], bias=cfg.attention_bias)
+        self.rotary = rotary
+        self.attn = PagedAttention(layer_index, self.num_heads, self.num_heads, self.head_dim,
+                                   scale=self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = (y.view(t, self.num_heads, self.head_dim)
+                   for y in self.query_key_value(x).split(self.query_key_value.shards, dim=-1))
+        q, k = self.rotary(positions, q, k)
+        return self.dense(self.attn(q, k, v))
+
+
+class NeoXMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.dense_h_to_4h = Linear(cfg.hidden_size, [cfg.intermediate_size], bias=True)
+        self.dense_4h_to_h = Linear(cfg.intermediate_size, [cfg.hidden_size], bias=True)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
+
+
+class NeoXLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.parallel = cfg.extra.get("use_parallel_residual", True)
+        self.input_layernorm = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention = NeoXAttention(cfg, layer_index, rotary)
+        self.mlp = NeoXMLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        attn = self.attention(positions, self.input_layernorm(x))
+        if self.parallel:
+            return x + attn + self.mlp(self.post_attention_layernorm(x))
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class NeoXModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_in = Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = make_rotary(cfg.head_dim, cfg.rotary_dim or cfg.head_dim, max_positions,
+                             cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.layers = nn.ModuleList(NeoXLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_in(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.final_layer_norm(x)
+
+
+class GPTNeoXForCausalLM(CausalLM):
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__(cfg)
+        self.model = NeoXModel(cfg, max_positions)
+        tied = self.model.embed_in if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        name = name.replace("gpt_neox.", "model.", 1).replace("embed_out.", "lm_head.", 1)
+        if name.endswith((".attention.bias", ".attention.masked_bias")):
+            return None  # causal-mask buffers of old checkpoints
+        return super().checkpoint_name(name)
+
+    def convert_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if ".query_key_value." in name:
+            # Rows are [head][q|k|v][head_dim]; the packed layer wants [q|k|v][head][head_dim].
+            heads, rest = self.cfg.num_heads, tensor.shape[1:]
+            return tensor.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(tensor.shape)
+        return tensor
