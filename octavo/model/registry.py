@@ -15,6 +15,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("octavo.model.models.llama", "LlamaForCausalLM"),
     "GPTNeoXForCausalLM": ("octavo.model.models.gpt_neox", "GPTNeoXForCausalLM"),
     "GPT2LMHeadModel": ("octavo.model.models.gpt2", "GPT2LMHeadModel"),
+    "MixtralForCausalLM": ("octavo.model.models.moe", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("octavo.model.models.moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("octavo.model.models.moe", "Qwen3MoeForCausalLM"),
     "Gemma2ForCausalLM": ("octavo.model.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("octavo.model.models.gemma", "Gemma3ForCausalLM"),
 }

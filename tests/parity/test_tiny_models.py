@@ -48,6 +48,19 @@ CASES = {
         "use_parallel_residual": False, "tie_word_embeddings": True}),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {
         "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "n_inner": 96}),
+    # several experts per token; Qwen2-MoE with a shared expert and a dense layer
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 6, "num_experts_per_tok": 3, "sliding_window": None}),
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        "mlp_only_layers": [1]}),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32, "head_dim": 32,
+        "norm_topk_prob": True}),
+    "qwen3-moe-unnormalized": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+        "decoder_sparse_step": 2}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
         **_GEMMA, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_GEMMA, "rope_parameters": {

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
+from octavo.model.layers.moe import EXPERT_TENSOR
 
 
 class CausalLM(nn.Module):
@@ -45,11 +46,18 @@ class CausalLM(nn.Module):
         modules = dict(self.named_modules())
         loaded: set[str] = set()
         slots: dict[str, set[int]] = {}  # packed parameter -> slots filled so far
+        experts: dict[str, set[str]] = {}  # MoE layer -> expert tensors filled so far
         for ckpt_name, tensor in weights:
             name = self.checkpoint_name(ckpt_name)
             if name is None:
                 continue
             tensor = self.convert_tensor(name, tensor)
+            m = EXPERT_TENSOR.match(name)
+            if m and hasattr(modules.get(f"{m[1]}.experts"), "load_expert"):
+                moe = modules[f"{m[1]}.experts"]
+                experts.setdefault(f"{m[1]}.experts", set()).add(
+                    moe.load_expert(int(m[2]), m[3], tensor))
+                continue
             module_name, _, kind = name.rpartition(".")
             owner, leaf = module_name.rsplit(".", 1) if "." in module_name else ("", module_name)
             if leaf in self.packed_modules_mapping:
@@ -69,6 +77,9 @@ class CausalLM(nn.Module):
                                  f"model shape {tuple(param.shape)}")
             param.data.copy_(tensor)
             loaded.add(name)
+        for moe, filled in experts.items():
+            if len(filled) == modules[moe].num_expert_tensors():
+                loaded.update({f"{moe}.w13", f"{moe}.w2"})
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

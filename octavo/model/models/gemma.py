@@ -21,7 +21,8 @@ class GemmaAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding,
                  qk_norm: bool) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias)
         self.o_proj = Linear(q_size, [cfg.hidden_size], bias=cfg.attention_bias)
@@ -30,7 +31,8 @@ class GemmaAttention(nn.Module):
         self.rotary = rotary
         scalar = cfg.query_pre_attn_scalar or self.head_dim
         self.attn = PagedAttention(layer_index, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   scale=scalar ** -0.5, sliding_window=cfg.layer_window(layer_index),
+                                   scale=scalar ** -0.5,
+                                   sliding_window=cfg.layer_window(layer_index),
                                    softcap=cfg.attn_logit_softcap)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

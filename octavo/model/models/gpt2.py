@@ -28,7 +28,8 @@ class GPT2Attention(nn.Module):
         scale = self.head_dim ** -0.5 if cfg.extra.get("scale_attn_weights", True) else 1.0
         if cfg.extra.get("scale_attn_by_inverse_layer_idx"):
             scale /= layer_index + 1
-        self.attn = PagedAttention(layer_index, self.num_heads, self.num_heads, self.head_dim, scale)
+        self.attn = PagedAttention(layer_index, self.num_heads, self.num_heads, self.head_dim,
+                                   scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -65,8 +66,8 @@ class GPT2Model(nn.Module):
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
         super().__init__()
         if max_positions > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len ({max_positions}) exceeds the {cfg.max_position_embeddings}"
-                             " positions GPT-2 learned")
+            raise ValueError(f"max_model_len ({max_positions}) exceeds the "
+                             f"{cfg.max_position_embeddings} positions GPT-2 learned")
         self.wte = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.wpe = Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))

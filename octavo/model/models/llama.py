@@ -43,10 +43,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = Linear(cfg.intermediate_size, [cfg.hidden_size])
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, [width] * 2)
+        self.down_proj = Linear(width, [cfg.hidden_size])
         self.act = gated_act(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""Mixture of experts: top-k routing and the experts' gated MLPs computed grouped by expert.
+
+Tokens are sorted by the expert they were routed to, so each expert runs one matmul over all of
+its tokens (a loop over experts, never over tokens), then the outputs are weighted and summed back
+per token with one index_add.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from octavo.model.layers.activation import gated_act
+
+# checkpoint projection name -> (packed parameter, slot): Mixtral's w1/w3/w2 and Qwen's names
+_PROJ = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
+         "w2": ("w2", 0), "down_proj": ("w2", 0)}
+EXPERT_TENSOR = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 hidden_act: str, renormalize: bool) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.intermediate_size = intermediate_size
+        # [E, 2 * I, H]: gate rows then up rows; [E, H, I]: down
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
+                               requires_grad=False)
+        self.act = gated_act(hidden_act)
+
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> str:
+        """Copy one expert's gate, up or down weight in; returns the parameter it went to."""
+        if proj not in _PROJ or not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert tensor {expert}.{proj} has no place in this MoE layer "
+                             f"({self.num_experts} experts)")
+        name, slot = _PROJ[proj]
+        i = self.intermediate_size
+        if name == "w2":
+            dest = self.w2.data[expert]
+        else:
+            dest = self.w13.data[expert, slot * i:(slot + 1) * i]
+        if dest.shape != tensor.shape:
+            raise ValueError(f"expert {expert}.{proj}: checkpoint shape {tuple(tensor.shape)}, "
+                             f"layer shape {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        return f"{name}.{expert}.{slot}"
+
+    def num_expert_tensors(self) -> int:
+        return 3 * self.num_experts
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x: [T, H], router_logits: [T, E] -> [T, H]"""
+        probs = router_logits.float().softmax(-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        flat = experts.reshape(-1)  # [T * k]
+        order = flat.argsort(stable=True)
+        token = order // self.top_k  # the token each sorted row came from
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        xs = x.index_select(0, token)  # [T * k, H], grouped by expert
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = xs[start:start + n]
+                ys[start:start + n] = self.act(rows @ self.w13[e].t()) @ self.w2[e].t()
+                start += n
+        ys = ys * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, ys)

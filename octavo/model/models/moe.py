@@ -1,0 +1,115 @@
+"""Mixture-of-experts decoders on Llama-style attention: Mixtral (every layer sparse, top-k weights
+renormalized), Qwen2-MoE (a sigmoid-gated shared expert beside the routed ones, q/k/v bias) and
+Qwen3-MoE (q/k norm). Qwen's mlp_only_layers and decoder_sparse_step keep some layers dense."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from octavo.arch_config import ArchConfig
+from octavo.model.layers.embedding import Embedding, LMHead
+from octavo.model.layers.linear import Linear
+from octavo.model.layers.moe import FusedMoE
+from octavo.model.layers.norm import RMSNorm
+from octavo.model.layers.rotary import RotaryEmbedding, make_rotary
+from octavo.model.models.base import CausalLM
+from octavo.model.models.llama import LlamaAttention, LlamaMLP
+
+
+def _moe_setting(cfg: ArchConfig, key: str, *aliases: str):
+    for k in (key, *aliases):
+        if cfg.extra.get(k) is not None:
+            return cfg.extra[k]
+    raise ValueError(f"config.json lacks {key!r}, which {cfg.architecture} needs")
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ArchConfig, renormalize: bool, shared_expert: bool) -> None:
+        super().__init__()
+        num_experts = _moe_setting(cfg, "num_experts", "num_local_experts")
+        width = cfg.extra.get("moe_intermediate_size") or cfg.intermediate_size
+        self.gate = Linear(cfg.hidden_size, [num_experts])
+        self.experts = FusedMoE(num_experts, _moe_setting(cfg, "num_experts_per_tok"),
+                                cfg.hidden_size, width, cfg.hidden_act, renormalize)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_expert:
+            self.shared_expert = LlamaMLP(cfg, _moe_setting(cfg, "shared_expert_intermediate_size"))
+            self.shared_expert_gate = Linear(cfg.hidden_size, [1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class MoeDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding, qk_norm: bool,
+                 mlp: nn.Module, mlp_name: str) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_index, rotary, qk_norm)
+        self.mlp_name = mlp_name
+        setattr(self, mlp_name, mlp)  # the checkpoint's name: mlp or block_sparse_moe
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
+
+
+class MoeModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_positions: int, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class _MoeForCausalLM(CausalLM):
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+    qk_norm = False
+    shared_expert = False
+    mlp_name = "mlp"
+
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__(cfg)
+        rotary = make_rotary(cfg.head_dim, cfg.rotary_dim or cfg.head_dim, max_positions,
+                             cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        layers = [MoeDecoderLayer(cfg, i, rotary, self.qk_norm, self._mlp(cfg, i), self.mlp_name)
+                  for i in range(cfg.num_layers)]
+        self.model = MoeModel(cfg, max_positions, layers)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
+
+    def _mlp(self, cfg: ArchConfig, layer: int) -> nn.Module:
+        step = cfg.extra.get("decoder_sparse_step") or 1
+        if layer in (cfg.extra.get("mlp_only_layers") or []) or (layer + 1) % step:
+            return LlamaMLP(cfg)
+        return SparseMoeBlock(cfg, bool(cfg.extra.get("norm_topk_prob", False)),
+                              self.shared_expert)
+
+
+class MixtralForCausalLM(_MoeForCausalLM):
+    mlp_name = "block_sparse_moe"
+
+    def _mlp(self, cfg: ArchConfig, layer: int) -> nn.Module:
+        return SparseMoeBlock(cfg, renormalize=True, shared_expert=False)
+
+
+class Qwen2MoeForCausalLM(_MoeForCausalLM):
+    shared_expert = True
+
+
+class Qwen3MoeForCausalLM(_MoeForCausalLM):
+    qk_norm = True
