@@ -186,7 +186,10 @@ def _from_gguf(source: ModelSource) -> ArchConfig:
         raise NotImplementedError(
             f"GGUF architecture {arch!r} is not supported yet; supported: "
             f"{', '.join(GGUF_ARCHITECTURES)}")
-    vocab = meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    vocab = meta.get(f"{arch}.vocab_size") or (int(embd.shape[-1]) if embd is not None else None)
+    if vocab is None:
+        raise ValueError(f"model: {source.path} has neither {arch}.vocab_size nor token_embd")
     hidden = meta[f"{arch}.embedding_length"]
     heads = meta[f"{arch}.attention.head_count"]
     names = {t.name for t in reader.tensors}
