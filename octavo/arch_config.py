@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from octavo.model_source import ModelSource
+from octavo.params import SamplingParams
 
 # GGUF `general.architecture` -> the Hugging Face architecture name octavo registers it under.
 GGUF_ARCHITECTURES = {
@@ -21,6 +22,8 @@ GGUF_ARCHITECTURES = {
 }
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+# generation_config.json keys that become request defaults (the SamplingParams field names)
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ class ArchConfig:
     attention_bias: bool = False
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()  # from generation_config.json, when it names several
+    # generation_config.json's sampling settings, the defaults of requests that leave them unset
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     sliding_window: int | None = None  # sliding layers attend to at most this many latest tokens
     # Per layer SLIDING or FULL; empty means every layer is sliding when sliding_window is set.
     layer_types: tuple[str, ...] = ()
@@ -87,11 +92,18 @@ def _from_hf(source: ModelSource) -> ArchConfig:
     heads = need("num_attention_heads")
     hidden = need("hidden_size")
     eos: tuple[int, ...] = ()
+    sampling: dict[str, Any] = {}
     gen_path = source.path / "generation_config.json"
     if gen_path.is_file():
-        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        gen = json.loads(gen_path.read_text())
+        gen_eos = gen.get("eos_token_id")
         if gen_eos is not None:
             eos = tuple(gen_eos) if isinstance(gen_eos, list) else (gen_eos,)
+        sampling = {k: gen[k] for k in SAMPLING_KEYS if gen.get(k) is not None}
+        try:
+            SamplingParams(**sampling)
+        except ValueError as exc:
+            raise ValueError(f"model: {gen_path}: {exc}") from None
     rope_theta, rope_scaling, local_theta = _hf_rope(text)
     head_dim = text.get("head_dim") or hidden // heads
     # transformers reads the factor from rope_parameters first (its top-level copy may be stale).
@@ -123,6 +135,7 @@ def _from_hf(source: ModelSource) -> ArchConfig:
                                 text.get("qkv_bias", archs[0].startswith("Qwen2"))),
         hidden_act=text.get("hidden_activation") or text.get("hidden_act", "silu"),
         eos_token_ids=eos,
+        sampling_defaults=sampling,
         sliding_window=window,
         layer_types=layer_types,
         rotary_dim=int(head_dim * partial) if partial != 1.0 else None,

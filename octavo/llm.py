@@ -29,6 +29,11 @@ class LLM:
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json settings (temperature, top_p,
+        top_k, min_p, repetition_penalty) in place of the built-in defaults."""
+        return SamplingParams(**self.engine.arch.sampling_defaults)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None
@@ -39,7 +44,8 @@ class LLM:
         prompts = list(prompts)
         if not prompts:
             return []
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else \
+            self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

@@ -49,3 +49,28 @@ def test_bad_model_arguments(arg, message):
 def test_folder_without_config(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         resolve_model(str(tmp_path))
+
+
+def test_generation_config_sampling_settings_become_request_defaults(tmp_path):
+    import json
+
+    import pytest
+
+    from octavo.arch_config import read_arch_config
+    from octavo.model_source import ModelSource
+    from octavo.params import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "num_attention_heads": 2, "num_hidden_layers": 1}))
+    gen = {"eos_token_id": [2, 5], "temperature": 0.6, "top_p": 0.9, "top_k": 20,
+           "do_sample": True, "max_length": 99}
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    arch = read_arch_config(ModelSource("x", tmp_path))
+    assert arch.eos_token_ids == (2, 5)
+    assert arch.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    params = SamplingParams(**arch.sampling_defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.6, 0.9, 20, 0.0)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
+    with pytest.raises(ValueError, match="generation_config.json: top_p must be"):
+        read_arch_config(ModelSource("x", tmp_path))

@@ -130,3 +130,21 @@ def test_sliding_window_model_reuses_blocks_behind_the_window(tmp_path, smollm_o
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.client.core.num_blocks == 12
+
+
+def test_generation_config_sets_request_defaults(tmp_path, smollm_oracle_folder):
+    """temperature 0 in generation_config.json makes a request without SamplingParams greedy."""
+    import json
+
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "llama-default")
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 5}))
+    prompt = list(range(200, 240))
+    with torch.inference_mode():
+        expected = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16,
+                                pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k) == (0.0, 5)
+    outs = [llm.generate([prompt], use_tqdm=False)[0] for _ in range(2)]
+    got = outs[0].outputs[0].token_ids
+    assert got == outs[1].outputs[0].token_ids == expected[:len(got)] and len(got) >= 1

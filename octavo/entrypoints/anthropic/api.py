@@ -129,7 +129,7 @@ async def messages(body: MessagesRequest, request: Request):
     ids = _prompt_ids(state, _conversation(body))
     if body.max_tokens < 1:
         raise APIError(400, f"max_tokens must be >= 1, got {body.max_tokens}", "max_tokens")
-    defaults = SamplingParams()
+    defaults = SamplingParams(**state.engine.setup.arch.sampling_defaults)
     params = SamplingParams(
         max_tokens=body.max_tokens, stop=body.stop_sequences,
         temperature=defaults.temperature if body.temperature is None else body.temperature,

@@ -18,7 +18,7 @@ from octavo.entrypoints.http import (
 from octavo.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from octavo.entrypoints.openai.protocol import (
     UNSUPPORTED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
-from octavo.params import CompletionOutput, RequestOutput
+from octavo.params import CompletionOutput, RequestOutput, SamplingParams
 from octavo.serving.chat_template import render_chat
 
 router = APIRouter()
@@ -122,7 +122,7 @@ async def completions(body: CompletionRequest, request: Request):
         raise APIError(400, "prompt must not be empty", "prompt")
     params = body.sampling_params(body.max_tokens, body.logprobs,
                                   body.logprobs if body.echo and body.logprobs is not None
-                                  else None)
+                                  else None, _model_defaults(state))
     engine = state.engine
     rid = f"cmpl-{uuid.uuid4().hex}"
     prepared = [engine.prepare(f"{rid}-{i}", p, params, body.priority, body.cache_salt)
@@ -225,7 +225,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.sampling_params(max_tokens, logprobs)
+    params = body.sampling_params(max_tokens, logprobs, defaults=_model_defaults(state))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     prepared = engine.prepare(rid, ids, params, body.priority, body.cache_salt)
     created = int(time.time())
@@ -286,3 +286,7 @@ async def _stream_chat(body: ChatCompletionRequest, prepared: PreparedRequest,
         yield _sse({**base, "choices": [],
                     "usage": _usage(len(prepared.prompt_token_ids), n_out, cached)})
     yield "data: [DONE]\n\n"
+
+
+def _model_defaults(state) -> SamplingParams:
+    return SamplingParams(**state.engine.setup.arch.sampling_defaults)

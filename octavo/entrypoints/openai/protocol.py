@@ -88,8 +88,10 @@ class _Common(BaseModel):
                 if name in self.model_fields_set and getattr(self, name, None) is not None]
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        defaults = SamplingParams()
+                        prompt_logprobs: int | None = None,
+                        defaults: SamplingParams | None = None) -> SamplingParams:
+        """`defaults` (the model's generation_config) fills the fields the request left unset."""
+        defaults = defaults or SamplingParams()
         return SamplingParams(
             n=self.n,
             temperature=defaults.temperature if self.temperature is None else self.temperature,
