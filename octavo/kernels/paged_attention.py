@@ -3,7 +3,8 @@
 The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`; token slot
 `s = block_id * block_size + offset`. Requests are grouped into decodes (one query token) and
 prefills (several); each group is padded to its longest query and context and run through one
-`scaled_dot_product_attention` call, so no Python loop runs over requests.
+`scaled_dot_product_attention` call, so no Python loop runs over requests. With the C++ kernels
+loaded, decodes skip the padding: one call reads each request's keys in place from its blocks.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from octavo.kernels import fused
 
 SMALL_GROUP = 4  # requests; below this the matmul path computes in fp32
 
@@ -26,19 +28,31 @@ class AttentionGroup:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token requests for the in-place kernel (no padding, no gathered copies)."""
+
+    token_index: torch.Tensor  # [R] position of each request's query in the flat tokens
+    block_table: torch.Tensor  # [R, max_blocks]
+    seq_lens: torch.Tensor  # [R]
+    window: int | None
+
+
+@dataclass
 class AttentionPlan:
     num_tokens: int
     slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
     groups: list[AttentionGroup]
+    decode: DecodeGroup | None = None
 
 
 def build_plan(query_lens: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
                block_size: int, sliding_window: int | None = None,
-               device: torch.device | str = "cpu") -> AttentionPlan:
+               device: torch.device | str = "cpu", native_decode: bool = False) -> AttentionPlan:
     """Index tensors for one step, shared by every layer.
 
     query_lens[r]: tokens of request r computed this step; seq_lens[r]: its context length after
     this step; block_table[r]: its block ids (padded). Tokens are laid out request after request.
+    native_decode: single-token requests go to the C++ kernel (`fused.decode_attention`).
     """
     num_tokens = int(query_lens.sum())
     starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]])
@@ -46,12 +60,22 @@ def build_plan(query_lens: np.ndarray, seq_lens: np.ndarray, block_table: np.nda
     pos = seq_lens[req_of_token] - query_lens[req_of_token] + (
         np.arange(num_tokens) - starts[req_of_token])
     slots = block_table[req_of_token, pos // block_size] * block_size + pos % block_size
-    groups = []
-    for members in (np.flatnonzero(query_lens == 1), np.flatnonzero(query_lens > 1)):
+    groups, decode = [], None
+    decodes = np.flatnonzero(query_lens == 1)
+    if native_decode and len(decodes):
+        used_blocks = -(-int(seq_lens[decodes].max()) // block_size)
+        decode = DecodeGroup(
+            torch.from_numpy(starts[decodes].astype(np.int64)).to(device),
+            torch.from_numpy(np.ascontiguousarray(block_table[decodes, :used_blocks],
+                                                  np.int64)).to(device),
+            torch.from_numpy(seq_lens[decodes].astype(np.int64)).to(device), sliding_window)
+        decodes = decodes[:0]
+    for members in (decodes, np.flatnonzero(query_lens > 1)):
         if len(members):
             groups.append(_group(members, query_lens, seq_lens, starts, block_table, block_size,
                                  num_tokens, sliding_window, device))
-    return AttentionPlan(num_tokens, torch.from_numpy(slots.astype(np.int64)).to(device), groups)
+    return AttentionPlan(num_tokens, torch.from_numpy(slots.astype(np.int64)).to(device), groups,
+                         decode)
 
 
 def _group(members: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, starts: np.ndarray,
@@ -76,20 +100,18 @@ def _group(members: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, st
         torch.from_numpy(mask[:, None]).to(device))
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys and values ([T, num_kv_heads, head_dim]) in their slots."""
-    _, _, _, kvh, d = kv_cache.shape
-    kv_cache[0].view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
-
-
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan,
                     scale: float, softcap: float | None = None) -> torch.Tensor:
     """q: [T, num_heads, head_dim] -> [T, num_heads, head_dim]. K/V must already be written."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, _, kvh, _ = kv_cache.shape
     out = torch.empty_like(q)
+    if plan.decode is not None:
+        d = plan.decode
+        fused.decode_attention(out, q, kv_cache, d.token_index, d.block_table, d.seq_lens, scale,
+                               softcap, d.window)
+    if not plan.groups:
+        return out
     q_padded = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
     k_flat = kv_cache[0].view(-1, kvh, head_dim)
     v_flat = kv_cache[1].view(-1, kvh, head_dim)

@@ -15,8 +15,10 @@ from octavo.worker.sampler import Sampler, gather_logprobs
 class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, max_num_seqs: int,
                  max_model_len: int, block_size: int, vocab_size: int, eos_token_ids: list[int],
-                 seed: int, sliding_window: int | None = None) -> None:
+                 seed: int, sliding_window: int | None = None,
+                 native_decode: bool = False) -> None:
         self.model = model
+        self.native_decode = native_decode
         self.device = device
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
@@ -51,11 +53,12 @@ class ModelRunner:
         input_ids = b.token_ids[rows[req_of_token], positions]
 
         tables = b.block_table[rows]
-        plan = build_plan(query_lens, seq_lens, tables, self.block_size, device=self.device)
+        plan = build_plan(query_lens, seq_lens, tables, self.block_size, device=self.device,
+                          native_decode=self.native_decode)
         sliding = None
         if self.sliding_window is not None:
             sliding = build_plan(query_lens, seq_lens, tables, self.block_size,
-                                 self.sliding_window, self.device)
+                                 self.sliding_window, self.device, self.native_decode)
         positions_t = torch.from_numpy(positions).to(self.device)
         with forward_context(ForwardContext(plan, self.kv_caches, sliding)):
             hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions_t)

@@ -10,6 +10,7 @@ import torch
 from octavo.arch_config import ArchConfig
 from octavo.config import EngineConfig
 from octavo.core.contract import ModelOutput, SchedulerOutput
+from octavo.kernels import fused
 from octavo.model.loader import load_model
 from octavo.model_source import ModelSource
 from octavo.worker.model_runner import ModelRunner
@@ -52,6 +53,7 @@ class Worker:
         self.runner: ModelRunner | None = None
 
     def load_model(self) -> None:
+        native = fused.enable_native(self.device.type == "cpu")
         start = time.perf_counter()
         model = load_model(self.source, self.arch, self.dtype, self.device, self.max_model_len,
                            self.config.model.decode_weights)
@@ -61,7 +63,7 @@ class Worker:
         self.runner = ModelRunner(
             model, self.device, sched.max_num_seqs, self.max_model_len,
             self.config.cache.block_size, self.arch.vocab_size, self.eos_token_ids,
-            self.config.device.seed, self.arch.sliding_window)
+            self.config.device.seed, self.arch.sliding_window, native_decode=native)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         a = self.arch

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from octavo.kernels.paged_attention import build_plan, paged_attention, write_kv
+from octavo.kernels import fused
+from octavo.kernels.fused import write_kv
+from octavo.kernels.paged_attention import build_plan, paged_attention
 
 
 def _dense(q, k, v, start, scale, window=None, softcap=None):
@@ -25,9 +27,11 @@ def _dense(q, k, v, start, scale, window=None, softcap=None):
     return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v.double())
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 30.0)])
-def test_mixed_batch_matches_dense(block_size, window, softcap):
+def test_mixed_batch_matches_dense(block_size, window, softcap, native, native_kernels):
+    fused.enable_native(native)
     rng = np.random.default_rng(block_size)
     heads, kv_heads, dim = 6, 2, 8
     # (already computed, computed now): decodes, fresh prefills, later chunks, block edges.
@@ -56,7 +60,8 @@ def test_mixed_batch_matches_dense(block_size, window, softcap):
             write_kv(cache, k[:done], v[:done], ctx.slot_mapping)
     query_lens = np.array([n for _, n in reqs])
     seq_lens = np.array([d + n for d, n in reqs])
-    plan = build_plan(query_lens, seq_lens, table, block_size, window)
+    plan = build_plan(query_lens, seq_lens, table, block_size, window, native_decode=native)
+    assert (plan.decode is not None) == native
     q_all = [torch.randn(n, heads, dim) for _, n in reqs]
     write_kv(cache, torch.cat([k[d:] for k, (d, _) in zip(full_k, reqs)]),
              torch.cat([v[d:] for v, (d, _) in zip(full_v, reqs)]), plan.slot_mapping)

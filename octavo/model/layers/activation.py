@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from octavo.kernels.fused import silu_and_mul
+
 _ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -23,6 +25,8 @@ def activation(name: str):
 def gated_act(name: str):
     if name not in _ACTIVATIONS:
         raise NotImplementedError(f"activation {name!r} is not supported")
+    if name == "silu":
+        return silu_and_mul
     act = _ACTIVATIONS[name]
 
     def act_and_mul(x: torch.Tensor) -> torch.Tensor:

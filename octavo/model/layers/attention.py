@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from octavo.kernels.paged_attention import paged_attention, write_kv
+from octavo.kernels.fused import write_kv
+from octavo.kernels.paged_attention import paged_attention
 from octavo.model.context import get_forward_context
 
 

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from octavo.kernels.fused import rotary
+
 
 def _inv_freq(dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -70,22 +72,18 @@ class RotaryEmbedding(nn.Module):
                              persistent=False)
         self.register_buffer("sin", (freqs.sin() * magnitude).float(), persistent=False)
         self._positions: torch.Tensor | None = None
-        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._step_angles: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D], rotated at `positions` [T]."""
+        """q: [T, H, D], k: [T, KVH, D], rotated at `positions` [T] (in place where the kernel
+        runs)."""
         # One instance serves every layer: look the step's angles up once, not once per layer.
         if self._positions is not positions:
             self._positions = positions
-            self._cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
-        cos, sin = self._cos_sin
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+            self._step_angles = (self.cos[positions].unsqueeze(1),
+                                 self.sin[positions].unsqueeze(1))
+        return rotary(positions, q, k, self.cos, self.sin, self._step_angles)
 
 
 class PartialRotaryEmbedding(RotaryEmbedding):

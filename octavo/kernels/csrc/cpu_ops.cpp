@@ -1,0 +1,266 @@
+// Fused CPU kernels for the decode hot path. Each one replaces a chain of small ATen calls whose
+// dispatch cost, not arithmetic, dominates a decode step of a small model. Every kernel has a
+// pure-PyTorch twin in octavo/kernels/ops.py that the tests compare it with.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_f(T v) { return static_cast<float>(v); }
+
+// K and V of one step go to their cache slots: cache [num_blocks, block_size, kv_heads, head_dim]
+// viewed as rows of kv_heads * head_dim, one row per slot.
+template <typename src_t, typename cache_t>
+void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots, int64_t n) {
+  const int64_t width = cache.size(2) * cache.size(3);
+  const int64_t heads = src.size(1), dim = src.size(2);
+  const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2);
+  const src_t* in = src.data_ptr<src_t>();
+  cache_t* out = cache.data_ptr<cache_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    cache_t* row = out + slots[t] * width;
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t d = 0; d < dim; ++d)
+        row[h * dim + d] = static_cast<cache_t>(to_f(in[t * s0 + h * s1 + d * s2]));
+  }
+}
+
+template <typename cache_t>
+void write_kv_typed(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kc,
+                    torch::Tensor& vc, const int64_t* slots, int64_t n) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+    write_rows<scalar_t, cache_t>(k, kc, slots, n);
+    write_rows<scalar_t, cache_t>(v, vc, slots, n);
+  });
+}
+
+// One query token per request over its paged context. Work items are (request, kv head); the
+// query heads sharing a KV head read each key once. Scores are exact (two passes: logits, then a
+// max-subtracted softmax), matching the reference up to float rounding.
+template <typename q_t, typename cache_t>
+void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kc,
+                            const torch::Tensor& vc, const torch::Tensor& token_index,
+                            const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                            double scale, double softcap, int64_t window) {
+  const int64_t num_req = token_index.size(0);
+  const int64_t heads = q.size(1), dim = q.size(2);
+  const int64_t block_size = kc.size(1), kv_heads = kc.size(2);
+  const int64_t group = heads / kv_heads;
+  const int64_t row = kv_heads * dim;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t bt_stride = block_table.stride(0);
+  const q_t* qp = q.data_ptr<q_t>();
+  q_t* op = out.data_ptr<q_t>();
+  const cache_t* kp = kc.data_ptr<cache_t>();
+  const cache_t* vp = vc.data_ptr<cache_t>();
+  const int64_t* tok = token_index.data_ptr<int64_t>();
+  const int64_t* tables = block_table.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
+
+  at::parallel_for(0, num_req * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / kv_heads, kvh = item % kv_heads;
+      const int64_t len = lens[r];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      const int64_t* table = tables + r * bt_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const q_t* src = qp + tok[r] * qs0 + (kvh * group + g) * qs1;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_f(src[d]);
+      }
+      scores.assign(group * n, 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = first + j;
+        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+        const cache_t* key = kp + slot * row + kvh * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < dim; ++d) dot += qg[d] * to_f(key[d]);
+          float s = dot * fscale;
+          if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
+          scores[g * n + j] = s;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * n;
+        const float peak = *std::max_element(sg, sg + n);
+        float total = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          sg[j] = std::exp(sg[j] - peak);
+          total += sg[j];
+        }
+        const float inv = 1.f / total;
+        for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = first + j;
+        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+        const cache_t* value = vp + slot * row + kvh * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * n + j];
+          float* ag = acc.data() + g * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) ag[d] += p * to_f(value[d]);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        q_t* dst = op + tok[r] * os0 + (kvh * group + g) * os1;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<q_t>(acc[g * dim + d]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void rms_norm_typed(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+                    double eps) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * width;
+      float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+      for (int64_t i = 0; i < width; ++i) sq += to_f(xr[i]) * to_f(xr[i]);
+      const float inv = 1.f / std::sqrt(sq / width + static_cast<float>(eps));
+      T* orow = op + r * width;
+      // The normalized value is rounded to the input dtype before the weight is applied, as
+      // the reference implementations do.
+      for (int64_t i = 0; i < width; ++i)
+        orow[i] = static_cast<T>(to_f(static_cast<T>(to_f(xr[i]) * inv)) * to_f(wp[i]));
+    }
+  });
+}
+
+// Rotate-half RoPE applied in place to x [T, heads, dim] (any strides with a unit last stride).
+template <typename T>
+void rotary_typed(torch::Tensor& x, const int64_t* pos, const float* cos, const float* sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  T* xp = x.data_ptr<T>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + pos[t] * half;
+      const float* s = sin + pos[t] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = xp + t * s0 + h * s1;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = to_f(v[i]), b = to_f(v[i + half]);
+          v[i] = static_cast<T>(a * c[i] - b * s[i]);
+          v[i + half] = static_cast<T>(b * c[i] + a * s[i]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_typed(torch::Tensor& out, const torch::Tensor& x) {
+  const int64_t rows = x.size(0), width = out.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = xp + r * 2 * width;
+      const T* up = gate + width;
+      T* o = op + r * width;
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = to_f(gate[i]);
+        // silu is rounded to the input dtype before the product, as in F.silu(gate) * up.
+        const float act = to_f(static_cast<T>(g / (1.f + std::exp(-g))));
+        o[i] = static_cast<T>(act * to_f(up[i]));
+      }
+    }
+  });
+}
+
+void check_cache(const torch::Tensor& kc, const torch::Tensor& vc) {
+  TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous(),
+              "cache must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(kc.scalar_type() == vc.scalar_type(), "K and V caches differ in dtype");
+}
+
+}  // namespace
+
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t n = slot_mapping.size(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "write_kv_c",
+                                  [&] { write_kv_typed<scalar_t>(k, v, k_cache, v_cache, slots, n); });
+}
+
+void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                      torch::Tensor v_cache, torch::Tensor token_index, torch::Tensor block_table,
+                      torch::Tensor seq_lens, double scale, double softcap, int64_t window) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "out and q differ in dtype");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(token_index.is_contiguous() && seq_lens.is_contiguous() &&
+              block_table.stride(1) == 1, "index tensors must be contiguous");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_q", [&] {
+    using q_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_c",
+                                    [&] {
+      decode_attention_typed<q_t, scalar_t>(out, q, k_cache, v_cache, token_index, block_table,
+                                            seq_lens, scale, softcap, window);
+    });
+  });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm needs contiguous inputs");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm weight dtype differs");
+  auto flat = x.view({-1, x.size(-1)});
+  auto out = torch::empty_like(flat);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_typed<scalar_t>(out, flat, weight, eps);
+  });
+  return out.view(x.sizes());
+}
+
+void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
+                    torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary needs [T, heads, dim], dim contiguous");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous());
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous());
+  TORCH_CHECK(cos.size(1) * 2 == x.size(2), "rotary table width must be head_dim / 2");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
+    rotary_typed<scalar_t>(x, positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                           sin.data_ptr<float>());
+  });
+}
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
+              "silu_and_mul needs a contiguous [T, 2 * width] input");
+  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul",
+                                  [&] { silu_and_mul_typed<scalar_t>(out, x); });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv", &write_kv);
+  m.def("decode_attention", &decode_attention);
+  m.def("rms_norm", &rms_norm);
+  m.def("rotary_inplace", &rotary_inplace);
+  m.def("silu_and_mul", &silu_and_mul);
+}

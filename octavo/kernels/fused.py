@@ -1,0 +1,85 @@
+"""Fused ops of the decode hot path: the C++ kernel when it is loaded and the tensors are on the
+CPU, otherwise the PyTorch reference next to it (which the tests compare the kernel with)."""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from octavo.kernels import native
+
+_native: ModuleType | None = None
+
+
+def enable_native(on: bool = True) -> bool:
+    """Choose the kernels for this process; returns whether the C++ ones are in use."""
+    global _native
+    _native = native.load() if on else None
+    return _native is not None
+
+
+def native_active(x: torch.Tensor) -> bool:
+    return _native is not None and x.device.type == "cpu"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if native_active(x) and x.is_contiguous() and weight.dtype == x.dtype:
+        return _native.rms_norm(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor, step_angles: tuple[torch.Tensor, torch.Tensor]
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q [T, H, D] and k [T, KVH, D]. cos/sin: [max_positions, D / 2] fp32
+    tables; step_angles: their rows at `positions`, as [T, 1, D / 2], for the reference. The
+    kernel rotates in place (q and k may be views of the fused qkv output)."""
+    if native_active(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        _native.rotary_inplace(q, positions, cos, sin)
+        _native.rotary_inplace(k, positions, cos, sin)
+        return q, k
+    c, s = step_angles
+    return rotate_reference(q, c, s), rotate_reference(k, c, s)
+
+
+def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a packed [T, 2 * W] projection."""
+    if native_active(x) and x.dim() == 2 and x.is_contiguous():
+        return _native.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values ([T, num_kv_heads, head_dim]) in their slots."""
+    if native_active(k) and k.stride(-1) == 1 and v.stride(-1) == 1:
+        _native.write_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+        return
+    _, _, _, kvh, d = kv_cache.shape
+    kv_cache[0].view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
+                     token_index: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, softcap: float | None,
+                     window: int | None) -> None:
+    """Single-query attention read in place from the paged cache: out[token_index[r]] for each
+    request r with context seq_lens[r] (C++ only; the reference is paged_attention's padded
+    group path)."""
+    _native.decode_attention(out, q, kv_cache[0], kv_cache[1], token_index, block_table,
+                             seq_lens, scale, softcap or 0.0, window or 0)

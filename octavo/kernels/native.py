@@ -1,0 +1,84 @@
+"""octavo's C++ CPU kernels (csrc/cpu_ops.cpp), compiled once per machine and cached on disk.
+
+The build uses the system C++ compiler through `torch.utils.cpp_extension` and takes about a
+minute; later starts load the cached library in well under a second. Without a compiler, or with
+`OCTAVO_NATIVE_KERNELS=0`, the engine runs the pure-PyTorch versions of the same ops and says so
+in its log.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_lock = threading.Lock()
+_state: dict[str, ModuleType | str | None] = {}
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("OCTAVO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                          "octavo")
+    return Path(base) / "kernels"
+
+
+def _build_key() -> str:
+    """Source, torch version and CPU flags: a library built elsewhere is never reused here."""
+    import torch
+
+    h = hashlib.sha256(_SOURCE.read_bytes())
+    h.update(torch.__version__.encode())
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    h.update(flags.encode())
+    return h.hexdigest()[:16]
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("OCTAVO_NATIVE_KERNELS", "1").lower() not in ("0", "false", "no")
+
+
+def load() -> ModuleType | None:
+    """The compiled module, building it on first use; None (with the reason logged once) when it
+    cannot be had."""
+    with _lock:
+        if "module" in _state:
+            return _state["module"]  # type: ignore[return-value]
+        module = None
+        if not enabled_by_env():
+            logger.info("native CPU kernels off (OCTAVO_NATIVE_KERNELS=0): using PyTorch ops")
+        else:
+            module = _build()
+        _state["module"] = module
+        return module
+
+
+def _build() -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    key = _build_key()
+    build_dir = _cache_root() / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cached = any(build_dir.glob("*.so"))
+    start = time.perf_counter()
+    try:
+        module = cpp_extension.load(
+            name=f"octavo_cpu_ops_{key}", sources=[str(_SOURCE)], build_directory=str(build_dir),
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            verbose=False)
+    except Exception as exc:  # a missing compiler or headers: fall back, loudly
+        logger.warning("native CPU kernels unavailable (%s: %s); using PyTorch ops, decode is "
+                       "slower", type(exc).__name__, str(exc).splitlines()[0][:200])
+        return None
+    logger.info("native CPU kernels %s in %.1f s", "loaded" if cached else "built",
+                time.perf_counter() - start)
+    return module

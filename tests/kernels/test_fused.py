@@ -1,0 +1,88 @@
+"""Each C++ kernel against its PyTorch reference, in float32 and bfloat16."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from octavo.kernels import fused
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    # bf16: one rounding step of the output (2^-8 relative) can differ where fp32 sums differ.
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, width", [(1, 576), (7, 64), (33, 960)])
+def test_rms_norm(native_kernels, dtype, rows, width):
+    x = torch.randn(rows, width).to(dtype) * 3
+    w = torch.randn(width).to(dtype)
+    _close(fused.rms_norm(x, w, 1e-5), fused.rms_norm_reference(x, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_qkv_views(native_kernels, dtype):
+    tokens, heads, kv_heads, dim, max_pos = 5, 9, 3, 64, 100
+    angles = torch.outer(torch.arange(max_pos).double(),
+                         1.0 / 10000 ** (torch.arange(0, dim, 2).double() / dim))
+    cos, sin = angles.cos().float(), angles.sin().float()
+    positions = torch.tensor([0, 3, 99, 42, 7])
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)  # strided, not contiguous
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    want_q, want_k = fused.rotate_reference(q, c, s), fused.rotate_reference(k, c, s)
+    got_q, got_k = fused.rotary(positions, q, k, cos, sin, (c, s))
+    _close(got_q, want_q, dtype)
+    _close(got_k, want_k, dtype)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated in place, no copy
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(native_kernels, dtype):
+    x = torch.randn(6, 2 * 1536).to(dtype) * 4
+    gate, up = x.chunk(2, -1)
+    _close(fused.silu_and_mul(x), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_scatters_rows(native_kernels, dtype):
+    cache = torch.zeros(2, 8, 4, 3, 16, dtype=dtype)
+    want = cache.clone()
+    k, v = torch.randn(5, 3, 16), torch.randn(5, 3, 16)  # fp32 in, cast to the cache dtype
+    slots = torch.tensor([31, 0, 5, 17, 4])
+    fused.write_kv(cache, k, v, slots)
+    want[0].view(-1, 3, 16)[slots] = k.to(dtype)
+    want[1].view(-1, 3, 16)[slots] = v.to(dtype)
+    assert torch.equal(cache, want)
+
+
+def test_kernels_can_be_switched_off(native_kernels):
+    assert fused.enable_native(False) is False
+    assert not fused.native_active(torch.zeros(1))
+    assert fused.enable_native(True) is True
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window, softcap", [(None, None), (20, None), (None, 50.0)])
+def test_decode_attention_matches_padded_path(native_kernels, dtype, window, softcap):
+    import numpy as np
+
+    from octavo.kernels.paged_attention import build_plan, paged_attention
+
+    heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 40
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim).to(dtype)
+    seq_lens = np.array([1, 17, 130, 64])
+    table = np.random.default_rng(0).permutation(num_blocks)[:4 * 9].reshape(4, 9)
+    q = torch.randn(4, heads, dim).to(dtype)
+    query_lens = np.ones(4, np.int64)
+    outs = []
+    for native in (False, True):
+        plan = build_plan(query_lens, seq_lens, table, block_size, window, native_decode=native)
+        outs.append(paged_attention(q, cache, plan, dim ** -0.5, softcap))
+    _close(outs[1], outs[0], dtype)
