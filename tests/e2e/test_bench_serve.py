@@ -13,9 +13,23 @@ def test_bench_serve_reports_latencies(server, tmp_path):
     done = subprocess.run([sys.executable, "-m", "octavo.entrypoints.cli.main", "bench", "serve",
                            "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "4",
                            "--input-len", "16", "--output-len", "8", "--max-concurrency", "2",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--slo-ttft", "1e9", "--slo-tpot", "0.001", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
     assert report["completed"] == 4 and report["failed"] == 0
     assert report["output_tokens_per_s"] > 0
     assert report["ttft"]["p50_ms"] > 0 and report["tpot"]["p50_ms"] > 0
+    # No request decodes a token in a microsecond: nothing meets that TPOT bound.
+    assert report["goodput_requests_per_s"] == 0 and report["slo"]["tpot_ms"] == 0.001
+
+
+def test_bench_startup_times_a_fresh_server(smollm_gguf, tmp_path):
+    out = tmp_path / "startup.json"
+    done = subprocess.run([sys.executable, "-m", "octavo.entrypoints.cli.main", "bench", "startup",
+                           "--model", str(smollm_gguf), "--repeats", "1",
+                           "--server-args=--max-model-len 256 --kv-cache-memory 32MiB",
+                           "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert 0 < report["results"]["octavo"]["launch_to_first_token_s"] < 120

@@ -69,25 +69,6 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     assert done.returncode == 2 and "not supported yet" in done.stderr, done.stderr
 
 
-def test_bench_workloads_are_seeded_and_ranged():
-    import argparse
-
-    from octavo.entrypoints.cli.bench import _workload
-
-    args = argparse.Namespace(num_prompts=50, input_len=272, output_len=144, range_ratio=0.75,
-                              dataset="random", prefix_len=0)
-    a = _workload(args, 1000, {0, 1, 2})
-    assert a == _workload(args, 1000, {0, 1, 2})  # the same seed, the same requests
-    ins, outs = [len(p) for p, _ in a], [n for _, n in a]
-    assert 68 <= min(ins) and max(ins) <= 476 and len(set(ins)) > 10
-    assert 36 <= min(outs) and max(outs) <= 252
-    assert not {t for p, _ in a for t in p} & {0, 1, 2}  # no special tokens
-    prefix_args = argparse.Namespace(**{**vars(args), "dataset": "prefix", "prefix_len": 64,
-                                        "range_ratio": 0.0})
-    b = _workload(prefix_args, 1000, set())
-    assert all(p[:64] == b[0][0][:64] and len(p) == 64 + 272 for p, _ in b)
-
-
 def test_models_lists_architectures_without_torch():
     done = _run(["models", "--json"], timeout=60)
     assert done.returncode == 0, done.stderr

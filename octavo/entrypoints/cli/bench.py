@@ -1,32 +1,27 @@
-"""`octavo bench throughput`: offline throughput of octavo, optionally beside other backends.
+"""`octavo bench throughput`: offline throughput of octavo, optionally beside other engines.
 
-Every backend runs the same prompts for `--repeats` timed runs after one warm-up, interleaved so
+Every backend runs the same requests for `--repeats` timed runs after one warm-up, interleaved so
 that drift hits all alike; medians are reported, with ratios to the first backend. Backends:
-`octavo`, `octavo-no-prefix-cache` (the same engine with prefix caching off) and `transformers`
-(batched `generate`). Datasets: `random` (seeded token ids, fixed lengths) and `prefix` (one
-shared `--prefix-len` system prompt + distinct `--input-len` suffixes).
+`octavo`, `octavo-no-prefix-cache` (the same engine with prefix caching off), `transformers` and
+`llama.cpp` (see bench_peers); `--compare` adds the peers that are installed. Workloads come
+from bench_data (random, prefix, sharegpt).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
 
 from octavo.config import EngineConfig, add_engine_args
-from octavo.entrypoints.cli import bench_latency, bench_serve
+from octavo.entrypoints.cli import bench_latency, bench_serve, bench_startup
+from octavo.entrypoints.cli.bench_data import Workload, add_dataset_args, build_workload
+from octavo.entrypoints.cli.bench_peers import (LlamaCppBatcher, Run, load_transformers,
+                                                time_transformers)
 
-BACKENDS = ("octavo", "octavo-no-prefix-cache", "transformers")
-
-
-@dataclass
-class Run:
-    seconds: float
-    output_tokens: int
-    ttft: list[float] = field(default_factory=list)  # per request, octavo backends only
+BACKENDS = ("octavo", "octavo-no-prefix-cache", "transformers", "llama.cpp")
 
 
 @dataclass
@@ -59,40 +54,41 @@ def register(sub: argparse._SubParsersAction) -> None:
     kinds = b.add_subparsers(dest="kind", required=True)
     t = kinds.add_parser("throughput", help="offline throughput")
     t.add_argument("--num-prompts", type=int, default=64)
-    t.add_argument("--input-len", type=int, default=256,
-                   help="prompt tokens (with --dataset prefix: the distinct suffix)")
-    t.add_argument("--output-len", type=int, default=128)
-    t.add_argument("--dataset", choices=["random", "prefix"], default="random")
-    t.add_argument("--prefix-len", type=int, default=1024, help="shared prefix of --dataset prefix")
-    t.add_argument("--range-ratio", type=float, default=0.0,
-                   help="input and output lengths uniform in [L(1-r), L(1+r)] (seeded)")
+    add_dataset_args(t, input_len=256, output_len=128)
     t.add_argument("--backends", default="octavo",
                    help=f"comma-separated, run side by side on the same prompts: "
                         f"{', '.join(BACKENDS)}")
+    t.add_argument("--compare", action="store_true",
+                   help="also run transformers and llama.cpp, where installed")
     t.add_argument("--hf-batch-size", type=int, default=16, help="batch size of transformers")
+    t.add_argument("--llama-cpp-seqs", type=int, default=16,
+                   help="sequences llama.cpp batches continuously in one KV cache")
     t.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
+    t.add_argument("--concurrency", default=None,
+                   help="comma-separated levels to sweep (octavo's max running requests, "
+                        "llama.cpp's sequences, transformers' batch size)")
+    t.add_argument("--plot", default=None, help="PNG of total tokens/s against --concurrency")
     t.add_argument("--json", default=None, help="write the results to this file")
     add_engine_args(t)
     t.set_defaults(run=run_throughput)
     bench_serve.register(kinds)
     bench_latency.register(kinds)
+    bench_startup.register(kinds)
 
 
-Workload = list[tuple[list[int], int]]  # (prompt token ids, output tokens) per request
-
-
-def _workload(args: argparse.Namespace, vocab_size: int, special: set[int]) -> Workload:
-    """Seeded prompts; with --range-ratio r, lengths are uniform in [L(1-r), L(1+r)]."""
-    rng = np.random.default_rng(0)
-    allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special, int, len(special)))
-    prefix = rng.choice(allowed, args.prefix_len).tolist() if args.dataset == "prefix" else []
-
-    def length(mean: int) -> int:
-        low = max(1, round(mean * (1 - args.range_ratio)))
-        return int(rng.integers(low, round(mean * (1 + args.range_ratio)) + 1))
-
-    return [(prefix + rng.choice(allowed, length(args.input_len)).tolist(),
-             length(args.output_len)) for _ in range(args.num_prompts)]
+def _backends(args: argparse.Namespace, is_gguf: bool) -> list[str]:
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for b in backends:
+        if b not in BACKENDS:
+            raise ValueError(f"--backends: unknown backend {b!r}; known: {', '.join(BACKENDS)}")
+    if args.compare:
+        if importlib.util.find_spec("transformers") and "transformers" not in backends:
+            backends.append("transformers")
+        if is_gguf and importlib.util.find_spec("llama_cpp") and "llama.cpp" not in backends:
+            backends.append("llama.cpp")
+    if "llama.cpp" in backends and not is_gguf:
+        raise ValueError("--backends llama.cpp needs a GGUF model")
+    return backends
 
 
 def _time_octavo(llm, work: Workload) -> Run:
@@ -119,45 +115,6 @@ def _time_octavo(llm, work: Workload) -> Run:
     return Run(time.perf_counter() - start, produced, list(first.values()))
 
 
-def _time_transformers(model, work: Workload, batch_size: int) -> Run:
-    """Static batches in input order, left-padded; a batch runs to its longest output and only
-    the tokens each request asked for are counted."""
-    import torch
-
-    produced = 0
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(work), batch_size):
-            chunk = work[i:i + batch_size]
-            width = max(len(p) for p, _ in chunk)
-            ids = torch.zeros(len(chunk), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, (p, _) in enumerate(chunk):
-                ids[row, width - len(p):] = torch.tensor(p)
-                mask[row, width - len(p):] = 1
-            longest = max(n for _, n in chunk)
-            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
-                           min_new_tokens=longest, pad_token_id=0)
-            produced += sum(n for _, n in chunk)
-    return Run(time.perf_counter() - start, produced)
-
-
-def _load_transformers(llm):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from octavo.worker.worker import resolve_dtype
-
-    source = llm.engine.source
-    dtype = resolve_dtype(llm.engine.config.model.dtype, torch.device("cpu"))
-    if source.is_gguf:
-        model = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.path.name,
-                                                     dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
-    return model.eval()
-
-
 def _kv_accounting(llm) -> dict:
     """KV slots held by finished requests but never written, and the peak concurrency."""
     s = llm.engine.client.stats()
@@ -165,30 +122,35 @@ def _kv_accounting(llm) -> dict:
     return {"kv_unwritten_fraction": round(waste, 4), "peak_running_requests": s.peak_running}
 
 
-def run_throughput(args: argparse.Namespace) -> int:
+def _runners(args: argparse.Namespace, config: EngineConfig, llm, backends: list[str],
+             prompts: Workload, level: int | None) -> tuple[dict, dict]:
+    """A timing function per backend; `level` (the --concurrency point) caps octavo's running
+    requests, llama.cpp's sequences and transformers' batch size alike."""
     from octavo.llm import LLM
 
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    engines, runners = {}, {}
     for b in backends:
-        if b not in BACKENDS:
-            raise ValueError(f"--backends: unknown backend {b!r}; known: {', '.join(BACKENDS)}")
-    if args.repeats < 1 or args.num_prompts < 1:
-        raise ValueError("--repeats and --num-prompts must be >= 1")
-    if not 0.0 <= args.range_ratio < 1.0:
-        raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
-    config = EngineConfig.from_cli(args)
-    llm = LLM.from_config(config)
-    prompts = _workload(args, llm.engine.arch.vocab_size, set(llm.tokenizer.all_special_ids))
-    engines = {"octavo": llm}
-    runners = {}
-    for b in backends:
-        if b == "octavo-no-prefix-cache":
-            engines[b] = LLM.from_config(config.replace(enable_prefix_caching=False))
         if b.startswith("octavo"):
+            cfg = config if level is None else config.replace(max_num_seqs=level)
+            if b == "octavo-no-prefix-cache":
+                cfg = cfg.replace(enable_prefix_caching=False)
+            engines[b] = llm if cfg == config else LLM.from_config(cfg)
             runners[b] = (lambda e: lambda ps: _time_octavo(e, ps))(engines[b])
+        elif b == "transformers":
+            hf = load_transformers(llm)
+            size = level or args.hf_batch_size
+            runners[b] = lambda ps: time_transformers(hf, ps, size)
         else:
-            hf = _load_transformers(llm)
-            runners[b] = lambda ps: _time_transformers(hf, ps, args.hf_batch_size)
+            longest = max(len(p) + n for p, n in prompts)
+            cpp = LlamaCppBatcher(str(llm.engine.source.path), config.device.num_threads,
+                                  level or args.llama_cpp_seqs, longest + 1)
+            runners[b] = cpp.run
+    return engines, runners
+
+
+def _measure(args: argparse.Namespace, config: EngineConfig, llm, backends: list[str],
+             prompts: Workload, level: int | None) -> list[Result]:
+    engines, runners = _runners(args, config, llm, backends, prompts, level)
     runs: dict[str, list[Run]] = {b: [] for b in backends}
     for b in backends:  # warm-up
         runners[b](prompts[:2])
@@ -196,16 +158,14 @@ def run_throughput(args: argparse.Namespace) -> int:
         for b in backends:
             runs[b].append(runners[b](prompts))
     n_prompt = sum(len(p) for p, _ in prompts)
-    results = [Result(b, runs[b], len(prompts), n_prompt,
-                      _kv_accounting(engines[b]) if b in engines else None) for b in backends]
-    report = {"dataset": args.dataset, "num_prompts": args.num_prompts,
-              "input_len": args.input_len, "output_len": args.output_len,
-              "prefix_len": args.prefix_len if args.dataset == "prefix" else 0,
-              "range_ratio": args.range_ratio, "prompt_tokens": n_prompt,
-              "output_tokens": sum(n for _, n in prompts),
-              "repeats": args.repeats,
-              "runs_seconds": {b: [round(r.seconds, 3) for r in runs[b]] for b in backends},
-              "results": [r.row() for r in results]}
+    return [Result(b, runs[b], len(prompts), n_prompt,
+                   _kv_accounting(engines[b]) if b in engines else None) for b in backends]
+
+
+def _print(results: list[Result], repeats: int, level: int | None) -> dict:
+    """Print one table; returns the ratios of the first backend to the others."""
+    if level is not None:
+        print(f"concurrency {level}:")
     for r in results:
         row = r.row()
         line = (f"{r.backend:>24}: {row['requests_per_s']:.2f} requests/s, "
@@ -216,18 +176,73 @@ def run_throughput(args: argparse.Namespace) -> int:
         if "kv_unwritten_fraction" in row:
             line += (f", KV slots never written {100 * row['kv_unwritten_fraction']:.2f}%, "
                      f"peak {row['peak_running_requests']} running")
-        print(line + f" (median of {args.repeats})")
+        print(line + f" (median of {repeats})")
     base = results[0].row()
+    ratios = {}
     for r in results[1:]:
         row = r.row()
-        report[f"{results[0].backend}_speedup_over_{r.backend}"] = round(
+        ratios[f"{results[0].backend}_speedup_over_{r.backend}"] = round(
             row["seconds"] / base["seconds"], 3)
         msg = f"{results[0].backend} is {row['seconds'] / base['seconds']:.2f}x the throughput " \
               f"of {r.backend}"
         if "ttft_mean_s" in row and "ttft_mean_s" in base:
             msg += f"; TTFT {row['ttft_mean_s'] / base['ttft_mean_s']:.2f}x lower"
         print(msg)
+    return ratios
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    from octavo.llm import LLM
+
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    levels = _levels(args.concurrency)
+    if args.plot and levels == [None]:
+        raise ValueError("--plot needs --concurrency (the x axis), e.g. --concurrency 1,4,16")
+    config = EngineConfig.from_cli(args)
+    llm = LLM.from_config(config)
+    backends = _backends(args, llm.engine.source.is_gguf)
+    prompts = build_workload(args, llm.engine.arch.vocab_size, set(llm.tokenizer.all_special_ids),
+                             llm.tokenizer, llm.engine.setup.max_model_len)
+    report = {"dataset": args.dataset, "dataset_path": args.dataset_path,
+              "num_prompts": args.num_prompts, "input_len": args.input_len,
+              "output_len": args.output_len,
+              "prefix_len": args.prefix_len if args.dataset == "prefix" else 0,
+              "range_ratio": args.range_ratio, "dataset_seed": args.dataset_seed,
+              "prompt_tokens": sum(len(p) for p, _ in prompts),
+              "output_tokens": sum(n for _, n in prompts), "repeats": args.repeats}
+    sweep = []
+    for level in levels:
+        results = _measure(args, config, llm, backends, prompts, level)
+        ratios = _print(results, args.repeats, level)
+        point = {"runs_seconds": {r.backend: [round(x.seconds, 3) for x in r.runs]
+                                  for r in results},
+                 "results": [r.row() for r in results], **ratios}
+        if level is None:
+            report.update(point)
+        else:
+            sweep.append({"concurrency": level, **point})
+    if sweep:
+        report["sweep"] = sweep
+    if args.plot:
+        from octavo.entrypoints.cli.bench_plot import plot_sweep
+
+        plot_sweep(report, args.plot)
+        print(f"plot written to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
+
+
+def _levels(text: str | None) -> list[int | None]:
+    if not text:
+        return [None]
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency: expected comma-separated integers, got {text!r}") \
+            from None
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency: levels must be >= 1, got {text!r}")
+    return levels

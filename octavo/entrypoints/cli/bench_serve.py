@@ -3,7 +3,8 @@
 Requests arrive all at once or as a Poisson process (`--request-rate`), at most
 `--max-concurrency` in flight; each streams a completion of `--output-len` tokens for a prompt of
 `--input-len` random token ids. Reports TTFT, TPOT, ITL and end-to-end latency percentiles and
-output throughput.
+output throughput, and goodput: completed requests per second that met `--slo-ttft` and
+`--slo-tpot` (milliseconds; either may be omitted).
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def register(kinds: argparse._SubParsersAction) -> None:
     s.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s of a Poisson arrival process (inf = all at once)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--slo-ttft", type=float, default=None, help="goodput: TTFT bound in ms")
+    s.add_argument("--slo-tpot", type=float, default=None, help="goodput: TPOT bound in ms")
     s.add_argument("--json", default=None)
     s.set_defaults(run=run)
 
@@ -114,7 +117,11 @@ async def _run(args: argparse.Namespace) -> dict:
                 "p90_ms": round(float(np.percentile(a, 90)), 2),
                 "p99_ms": round(float(np.percentile(a, 99)), 2)}
 
-    tpot = [(t.e2e - t.ttft) / (t.output_tokens - 1) for t in ok if t.output_tokens > 1]
+    tpot_of = {id(t): (t.e2e - t.ttft) / (t.output_tokens - 1) for t in ok if t.output_tokens > 1}
+    tpot = list(tpot_of.values())
+    good = [t for t in ok
+            if (args.slo_ttft is None or t.ttft * 1000 <= args.slo_ttft)
+            and (args.slo_tpot is None or tpot_of.get(id(t), 0.0) * 1000 <= args.slo_tpot)]
     out_tokens = sum(t.output_tokens for t in ok)
     return {"num_prompts": args.num_prompts, "completed": len(ok),
             "failed": len(timings) - len(ok), "errors": sorted({t.error for t in timings
@@ -122,6 +129,8 @@ async def _run(args: argparse.Namespace) -> dict:
             "duration_s": round(duration, 3),
             "output_tokens_per_s": round(out_tokens / duration, 2),
             "requests_per_s": round(len(ok) / duration, 3),
+            "goodput_requests_per_s": round(len(good) / duration, 3),
+            "slo": {"ttft_ms": args.slo_ttft, "tpot_ms": args.slo_tpot},
             "ttft": pct([t.ttft for t in ok]), "tpot": pct(tpot),
             "itl": pct([x for t in ok for x in t.itl]), "e2e": pct([t.e2e for t in ok])}
 
@@ -131,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--num-prompts must be >= 1")
     report = asyncio.run(_run(args))
     print(f"completed {report['completed']}/{report['num_prompts']} in {report['duration_s']} s: "
-          f"{report['output_tokens_per_s']} output tokens/s")
+          f"{report['output_tokens_per_s']} output tokens/s, goodput "
+          f"{report['goodput_requests_per_s']} requests/s")
     for key in ("ttft", "tpot", "itl", "e2e"):
         if report[key]:
             r = report[key]
