@@ -25,3 +25,18 @@ def smollm_llm(smollm_gguf):
 
     return LLM(str(smollm_gguf), dtype="float32", max_model_len=2048, max_num_seqs=16,
                kv_cache_memory=256 << 20)
+
+
+@pytest.fixture
+def native_kernels():
+    """The C++ kernels must load wherever the tests run (CI has a compiler); a test that flips
+    the kernel choice gets it put back afterwards."""
+    from octavo.kernels import fused, native
+
+    if not native.enabled_by_env():
+        pytest.skip("OCTAVO_NATIVE_KERNELS=0")
+    was_on = fused._native is not None
+    if not fused.enable_native(True):
+        pytest.fail("the C++ kernels failed to build or load; see the log")
+    yield
+    fused.enable_native(was_on)

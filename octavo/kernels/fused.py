@@ -83,3 +83,8 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
     group path)."""
     _native.decode_attention(out, q, kv_cache[0], kv_cache[1], token_index, block_table,
                              seq_lens, scale, softcap or 0.0, window or 0)
+
+
+def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M <= 8, K] times int8 weights q [N, K] with a float32 scale per row (C++ only)."""
+    return _native.int8_gemv(x.contiguous(), q, scale)

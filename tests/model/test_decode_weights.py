@@ -27,12 +27,28 @@ def test_int4_reproduces_a_4bit_weight():
     assert (out - dense).norm() / dense.norm() < 1e-2
 
 
-def test_int8_close_to_dense():
-    w = torch.randn(64, 128).bfloat16()
-    x = torch.randn(2, 128).bfloat16()
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+def test_int8_close_to_dense(native_kernels, native, rows):
+    from octavo.kernels import fused
+
+    fused.enable_native(native)
+    w = torch.randn(64, 160).bfloat16()  # 160: the kernel's 16-wide loop plus no tail
+    x = torch.randn(rows, 160).bfloat16()
     dense = torch.nn.functional.linear(x.float(), w.float())
-    out = Int8Weight(w).matmul(x).float()
-    assert (out - dense).norm() / dense.norm() < 2e-2
+    out = Int8Weight(w).matmul(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 64)
+    assert (out.float() - dense).norm() / dense.norm() < 2e-2
+
+
+def test_int8_kernel_matches_torch_kernel(native_kernels):
+    from octavo.kernels import fused
+
+    w, x = torch.randn(300, 96).bfloat16(), torch.randn(2, 96).bfloat16()
+    weight = Int8Weight(w)
+    ours = fused.int8_gemv(x, weight.q, weight.scale).float()
+    theirs = torch._weight_int8pack_mm(x, weight.q, weight.scale_bf16).float()
+    assert torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2)
 
 
 def test_only_small_bf16_batches_take_the_low_bit_path():

@@ -5,14 +5,34 @@
 
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 template <typename T>
 inline float to_f(T v) { return static_cast<float>(v); }
+
+// A row of the cache widened to float32; bf16 widening is a shift, which the compiler
+// vectorizes where c10::BFloat16's conversion operator is not.
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(raw[i]) << 16;
+}
 
 // K and V of one step go to their cache slots: cache [num_blocks, block_size, kv_heads, head_dim]
 // viewed as rows of kv_heads * head_dim, one row per slot.
@@ -66,7 +86,7 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
 
   at::parallel_for(0, num_req * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), scores;
+    std::vector<float> qf(group * dim), acc(group * dim), row_f(dim), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads, kvh = item % kv_heads;
       const int64_t len = lens[r];
@@ -81,12 +101,13 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = first + j;
         const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-        const cache_t* key = kp + slot * row + kvh * dim;
+        widen(kp + slot * row + kvh * dim, row_f.data(), dim);
+        const float* key = row_f.data();
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * dim;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += qg[d] * to_f(key[d]);
+          for (int64_t d = 0; d < dim; ++d) dot += qg[d] * key[d];
           float s = dot * fscale;
           if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
           scores[g * n + j] = s;
@@ -107,12 +128,13 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = first + j;
         const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-        const cache_t* value = vp + slot * row + kvh * dim;
+        widen(vp + slot * row + kvh * dim, row_f.data(), dim);
+        const float* value = row_f.data();
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * n + j];
           float* ag = acc.data() + g * dim;
 #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) ag[d] += p * to_f(value[d]);
+          for (int64_t d = 0; d < dim; ++d) ag[d] += p * value[d];
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -188,6 +210,71 @@ void silu_and_mul_typed(torch::Tensor& out, const torch::Tensor& x) {
   });
 }
 
+// Int8 weights ([N, K], a float scale per output row) times a few rows of activations
+// (decode). Reading the weights is the whole cost, so each weight row is read once for all rows
+// of x and widened to float in registers. (For int4, torch's packed kernel was as fast as a
+// plain AVX-512 one here, so octavo uses torch's.)
+
+template <typename T>
+void widen_rows(const torch::Tensor& x, std::vector<float>& xf) {
+  const int64_t n = x.numel();
+  xf.resize(n);
+  widen(x.data_ptr<T>(), xf.data(), n);
+}
+
+// One output row of an int8 weight against R rows of float activations.
+template <int R>
+inline void int8_row(const int8_t* w, const float* xf, int64_t k, float* dots) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (; i + 16 <= k; i += 16) {
+    const __m512 wv = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i))));
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + r * k + i), wv, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) dots[r] = _mm512_reduce_add_ps(acc[r]);
+#else
+  for (int r = 0; r < R; ++r) dots[r] = 0.f;
+#endif
+  for (; i < k; ++i)
+    for (int r = 0; r < R; ++r) dots[r] += xf[r * k + i] * static_cast<float>(w[i]);
+}
+
+template <typename T, int R>
+void int8_gemv_rows(torch::Tensor& out, const std::vector<float>& xf, const torch::Tensor& q,
+                    const torch::Tensor& scale) {
+  const int64_t k = q.size(1), n = q.size(0);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    float dots[R];
+    for (int64_t o = begin; o < end; ++o) {
+      int8_row<R>(qp + o * k, xf.data(), k, dots);
+      for (int r = 0; r < R; ++r) op[r * n + o] = static_cast<T>(dots[r] * sp[o]);
+    }
+  });
+}
+
+// Runs body<R>() for R = rows (1..8): the row count is a template argument so that the
+// accumulators stay in registers.
+template <typename F>
+void for_rows(int64_t rows, F&& body) {
+  switch (rows) {
+    case 1: body(std::integral_constant<int, 1>{}); break;
+    case 2: body(std::integral_constant<int, 2>{}); break;
+    case 3: body(std::integral_constant<int, 3>{}); break;
+    case 4: body(std::integral_constant<int, 4>{}); break;
+    case 5: body(std::integral_constant<int, 5>{}); break;
+    case 6: body(std::integral_constant<int, 6>{}); break;
+    case 7: body(std::integral_constant<int, 7>{}); break;
+    case 8: body(std::integral_constant<int, 8>{}); break;
+    default: TORCH_CHECK(false, "low-bit GEMV takes 1 to 8 rows, got ", rows);
+  }
+}
+
 void check_cache(const torch::Tensor& kc, const torch::Tensor& vc) {
   TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous(),
               "cache must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
@@ -257,7 +344,22 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
+torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && q.is_contiguous() && scale.is_contiguous());
+  TORCH_CHECK(q.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat);
+  TORCH_CHECK(x.size(1) == q.size(1), "int8_gemv: inner sizes differ");
+  TORCH_CHECK(x.size(0) <= 8, "int8_gemv: at most 8 rows");
+  auto out = torch::empty({x.size(0), q.size(0)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_gemv", [&] {
+    std::vector<float> xf;
+    widen_rows<scalar_t>(x, xf);
+    for_rows(x.size(0), [&](auto r) { int8_gemv_rows<scalar_t, decltype(r)::value>(out, xf, q, scale); });
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_gemv", &int8_gemv);
   m.def("write_kv", &write_kv);
   m.def("decode_attention", &decode_attention);
   m.def("rms_norm", &rms_norm);
