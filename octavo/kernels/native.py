@@ -73,11 +73,12 @@ def _build() -> ModuleType | None:
     try:
         module = cpp_extension.load(
             name=f"octavo_cpu_ops_{key}", sources=[str(_SOURCE)], build_directory=str(build_dir),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-mprefer-vector-width=512"], extra_ldflags=["-fopenmp"],
             verbose=False)
     except Exception as exc:  # a missing compiler or headers: fall back, loudly
+        errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
         logger.warning("native CPU kernels unavailable (%s: %s); using PyTorch ops, decode is "
-                       "slower", type(exc).__name__, str(exc).splitlines()[0][:200])
+                       "slower", type(exc).__name__, " | ".join(errors[:3])[:600])
         return None
     logger.info("native CPU kernels %s in %.1f s", "loaded" if cached else "built",
                 time.perf_counter() - start)

@@ -60,6 +60,65 @@ void write_kv_typed(const torch::Tensor& k, const torch::Tensor& v, torch::Tenso
   });
 }
 
+constexpr int64_t kMaxGroup = 64;  // query heads per KV head
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// dots[g] = <q_g, key> for the `group` query heads sharing this KV head.
+template <typename cache_t>
+inline void dot_queries(const cache_t* key, const float* qf, int64_t group, int64_t dim,
+                        float* scratch, float* dots) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<cache_t, double>) if (dim % 16 == 0) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * dim;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), load16(key));
+      for (int64_t d = 16; d < dim; d += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), load16(key + d), acc);
+      dots[g] = _mm512_reduce_add_ps(acc);
+    }
+    return;
+  }
+#endif
+  widen(key, scratch, dim);
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = qf + g * dim;
+    float dot = 0.f;
+    for (int64_t d = 0; d < dim; ++d) dot += qg[d] * scratch[d];
+    dots[g] = dot;
+  }
+}
+
+// acc_g += probs[g] * value for each query head g.
+template <typename cache_t>
+inline void add_scaled(const cache_t* value, const float* probs, int64_t group, int64_t dim,
+                       float* scratch, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<cache_t, double>) if (dim % 16 == 0) {
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512 v = load16(value + d);
+      for (int64_t g = 0; g < group; ++g) {
+        float* a = acc + g * dim + d;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(probs[g]), v, _mm512_loadu_ps(a)));
+      }
+    }
+    return;
+  }
+#endif
+  widen(value, scratch, dim);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += probs[g] * scratch[d];
+}
+
 // One query token per request over its paged context. Work items are (request, kv head); the
 // query heads sharing a KV head read each key once. Scores are exact (two passes: logits, then a
 // max-subtracted softmax), matching the reference up to float rounding.
@@ -87,6 +146,7 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
 
   at::parallel_for(0, num_req * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), row_f(dim), scores;
+    std::vector<int64_t> slots;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads, kvh = item % kv_heads;
       const int64_t len = lens[r];
@@ -97,18 +157,21 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
         const q_t* src = qp + tok[r] * qs0 + (kvh * group + g) * qs1;
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_f(src[d]);
       }
+      // Slots of the context, walked block by block (an integer division per key costs more
+      // than the key's dot products).
+      slots.resize(n);
+      for (int64_t j = 0, pos = first; j < n;) {
+        const int64_t base = table[pos / block_size] * block_size;
+        for (int64_t off = pos % block_size; off < block_size && j < n; ++off, ++j, ++pos)
+          slots[j] = base + off;
+      }
       scores.assign(group * n, 0.f);
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = first + j;
-        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-        widen(kp + slot * row + kvh * dim, row_f.data(), dim);
-        const float* key = row_f.data();
+        const int64_t slot = slots[j];
+        float dots[kMaxGroup];
+        dot_queries(kp + slot * row + kvh * dim, qf.data(), group, dim, row_f.data(), dots);
         for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += qg[d] * key[d];
-          float s = dot * fscale;
+          float s = dots[g] * fscale;
           if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
           scores[g * n + j] = s;
         }
@@ -117,6 +180,7 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
         float* sg = scores.data() + g * n;
         const float peak = *std::max_element(sg, sg + n);
         float total = 0.f;
+#pragma omp simd reduction(+ : total)
         for (int64_t j = 0; j < n; ++j) {
           sg[j] = std::exp(sg[j] - peak);
           total += sg[j];
@@ -126,16 +190,10 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = first + j;
-        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-        widen(vp + slot * row + kvh * dim, row_f.data(), dim);
-        const float* value = row_f.data();
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + j];
-          float* ag = acc.data() + g * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) ag[d] += p * value[d];
-        }
+        const int64_t slot = slots[j];
+        float probs[kMaxGroup];
+        for (int64_t g = 0; g < group; ++g) probs[g] = scores[g * n + j];
+        add_scaled(vp + slot * row + kvh * dim, probs, group, dim, row_f.data(), acc.data());
       }
       for (int64_t g = 0; g < group; ++g) {
         q_t* dst = op + tok[r] * os0 + (kvh * group + g) * os1;
@@ -300,6 +358,7 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(q.scalar_type() == out.scalar_type(), "out and q differ in dtype");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(1) / k_cache.size(2) <= kMaxGroup, "too many query heads per KV head");
   TORCH_CHECK(token_index.is_contiguous() && seq_lens.is_contiguous() &&
               block_table.stride(1) == 1, "index tensors must be contiguous");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_q", [&] {
