@@ -75,6 +75,10 @@ class DeviceConfig:
     num_threads: int | None = field(default=None, metadata=_opt(
         "torch threads for the engine; default: all cores"))
     seed: int = field(default=0, metadata=_opt("seed of requests that set none"))
+    native_kernels: str = field(default="on", metadata=_opt(
+        "octavo's C++ CPU kernels: on (built at the first start, about 30 s, then cached), "
+        "background (serve with PyTorch ops until the build is done), off",
+        choices=["on", "background", "off"]))
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,8 @@ def smollm_llm(smollm_gguf):
 def native_kernels():
     """The C++ kernels must load wherever the tests run (CI has a compiler); a test that flips
     the kernel choice gets it put back afterwards."""
-    from octavo.kernels import fused, native
+    from octavo.kernels import fused
 
-    if not native.enabled_by_env():
-        pytest.skip("OCTAVO_NATIVE_KERNELS=0")
     was_on = fused._native is not None
     if not fused.enable_native(True):
         pytest.fail("the C++ kernels failed to build or load; see the log")

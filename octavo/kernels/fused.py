@@ -12,10 +12,25 @@ from octavo.kernels import native
 _native: ModuleType | None = None
 
 
-def enable_native(on: bool = True) -> bool:
-    """Choose the kernels for this process; returns whether the C++ ones are in use."""
+def enable_native(mode: str | bool = "on") -> bool:
+    """Choose the kernels for this process: "on" (build or load now), "background" (build in a
+    thread and switch over when done), "off"; returns whether the C++ ones are in use now."""
     global _native
-    _native = native.load() if on else None
+    if mode is True or mode == "on":
+        _native = native.load()
+    elif mode == "background":
+        _native = native.load(block=False, on_ready=_switch_on)
+    else:
+        _native = None
+    return _native is not None
+
+
+def _switch_on(module: ModuleType) -> None:
+    global _native
+    _native = module
+
+
+def native_ready() -> bool:
     return _native is not None
 
 

@@ -1,9 +1,9 @@
 """octavo's C++ CPU kernels (csrc/cpu_ops.cpp), compiled once per machine and cached on disk.
 
-The build uses the system C++ compiler through `torch.utils.cpp_extension` and takes about a
-minute; later starts load the cached library in well under a second. Without a compiler, or with
-`OCTAVO_NATIVE_KERNELS=0`, the engine runs the pure-PyTorch versions of the same ops and says so
-in its log.
+The build uses the system C++ compiler through `torch.utils.cpp_extension` and takes about
+30 s on two cores; later starts load the cached library in well under a second. A server can
+build in the background and serve with the PyTorch ops meanwhile. Without a compiler the engine
+runs the PyTorch ops and says so in its log.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -43,23 +44,37 @@ def _build_key() -> str:
     return h.hexdigest()[:16]
 
 
-def enabled_by_env() -> bool:
-    return os.environ.get("OCTAVO_NATIVE_KERNELS", "1").lower() not in ("0", "false", "no")
-
-
-def load() -> ModuleType | None:
-    """The compiled module, building it on first use; None (with the reason logged once) when it
-    cannot be had."""
+def load(block: bool = True,
+         on_ready: Callable[[ModuleType], None] | None = None) -> ModuleType | None:
+    """The compiled module, building it on first use; None (with the reason logged) when it
+    cannot be had. With block=False and no cached build, the build runs in a thread, None is
+    returned now and `on_ready` gets the module when it is done."""
     with _lock:
         if "module" in _state:
             return _state["module"]  # type: ignore[return-value]
-        module = None
-        if not enabled_by_env():
-            logger.info("native CPU kernels off (OCTAVO_NATIVE_KERNELS=0): using PyTorch ops")
-        else:
-            module = _build()
+        if block or _is_cached():
+            _state["module"] = _build()
+            return _state["module"]  # type: ignore[return-value]
+        if "thread" not in _state:
+            logger.info("building the native CPU kernels in the background; PyTorch ops serve "
+                        "until they are ready")
+            thread = threading.Thread(target=_build_in_background, args=(on_ready,),
+                                      name="octavo-kernel-build", daemon=True)
+            _state["thread"] = thread  # type: ignore[assignment]
+            thread.start()
+        return None
+
+
+def _build_in_background(on_ready: Callable[[ModuleType], None] | None) -> None:
+    module = _build()
+    with _lock:
         _state["module"] = module
-        return module
+    if module is not None and on_ready is not None:
+        on_ready(module)
+
+
+def _is_cached() -> bool:
+    return any((_cache_root() / _build_key()).glob("*.so"))
 
 
 def _build() -> ModuleType | None:

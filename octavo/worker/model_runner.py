@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from octavo.core.contract import ModelOutput, SchedulerOutput, TopLogprobs
+from octavo.kernels import fused
 from octavo.kernels.paged_attention import build_plan
 from octavo.model.context import ForwardContext, forward_context
 from octavo.worker.input_batch import InputBatch
@@ -15,10 +16,8 @@ from octavo.worker.sampler import Sampler, gather_logprobs
 class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, max_num_seqs: int,
                  max_model_len: int, block_size: int, vocab_size: int, eos_token_ids: list[int],
-                 seed: int, sliding_window: int | None = None,
-                 native_decode: bool = False) -> None:
+                 seed: int, sliding_window: int | None = None) -> None:
         self.model = model
-        self.native_decode = native_decode
         self.device = device
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
@@ -53,12 +52,14 @@ class ModelRunner:
         input_ids = b.token_ids[rows[req_of_token], positions]
 
         tables = b.block_table[rows]
+        # Checked every step: kernels built in the background take over once they are ready.
+        native = self.device.type == "cpu" and fused.native_ready()
         plan = build_plan(query_lens, seq_lens, tables, self.block_size, device=self.device,
-                          native_decode=self.native_decode)
+                          native_decode=native)
         sliding = None
         if self.sliding_window is not None:
             sliding = build_plan(query_lens, seq_lens, tables, self.block_size,
-                                 self.sliding_window, self.device, self.native_decode)
+                                 self.sliding_window, self.device, native)
         positions_t = torch.from_numpy(positions).to(self.device)
         with forward_context(ForwardContext(plan, self.kv_caches, sliding)):
             hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions_t)

@@ -53,7 +53,8 @@ class Worker:
         self.runner: ModelRunner | None = None
 
     def load_model(self) -> None:
-        native = fused.enable_native(self.device.type == "cpu")
+        fused.enable_native(self.config.device.native_kernels if self.device.type == "cpu"
+                            else "off")
         start = time.perf_counter()
         model = load_model(self.source, self.arch, self.dtype, self.device, self.max_model_len,
                            self.config.model.decode_weights)
@@ -63,7 +64,7 @@ class Worker:
         self.runner = ModelRunner(
             model, self.device, sched.max_num_seqs, self.max_model_len,
             self.config.cache.block_size, self.arch.vocab_size, self.eos_token_ids,
-            self.config.device.seed, self.arch.sliding_window, native_decode=native)
+            self.config.device.seed, self.arch.sliding_window)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         a = self.arch

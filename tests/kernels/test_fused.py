@@ -86,3 +86,27 @@ def test_decode_attention_matches_padded_path(native_kernels, dtype, window, sof
         plan = build_plan(query_lens, seq_lens, table, block_size, window, native_decode=native)
         outs.append(paged_attention(q, cache, plan, dim ** -0.5, softcap))
     _close(outs[1], outs[0], dtype)
+
+
+def test_background_build_switches_over_when_ready(native_kernels, monkeypatch):
+    """A server starts at once: the kernels come from a thread and take over when ready."""
+    import threading
+
+    from octavo.kernels import native
+
+    module = fused._native
+    release = threading.Event()
+
+    def slow_build():
+        release.wait(10)
+        return module
+
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_is_cached", lambda: False)
+    monkeypatch.setattr(native, "_build", slow_build)
+    assert fused.enable_native("background") is False  # PyTorch ops serve meanwhile
+    assert not fused.native_active(torch.zeros(1))
+    release.set()
+    native._state["thread"].join(10)
+    assert fused.native_ready() and fused._native is module
+    assert fused.enable_native("off") is False

@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
     add_engine_args(s)
-    s.set_defaults(run=run)
+    # A server answers at once and lets the C++ kernels build behind it on a first start.
+    s.set_defaults(run=run, native_kernels="background")
 
 
 def run(args: argparse.Namespace) -> int:
