@@ -119,9 +119,11 @@ inline void add_scaled(const cache_t* value, const float* probs, int64_t group, 
     for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += probs[g] * scratch[d];
 }
 
-// One query token per request over its paged context. Work items are (request, kv head); the
-// query heads sharing a KV head read each key once. Scores are exact (two passes: logits, then a
-// max-subtracted softmax), matching the reference up to float rounding.
+// One query token per request over its paged context. A work item is a request and a range of
+// its KV heads: all of them when there are enough requests to share the threads, so that each
+// slot's keys (all heads, contiguous) are read in one sequential sweep; one head per item
+// otherwise. The query heads sharing a KV head read each key once. Scores are exact (logits,
+// then a max-subtracted softmax), matching the reference up to float rounding.
 template <typename q_t, typename cache_t>
 void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kc,
                             const torch::Tensor& vc, const torch::Tensor& token_index,
@@ -143,19 +145,23 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
   const int64_t* tables = block_table.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
+  const int64_t splits = num_req >= at::get_num_threads() ? 1 : kv_heads;
+  const int64_t heads_per_item = kv_heads / splits;
 
-  at::parallel_for(0, num_req * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), row_f(dim), scores;
+  at::parallel_for(0, num_req * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(heads * dim), acc(heads * dim), row_f(dim), scores;
     std::vector<int64_t> slots;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kv_heads, kvh = item % kv_heads;
+      const int64_t r = item / splits;
+      const int64_t h0 = (item % splits) * heads_per_item, h1 = h0 + heads_per_item;
+      const int64_t nq = (h1 - h0) * group;  // query heads of this item, from h0 * group on
       const int64_t len = lens[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       const int64_t* table = tables + r * bt_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const q_t* src = qp + tok[r] * qs0 + (kvh * group + g) * qs1;
-        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_f(src[d]);
+      for (int64_t h = 0; h < nq; ++h) {
+        const q_t* src = qp + tok[r] * qs0 + (h0 * group + h) * qs1;
+        for (int64_t d = 0; d < dim; ++d) qf[h * dim + d] = to_f(src[d]);
       }
       // Slots of the context, walked block by block (an integer division per key costs more
       // than the key's dot products).
@@ -165,39 +171,45 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
         for (int64_t off = pos % block_size; off < block_size && j < n; ++off, ++j, ++pos)
           slots[j] = base + off;
       }
-      scores.assign(group * n, 0.f);
+      scores.resize(nq * n);
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t slot = slots[j];
-        float dots[kMaxGroup];
-        dot_queries(kp + slot * row + kvh * dim, qf.data(), group, dim, row_f.data(), dots);
-        for (int64_t g = 0; g < group; ++g) {
-          float s = dots[g] * fscale;
-          if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
-          scores[g * n + j] = s;
+        const cache_t* keys = kp + slots[j] * row;
+        for (int64_t kvh = h0; kvh < h1; ++kvh) {
+          const int64_t q0 = (kvh - h0) * group;
+          float dots[kMaxGroup];
+          dot_queries(keys + kvh * dim, qf.data() + q0 * dim, group, dim, row_f.data(), dots);
+          for (int64_t g = 0; g < group; ++g) {
+            float s = dots[g] * fscale;
+            if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
+            scores[(q0 + g) * n + j] = s;
+          }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * n;
-        const float peak = *std::max_element(sg, sg + n);
+      for (int64_t h = 0; h < nq; ++h) {
+        float* sh = scores.data() + h * n;
+        const float peak = *std::max_element(sh, sh + n);
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
         for (int64_t j = 0; j < n; ++j) {
-          sg[j] = std::exp(sg[j] - peak);
-          total += sg[j];
+          sh[j] = std::exp(sh[j] - peak);
+          total += sh[j];
         }
         const float inv = 1.f / total;
-        for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+        for (int64_t j = 0; j < n; ++j) sh[j] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc.begin(), acc.begin() + nq * dim, 0.f);
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t slot = slots[j];
-        float probs[kMaxGroup];
-        for (int64_t g = 0; g < group; ++g) probs[g] = scores[g * n + j];
-        add_scaled(vp + slot * row + kvh * dim, probs, group, dim, row_f.data(), acc.data());
+        const cache_t* values = vp + slots[j] * row;
+        for (int64_t kvh = h0; kvh < h1; ++kvh) {
+          const int64_t q0 = (kvh - h0) * group;
+          float probs[kMaxGroup];
+          for (int64_t g = 0; g < group; ++g) probs[g] = scores[(q0 + g) * n + j];
+          add_scaled(values + kvh * dim, probs, group, dim, row_f.data(), acc.data() + q0 * dim);
+        }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        q_t* dst = op + tok[r] * os0 + (kvh * group + g) * os1;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<q_t>(acc[g * dim + d]);
+      for (int64_t h = 0; h < nq; ++h) {
+        q_t* dst = op + tok[r] * os0 + (h0 * group + h) * os1;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<q_t>(acc[h * dim + d]);
       }
     }
   });
