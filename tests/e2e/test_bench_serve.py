@@ -23,6 +23,20 @@ def test_bench_serve_reports_latencies(server, tmp_path):
     assert report["goodput_requests_per_s"] == 0 and report["slo"]["tpot_ms"] == 0.001
 
 
+def test_bench_serve_text_prompts(server, smollm_gguf, tmp_path):
+    """Text prompts (for servers that take no token ids) run to max_tokens as well."""
+    out = tmp_path / "serve.json"
+    done = subprocess.run([sys.executable, "-m", "octavo.entrypoints.cli.main", "bench", "serve",
+                           "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "2",
+                           "--input-len", "16", "--output-len", "5", "--tokenizer",
+                           str(smollm_gguf), "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["completed"] == 2 and report["output_tokens_per_s"] > 0
+    assert report["tpot"]["p50_ms"] > 0
+
+
 def test_bench_startup_times_a_fresh_server(smollm_gguf, tmp_path):
     out = tmp_path / "startup.json"
     done = subprocess.run([sys.executable, "-m", "octavo.entrypoints.cli.main", "bench", "startup",

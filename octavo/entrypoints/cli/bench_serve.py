@@ -38,6 +38,9 @@ def register(kinds: argparse._SubParsersAction) -> None:
     s.add_argument("--output-len", type=int, default=64)
     s.add_argument("--vocab-size", type=int, default=49152,
                    help="random prompt ids are drawn below this")
+    s.add_argument("--tokenizer", default=None,
+                   help="send text prompts: random ids decoded with this model's tokenizer (for "
+                        "servers that take no token ids, like llama_cpp.server)")
     s.add_argument("--max-concurrency", type=int, default=None)
     s.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s of a Poisson arrival process (inf = all at once)")
@@ -52,8 +55,9 @@ async def _one(client, model: str | None, prompt: list[int], output_len: int) ->
     t = Timing()
     start = time.perf_counter()
     last, chunks = start, 0
-    body = {"prompt": prompt, "max_tokens": output_len, "stream": True, "ignore_eos": True,
-            "temperature": 0, "stream_options": {"include_usage": True}}
+    # min_tokens as well as ignore_eos: servers without the latter still run to max_tokens.
+    body = {"prompt": prompt, "max_tokens": output_len, "min_tokens": output_len, "stream": True,
+            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model
     try:
@@ -80,8 +84,17 @@ async def _one(client, model: str | None, prompt: list[int], output_len: int) ->
         t.error = f"{type(exc).__name__}: {exc}"
         return t
     t.e2e = time.perf_counter() - start
+    t.output_tokens = t.output_tokens or chunks  # a server without usage: one token per chunk
     t.ok = True
     return t
+
+
+def _as_text(prompts: list[list[int]], model: str) -> list[str]:
+    from octavo.engine.tokenizer import load_tokenizer
+    from octavo.model_source import resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(model), None)
+    return [tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
 
 
 async def _run(args: argparse.Namespace) -> dict:
@@ -90,6 +103,8 @@ async def _run(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(100, args.vocab_size - 100, args.input_len).tolist()
                for _ in range(args.num_prompts)]
+    if args.tokenizer:
+        prompts = _as_text(prompts, args.tokenizer)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
     arrivals = random.Random(args.seed)
