@@ -106,3 +106,30 @@ def test_greedy_output_matches_dense_bf16(bf16_pair, smollm_llm):
     ref = smollm_llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0),
                               use_tqdm=False)
     assert _agreement(a, ref) >= 0.9 * _agreement(b, ref)
+
+
+def test_prepared_weights_reload_identically(smollm_gguf, tmp_path, monkeypatch):
+    """The second start reads the prepared file: same parameters, same decode copies."""
+    from octavo.arch_config import read_arch_config
+    from octavo.model.loader import load_model, prepared_cache
+    from octavo.model_source import resolve_model
+
+    monkeypatch.setattr(prepared_cache, "cache_dir", lambda: tmp_path)
+    source = resolve_model(str(smollm_gguf))
+    cfg = read_arch_config(source)
+    args = (source, cfg, torch.bfloat16, torch.device("cpu"), 256)
+    fresh = load_model(*args)
+    (prepared,) = (tmp_path / "prepared").glob("*.safetensors")
+    reloaded = load_model(*args)
+    for (name, a), (_, b) in zip(fresh.named_parameters(), reloaded.named_parameters()):
+        assert torch.equal(a, b), name
+    for name, module in fresh.named_modules():
+        if getattr(module, "decode_weight", None) is not None:
+            other = dict(reloaded.named_modules())[name].decode_weight
+            assert type(other) is type(module.decode_weight)
+            x = torch.randn(2, module.weight.shape[1]).bfloat16()
+            assert torch.equal(other.matmul(x), module.decode_weight.matmul(x)), name
+    prepared.write_bytes(b"not a safetensors file")  # a broken entry is rebuilt, not trusted
+    rebuilt = load_model(*args)
+    assert torch.equal(rebuilt.model.embed_tokens.weight, fresh.model.embed_tokens.weight)
+    assert prepared.stat().st_size > 1000

@@ -13,7 +13,8 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
                decode_weights: str = "auto") -> nn.Module:
     """Build the model and fill it. With decode_weights="auto", linear layers whose GGUF source
-    is 8-bit or narrower also keep a low-bit copy for small (decode) batches."""
+    is 8-bit or narrower also keep a low-bit copy for small (decode) batches. A GGUF's prepared
+    weights are cached on disk (see prepared_cache) for the next start."""
     cls = model_class(cfg.architecture)
     with torch.device(device):
         prev = torch.get_default_dtype()
@@ -22,6 +23,12 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
             model = cls(cfg, max_positions)
         finally:
             torch.set_default_dtype(prev)
+    prepared = None
+    if source.is_gguf and device.type == "cpu":
+        from octavo.model.loader.prepared_cache import load_prepared, prepared_path
+        prepared = prepared_path(source, dtype, decode_weights)
+        if load_prepared(model, prepared):
+            return model.eval()
     bits: dict[str, int] = {}
     if source.is_gguf:
         from octavo.model.loader.gguf_weights import iterate_gguf_weights
@@ -32,6 +39,9 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
     model.load_weights(weights)
     if decode_weights == "auto" and bits:
         _set_decode_bits(model, cfg, bits)
+    if prepared is not None:
+        from octavo.model.loader.prepared_cache import save_prepared
+        save_prepared(model, prepared)
     return model.eval()
 
 

@@ -36,6 +36,15 @@ class Int4Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed, "scales_zeros": self.scales_zeros}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> Int4Weight:
+        self = cls.__new__(cls)
+        self.packed, self.scales_zeros = t["packed"], t["scales_zeros"]
+        return self
+
 
 class Int8Weight:
     """w ≈ q * scale per output channel (q in -127..127)."""
@@ -53,6 +62,19 @@ class Int8Weight:
         if fused.native_active(x):
             return fused.int8_gemv(x, self.q, self.scale)
         return torch._weight_int8pack_mm(x, self.q, self.scale_bf16)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"q": self.q, "scale": self.scale}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> Int8Weight:
+        self = cls.__new__(cls)
+        self.q, self.scale = t["q"], t["scale"]
+        self.scale_bf16 = self.scale.to(torch.bfloat16)
+        return self
+
+
+DECODE_KINDS = {"int4": Int4Weight, "int8": Int8Weight}
 
 
 def supported(weight: torch.Tensor) -> bool:
