@@ -14,6 +14,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 BACKENDS = ("octavo", "llama.cpp")
@@ -72,12 +73,17 @@ def _first_token(port: int, deadline: float) -> float | None:
 def _once(backend: str, args: argparse.Namespace) -> float:
     port = _free_port()
     cmd = _command(backend, args.model, port, args.server_args)
+    # The log goes to a file: an unread pipe fills up and stalls a chatty server.
+    log = tempfile.TemporaryFile(mode="w+")
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         got = _first_token(port, start + args.timeout)
         if got is None:
-            raise RuntimeError(f"{backend} gave no token within {args.timeout} s")
+            log.seek(0)
+            tail = log.read()[-2000:]
+            raise RuntimeError(f"{backend} gave no token within {args.timeout} s; its log ends "
+                               f"with:\n{tail}")
         return got - start
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -86,6 +92,7 @@ def _once(backend: str, args: argparse.Namespace) -> float:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
+        log.close()
 
 
 def run(args: argparse.Namespace) -> int:
