@@ -4,11 +4,14 @@ Torch-free: the front end reads it for the context length, the worker for buildi
 """
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass, field
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
-from octavo.model_source import ModelSource
+from octavo.model_source import ModelSource, cache_dir
 from octavo.params import SamplingParams
 
 # GGUF `general.architecture` -> the Hugging Face architecture name octavo registers it under.
@@ -71,7 +74,32 @@ class ArchConfig:
 
 
 def read_arch_config(source: ModelSource) -> ArchConfig:
-    return _from_gguf(source) if source.is_gguf else _from_hf(source)
+    if not source.is_gguf:
+        return _from_hf(source)
+    # Parsing a GGUF's header takes seconds (it lists every tensor and the whole vocabulary), so
+    # the result is kept beside the tokenizer cache, keyed by the file and this module's code.
+    stat = source.path.stat()
+    key = hashlib.sha256(f"{source.path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+                         + Path(__file__).read_bytes()).hexdigest()[:16]
+    cached = cache_dir() / "configs" / f"{source.path.stem}-{key}.json"
+    try:
+        return _config_from_json(json.loads(cached.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    cfg = _from_gguf(source)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(cfg)))
+        tmp.replace(cached)
+    except OSError:
+        pass  # a read-only cache only costs the parse next time
+    return cfg
+
+
+def _config_from_json(data: dict[str, Any]) -> ArchConfig:
+    tuples = {f.name for f in fields(ArchConfig) if str(f.type).startswith("tuple")}
+    return ArchConfig(**{k: tuple(v) if k in tuples else v for k, v in data.items()})
 
 
 def _from_hf(source: ModelSource) -> ArchConfig:
