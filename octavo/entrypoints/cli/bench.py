@@ -123,9 +123,10 @@ def _kv_accounting(llm) -> dict:
 
 
 def _runners(args: argparse.Namespace, config: EngineConfig, llm, backends: list[str],
-             prompts: Workload, level: int | None) -> tuple[dict, dict]:
+             prompts: Workload, level: int | None, loaded: dict) -> tuple[dict, dict]:
     """A timing function per backend; `level` (the --concurrency point) caps octavo's running
-    requests, llama.cpp's sequences and transformers' batch size alike."""
+    requests, llama.cpp's sequences and transformers' batch size alike. `loaded` keeps the
+    transformers model across levels."""
     from octavo.llm import LLM
 
     engines, runners = {}, {}
@@ -137,7 +138,9 @@ def _runners(args: argparse.Namespace, config: EngineConfig, llm, backends: list
             engines[b] = llm if cfg == config else LLM.from_config(cfg)
             runners[b] = (lambda e: lambda ps: _time_octavo(e, ps))(engines[b])
         elif b == "transformers":
-            hf = load_transformers(llm)
+            if "transformers" not in loaded:
+                loaded["transformers"] = load_transformers(llm)
+            hf = loaded["transformers"]
             size = level or args.hf_batch_size
             runners[b] = lambda ps: time_transformers(hf, ps, size)
         else:
@@ -145,12 +148,13 @@ def _runners(args: argparse.Namespace, config: EngineConfig, llm, backends: list
             cpp = LlamaCppBatcher(str(llm.engine.source.path), config.device.num_threads,
                                   level or args.llama_cpp_seqs, longest + 1)
             runners[b] = cpp.run
+            engines[b] = cpp
     return engines, runners
 
 
 def _measure(args: argparse.Namespace, config: EngineConfig, llm, backends: list[str],
-             prompts: Workload, level: int | None) -> list[Result]:
-    engines, runners = _runners(args, config, llm, backends, prompts, level)
+             prompts: Workload, level: int | None, loaded: dict) -> list[Result]:
+    engines, runners = _runners(args, config, llm, backends, prompts, level, loaded)
     runs: dict[str, list[Run]] = {b: [] for b in backends}
     for b in backends:  # warm-up
         runners[b](prompts[:2])
@@ -158,8 +162,12 @@ def _measure(args: argparse.Namespace, config: EngineConfig, llm, backends: list
         for b in backends:
             runs[b].append(runners[b](prompts))
     n_prompt = sum(len(p) for p, _ in prompts)
-    return [Result(b, runs[b], len(prompts), n_prompt,
-                   _kv_accounting(engines[b]) if b in engines else None) for b in backends]
+    results = [Result(b, runs[b], len(prompts), n_prompt,
+                      _kv_accounting(engines[b]) if b.startswith("octavo") else None)
+               for b in backends]
+    if "llama.cpp" in engines:
+        engines["llama.cpp"].close()  # each level builds its own context
+    return results
 
 
 def _print(results: list[Result], repeats: int, level: int | None) -> dict:
@@ -211,9 +219,9 @@ def run_throughput(args: argparse.Namespace) -> int:
               "range_ratio": args.range_ratio, "dataset_seed": args.dataset_seed,
               "prompt_tokens": sum(len(p) for p, _ in prompts),
               "output_tokens": sum(n for _, n in prompts), "repeats": args.repeats}
-    sweep = []
+    sweep, loaded = [], {}
     for level in levels:
-        results = _measure(args, config, llm, backends, prompts, level)
+        results = _measure(args, config, llm, backends, prompts, level, loaded)
         ratios = _print(results, args.repeats, level)
         point = {"runs_seconds": {r.backend: [round(x.seconds, 3) for x in r.runs]
                                   for r in results},
