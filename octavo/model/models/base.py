@@ -11,6 +11,13 @@ from octavo.arch_config import ArchConfig
 from octavo.model.layers.moe import EXPERT_TENSOR
 
 
+# Checkpoint q/k/v and gate/up projections, packed into one matrix each (slot = checkpoint order).
+QKV_GATE_UP: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
 class CausalLM(nn.Module):
     # checkpoint name fragment -> (packed parameter fragment, slot)
     packed_modules_mapping: dict[str, tuple[str, int]] = {}

@@ -14,7 +14,7 @@ from octavo.model.layers.embedding import Embedding, LMHead
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.norm import GemmaRMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
-from octavo.model.models.base import CausalLM
+from octavo.model.models.base import CausalLM, QKV_GATE_UP
 
 
 class GemmaAttention(nn.Module):
@@ -99,10 +99,7 @@ class GemmaModel(nn.Module):
 
 
 class Gemma2ForCausalLM(CausalLM):
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = QKV_GATE_UP
     qk_norm = False
 
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:

@@ -13,7 +13,7 @@ from octavo.model.layers.embedding import Embedding, LMHead
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding, make_rotary
-from octavo.model.models.base import CausalLM
+from octavo.model.models.base import CausalLM, QKV_GATE_UP
 
 
 class LlamaAttention(nn.Module):
@@ -86,10 +86,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = QKV_GATE_UP
     qk_norm = False
 
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:

@@ -13,7 +13,7 @@ from octavo.model.layers.linear import Linear
 from octavo.model.layers.moe import FusedMoE
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding, make_rotary
-from octavo.model.models.base import CausalLM
+from octavo.model.models.base import CausalLM, QKV_GATE_UP
 from octavo.model.models.llama import LlamaAttention, LlamaMLP
 
 
@@ -74,10 +74,7 @@ class MoeModel(nn.Module):
 
 
 class _MoeForCausalLM(CausalLM):
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = QKV_GATE_UP
     qk_norm = False
     shared_expert = False
     mlp_name = "mlp"
