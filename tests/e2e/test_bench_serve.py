@@ -47,3 +47,12 @@ def test_bench_startup_times_a_fresh_server(smollm_gguf, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
     assert 0 < report["results"]["octavo"]["launch_to_first_token_s"] < 120
+
+
+def test_bench_startup_fails_fast_when_the_server_exits(smollm_gguf):
+    done = subprocess.run([sys.executable, "-m", "octavo.entrypoints.cli.main", "bench", "startup",
+                           "--model", str(smollm_gguf), "--repeats", "1",
+                           "--server-args=--no-such-flag"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "exited with code 2" in done.stderr and "--no-such-flag" in done.stderr

@@ -51,12 +51,13 @@ def _command(backend: str, model: str, port: int, extra: str) -> list[str]:
             "--port", str(port), "--n_ctx", "2048", "--n_threads", str(os.cpu_count() or 1)]
 
 
-def _first_token(port: int, deadline: float) -> float | None:
-    """Retry a one-token streamed completion until a token arrives; the time it arrived."""
+def _first_token(proc: subprocess.Popen, port: int, deadline: float) -> float | None:
+    """Retry a one-token streamed completion until a token arrives; the time it arrived (None if
+    the server exits or the deadline passes first)."""
     import httpx
 
     body = {"prompt": "Hello", "max_tokens": 1, "stream": True, "temperature": 0}
-    while time.perf_counter() < deadline:
+    while time.perf_counter() < deadline and proc.poll() is None:
         try:
             with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
                               timeout=60) as r:
@@ -78,12 +79,13 @@ def _once(backend: str, args: argparse.Namespace) -> float:
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        got = _first_token(port, start + args.timeout)
+        got = _first_token(proc, port, start + args.timeout)
         if got is None:
             log.seek(0)
             tail = log.read()[-2000:]
-            raise RuntimeError(f"{backend} gave no token within {args.timeout} s; its log ends "
-                               f"with:\n{tail}")
+            why = (f"exited with code {proc.returncode}" if proc.poll() is not None
+                   else f"gave no token within {args.timeout} s")
+            raise RuntimeError(f"{backend} {why}; its log ends with:\n{tail}")
         return got - start
     finally:
         proc.send_signal(signal.SIGTERM)
