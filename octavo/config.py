@@ -80,6 +80,15 @@ class DeviceConfig:
         "background (serve with PyTorch ops until the build is done), off",
         choices=["on", "background", "off"]))
 
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.native_kernels not in ("on", "background", "off"):
+            raise ValueError(f"native_kernels must be on, background or off, "
+                             f"got {self.native_kernels!r}")
+
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -10,15 +10,17 @@ import torch.nn.functional as F
 from octavo.kernels import native
 
 _native: ModuleType | None = None
+_mode = "off"
 
 
 def enable_native(mode: str | bool = "on") -> bool:
     """Choose the kernels for this process: "on" (build or load now), "background" (build in a
     thread and switch over when done), "off"; returns whether the C++ ones are in use now."""
-    global _native
-    if mode is True or mode == "on":
+    global _native, _mode
+    _mode = "on" if mode is True else "off" if mode is False else mode
+    if _mode == "on":
         _native = native.load()
-    elif mode == "background":
+    elif _mode == "background":
         _native = native.load(block=False, on_ready=_switch_on)
     else:
         _native = None
@@ -27,7 +29,8 @@ def enable_native(mode: str | bool = "on") -> bool:
 
 def _switch_on(module: ModuleType) -> None:
     global _native
-    _native = module
+    if _mode == "background":  # unless the kernels were turned off since
+        _native = module
 
 
 def native_ready() -> bool:

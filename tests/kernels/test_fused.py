@@ -110,3 +110,12 @@ def test_background_build_switches_over_when_ready(native_kernels, monkeypatch):
     native._state["thread"].join(10)
     assert fused.native_ready() and fused._native is module
     assert fused.enable_native("off") is False
+
+
+@pytest.mark.parametrize("option, value", [("native_kernels", "fast"), ("device", "tpu"),
+                                           ("num_threads", 0)])
+def test_bad_device_options_name_the_field(option, value):
+    from octavo.config import EngineConfig
+
+    with pytest.raises(ValueError, match=option):
+        EngineConfig.from_kwargs(**{option: value})
