@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
+from octavo.model.layers.embedding import Embedding, LMHead
 from octavo.model.layers.moe import EXPERT_TENSOR
 
 
@@ -26,6 +27,11 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.cfg = cfg
+
+    def make_lm_head(self, embedding: Embedding) -> LMHead:
+        """The output projection, sharing `embedding`'s weights when the config ties them."""
+        tied = embedding if self.cfg.tie_word_embeddings else None
+        return LMHead(self.cfg.vocab_size, self.cfg.hidden_size, tied)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]"""

@@ -10,7 +10,7 @@ from torch import nn
 from octavo.arch_config import ArchConfig
 from octavo.model.layers.activation import gated_act
 from octavo.model.layers.attention import PagedAttention
-from octavo.model.layers.embedding import Embedding, LMHead
+from octavo.model.layers.embedding import Embedding
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.norm import GemmaRMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
@@ -105,8 +105,7 @@ class Gemma2ForCausalLM(CausalLM):
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
         super().__init__(cfg)
         self.model = GemmaModel(cfg, max_positions, self.qk_norm)
-        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
+        self.lm_head = self.make_lm_head(self.model.embed_tokens)
         self.final_logit_softcap = cfg.final_logit_softcap
 
 

@@ -8,7 +8,7 @@ from torch import nn
 from octavo.arch_config import ArchConfig
 from octavo.model.layers.activation import activation
 from octavo.model.layers.attention import PagedAttention
-from octavo.model.layers.embedding import Embedding, LMHead
+from octavo.model.layers.embedding import Embedding
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.rotary import RotaryEmbedding, make_rotary
 from octavo.model.models.base import CausalLM
@@ -81,8 +81,7 @@ class GPTNeoXForCausalLM(CausalLM):
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
         super().__init__(cfg)
         self.model = NeoXModel(cfg, max_positions)
-        tied = self.model.embed_in if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
+        self.lm_head = self.make_lm_head(self.model.embed_in)
 
     def checkpoint_name(self, name: str) -> str | None:
         name = name.replace("gpt_neox.", "model.", 1).replace("embed_out.", "lm_head.", 1)

@@ -9,7 +9,7 @@ from torch import nn
 from octavo.arch_config import ArchConfig
 from octavo.model.layers.activation import gated_act
 from octavo.model.layers.attention import PagedAttention
-from octavo.model.layers.embedding import Embedding, LMHead
+from octavo.model.layers.embedding import Embedding
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding, make_rotary
@@ -69,13 +69,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, max_positions: int, qk_norm: bool = False) -> None:
+    """Embedding, the decoder layers (built by the family: dense or mixture of experts), RMSNorm."""
+
+    def __init__(self, cfg: ArchConfig, layers: list[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = make_rotary(cfg.head_dim, cfg.rotary_dim or cfg.head_dim, max_positions,
-                             cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary, qk_norm) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -91,9 +90,11 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
         super().__init__(cfg)
-        self.model = LlamaModel(cfg, max_positions, self.qk_norm)
-        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
+        rotary = make_rotary(cfg.head_dim, cfg.rotary_dim or cfg.head_dim, max_positions,
+                             cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.model = LlamaModel(cfg, [LlamaDecoderLayer(cfg, i, rotary, self.qk_norm)
+                                      for i in range(cfg.num_layers)])
+        self.lm_head = self.make_lm_head(self.model.embed_tokens)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

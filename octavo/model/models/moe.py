@@ -8,13 +8,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.arch_config import ArchConfig
-from octavo.model.layers.embedding import Embedding, LMHead
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.moe import FusedMoE
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding, make_rotary
 from octavo.model.models.base import CausalLM, QKV_GATE_UP
-from octavo.model.models.llama import LlamaAttention, LlamaMLP
+from octavo.model.models.llama import LlamaAttention, LlamaMLP, LlamaModel
 
 
 def _moe_setting(cfg: ArchConfig, key: str, *aliases: str):
@@ -59,20 +58,6 @@ class MoeDecoderLayer(nn.Module):
         return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
 
 
-class MoeModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, max_positions: int, layers: list[nn.Module]) -> None:
-        super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
-
-
 class _MoeForCausalLM(CausalLM):
     packed_modules_mapping = QKV_GATE_UP
     qk_norm = False
@@ -85,9 +70,8 @@ class _MoeForCausalLM(CausalLM):
                              cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         layers = [MoeDecoderLayer(cfg, i, rotary, self.qk_norm, self._mlp(cfg, i), self.mlp_name)
                   for i in range(cfg.num_layers)]
-        self.model = MoeModel(cfg, max_positions, layers)
-        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
+        self.model = LlamaModel(cfg, layers)
+        self.lm_head = self.make_lm_head(self.model.embed_tokens)
 
     def _mlp(self, cfg: ArchConfig, layer: int) -> nn.Module:
         step = cfg.extra.get("decoder_sparse_step") or 1
