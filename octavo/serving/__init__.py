@@ -1,1 +1,1 @@
-"""Protocol-neutral serving pieces: chat templates (later: tool-call and reasoning parsers)."""
+"""Protocol-neutral serving pieces: chat templates, tool-call parsers, reasoning parsers."""

@@ -1,0 +1,186 @@
+"""Reasoning parsers: split a model's output into reasoning (`<think>…</think>`) and the answer.
+
+- `deepseek_r1`: everything up to `</think>` is reasoning. The `<think>` start tag is optional,
+  because the chat template may already have put it in the prompt.
+- `qwen3`: reasoning only when the output starts with `<think>`; without it, all is content.
+
+A parser is fed text deltas (`feed`, then `finish` once) and returns `ReasoningDelta`s, reasoning
+text before content text; `parse` reads a whole output with the same state machine. Text that may
+be the start of a tag is held back until it is decided, so tags split across deltas anywhere are
+found. Whitespace right inside the tags and right after `</think>` is dropped; everything else is
+kept. `reasoning_ended` says when the answer has begun (structured output applies from there);
+`ReasoningEndRule` decides the same from token ids alone, for the engine core.
+
+Run the tool-call parser, if any, on the content this parser returns.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import ClassVar
+
+from octavo.serving.tool_parsers.base import held_suffix
+
+_START, _REASONING, _CONTENT = range(3)
+
+
+@dataclass(slots=True)
+class ReasoningDelta:
+    reasoning: str = ""   # comes before `content` in the output
+    content: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content)
+
+
+@dataclass(slots=True)
+class ParsedReasoning:
+    reasoning: str | None  # None when the output has no reasoning section
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningEndRule:
+    """Whether reasoning is over, from the generated token ids alone (the core has no text).
+
+    Valid where the tags are single tokens; `ReasoningParser.end_rule` builds it from a vocabulary.
+    """
+    start_id: int
+    end_id: int
+    start_required: bool  # qwen3: a first token other than <think> means there is no reasoning
+
+    def ended(self, output_ids: Sequence[int]) -> bool:
+        if self.start_required:
+            if not output_ids:
+                return False
+            if output_ids[0] != self.start_id:
+                return True
+        return self.end_id in output_ids
+
+
+class ReasoningParser:
+    """The `<think>…</think>` state machine; subclasses set whether the start tag is required."""
+
+    name: ClassVar[str] = ""
+    start_tag: ClassVar[str] = "<think>"
+    end_tag: ClassVar[str] = "</think>"
+    start_required: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._state = _START
+        self._buf = ""
+        self._pending_ws = ""      # whitespace at the end of the reasoning so far
+        self._skip_ws = False      # drop whitespace at the start of a section
+        self._had_reasoning = False
+        self._finished = False
+
+    @property
+    def reasoning_ended(self) -> bool:
+        """True once the text after the reasoning (or, with no reasoning, the output) began."""
+        return self._state == _CONTENT
+
+    def feed(self, text: str) -> ReasoningDelta:
+        if self._finished:
+            raise ValueError("reasoning parser: feed() after finish()")
+        self._buf += text
+        out = ReasoningDelta()
+        self._step(out, final=False)
+        return out
+
+    def finish(self) -> ReasoningDelta:
+        out = ReasoningDelta()
+        if not self._finished:
+            self._finished = True
+            self._step(out, final=True)
+            if self._pending_ws:
+                out.reasoning += self._pending_ws
+                self._pending_ws = ""
+        return out
+
+    @classmethod
+    def parse(cls, text: str) -> ParsedReasoning:
+        parser = cls()
+        first, last = parser.feed(text), parser.finish()
+        reasoning = first.reasoning + last.reasoning
+        return ParsedReasoning(reasoning if parser._had_reasoning else None,
+                               first.content + last.content)
+
+    @classmethod
+    def end_rule(cls, vocab: Mapping[str, int]) -> ReasoningEndRule | None:
+        """The token-id rule for a tokenizer's vocabulary, or None if a tag is not one token."""
+        start, end = vocab.get(cls.start_tag), vocab.get(cls.end_tag)
+        if start is None or end is None:
+            return None
+        return ReasoningEndRule(start, end, cls.start_required)
+
+    def _step(self, out: ReasoningDelta, final: bool) -> None:
+        if self._state == _START:
+            stripped = self._buf.lstrip()
+            if stripped.startswith(self.start_tag):
+                self._buf = stripped[len(self.start_tag):]
+                self._enter_reasoning()
+            elif not final and self.start_tag.startswith(stripped):
+                return  # empty or a partial start tag: wait
+            elif self.start_required:
+                self._state = _CONTENT
+            else:
+                self._enter_reasoning()
+        if self._state == _REASONING:
+            buf = self._buf
+            i = buf.find(self.end_tag)
+            if i >= 0:
+                self._add_reasoning(out, buf[:i])
+                self._pending_ws = ""  # whitespace before </think> is dropped
+                self._buf = buf[i + len(self.end_tag):]
+                self._state, self._skip_ws = _CONTENT, True
+            else:
+                keep = 0 if final else held_suffix(buf, self.end_tag)
+                self._add_reasoning(out, buf[:len(buf) - keep])
+                self._buf = buf[len(buf) - keep:]
+                return
+        if self._state == _CONTENT:
+            text, self._buf = self._buf, ""
+            if self._skip_ws:
+                text = text.lstrip()
+                self._skip_ws = not text
+            out.content += text
+
+    def _enter_reasoning(self) -> None:
+        self._state, self._skip_ws, self._had_reasoning = _REASONING, True, True
+
+    def _add_reasoning(self, out: ReasoningDelta, text: str) -> None:
+        """Add reasoning text; its trailing whitespace waits until we know a tag does not follow."""
+        if self._skip_ws:
+            text = text.lstrip()
+            if not text:
+                return
+            self._skip_ws = False
+        body = text.rstrip()
+        if body:
+            out.reasoning += self._pending_ws + body
+            self._pending_ws = ""
+        self._pending_ws += text[len(body):]
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    name = "deepseek_r1"
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    name = "qwen3"
+    start_required = True
+
+
+REASONING_PARSERS: MappingProxyType[str, type[ReasoningParser]] = MappingProxyType({
+    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+})
+
+
+def get_reasoning_parser(name: str) -> type[ReasoningParser]:
+    """The parser class registered as `name`; ValueError naming the choices otherwise."""
+    try:
+        return REASONING_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"reasoning_parser: unknown parser {name!r}; "
+                         f"choose one of {', '.join(sorted(REASONING_PARSERS))}") from None
