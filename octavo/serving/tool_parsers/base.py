@@ -27,7 +27,7 @@ from __future__ import annotations
 import secrets
 import string
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, Protocol
 
 from octavo.serving.tool_parsers.json_call import ReadState
 
@@ -138,9 +138,11 @@ class ToolParser:
         return self._num_announced > 0
 
     @classmethod
-    def parse(cls, text: str, new_id: Callable[[], str] | None = None) -> ParsedToolCalls:
-        """Split a whole output into its content and its valid calls."""
-        parser = cls(new_id)
+    def parse(cls, text: str, new_id: Callable[[], str] | None = None,
+              **options: Any) -> ParsedToolCalls:
+        """Split a whole output into its content and its valid calls (`options` go to the
+        constructor)."""
+        parser = cls(new_id, **options)
         parser.feed(text)
         parser.finish()
         content = "".join(s for s in parser._segments if isinstance(s, str))
