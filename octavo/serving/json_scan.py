@@ -60,12 +60,13 @@ class JsonScanner:
     (`error` is then set) or that comes after the value is complete (`done`).
     """
 
-    __slots__ = ("pos", "members", "done", "error", "_stack", "_expect", "_key", "_pending_key",
-                 "_number", "_literal", "_hex")
+    __slots__ = ("pos", "members", "member_changed", "done", "error", "_stack", "_expect", "_key",
+                 "_pending_key", "_number", "_literal", "_hex")
 
     def __init__(self) -> None:
         self.pos = 0                       # characters consumed
         self.members: list[Member] = []    # the top-level object's members, in order
+        self.member_changed = False        # set when a member begins or ends; the reader clears it
         self.done = False
         self.error = False
         self._stack: list[str] = []        # open containers, "{" or "["
@@ -171,6 +172,7 @@ class JsonScanner:
             return False
         if self._stack == ["{"]:
             self.members.append(Member(self._pending_key, self.pos))
+            self.member_changed = True
         if ch in "{[":
             self._stack.append(ch)
         self._expect = expect
@@ -199,6 +201,7 @@ class JsonScanner:
             return
         if self._stack == ["{"] and self.members and self.members[-1].end is None:
             self.members[-1].end = end
+            self.member_changed = True
         self._expect = _COMMA_OR_CLOSE
 
     def _fail(self) -> bool:

@@ -70,13 +70,14 @@ class ParsedToolCalls:
 
 class CallReader(Protocol):
     """What the shared code needs from a reader of one call (see json_call.py)."""
+    text: str  # everything it consumed
     state: ReadState
     name: str | None
     committed: bool
 
     def feed(self, text: str) -> int: ...
     def finish(self) -> None: ...
-    def arguments_so_far(self) -> str: ...
+    def arguments_from(self, offset: int) -> str: ...
     def arguments(self) -> str | None: ...
 
 
@@ -107,6 +108,7 @@ class ToolParser:
         self._raw = ""                    # text of the call being tried, as the model wrote it
         self._call: ToolCall | None = None    # the announced call being streamed
         self._call_ws = ""                # whitespace dropped when `_call` was announced
+        self._sent = 0                    # characters of `_call`'s arguments sent so far
         self._num_announced = 0
         self._finished = False
 
@@ -205,21 +207,22 @@ class ToolParser:
     def _announce(self, name: str) -> None:
         self._call = ToolCall(self._new_id(), name, "")
         self._call_ws, self._pending_ws = self._pending_ws, ""
+        self._sent = 0
         self._events.append(ToolCallDelta(self._num_announced, self._call.id, name))
         self._num_announced += 1
 
-    def _stream_arguments(self, so_far: str) -> None:
-        call = self._call
-        if call is not None and len(so_far) > len(call.arguments):
-            self._events.append(ToolCallDelta(self._num_announced - 1,
-                                              arguments=so_far[len(call.arguments):]))
-            call.arguments = so_far
+    def _stream_arguments(self, fragment: str) -> None:
+        """Send the next piece of the announced call's arguments."""
+        if fragment:
+            self._events.append(ToolCallDelta(self._num_announced - 1, arguments=fragment))
+            self._sent += len(fragment)
 
     def _complete(self, name: str, arguments: str) -> None:
         """A call ended well with these arguments."""
         if self._call is None:
             self._announce(name)
-        self._stream_arguments(arguments)
+        self._stream_arguments(arguments[self._sent:])
+        self._call.arguments = arguments
         self._segments.append(self._call)
         self._call, self._raw, self._skip_ws = None, "", True
         self._after_call()
@@ -228,7 +231,6 @@ class ToolParser:
         """Feed the current reader; announce, stream, complete or give up on its call."""
         reader = self._reader
         n = reader.feed(self._buf)
-        self._raw += self._buf[:n]
         self._buf = self._buf[n:]
         if final and reader.state is ReadState.READING:
             reader.finish()
@@ -237,14 +239,17 @@ class ToolParser:
         if reader.committed and self._call is None:
             self._announce(reader.name)
         if reader.state is ReadState.READING:
-            self._stream_arguments(reader.arguments_so_far())
+            if self._call is not None:
+                self._stream_arguments(reader.arguments_from(self._sent))
             return False
         self._reader = None
         if reader.state is ReadState.DONE:
             self._complete(reader.name, reader.arguments())
-        elif self._call is not None:
+            return True
+        self._raw += reader.text  # the reader keeps what it consumed; only now is it needed
+        if self._call is not None:
             # Announced, then broken: what was sent stays sent; the rest is content.
-            self._stream_arguments(reader.arguments_so_far())
+            self._stream_arguments(reader.arguments_from(self._sent))
             self._segments.append(self._call_ws + self._raw)
             self._call, self._raw = None, ""
             self._after_break()

@@ -32,13 +32,13 @@ class JsonCall:
     """One call object: `{"name": "get_weather", "arguments": {"city": "Paris"}}`."""
 
     def __init__(self) -> None:
-        self.text = ""          # the characters consumed so far
+        self._parts: list[str] = []  # the characters consumed so far, joined only when needed
+        self._length = 0
         self.state = ReadState.READING
         self.name: str | None = None
         self.committed = False
         self._scan = JsonScanner()
         self._args: Member | None = None
-        self._seen: tuple[int, bool] = (0, False)  # (members, last one closed) when last checked
 
     def feed(self, text: str) -> int:
         """Consume characters of `text` until the object ends or breaks; returns how many.
@@ -50,35 +50,57 @@ class JsonCall:
         scan = self._scan
         for i, ch in enumerate(text):
             if not scan.push(ch):
-                self.text += text[:i]
+                self._keep(text[:i])
                 self._end()
                 return i
             if scan.done:
-                self.text += text[:i + 1]
+                self._keep(text[:i + 1])
                 self._end()
                 return i + 1
-            members = scan.members
-            seen = (len(members), bool(members) and members[-1].end is not None)
-            if seen != self._seen:  # a member began or ended: look at it now, not later
-                self._seen = seen
+            if scan.member_changed:  # a member began or ended: look at it now, not later
+                scan.member_changed = False
                 self._check_members(self.text + text[:i + 1])
                 if self.state is ReadState.BROKEN:
-                    self.text += text[:i + 1]
+                    self._keep(text[:i + 1])
                     return i + 1
-        self.text += text
+        self._keep(text)
         return len(text)
+
+    @property
+    def text(self) -> str:
+        """Everything consumed so far."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def _keep(self, text: str) -> None:
+        if text:
+            self._parts.append(text)
+            self._length += len(text)
+
+    def _slice(self, start: int, end: int) -> str:
+        """text[start:end], read from the last parts (streaming asks for the newest text)."""
+        out, pos = [], self._length
+        for part in reversed(self._parts):
+            first = pos - len(part)
+            if first < end:
+                out.append(part[max(start - first, 0):end - first])
+            if first <= start:
+                break
+            pos = first
+        return "".join(reversed(out))
 
     def finish(self) -> None:
         """The output ended here."""
         if self.state is ReadState.READING:
             self._end()
 
-    def arguments_so_far(self) -> str:
-        """The arguments' JSON text known so far (valid once committed)."""
+    def arguments_from(self, offset: int) -> str:
+        """The arguments' JSON text known so far, from `offset` on (valid once committed)."""
         if self._args is None:
             return ""
-        end = self._args.end if self._args.end is not None else len(self.text)
-        return self.text[self._args.start:end]
+        end = self._args.end if self._args.end is not None else self._length
+        return self._slice(self._args.start + offset, end)
 
     def arguments(self) -> str | None:
         """The complete arguments as JSON text of an object, or None if they are not one."""
@@ -164,8 +186,8 @@ class JsonArguments:
         if self.state is ReadState.READING:
             self.state = ReadState.BROKEN
 
-    def arguments_so_far(self) -> str:
-        return self.text
+    def arguments_from(self, offset: int) -> str:
+        return self.text[offset:]
 
     def arguments(self) -> str | None:
         return self.text if self.state is ReadState.DONE else None
