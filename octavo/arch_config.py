@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,14 @@ GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gptneox": "GPTNeoXForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# ... and the one it registers under when the file holds stacked expert tensors.
+GGUF_EXPERT_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # generation_config.json keys that become request defaults (the SamplingParams field names)
@@ -222,32 +230,51 @@ def _from_gguf(source: ModelSource) -> ArchConfig:
     reader = GGUFReader(source.path)
     meta = {k: f.contents() for k, f in reader.fields.items()
             if not k.startswith("tokenizer.") or k.endswith("_id")}
-    arch = meta["general.architecture"]
+    arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise NotImplementedError(
             f"GGUF architecture {arch!r} is not supported yet; supported: "
-            f"{', '.join(GGUF_ARCHITECTURES)}")
-    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+            f"{', '.join(GGUF_ARCHITECTURES)}, and llama with expert tensors (Mixtral)")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def need(key: str) -> Any:
+        if meta.get(f"{arch}.{key}") is None:
+            raise ValueError(f"model: {source.path} lacks the GGUF key {arch}.{key}")
+        return meta[f"{arch}.{key}"]
+
+    embd = tensors.get("token_embd.weight")
     vocab = meta.get(f"{arch}.vocab_size") or (int(embd.shape[-1]) if embd is not None else None)
     if vocab is None:
         raise ValueError(f"model: {source.path} has neither {arch}.vocab_size nor token_embd")
-    hidden = meta[f"{arch}.embedding_length"]
-    heads = meta[f"{arch}.attention.head_count"]
-    names = {t.name for t in reader.tensors}
-    scaling = None
-    if f"{arch}.rope.scaling.type" in meta and meta[f"{arch}.rope.scaling.type"] != "none":
-        scaling = {"rope_type": meta[f"{arch}.rope.scaling.type"],
-                   "factor": meta.get(f"{arch}.rope.scaling.factor", 1.0),
-                   "original_max_position_embeddings":
-                       meta.get(f"{arch}.rope.scaling.original_context_length")}
-    num_layers = meta[f"{arch}.block_count"]
+    hidden = need("embedding_length")
+    heads = need("attention.head_count")
+    num_layers = need("block_count")
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
-    family: dict[str, Any] = {}
+    rope_dims = meta.get(f"{arch}.rope.dimension_count")
+    cfg: dict[str, Any] = dict(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=need("feed_forward_length"),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=meta.get(f"{arch}.attention.head_count_kv", heads),
+        head_dim=head_dim,
+        max_position_embeddings=meta.get(f"{arch}.context_length", 2048),
+        rms_norm_eps=meta.get(f"{arch}.attention.layer_norm_rms_epsilon",
+                              meta.get(f"{arch}.attention.layer_norm_epsilon", 1e-6)),
+        rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
+        rope_scaling=_gguf_rope_scaling(source, arch, meta, tensors),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        rotary_dim=rope_dims if rope_dims and rope_dims != head_dim else None,
+        gguf_arch=arch,
+    )
     if arch in ("gemma2", "gemma3"):
         # GGUF keeps no layer pattern, local RoPE base or query scalar: llama.cpp hard-codes them
         # per architecture, and so does this.
         every = 2 if arch == "gemma2" else 6
-        family = dict(
+        cfg.update(
             hidden_act="gelu_pytorch_tanh",
             sliding_window=meta.get(f"{arch}.attention.sliding_window"),
             layer_types=tuple(SLIDING if (i + 1) % every else FULL for i in range(num_layers)),
@@ -256,21 +283,76 @@ def _from_gguf(source: ModelSource) -> ArchConfig:
             attn_logit_softcap=meta.get(f"{arch}.attn_logit_softcapping"),
             final_logit_softcap=meta.get(f"{arch}.final_logit_softcapping"),
             rope_local_theta=10000.0 if arch == "gemma3" else None)
-    return ArchConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=meta[f"{arch}.feed_forward_length"],
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=meta.get(f"{arch}.attention.head_count_kv", heads),
-        head_dim=head_dim,
-        max_position_embeddings=meta.get(f"{arch}.context_length", 2048),
-        rms_norm_eps=meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
-        rope_scaling=scaling,
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        gguf_arch=arch,
-        **family,
-    )
+    elif arch == "phi3":
+        cfg["sliding_window"] = meta.get(f"{arch}.attention.sliding_window") or None
+    elif arch == "gptneox":  # the activations are the Hugging Face defaults; GGUF names none
+        cfg.update(hidden_act="gelu", extra={
+            "use_parallel_residual": meta.get(f"{arch}.use_parallel_residual", True)})
+    elif arch == "gpt2":
+        pos = tensors.get("position_embd.weight")
+        if pos is None:
+            raise ValueError(f"model: {source.path} (gpt2) lacks the tensor position_embd.weight")
+        cfg.update(hidden_act="gelu_new", max_position_embeddings=int(pos.shape[1]))
+    if arch in GGUF_EXPERT_ARCHITECTURES and "blk.0.ffn_gate_exps.weight" in tensors:
+        cfg["architecture"] = GGUF_EXPERT_ARCHITECTURES[arch]
+    if arch in ("qwen2moe", "qwen3moe") or cfg["architecture"] == "MixtralForCausalLM":
+        cfg["extra"] = _gguf_experts(arch, meta, tensors, need)
+    return ArchConfig(**cfg)
+
+
+def _gguf_experts(arch: str, meta: dict[str, Any], tensors: dict[str, Any],
+                  need: Callable[[str], Any]) -> dict[str, Any]:
+    """The MoE settings under the names the Hugging Face configs (and octavo's MoE file) use."""
+    def rows(name: str) -> int | None:  # output features: a GGUF shape lists the input first
+        t = tensors.get(name)
+        return int(t.shape[1]) if t is not None else None
+
+    extra: dict[str, Any] = {
+        "num_experts": need("expert_count"),
+        "num_experts_per_tok": need("expert_used_count"),
+        # llama.cpp renormalizes the top-k weights of Mixtral and Qwen3-MoE, not of Qwen2-MoE.
+        "norm_topk_prob": meta.get(f"{arch}.expert_weights_norm", arch != "qwen2moe"),
+    }
+    # Older files lack the width keys; the tensors' shapes tell them as well.
+    extra["moe_intermediate_size"] = (meta.get(f"{arch}.expert_feed_forward_length")
+                                      or rows("blk.0.ffn_gate_exps.weight")
+                                      or need("expert_feed_forward_length"))
+    if arch == "qwen2moe":
+        extra["shared_expert_intermediate_size"] = (
+            meta.get(f"{arch}.expert_shared_feed_forward_length")
+            or rows("blk.0.ffn_gate_shexp.weight") or need("expert_shared_feed_forward_length"))
+    return extra
+
+
+def _gguf_rope_scaling(source: ModelSource, arch: str, meta: dict[str, Any],
+                       tensors: dict[str, Any]) -> dict[str, Any] | None:
+    """RoPE scaling from metadata, or from the per-frequency factors llama.cpp's converter stores
+    as tensors: rope_freqs (Llama 3.1+: the llama3 scaling, already evaluated) and
+    rope_factors_long/short (Phi-3's longrope)."""
+    def factors(name: str) -> list[float]:
+        t = tensors.get(name)
+        if t is None:
+            raise ValueError(f"model: {source.path} lacks the tensor {name}")
+        if t.tensor_type.name not in ("F32", "F16"):
+            raise ValueError(f"model: {source.path}: {name} must be F32 or F16, "
+                             f"got {t.tensor_type.name}")
+        return [float(x) for x in t.data.reshape(-1)]
+
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if "rope_freqs.weight" in tensors:
+        if kind not in ("none", "llama3"):
+            raise NotImplementedError(f"GGUF rope_freqs together with rope scaling {kind!r}")
+        return {"rope_type": "freq_factors", "freq_factors": factors("rope_freqs.weight")}
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in tensors:
+        if original is None:
+            raise ValueError(f"model: {source.path} has rope_factors_long but no "
+                             f"{arch}.rope.scaling.original_context_length")
+        return {"rope_type": "longrope", "original_max_position_embeddings": original,
+                "long_factor": factors("rope_factors_long.weight"),
+                "short_factor": factors("rope_factors_short.weight"),
+                "attention_factor": meta.get(f"{arch}.rope.scaling.attn_factor")}
+    if kind == "none":
+        return None
+    return {"rope_type": kind, "factor": meta.get(f"{arch}.rope.scaling.factor", 1.0),
+            "original_max_position_embeddings": original}

@@ -75,6 +75,7 @@ def test_models_lists_architectures_without_torch():
     rows = json.loads(done.stdout)["architectures"]
     assert rows["Gemma3ForCausalLM"] == ["gemma3"] and rows["Qwen2ForCausalLM"] == ["qwen2"]
     assert "LlamaForCausalLM" in rows and "llama" in rows["LlamaForCausalLM"]
+    assert rows["MixtralForCausalLM"] == ["llama (with experts)"]
     table = _run(["models"], timeout=60).stdout
     assert "Gemma2ForCausalLM" in table and "gemma2" in table
     code = ("import sys; from octavo.entrypoints.cli.main import main; main(['models']); "

@@ -2,8 +2,10 @@
 
 1. Each quantization type gguf can write (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) round-trips
    to within that type's step of the original weights, with the right shape, name and source bits.
-2. Tiny Gemma 3 and Qwen3 models converted to GGUF the way llama.cpp lays them out (Gemma's norms
-   stored as 1 + w, its pre-MLP norm named ffn_norm) give the same logits as transformers.
+2. Tiny Gemma 3 and Qwen3 models converted to GGUF the way llama.cpp lays them out (gguf_convert.py:
+   Gemma's norms stored as 1 + w, its pre-MLP norm named ffn_norm) give the same logits as
+   transformers. The other architectures are in test_gguf_archs.py, K-quants in
+   test_gguf_kquants.py.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from gguf.quants import quantize
 
 from octavo.arch_config import ArchConfig
 from octavo.model.loader.gguf_weights import iterate_gguf_weights
+from tests.model.gguf_convert import write_gguf
 
 # Worst error per element, as a fraction of its block's largest magnitude.
 STEP = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 8e-3, Q.Q8_0: 1 / 127, Q.Q5_0: 1 / 16, Q.Q5_1: 1 / 16,
@@ -52,55 +55,8 @@ def test_quant_type_round_trips_within_its_step(tmp_path, qtype):
         assert err.max() > 0  # a lossy type really went through its quantization
 
 
-_GEMMA_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-                "pre_feedforward_layernorm": "ffn_norm",
-                "post_feedforward_layernorm": "post_ffw_norm"}
-_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-          "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-          "post_attention_layernorm": "ffn_norm"}
-
-
-def _write_gguf(path, arch: str, model, window: int | None) -> None:
-    c = model.config
-    w = GGUFWriter(str(path), arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(1e6 if arch == "gemma3" else c.rope_parameters["rope_theta"])
-    if window:
-        w.add_sliding_window(window)
-    names = dict(_NAMES, **(_GEMMA_NAMES if arch == "gemma3" else {}))
-    for name, t in model.state_dict().items():
-        t = t.float().numpy()
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            part, kind = rest.rsplit(".", 1)
-            gname = f"blk.{i}.{names[part]}.{kind}"
-        else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight",
-                     "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
-            if gname == "output.weight" and c.tie_word_embeddings:
-                continue
-        if arch == "gemma3" and name.endswith("norm.weight"):
-            t = t + 1  # llama.cpp's converter stores Gemma norms as 1 + w
-        w.add_tensor(gname, np.ascontiguousarray(t))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
-def test_tiny_gguf_matches_transformers(tmp_path, smollm_oracle_folder, arch):
+def test_tiny_gguf_matches_transformers(tmp_path, smollm_oracle_folder, monkeypatch, arch):
     import transformers
 
     from octavo import LLM, SamplingParams
@@ -121,7 +77,9 @@ def test_tiny_gguf_matches_transformers(tmp_path, smollm_oracle_folder, arch):
             p.copy_(torch.randn_like(p) * (0.08 if p.dim() > 1 else 0.1) + (p.dim() == 1) * 0.0)
     model.eval()
     path = tmp_path / f"tiny-{arch}.gguf"
-    _write_gguf(path, arch, model, 24 if arch == "gemma3" else None)
+    write_gguf(path, arch, model)
+    # the prepared-weights copy of this throwaway file stays out of the user's cache
+    monkeypatch.setattr("octavo.model.loader.prepared_cache.cache_dir", lambda: tmp_path)
     prompt = torch.randint(100, 49000, (100,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.inference_mode():
         ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)

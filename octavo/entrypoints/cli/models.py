@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from octavo.arch_config import GGUF_ARCHITECTURES
+from octavo.arch_config import GGUF_ARCHITECTURES, GGUF_EXPERT_ARCHITECTURES
 from octavo.model.registry import supported_architectures
 
 
@@ -15,7 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = {arch: sorted(g for g, hf in GGUF_ARCHITECTURES.items() if hf == arch)
+    rows = {arch: sorted([g for g, hf in GGUF_ARCHITECTURES.items() if hf == arch]
+                         + [f"{g} (with experts)" for g, hf in GGUF_EXPERT_ARCHITECTURES.items()
+                            if hf == arch])
             for arch in supported_architectures()}
     if args.json:
         print(json.dumps({"architectures": rows}, indent=2))

@@ -51,6 +51,12 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _inv_freq(head_dim, base)
         elif kind == "llama3":
             inv_freq = _llama3_inv_freq(_inv_freq(head_dim, base), scaling)
+        elif kind == "freq_factors":  # a GGUF's rope_freqs: each frequency divided by its factor
+            factors = scaling["freq_factors"]
+            if len(factors) != head_dim // 2:
+                raise ValueError(f"rope_freqs: {len(factors)} factors given, head_dim / 2 = "
+                                 f"{head_dim // 2} needed")
+            inv_freq = _inv_freq(head_dim, base) / torch.tensor(factors, dtype=torch.float64)
         elif kind == "longrope":
             # transformers picks the long factors when the sequence in a call passes the original
             # context, the short ones otherwise; one fixed table takes the long ones when the

@@ -38,24 +38,30 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
         weights = iterate_safetensors_weights(source.path)
     model.load_weights(weights)
     if decode_weights == "auto" and bits:
-        _set_decode_bits(model, cfg, bits)
+        _set_decode_bits(model, bits)
     if prepared is not None:
         from octavo.model.loader.prepared_cache import save_prepared
         save_prepared(model, prepared)
     return model.eval()
 
 
-def _set_decode_bits(model: nn.Module, cfg: ArchConfig, bits: dict[str, int]) -> None:
+def _set_decode_bits(model: nn.Module, bits: dict[str, int]) -> None:
     packed = getattr(model, "packed_modules_mapping", {})
     per_module: dict[str, int] = {}
-    for name, b in bits.items():
+    for ckpt_name, b in bits.items():
+        name = model.checkpoint_name(ckpt_name)  # the parameter it fills (GPT-2: transformer.h...)
+        if name is None:
+            continue
         module = name.rpartition(".")[0]
         owner, _, leaf = module.rpartition(".")
         if leaf in packed:
             module = f"{owner}.{packed[leaf][0]}"
         per_module[module] = max(per_module.get(module, 0), b)  # the widest shard decides
-    if cfg.tie_word_embeddings and "model.embed_tokens" in per_module:
-        per_module["lm_head"] = per_module["model.embed_tokens"]
-    for name, module in model.named_modules():
+    modules = dict(model.named_modules())
+    head = modules.get("lm_head")
+    if head is not None and "lm_head" not in per_module:  # a tied head: its embedding's width
+        per_module.update({"lm_head": b for name, b in per_module.items()
+                           if getattr(modules.get(name), "weight", None) is head.weight})
+    for name, module in modules.items():
         if hasattr(module, "set_decode_bits") and name in per_module:
             module.set_decode_bits(per_module[name])

@@ -1,4 +1,12 @@
-"""Tensors of a GGUF file, dequantized and renamed to the Hugging Face layout."""
+"""Tensors of a GGUF file, dequantized and renamed to the Hugging Face layout.
+
+llama.cpp's converter renames every tensor (blk.N.attn_q, ...), stacks each MoE layer's experts
+into one tensor per projection, and changes some layouts: q/k rows permuted for llama's
+interleaved RoPE, Gemma's norms stored as 1 + w, GPT-2's Conv1D weights transposed, GPT-NeoX's
+per-head q/k/v regrouped into q | k | v. This module undoes each, so a model file loads a GGUF
+exactly as it loads the Hugging Face checkpoint. RoPE factor tensors (rope_freqs,
+rope_factors_long/short) are read into the ArchConfig instead (see arch_config).
+"""
 from __future__ import annotations
 
 import re
@@ -12,7 +20,7 @@ from gguf.quants import dequantize
 
 from octavo.arch_config import ArchConfig
 
-_LAYER = {
+_LLAMA = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -20,38 +28,96 @@ _LAYER = {
     "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-# Gemma puts a norm before and after each sublayer; GGUF names the one before the MLP ffn_norm.
-_LAYER_BY_ARCH = {
-    "gemma2": {**_LAYER, "ffn_norm": "pre_feedforward_layernorm"},
-    "gemma3": {**_LAYER, "ffn_norm": "pre_feedforward_layernorm"},
+_LLAMA_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+
+
+def _experts(block: str, gate: str, up: str, down: str) -> dict[str, str]:
+    """Router and stacked experts of an MoE block; {} stands for the expert index."""
+    return {**_LLAMA, "ffn_gate_inp": f"{block}.gate",
+            "ffn_gate_exps": f"{block}.experts.{{}}.{gate}",
+            "ffn_up_exps": f"{block}.experts.{{}}.{up}",
+            "ffn_down_exps": f"{block}.experts.{{}}.{down}"}
+
+
+_QWEN_MOE = _experts("mlp", "gate_proj", "up_proj", "down_proj")
+# Hugging Face architecture -> (layer prefix, GGUF part -> HF part in a layer, global names)
+_LAYOUTS: dict[str, tuple[str, dict[str, str], dict[str, str]]] = {
+    # Gemma puts a norm before and after each sublayer; GGUF names the one before the MLP ffn_norm.
+    "Gemma2ForCausalLM": ("model.layers", {**_LLAMA, "ffn_norm": "pre_feedforward_layernorm"},
+                          _LLAMA_GLOBAL),
+    "Phi3ForCausalLM": ("model.layers", {**_LLAMA, "attn_qkv": "self_attn.qkv_proj",
+                                         "ffn_up": "mlp.gate_up_proj"}, _LLAMA_GLOBAL),
+    "MixtralForCausalLM": ("model.layers", _experts("block_sparse_moe", "w1", "w3", "w2"),
+                           _LLAMA_GLOBAL),
+    "Qwen2MoeForCausalLM": ("model.layers", {
+        **_QWEN_MOE, "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}, _LLAMA_GLOBAL),
+    "Qwen3MoeForCausalLM": ("model.layers", _QWEN_MOE, _LLAMA_GLOBAL),
+    "GPTNeoXForCausalLM": ("gpt_neox.layers", {
+        "attn_norm": "input_layernorm", "attn_qkv": "attention.query_key_value",
+        "attn_output": "attention.dense", "ffn_norm": "post_attention_layernorm",
+        "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"},
+        {"token_embd": "gpt_neox.embed_in", "output_norm": "gpt_neox.final_layer_norm",
+         "output": "embed_out"}),
+    "GPT2LMHeadModel": ("transformer.h", {
+        "attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+        "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+        {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
+         "output_norm": "transformer.ln_f", "output": "lm_head"}),
 }
-_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYOUTS["Gemma3ForCausalLM"] = _LAYOUTS["Gemma2ForCausalLM"]
+_DEFAULT_LAYOUT = ("model.layers", _LLAMA, _LLAMA_GLOBAL)  # Llama, Mistral, Qwen2, Qwen3
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# Read into ArchConfig.rope_scaling, not parameters.
+_ROPE_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 # Architectures whose converter permuted q/k rows for llama.cpp's interleaved RoPE.
 _PERMUTED_QK = {"llama", "mistral"}
 # Architectures whose RMSNorm scales by (1 + w): llama.cpp's converter stores 1 + w.
 _NORM_PLUS_ONE = {"gemma2", "gemma3"}
+_CONV1D = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")  # GPT-2's [in, out] weights
 
 
-def hf_name(gguf_name: str, arch: str | None = None) -> str:
+def hf_name(gguf_name: str, architecture: str) -> str:
+    """The Hugging Face name of a GGUF tensor; stacked experts keep {} for the expert index."""
+    prefix, layer_names, global_names = _LAYOUTS.get(architecture, _DEFAULT_LAYOUT)
     m = _BLOCK.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        names = _LAYER_BY_ARCH.get(arch, _LAYER)
-        if part not in names:
-            raise ValueError(f"GGUF tensor {gguf_name} has no known Hugging Face name")
-        return f"model.layers.{layer}.{names[part]}.{kind}"
+        if part not in layer_names:
+            raise ValueError(f"GGUF tensor {gguf_name} has no known Hugging Face name "
+                             f"({architecture})")
+        return f"{prefix}.{layer}.{layer_names[part]}.{kind}"
     stem, _, kind = gguf_name.rpartition(".")
-    if stem not in _GLOBAL:
-        raise ValueError(f"GGUF tensor {gguf_name} has no known Hugging Face name")
-    return f"{_GLOBAL[stem]}.{kind}"
+    if stem not in global_names:
+        raise ValueError(f"GGUF tensor {gguf_name} has no known Hugging Face name ({architecture})")
+    return f"{global_names[stem]}.{kind}"
 
 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo the converter's row permutation (interleaved pairs -> rotate-half halves)."""
     half = w.shape[0] // num_heads // 2
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _to_hf_layout(name: str, w: np.ndarray, cfg: ArchConfig) -> np.ndarray:
+    """`w` (named `name`, Hugging Face style) in the layout of the Hugging Face checkpoint."""
+    arch = cfg.gguf_arch
+    if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+        return w - 1
+    if arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+        return _unpermute(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+    if arch == "gptneox" and ".query_key_value." in name:
+        # [q|k|v][head][head_dim] rows back to the checkpoint's [head][q|k|v][head_dim]
+        return w.reshape(3, cfg.num_heads, -1, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
+    if arch == "gpt2" and _CONV1D.search(name):
+        return w.T
+    if name.endswith("shared_expert_gate.weight") and w.ndim == 1:
+        return w.reshape(1, -1)  # stored as a vector: [H] -> [1, H]
+    return w
 
 
 def source_bits(tensor_type: GGMLQuantizationType) -> int:
@@ -64,22 +130,21 @@ def source_bits(tensor_type: GGMLQuantizationType) -> int:
 
 def iterate_gguf_weights(path: Path, cfg: ArchConfig,
                          bits: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, dequantized tensor); `bits` gets each tensor's source width."""
+    """Yield (Hugging Face name, dequantized tensor); `bits` gets each tensor's source width.
+    A stacked expert tensor [E, out, in] is yielded as E per-expert tensors."""
     reader = GGUFReader(path)
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            raise NotImplementedError("GGUF rope_freqs (llama3 rope scaling) is not supported yet")
+        if t.name in _ROPE_TENSORS:
+            continue
         shape = tuple(int(d) for d in reversed(t.shape))
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             w = np.array(t.data).reshape(shape)  # a copy: the mmap is read-only
         else:
             w = dequantize(t.data, t.tensor_type).reshape(shape)
-        name = hf_name(t.name, cfg.gguf_arch)
-        if cfg.gguf_arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
-            w = w - 1
-        if bits is not None:
-            bits[name] = source_bits(t.tensor_type)
-        if cfg.gguf_arch in _PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = cfg.num_heads if "attn_q" in t.name else cfg.num_kv_heads
-            w = _unpermute(w, heads)
-        yield name, torch.from_numpy(w)
+        name = hf_name(t.name, cfg.architecture)
+        w = _to_hf_layout(name, w, cfg)
+        parts = [(name.format(e), w[e]) for e in range(w.shape[0])] if "{}" in name else [(name, w)]
+        for part_name, part in parts:
+            if bits is not None:
+                bits[part_name] = source_bits(t.tensor_type)
+            yield part_name, torch.from_numpy(part)

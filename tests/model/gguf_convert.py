@@ -1,0 +1,144 @@
+"""A small Hugging Face -> GGUF converter for the tiny test models.
+
+It lays tensors and metadata out the way llama.cpp's converter does, taking tensor names from the
+gguf package's own TensorNameMap (so octavo's loader is checked against the names real files
+use, not against its own table): q/k rows permuted for the llama architecture, Gemma norms stored
+as 1 + w, GPT-2's Conv1D weights transposed to [out, in] and its head written as a copy of the
+embedding, GPT-NeoX's per-head q/k/v regrouped into q | k | v, MoE experts stacked per
+projection, the shared-expert gate as a vector, and RoPE factors as tensors (rope_freqs for
+Llama 3 scaling, rope_factors_long/short for Phi-3's longrope).
+"""
+from __future__ import annotations
+
+import math
+
+import gguf
+import numpy as np
+
+_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen3": gguf.MODEL_ARCH.QWEN3,
+          "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3,
+          "gptneox": gguf.MODEL_ARCH.GPTNEOX, "gpt2": gguf.MODEL_ARCH.GPT2,
+          "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE}
+_SKIP = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+def _interleave(w: np.ndarray, heads: int) -> np.ndarray:
+    """Rotate-half rows -> the interleaved pairs llama.cpp's llama RoPE reads."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """Per frequency, how much Llama 3 scaling divides it (what llama.cpp stores as rope_freqs)."""
+    inv_freq = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)
+    old = rope["original_max_position_embeddings"]
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    out = []
+    for wavelen in 2 * math.pi / inv_freq:
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _metadata(w: gguf.GGUFWriter, arch: str, c, head_dim: int) -> None:
+    gpt2 = arch == "gpt2"
+    w.add_context_length(c.n_positions if gpt2 else c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.n_inner or 4 * c.n_embd if gpt2 else c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    if arch in ("gptneox", "gpt2"):
+        w.add_layer_norm_eps(c.layer_norm_epsilon if gpt2 else c.layer_norm_eps)
+    else:
+        w.add_head_count_kv(c.num_key_value_heads)
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if getattr(c, "head_dim", None):
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    rope = getattr(c, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3's base is its global layers'
+    if "rope_theta" in rope:
+        w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * head_dim))
+    if arch in ("gemma3", "phi3") and c.sliding_window:
+        w.add_sliding_window(c.sliding_window)
+    if arch == "gptneox":
+        w.add_parallel_residual(c.use_parallel_residual)
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+    if getattr(c, "moe_intermediate_size", None):
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if getattr(c, "shared_expert_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    if rope.get("rope_type") == "longrope":
+        orig = c.original_max_position_embeddings
+        w.add_rope_scaling_orig_ctx_len(orig)
+        scale = c.max_position_embeddings / orig
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+
+
+def _tensors(arch: str, model) -> dict[str, np.ndarray]:
+    """The model's tensors under GGUF names, in llama.cpp's layouts."""
+    c = model.config
+    names = gguf.get_tensor_name_map(_ARCHS[arch], c.num_hidden_layers)
+    heads, kv_heads = c.num_attention_heads, getattr(c, "num_key_value_heads", None)
+    out: dict[str, np.ndarray] = {}
+    for name, t in model.state_dict().items():
+        t = t.float().numpy()
+        if name.endswith(_SKIP) or (name == "lm_head.weight" and c.tie_word_embeddings):
+            continue
+        if name.endswith("experts.down_proj"):  # [E, H, I], stacked as in the GGUF
+            parts = {name + ".weight": t}
+        elif name.endswith("experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+            half = t.shape[1] // 2
+            parts = {name.replace("gate_up_proj", "gate_proj.weight"): t[:, :half],
+                     name.replace("gate_up_proj", "up_proj.weight"): t[:, half:]}
+        else:
+            parts = {name: t}
+        for hf, t in parts.items():
+            gname = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+            if gname is None:
+                raise KeyError(f"gguf has no name for {hf} ({arch})")
+            if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+                t = _interleave(t, heads if "attn_q" in gname else kv_heads)
+            elif arch == "gemma3" and hf.endswith("norm.weight"):
+                t = t + 1
+            elif arch == "gptneox" and "attn_qkv" in gname:  # [head][q|k|v] -> [q|k|v][head]
+                t = t.reshape(heads, 3, -1, *t.shape[1:]).swapaxes(0, 1).reshape(t.shape)
+            elif arch == "gpt2" and t.ndim == 2 and gname.startswith("blk."):
+                t = t.T  # Conv1D [in, out] -> [out, in]
+            elif gname.endswith("ffn_gate_inp_shexp.weight"):
+                t = t.reshape(-1)
+            out[gname] = np.ascontiguousarray(t)
+    if arch == "gpt2":  # GPT-2's head is its embedding; the converter writes it out as well
+        out["output.weight"] = out["token_embd.weight"]
+    rope = getattr(c, "rope_parameters", None) or {}
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    if rope.get("rope_type") == "llama3":
+        out["rope_freqs.weight"] = llama3_rope_factors(rope, head_dim)
+    elif rope.get("rope_type") == "longrope":
+        out["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
+        out["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
+    return out
+
+
+def write_gguf(path, arch: str, model) -> None:
+    """Write `model` (a transformers model) as a float32 GGUF of architecture `arch`."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    _metadata(w, arch, c, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    for name, t in _tensors(arch, model).items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

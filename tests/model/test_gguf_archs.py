@@ -1,0 +1,118 @@
+"""Every architecture octavo loads from GGUF beyond Llama, Qwen and Gemma: tiny random models built
+with transformers, written as GGUF in llama.cpp's layout (tests/model/gguf_convert.py), loaded by
+octavo and compared with transformers on the same weights (prompt logprobs and greedy tokens).
+
+Each case exercises what that layout changes: Phi-3's fused q/k/v and gate/up with longrope
+factors as tensors and partial rotary; GPT-NeoX's regrouped q/k/v, biases and the
+use_parallel_residual key; GPT-2's transposed Conv1D weights and learned positions; Mixtral as a
+llama GGUF with stacked experts (and permuted q/k); Qwen2-MoE's shared expert (its gate stored as
+a vector) and unnormalized top-k; Qwen3-MoE's renormalized top-k; Llama 3.1 RoPE scaling as
+rope_freqs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.gguf_convert import write_gguf
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+# name: (GGUF architecture, transformers config and model classes, config, octavo's architecture)
+CASES = {
+    "llama3-rope-freqs": ("llama", "LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}, "LlamaForCausalLM"),
+    # the 100-token prompt passes the original 64 positions: the long factors
+    "phi3-longrope-partial": ("phi3", "Phi3Config", "Phi3ForCausalLM", {
+        "pad_token_id": 0, "original_max_position_embeddings": 64, "rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.3, 1.9, 2.5], "long_factor": [1.5, 2.8, 4.0, 7.0]}},
+        "Phi3ForCausalLM"),
+    "gptneox-sequential": ("gptneox", "GPTNeoXConfig", "GPTNeoXForCausalLM", {
+        "layer_norm_eps": 1e-5, "use_parallel_residual": False}, "GPTNeoXForCausalLM"),
+    "gpt2": ("gpt2", "GPT2Config", "GPT2LMHeadModel", {
+        "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256}, "GPT2LMHeadModel"),
+    "mixtral": ("llama", "MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+        "MixtralForCausalLM"),
+    "qwen2moe-shared-expert": ("qwen2moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48}, "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 32,
+        "norm_topk_prob": True}, "Qwen3MoeForCausalLM"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _prepared_weights_in_tmp(tmp_path, monkeypatch):
+    """Keep the prepared-weights copies of these throwaway files out of the user's cache."""
+    monkeypatch.setattr("octavo.model.loader.prepared_cache.cache_dir", lambda: tmp_path)
+
+
+def _build(name: str):
+    import transformers
+
+    _, config_cls, model_cls, extra, _ = CASES[name]
+    base = {} if config_cls == "GPT2Config" else _COMMON
+    config = getattr(transformers, config_cls)(vocab_size=49152, **{**base, **extra})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # larger weights than the default init, so differences show
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            else:  # norms and biases too
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gguf_architecture_matches_transformers(tmp_path, smollm_oracle_folder, name):
+    from octavo import LLM, SamplingParams
+
+    arch, *_, architecture = CASES[name]
+    model = _build(name)
+    path = tmp_path / f"{name}.gguf"
+    write_gguf(path, arch, model)
+    prompt = torch.randint(100, 49000, (100,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+        ref_tokens = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6,
+                                    pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(str(path), tokenizer=str(smollm_oracle_folder), dtype="float32", max_model_len=256,
+              kv_cache_memory=16 << 20, max_num_batched_tokens=48)
+    assert llm.engine.arch.architecture == architecture
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                prompt_logprobs=0), use_tqdm=False)[0]
+    ours = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
+    expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(ours, expected, atol=1e-4), (ours - expected).abs().max()
+    assert out.outputs[0].token_ids == ref_tokens
+
+
+@pytest.mark.parametrize("arch, missing", [("qwen2moe", "qwen2moe.expert_count"),
+                                           ("gpt2", "position_embd.weight")])
+def test_missing_gguf_field_is_named(tmp_path, monkeypatch, arch, missing):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from octavo.arch_config import read_arch_config
+    from octavo.model_source import ModelSource
+
+    monkeypatch.setattr("octavo.arch_config.cache_dir", lambda: tmp_path)
+    path = tmp_path / f"{arch}.gguf"
+    w = GGUFWriter(str(path), arch)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_block_count(1)
+    w.add_feed_forward_length(128)
+    w.add_tensor("token_embd.weight", np.zeros((16, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=missing):
+        read_arch_config(ModelSource(str(path), path))
