@@ -87,31 +87,39 @@ class AsyncEngine:
         self._to_core.bind(in_addr)
         self._from_core = self.ctx.socket(zmq.PULL)
         self._from_core.bind(out_addr)
-        started = time.perf_counter()
+        self._started = time.perf_counter()
         mp = multiprocessing.get_context("spawn")
-        parent_end, child_end = mp.Pipe(duplex=False)
+        self._ready, child_end = mp.Pipe(duplex=False)
         self.process = mp.Process(
             target=run_engine_core, name="octavo-engine-core", daemon=True,
             args=(self.config, *self.setup.core_args(), in_addr, out_addr, child_end,
                   logging.getLogger().getEffectiveLevel()))
         self.process.start()
         child_end.close()
-        while not parent_end.poll(1.0):
+        self.num_blocks: int | None = None
+        self._reader: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+
+    def wait_until_ready(self) -> None:
+        """Block until the core process has loaded the model (the caller may do its own set-up
+        meanwhile: the core imports torch and loads weights on its own cores)."""
+        if self.num_blocks is not None:
+            return
+        while not self._ready.poll(1.0):
             if not self.process.is_alive():
                 raise RuntimeError(f"engine core exited during start-up "
                                    f"(code {self.process.exitcode})")
-        kind, info = parent_end.recv()
+        kind, info = self._ready.recv()
         if kind != "ready":
             self.process.join(5)
             raise RuntimeError(f"engine core failed to start: {info}")
         self.num_blocks = info["num_blocks"]
         logger.info("start-up: engine core process ready in %.1f s (imports, weights, KV cache)",
-                    time.perf_counter() - started)
-        self._reader: asyncio.Task | None = None
-        self._watchdog: asyncio.Task | None = None
+                    time.perf_counter() - self._started)
 
     def start_background(self) -> None:
         """Start the output reader and the process watchdog on the running event loop."""
+        self.wait_until_ready()
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read_outputs())
             self._watchdog = asyncio.get_running_loop().create_task(self._watch_process())

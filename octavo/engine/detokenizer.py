@@ -10,7 +10,7 @@ _PROMPT_CONTEXT = 6  # prompt tokens fed first, so the first output token gets i
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._backend = tokenizer._tokenizer
+        self._backend = tokenizer.backend
         self._stream = DecodeStream(ids=prompt_token_ids[-_PROMPT_CONTEXT:],
                                     skip_special_tokens=params.skip_special_tokens)
         self._stops = params.stop_strings

@@ -73,8 +73,11 @@ def _build_in_background(on_ready: Callable[[ModuleType], None] | None) -> None:
         on_ready(module)
 
 
+_READY = "ready"  # written after a build loads: a library left by an interrupted build is no cache
+
+
 def _is_cached() -> bool:
-    return any((_cache_root() / _build_key()).glob("*.so"))
+    return (_cache_root() / _build_key() / _READY).is_file()
 
 
 def _build() -> ModuleType | None:
@@ -83,7 +86,7 @@ def _build() -> ModuleType | None:
     key = _build_key()
     build_dir = _cache_root() / key
     build_dir.mkdir(parents=True, exist_ok=True)
-    cached = any(build_dir.glob("*.so"))
+    cached = (build_dir / _READY).is_file()
     start = time.perf_counter()
     try:
         module = cpp_extension.load(
@@ -97,4 +100,9 @@ def _build() -> ModuleType | None:
         return None
     logger.info("native CPU kernels %s in %.1f s", "loaded" if cached else "built",
                 time.perf_counter() - start)
+    if not cached:
+        try:
+            (build_dir / _READY).touch()
+        except OSError:  # a read-only cache: the next start checks the build again
+            pass
     return module

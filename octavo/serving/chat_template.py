@@ -1,14 +1,69 @@
-"""Render a conversation through a chat template into prompt token ids."""
+"""Render a conversation through a chat template into prompt token ids.
+
+Templates are untrusted Jinja2 code shipped with a model, so they run in Jinja2's immutable
+sandbox, with what real templates call: `raise_exception`, `strftime_now`, a `tojson` that keeps
+non-ASCII text, loop controls, and `{% generation %}` blocks (rendered as their body).
+"""
 from __future__ import annotations
 
+import datetime
+import functools
+import json
 from collections.abc import Sequence
 from typing import Any
 
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-def render_chat(tokenizer, messages: Sequence[dict[str, Any]], template: str | None = None,
-                add_generation_prompt: bool = True, continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Token ids of `messages` rendered by `template` (default: the model's own).
+from octavo.engine.tokenizer import Tokenizer
+
+
+class TemplateRaised(Exception):
+    """`raise_exception(...)` in a template: the message is meant for the user."""
+
+
+class _GenerationBlocks(Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; for
+    inference only its body matters."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateRaised(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
+            sort_keys: bool = False, ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys,
+                      ensure_ascii=ensure_ascii)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationBlocks])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
+def render_chat_text(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
+                     template: str | None = None, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False,
+                     template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text of `messages` rendered by `template` (default: the model's own).
 
     Message content may be a string or a list of text parts; other part types raise ValueError.
     """
@@ -17,33 +72,59 @@ def render_chat(tokenizer, messages: Sequence[dict[str, Any]], template: str | N
         raise ValueError("chat_template: this model has no chat template; pass one")
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-    conversation = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise ValueError(f"messages[{i}] must be an object with a 'role'")
-        m = dict(m)
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ValueError(f"messages[{i}].content[{j}]: content of type {kind!r} is "
-                                     "not supported; only 'text'")
-                texts.append(str(part.get("text", "")))
-            m["content"] = "".join(texts)
-        elif content is None:
-            m["content"] = ""
-        conversation.append(m)
+    conversation = [_plain_message(i, m) for i, m in enumerate(messages)]
+    context: dict[str, Any] = {**tokenizer.special_tokens, "tools": None, "documents": None,
+                               **(template_kwargs or {})}
+    context.update(messages=conversation, add_generation_prompt=add_generation_prompt)
     try:
-        ids = tokenizer.apply_chat_template(
-            conversation, chat_template=template, tokenize=True,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **(template_kwargs or {}))
-    except ValueError:
-        raise
+        text = _compile(template).render(**context)
+    except TemplateRaised as exc:
+        raise ValueError(f"chat template failed: {exc}") from None
     except Exception as exc:  # a template error is the request's fault (bad roles, kwargs)
         raise ValueError(f"chat template failed: {type(exc).__name__}: {exc}") from None
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    if continue_final_message:
+        text = _cut_after_final_message(text, conversation)
+    return text
+
+
+def render_chat(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
+                template: str | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of `messages` rendered by `template`; the template writes any BOS itself."""
+    text = render_chat_text(tokenizer, messages, template, add_generation_prompt,
+                            continue_final_message, template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _plain_message(i: int, m: Any) -> dict[str, Any]:
+    if not isinstance(m, dict) or "role" not in m:
+        raise ValueError(f"messages[{i}] must be an object with a 'role'")
+    m = dict(m)
+    content = m.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"messages[{i}].content[{j}]: content of type {kind!r} is "
+                                 "not supported; only 'text'")
+            texts.append(str(part.get("text", "")))
+        m["content"] = "".join(texts)
+    elif content is None:
+        m["content"] = ""
+    return m
+
+
+def _cut_after_final_message(text: str, conversation: list[dict[str, Any]]) -> str:
+    """Drop what the template wrote after the last message (its end-of-turn tokens), so the
+    model continues that message."""
+    final = str(conversation[-1]["content"]) if conversation else ""
+    stripped = final.strip()
+    at = text.rfind(stripped) if stripped else -1
+    if at == -1:
+        raise ValueError("continue_final_message: the final message does not appear in the "
+                         "rendered chat")
+    kept = final.lstrip()  # the template may strip the message; keep its trailing space if not
+    end = at + (len(kept) if text[at:at + len(kept)] == kept else len(stripped))
+    return text[:end]

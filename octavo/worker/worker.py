@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 
+import numpy as np
 import torch
 
 from octavo.arch_config import ArchConfig
@@ -77,10 +79,19 @@ class Worker:
             raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than one "
                              f"block ({self.kv_bytes_per_block(block_size)} bytes)")
         a = self.arch
-        self.runner.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=self.dtype,
-                        device=self.device) for _ in range(a.num_layers)]
+        shape = (2, num_blocks, block_size, a.num_kv_heads, a.head_dim)
+        self.runner.kv_caches = [_zeros(shape, self.dtype, self.device)
+                                 for _ in range(a.num_layers)]
         return num_blocks
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         return self.runner.execute(sched)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on the CPU from calloc, whose fresh pages the OS maps lazily, so a large KV cache
+    costs no start-up time and no resident memory until it is written (torch.zeros memsets)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, np.uint8)).view(dtype).view(shape)

@@ -9,7 +9,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
 
 def test_generate_strings_and_token_ids_agree(smollm_llm):
-    ids = smollm_llm.tokenizer("The capital of France is").input_ids
+    ids = smollm_llm.tokenizer.encode("The capital of France is")
     a, b = smollm_llm.generate(["The capital of France is", ids], GREEDY, use_tqdm=False)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert a.prompt == "The capital of France is" and b.prompt is None
@@ -117,7 +117,7 @@ def test_chat_template_override_and_many_conversations(smollm_llm):
              [{"role": "user", "content": "2 + 2 ="}]]
     outs = smollm_llm.chat(convs, GREEDY, chat_template=template, use_tqdm=False)
     assert len(outs) == 2
-    assert outs[0].prompt_token_ids == smollm_llm.tokenizer("The capital of France is\n").input_ids
+    assert outs[0].prompt_token_ids == smollm_llm.tokenizer.encode("The capital of France is\n")
 
 
 def test_priority_is_accepted(smollm_llm):
@@ -167,7 +167,7 @@ def test_abort_frees_blocks(smollm_llm):
 
 
 def test_parallel_samples_score_the_prompt_once(smollm_llm):
-    ids = smollm_llm.tokenizer("The capital of France is").input_ids
+    ids = smollm_llm.tokenizer.encode("The capital of France is")
     out = smollm_llm.generate([ids], SamplingParams(n=3, max_tokens=3, prompt_logprobs=1,
                                                     temperature=1.0, seed=2), use_tqdm=False)[0]
     assert len(out.prompt_logprobs) == len(ids) and len(out.outputs) == 3

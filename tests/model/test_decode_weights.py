@@ -133,3 +133,23 @@ def test_prepared_weights_reload_identically(smollm_gguf, tmp_path, monkeypatch)
     rebuilt = load_model(*args)
     assert torch.equal(rebuilt.model.embed_tokens.weight, fresh.model.embed_tokens.weight)
     assert prepared.stat().st_size > 1000
+
+
+def test_a_new_prepared_entry_replaces_the_stale_one(tmp_path):
+    """An entry made by other model code is removed when its replacement is written; entries
+    of another dtype or decode mode stay."""
+    from torch import nn
+
+    from octavo.model.loader.prepared_cache import save_prepared
+
+    folder = tmp_path / "prepared"
+    folder.mkdir()
+    stale = folder / "m-bfloat16-int4-0123456789abcdef.safetensors"
+    other_mode = folder / "m-float32-none-0123456789abcdef.safetensors"
+    other_model = folder / "m2-bfloat16-int4-0123456789abcdef.safetensors"
+    for f in (stale, other_mode, other_model):
+        f.write_bytes(b"x")
+    new = folder / "m-bfloat16-int4-fedcba9876543210.safetensors"
+    save_prepared(nn.Linear(2, 2), new)
+    assert new.is_file() and not stale.exists()
+    assert other_mode.exists() and other_model.exists()

@@ -63,7 +63,6 @@ def run(args: argparse.Namespace) -> int:
             self.should_exit = True
 
     from octavo.engine.async_engine import AsyncEngine
-    from octavo.entrypoints.http import ServerState, build_app
 
     if args.model_tag:
         args.model = args.model_tag
@@ -76,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
     if template and Path(template).is_file():
         template = Path(template).read_text()
     engine = AsyncEngine(config, args.max_queued_requests, args.max_queued_tokens)
+    # The core process starts now; the web stack imports while it loads the model.
+    from octavo.entrypoints.http import ServerState, build_app
+
     state = ServerState(engine, args.served_model_name or [args.model],
                         api_key=args.api_key or os.environ.get("OCTAVO_API_KEY") or None,
                         chat_template=template, max_request_bytes=args.max_request_bytes)
@@ -91,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     state.on_engine_death = on_engine_death
+    engine.wait_until_ready()
     logger.info("serving %s as %s on http://%s:%d", args.model,
                 ", ".join(state.served_model_names), args.host, args.port)
     asyncio.run(server.serve())

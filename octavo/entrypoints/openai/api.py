@@ -91,7 +91,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
                           state.chat_template, body.add_generation_prompt,
                           template_kwargs=body.chat_template_kwargs)
     else:
-        ids = tok(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
 
 

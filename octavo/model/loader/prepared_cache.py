@@ -5,7 +5,8 @@ copies: seconds of work that gives the same result on every start. After the fir
 model's parameters and decode copies are written to one safetensors file under
 `$OCTAVO_CACHE/prepared/`, keyed by the GGUF file (path, size, mtime), the dtype, the decode
 mode, torch's version and the source of octavo's model code, so any change to one of them makes a
-new entry. Later starts read that file instead. A file that fails to load is rebuilt.
+new entry (and removes the entry it replaces). Later starts read that file instead. A file that
+fails to load is rebuilt.
 """
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ def prepared_path(source: ModelSource, dtype: torch.dtype, decode_weights: str) 
         h.update(str(part).encode() + b"\0")
     for f in sorted(_MODEL_CODE.rglob("*.py")):
         h.update(f.read_bytes())
-    return cache_dir() / "prepared" / f"{source.path.stem}-{h.hexdigest()[:16]}.safetensors"
+    dtype_name = str(dtype).removeprefix("torch.")
+    return (cache_dir() / "prepared"
+            / f"{source.path.stem}-{dtype_name}-{decode_weights}-{h.hexdigest()[:16]}.safetensors")
 
 
 def save_prepared(model: nn.Module, path: Path) -> None:
@@ -51,9 +54,19 @@ def save_prepared(model: nn.Module, path: Path) -> None:
     try:
         save_file(tensors, str(tmp))
         tmp.replace(path)  # atomic: a reader never sees half a file
+        _remove_stale(path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         logger.warning("could not save prepared weights to %s: %s", path, exc)
+
+
+def _remove_stale(path: Path) -> None:
+    """Entries of the same model, dtype and decode mode made by other code or torch versions
+    are never read again; each is hundreds of MB."""
+    prefix = path.name.rsplit("-", 1)[0]
+    for old in path.parent.glob(f"{prefix}-*.safetensors"):
+        if old != path and len(old.name) == len(path.name):
+            old.unlink(missing_ok=True)
 
 
 def load_prepared(model: nn.Module, path: Path) -> bool:
