@@ -1,7 +1,92 @@
-"""User-facing value types: SamplingParams in, RequestOutput / CompletionOutput / Logprob out."""
+"""User-facing value types: SamplingParams (with StructuredOutputsParams) in, RequestOutput /
+CompletionOutput / Logprob out."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json as _json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar: exactly one kind is given.
+
+    json: a JSON schema (a dict, or its JSON text); json_object: any JSON object; regex: a
+    regular expression the whole output matches; choice: exactly one of these strings; grammar:
+    an EBNF grammar (GBNF style, start rule `root`); structural_tag: an xgrammar structural tag
+    (dict or JSON text). disable_any_whitespace: JSON without free whitespace between tokens
+    (compact separators), which keeps small models from drifting into endless blank lines.
+    Checked here for shape; the grammar itself is parsed by the engine (a ValueError names it).
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be a bool, "
+                                 f"got {getattr(self, name)!r}")
+        given = [k for k in STRUCTURED_KINDS
+                 if (self.json_object if k == "json_object" else getattr(self, k) is not None)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must give exactly one of "
+                             f"{', '.join(STRUCTURED_KINDS)}; got "
+                             f"{' and '.join(given) if given else 'none'}")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    value = _json.loads(value)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.{name} is not valid JSON: {exc}") \
+                        from None
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"structured_outputs.{name} must be a JSON object (a dict or "
+                                 f"its JSON text), got {getattr(self, name)!r:.80}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, "
+                                 f"got {value!r:.80}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of "
+                                 f"strings, got {self.choice!r:.80}")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS
+                    if (self.json_object if k == "json_object" else getattr(self, k) is not None))
+
+    def key(self) -> tuple[str, str, bool]:
+        """(kind, canonical spec text, disable_any_whitespace): equal keys compile to the same
+        grammar, so compiled grammars are cached by it. JSON keeps its key order (it is the
+        order properties are generated in)."""
+        kind = self.kind
+        if kind == "json_object":
+            text = ""
+        elif kind in ("json", "structural_tag"):
+            value = getattr(self, kind)
+            value = _json.loads(value) if isinstance(value, str) else value
+            text = _json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        elif kind == "choice":
+            text = _json.dumps(self.choice, ensure_ascii=False)
+        else:
+            text = getattr(self, kind)
+        return kind, text, self.disable_any_whitespace
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass
@@ -27,6 +112,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top-k logprobs per output token (the sampled one is always added)
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -79,6 +165,15 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.structured_outputs, dict):  # e.g. decoded from a message
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            if self.min_tokens:
+                raise ValueError(f"min_tokens must be 0 with structured_outputs (the grammar "
+                                 f"decides where the output may end), got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:

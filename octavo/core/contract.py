@@ -2,7 +2,8 @@
 
 SchedulerOutput is diff-shaped: a request the worker has not seen (new, or resumed after
 preemption) arrives in full; a running one arrives as a delta. ModelOutput carries back only the
-sampled token ids and the logprobs that were asked for, as numpy arrays.
+sampled token ids and the logprobs that were asked for, as numpy arrays. A step with constrained
+requests also carries their token bitmask (numpy; the worker turns it into a tensor).
 """
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ class CachedRequestData:
     num_computed_tokens: int
 
 
+@dataclass(slots=True)
+class GrammarBitmask:
+    """Tokens the constrained requests that sample this step may emit: request req_ids[i] may
+    emit token t when bit t % 32 of bitmask[i, t // 32] is set."""
+
+    req_ids: list[str]
+    bitmask: np.ndarray  # [len(req_ids), ceil(vocab_size / 32)] int32
+
+
 @dataclass
 class SchedulerOutput:
     new_requests: list[NewRequestData]
@@ -38,6 +48,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)  # worker drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
+    grammar: GrammarBitmask | None = None  # filled by the core after scheduling
 
     @classmethod
     def empty(cls) -> SchedulerOutput:

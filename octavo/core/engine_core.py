@@ -1,4 +1,4 @@
-"""EngineCore.step() = schedule → execute → update."""
+"""EngineCore.step() = schedule → grammar bitmask → execute → update."""
 from __future__ import annotations
 
 import logging
@@ -9,17 +9,24 @@ from octavo.config import EngineConfig
 from octavo.core.kv_manager import KVCacheManager, cdiv
 from octavo.core.request import Request
 from octavo.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from octavo.core.structured import BackendFactory, StructuredOutputManager
 from octavo.executor.base import Executor
 from octavo.model_source import ModelSource
 
 logger = logging.getLogger(__name__)
 
+# How long an idle step waits for a grammar compile (all unfinished requests wait on one) before
+# it returns, so that the caller's loop neither spins nor stops reading new requests for long.
+GRAMMAR_WAIT_S = 0.01
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 grammar_backend: BackendFactory | None = None) -> None:
         """sliding_window: the model's window when every layer slides (blocks behind it are
-        freed as requests advance), else None."""
+        freed as requests advance), else None. grammar_backend: builds the structured-output
+        backend on the first constrained request (None: such requests are refused)."""
         self.executor = executor
         block_size = config.cache.block_size
         started = time.perf_counter()
@@ -42,7 +49,8 @@ class EngineCore:
                     num_blocks / cdiv(max_model_len, block_size))
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                             sliding_window)
-        self.scheduler = Scheduler(config.scheduler, kv, max_model_len)
+        self.structured = StructuredOutputManager(grammar_backend)
+        self.scheduler = Scheduler(config.scheduler, kv, max_model_len, self.structured)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -54,12 +62,19 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        failed = self.scheduler.finish_failed_grammars() if self.structured.has_compiling() \
+            else []
         sched = self.scheduler.schedule()
         if (sched.total_num_scheduled_tokens == 0 and not sched.finished_req_ids
                 and not sched.preempted_req_ids):
-            return []  # nothing to run and nothing for the workers to drop
+            if not failed and self.structured.has_compiling():
+                self.structured.wait_for_compiles(GRAMMAR_WAIT_S)
+            return failed  # nothing to run and nothing for the workers to drop
+        # The matchers are up to date with every token so far: fill the constrained requests'
+        # bitmask now (microseconds each) so that the worker only applies it.
+        sched.grammar = self.structured.bitmask_for(sched, self.scheduler.requests)
         out = self.executor.execute(sched)
-        return self.scheduler.update_from_output(sched, out)
+        return failed + self.scheduler.update_from_output(sched, out)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache; refused (False) while any request is unfinished."""
@@ -71,14 +86,16 @@ class EngineCore:
         return self.scheduler.stats()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
 
 
 def create_engine_core(config: EngineConfig, source: ModelSource, arch: ArchConfig,
-                       max_model_len: int, eos_token_ids: list[int]) -> EngineCore:
+                       max_model_len: int, eos_token_ids: list[int],
+                       grammar_backend: BackendFactory | None = None) -> EngineCore:
     """Build the executor (loading the model) and the core around it."""
     from octavo.executor.uniproc import UniprocExecutor  # the torch side loads only here
 
     executor = UniprocExecutor(config, source, arch, max_model_len, eos_token_ids)
     window = arch.sliding_window if arch.all_layers_sliding else None
-    return EngineCore(config, executor, max_model_len, window)
+    return EngineCore(config, executor, max_model_len, window, grammar_backend)

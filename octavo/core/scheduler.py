@@ -4,11 +4,14 @@ One rule: each request's `num_computed_tokens` chases its `num_tokens`. Every st
 requests first (a decode token each, or the next chunk of a long prompt), then admits waiting ones,
 under one token budget (`max_num_batched_tokens`) and one sequence budget (`max_num_seqs`).
 When blocks run out, the lowest-priority, latest running request is preempted: its blocks are
-freed and it goes back to the waiting queue, to be recomputed later.
+freed and it goes back to the waiting queue, to be recomputed later. A constrained request is
+skipped while its grammar compiles; its matcher advances on every token it is given, and a grammar
+that has ended finishes it.
 """
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from dataclasses import dataclass
 
@@ -17,6 +20,9 @@ from octavo.core.contract import (
     CachedRequestData, ModelOutput, NewRequestData, SchedulerOutput, TopLogprobs)
 from octavo.core.kv_manager import KVCacheManager
 from octavo.core.request import Request, RequestStatus
+from octavo.core.structured import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -47,11 +53,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 structured: StructuredOutputManager | None = None) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv = kv
+        self.structured = structured or StructuredOutputManager(None)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # sorted by (priority, arrival): the tail is preempted first
@@ -65,6 +73,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use")
+        self.structured.add_request(request)  # starts its grammar's compile
         request.arrival_seq = self._arrivals
         self._arrivals += 1
         request.status = RequestStatus.WAITING
@@ -88,6 +97,22 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def finish_failed_grammars(self) -> list[EngineCoreOutput]:
+        """Abort the requests whose grammar failed to compile (the front end checks grammars
+        first, so this is rare); the others whose compile finished become schedulable."""
+        outputs = []
+        for req_id, error in self.structured.collect_compiled():
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            logger.error("request %s: structured_outputs grammar failed to compile: %s",
+                         req_id, error)
+            self.waiting.remove(req)
+            req.stop_reason = f"structured_outputs: {error}"
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            outputs.append(EngineCoreOutput(req_id, [], "abort", req.stop_reason))
+        return outputs
 
     def stats(self) -> SchedulerStats:
         kv = self.kv
@@ -124,9 +149,13 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while (not preempted and self.waiting and budget > 0
+        idx = 0  # the first waiting request not skipped for its grammar
+        while (not preempted and idx < len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting[idx]
+            if self.structured.is_compiling(req.req_id):
+                idx += 1
+                continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
@@ -135,7 +164,7 @@ class Scheduler:
             if req.num_cached_tokens is None:  # count a prompt's lookup once, not per resume
                 req.num_cached_tokens = num_hit
                 self.kv.record_lookup(req.num_tokens, num_hit)
-            self.waiting.pop(0)
+            self.waiting.pop(idx)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
@@ -172,7 +201,7 @@ class Scheduler:
             for tok in sampled:
                 req.output_token_ids.append(tok)
                 new_tokens.append(tok)
-                status = self._check_stop(req, tok)
+                status = self._check_grammar(req, tok) or self._check_stop(req, tok)
                 if status is not None:
                     break
             prompt_lp = self._new_prompt_logprobs(req, sched, out.prompt_logprobs.get(req_id))
@@ -204,6 +233,17 @@ class Scheduler:
             lp = TopLogprobs(lp.token_ids[skip:], lp.logprobs[skip:], lp.ranks[skip:])
         return lp
 
+    def _check_grammar(self, req: Request, token: int) -> RequestStatus | None:
+        accepted = self.structured.accept(req.req_id, token)
+        if accepted is None:
+            return None
+        if not accepted:  # the bitmask never allows it: a bug, so stop the request, not the loop
+            req.stop_reason = f"token {token} is outside the structured_outputs grammar"
+            return RequestStatus.FINISHED_ABORTED
+        if self.structured.is_terminated(req.req_id):
+            return RequestStatus.FINISHED_STOPPED  # also with ignore_eos: nothing may follow
+        return None
+
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
         if len(req.output_token_ids) >= params.min_tokens:  # the sampler masks stops before
@@ -218,6 +258,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        self.structured.remove(req.req_id)
         self.kv.free(req)
         del self.requests[req.req_id]
         self._finished_ids.add(req.req_id)

@@ -6,6 +6,7 @@ from octavo.config import EngineConfig
 from octavo.core.engine_core import create_engine_core
 from octavo.core.request import Request
 from octavo.core.scheduler import EngineCoreOutput, SchedulerStats
+from octavo.core.structured import BackendFactory
 from octavo.model_source import ModelSource
 
 
@@ -13,8 +14,10 @@ class InprocClient:
     """The core runs in the caller's process; `step` runs one engine step."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, arch: ArchConfig,
-                 max_model_len: int, eos_token_ids: list[int]) -> None:
-        self.core = create_engine_core(config, source, arch, max_model_len, eos_token_ids)
+                 max_model_len: int, eos_token_ids: list[int],
+                 grammar_backend: BackendFactory | None = None) -> None:
+        self.core = create_engine_core(config, source, arch, max_model_len, eos_token_ids,
+                                       grammar_backend)
 
     def add_request(self, request: Request) -> None:
         self.core.add_request(request)

@@ -16,6 +16,7 @@ from octavo.arch_config import ArchConfig
 from octavo.config import EngineConfig
 from octavo.core.engine_core import EngineCore, create_engine_core
 from octavo.core.scheduler import EngineCoreOutput
+from octavo.engine.grammar import XgrammarBackend
 from octavo.engine.messages import (
     AbortRequests, AddRequest, CoreOutputs, Shutdown, UtilityCall, encoder, input_decoder)
 from octavo.model_source import ModelSource
@@ -95,8 +96,16 @@ def run_engine_core(config: EngineConfig, source: ModelSource, arch: ArchConfig,
     # The front end owns SIGINT/SIGTERM and shuts the core down through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def grammar_backend() -> XgrammarBackend:  # on the first constrained request
+        from octavo.engine.tokenizer import load_tokenizer
+
+        return XgrammarBackend(load_tokenizer(source, config.model.tokenizer), arch.vocab_size,
+                               eos_token_ids)
+
     try:
-        core = create_engine_core(config, source, arch, max_model_len, eos_token_ids)
+        core = create_engine_core(config, source, arch, max_model_len, eos_token_ids,
+                                  grammar_backend)
     except BaseException as exc:
         ready.send(("error", f"{type(exc).__name__}: {exc}"))
         raise

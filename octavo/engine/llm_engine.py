@@ -11,6 +11,7 @@ from typing import Any
 from octavo.arch_config import ArchConfig, read_arch_config
 from octavo.config import EngineConfig
 from octavo.engine.client import InprocClient
+from octavo.engine.grammar import XgrammarBackend
 from octavo.engine.outputs import OutputProcessor
 from octavo.engine.processor import Processor
 from octavo.engine.tokenizer import load_tokenizer
@@ -51,6 +52,11 @@ class ModelSetup:
     def core_args(self) -> tuple:
         return (self.source, self.arch, self.max_model_len, sorted(self.eos_token_ids))
 
+    def grammar_backend(self) -> XgrammarBackend:
+        """The structured-output backend for this tokenizer (built on first use, in the core's
+        compile thread)."""
+        return XgrammarBackend(self.tokenizer, self.arch.vocab_size, sorted(self.eos_token_ids))
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -60,7 +66,8 @@ class LLMEngine:
         self.tokenizer = self.setup.tokenizer
         self.processor = self.setup.processor
         self.outputs = OutputProcessor(self.tokenizer)
-        self.client = InprocClient(config, *self.setup.core_args())
+        self.client = InprocClient(config, *self.setup.core_args(),
+                                   grammar_backend=self.setup.grammar_backend)
         self._ids = itertools.count()
 
     def next_request_id(self) -> str:

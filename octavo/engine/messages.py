@@ -29,8 +29,10 @@ class AddRequest(msgspec.Struct, tag=True):
     @classmethod
     def of(cls, req: Request, arrival_time: float) -> AddRequest:
         p = req.sampling_params
-        return cls(req.req_id, req.prompt_token_ids,
-                   {f.name: getattr(p, f.name) for f in fields(p) if f.init},
+        params = {f.name: getattr(p, f.name) for f in fields(p) if f.init}
+        if p.structured_outputs is not None:  # rebuilt by SamplingParams from the dict
+            params["structured_outputs"] = p.structured_outputs.to_dict()
+        return cls(req.req_id, req.prompt_token_ids, params,
                    sorted(req.eos_token_ids), req.max_tokens, req.priority, arrival_time,
                    req.cache_salt)
 

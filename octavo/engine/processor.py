@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from octavo.core.request import Request
+from octavo.engine.grammar import check_structured
 from octavo.params import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -54,6 +55,8 @@ class Processor:
                                  f"the vocabulary [0, {self.vocab_size})")
         if params.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})")
+        if params.structured_outputs is not None:  # a bad grammar is refused here, not in the core
+            check_structured(params.structured_outputs)
         return max_tokens
 
     def child_params(self, params: SamplingParams, index: int) -> SamplingParams:

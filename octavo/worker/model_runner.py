@@ -5,12 +5,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from octavo.core.contract import ModelOutput, SchedulerOutput, TopLogprobs
+from octavo.core.contract import GrammarBitmask, ModelOutput, SchedulerOutput, TopLogprobs
 from octavo.kernels import fused
 from octavo.kernels.paged_attention import build_plan
 from octavo.model.context import ForwardContext, forward_context
 from octavo.worker.input_batch import InputBatch
-from octavo.worker.sampler import Sampler, gather_logprobs
+from octavo.worker.sampler import Sampler, SamplingBatch, gather_logprobs
 
 
 class ModelRunner:
@@ -72,7 +72,10 @@ class ModelRunner:
         if len(sample_idx):
             logits = self.model.compute_logits(hidden[torch.from_numpy(ends[sample_idx] - 1)])
             sample_rows = rows[sample_idx]
-            tokens, top = self.sampler(logits, b.sampling_batch(sample_rows, self.device))
+            batch = b.sampling_batch(sample_rows, self.device)
+            if sched.grammar is not None:
+                self._add_grammar(batch, sched.grammar, [req_ids[i] for i in sample_idx])
+            tokens, top = self.sampler(logits, batch)
             tokens_np = tokens.cpu().numpy()
             b.append_tokens(sample_rows, tokens_np)
             for j, i in enumerate(sample_idx):
@@ -84,6 +87,15 @@ class ModelRunner:
                         top.ranks[j:j + 1])
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, computed, seq_lens, starts, hidden)
         return ModelOutput(req_ids, sampled_lists, logprobs, prompt_logprobs)
+
+    def _add_grammar(self, batch: SamplingBatch, grammar: GrammarBitmask,
+                     sampling_ids: list[str]) -> None:
+        """Point the core's bitmask rows at the rows that sample (every constrained request in
+        it samples this step: the core filled it for exactly those)."""
+        row_of = {rid: j for j, rid in enumerate(sampling_ids)}
+        batch.grammar_rows = torch.tensor([row_of[rid] for rid in grammar.req_ids],
+                                          device=self.device)
+        batch.grammar_bitmask = torch.from_numpy(grammar.bitmask).to(self.device)
 
     def _prompt_logprobs(self, req_ids: list[str], rows: np.ndarray, computed: np.ndarray,
                          seq_lens: np.ndarray, starts: np.ndarray,

@@ -1,9 +1,11 @@
-"""Batched sampling: penalties, logit bias, min_tokens, temperature, top-k/top-p/min-p, seeds.
+"""Batched sampling: grammar bitmasks, penalties, logit bias, min_tokens, temperature,
+top-k/top-p/min-p, seeds.
 
 Everything is a tensor op over the whole batch. Random rows sample by exponential-noise argmax
 (argmax p_i / q_i with q_i ~ Exp(1) draws i with probability p_i). A seeded request draws its
 noise from a generator reseeded from (seed, output position), so its tokens do not depend on the
-batch it runs in, nor on preemption.
+batch it runs in, nor on preemption. A structured-output request's grammar bitmask is applied
+first, so the logprobs it returns are those of the distribution restricted to its grammar.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ class SamplingBatch:
     banned_rows: torch.Tensor | None  # min_tokens: (row, token) pairs set to -inf
     banned_tokens: torch.Tensor | None
     max_num_logprobs: int | None  # None: no row asked for logprobs
+    grammar_rows: torch.Tensor | None = None  # [G] int64: rows constrained by a grammar
+    grammar_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32, bit set = allowed
 
 
 class Sampler:
@@ -45,7 +49,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[torch.Tensor, TopLogprobs | None]:
-        """logits: [R, V] float32 -> sampled token ids [R], logprobs of the raw model output."""
+        """logits: [R, V] float32 -> sampled token ids [R], logprobs of the model output (within
+        the grammar, for constrained rows)."""
+        if batch.grammar_rows is not None:
+            apply_token_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
         raw_logprobs = None
         if batch.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -87,6 +94,18 @@ class Sampler:
                 self._row_generator.manual_seed(seed)
                 noise[row].exponential_(generator=self._row_generator)
         return noise
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: logits[rows[i], t] = -inf unless bit t % 32 of bitmask[i, t // 32] is set.
+    The packed mask travels (32x smaller than a bool one) and is unpacked on the device."""
+    vocab = logits.shape[-1]
+    if bitmask.shape[-1] * 32 < vocab:
+        raise ValueError(f"grammar bitmask covers {bitmask.shape[-1] * 32} tokens, "
+                         f"the logits {vocab}")
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [G, V]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -17,7 +17,8 @@ from tests.core.fakes import (
 
 
 def test_core_does_not_import_torch():
-    code = ("import octavo.core.scheduler, octavo.core.engine_core, octavo.core.kv_manager, sys; "
+    code = ("import octavo.core.scheduler, octavo.core.engine_core, octavo.core.kv_manager, "
+            "octavo.core.structured, sys; "
             "assert 'torch' not in sys.modules, 'the core imported torch'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)

@@ -112,7 +112,8 @@ def test_chat_logprobs_and_extras(client):
 
 @pytest.mark.parametrize("body, status, fragment", [
     ({"messages": MESSAGES, "foo": 1}, 400, "foo"),
-    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_schema"}}, 400,
+     "response_format.json_schema is required"),
     ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools"),
     ({"messages": MESSAGES, "guided_json": {}}, 400, "guided_json"),

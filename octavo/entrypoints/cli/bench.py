@@ -2,7 +2,8 @@
 
 Every backend runs the same requests for `--repeats` timed runs after one warm-up, interleaved so
 that drift hits all alike; medians are reported, with ratios to the first backend. Backends:
-`octavo`, `octavo-no-prefix-cache` (the same engine with prefix caching off), `transformers` and
+`octavo`, `octavo-no-prefix-cache` (the same engine with prefix caching off), `octavo-structured`
+(a JSON schema on a fraction of the requests, see bench_structured), `transformers` and
 `llama.cpp` (see bench_peers); `--compare` adds the peers that are installed. Workloads come
 from bench_data (random, prefix, sharegpt).
 """
@@ -16,12 +17,12 @@ import time
 from dataclasses import dataclass
 
 from octavo.config import EngineConfig, add_engine_args
-from octavo.entrypoints.cli import bench_latency, bench_serve, bench_startup
+from octavo.entrypoints.cli import bench_latency, bench_serve, bench_startup, bench_structured
 from octavo.entrypoints.cli.bench_data import Workload, add_dataset_args, build_workload
 from octavo.entrypoints.cli.bench_peers import (LlamaCppBatcher, Run, load_transformers,
                                                 time_transformers)
 
-BACKENDS = ("octavo", "octavo-no-prefix-cache", "transformers", "llama.cpp")
+BACKENDS = ("octavo", "octavo-no-prefix-cache", "octavo-structured", "transformers", "llama.cpp")
 
 
 @dataclass
@@ -69,6 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "llama.cpp's sequences, transformers' batch size)")
     t.add_argument("--plot", default=None, help="PNG of total tokens/s against --concurrency")
     t.add_argument("--json", default=None, help="write the results to this file")
+    bench_structured.add_args(t)
     add_engine_args(t)
     t.set_defaults(run=run_throughput)
     bench_serve.register(kinds)
@@ -91,17 +93,15 @@ def _backends(args: argparse.Namespace, is_gguf: bool) -> list[str]:
     return backends
 
 
-def _time_octavo(llm, work: Workload) -> Run:
-    from octavo.params import SamplingParams
-
+def _time_octavo(llm, work: Workload, spec=None, fraction: float = 0.0) -> Run:
     engine = llm.engine
     llm.reset_prefix_cache()  # every run starts cold: the same work each time
     start = time.perf_counter()
     pending = {}
-    for prompt, out_len in work:
+    for i, (prompt, out_len) in enumerate(work):
         rid = engine.next_request_id()
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=out_len, ignore_eos=True,
-                                                       temperature=0))
+        engine.add_request(rid, prompt, bench_structured.request_params(out_len, i, fraction,
+                                                                         spec))
         pending[rid] = None
     first: dict[str, float] = {}
     produced = 0
@@ -130,13 +130,17 @@ def _runners(args: argparse.Namespace, config: EngineConfig, llm, backends: list
     from octavo.llm import LLM
 
     engines, runners = {}, {}
+    spec = bench_structured.spec_from_args(args) if "octavo-structured" in backends else None
     for b in backends:
         if b.startswith("octavo"):
             cfg = config if level is None else config.replace(max_num_seqs=level)
             if b == "octavo-no-prefix-cache":
                 cfg = cfg.replace(enable_prefix_caching=False)
             engines[b] = llm if cfg == config else LLM.from_config(cfg)
-            runners[b] = (lambda e: lambda ps: _time_octavo(e, ps))(engines[b])
+            b_spec, fraction = (spec, args.structured_fraction) if b == "octavo-structured" \
+                else (None, 0.0)
+            runners[b] = (lambda e, s, f: lambda ps: _time_octavo(e, ps, s, f))(
+                engines[b], b_spec, fraction)
         elif b == "transformers":
             if "transformers" not in loaded:
                 loaded["transformers"] = load_transformers(llm)
@@ -219,6 +223,13 @@ def run_throughput(args: argparse.Namespace) -> int:
               "range_ratio": args.range_ratio, "dataset_seed": args.dataset_seed,
               "prompt_tokens": sum(len(p) for p, _ in prompts),
               "output_tokens": sum(n for _, n in prompts), "repeats": args.repeats}
+    if "octavo-structured" in backends:  # before any run compiles the schema
+        times = bench_structured.compile_times(llm, bench_structured.spec_from_args(args))
+        report.update(times, structured_fraction=args.structured_fraction,
+                      json_schema=args.json_schema)
+        print(f"grammar compile {times['grammar_compile_s']:.3f} s; time to first token with "
+              f"a new grammar {times['ttft_new_grammar_s']:.3f} s, cached "
+              f"{times['ttft_cached_grammar_s']:.3f} s")
     sweep, loaded = [], {}
     for level in levels:
         results = _measure(args, config, llm, backends, prompts, level, loaded)

@@ -12,13 +12,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from octavo.engine.grammar import check_structured
 from octavo.engine.processor import PreparedRequest
 from octavo.entrypoints.http import (
     APIError, ServerState, check_model, state_of, unless_disconnected)
 from octavo.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from octavo.entrypoints.openai.protocol import (
     UNSUPPORTED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
-from octavo.params import CompletionOutput, RequestOutput, SamplingParams
+from octavo.params import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
 from octavo.serving.chat_template import render_chat
 
 router = APIRouter()
@@ -28,6 +29,19 @@ def _refuse_unsupported(req) -> None:
     bad = req.unsupported_fields()
     if bad:
         raise APIError(400, f"'{bad[0]}' is not supported yet ({UNSUPPORTED[bad[0]]})", bad[0])
+
+
+async def _structured(body) -> StructuredOutputsParams | None:
+    """The request's output constraint, its grammar checked: a problem is a 400 naming it. The
+    check runs in a thread: the first one imports xgrammar, which must not stall other streams."""
+    param = "structured_outputs" if body.structured_outputs is not None else "response_format"
+    try:
+        spec, field = body.structured_params()
+        if spec is not None:
+            await asyncio.to_thread(check_structured, spec, field)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param) from None
+    return spec
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
@@ -122,7 +136,7 @@ async def completions(body: CompletionRequest, request: Request):
         raise APIError(400, "prompt must not be empty", "prompt")
     params = body.sampling_params(body.max_tokens, body.logprobs,
                                   body.logprobs if body.echo and body.logprobs is not None
-                                  else None, _model_defaults(state))
+                                  else None, _model_defaults(state), await _structured(body))
     engine = state.engine
     rid = f"cmpl-{uuid.uuid4().hex}"
     prepared = [engine.prepare(f"{rid}-{i}", p, params, body.priority, body.cache_salt)
@@ -225,7 +239,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.sampling_params(max_tokens, logprobs, defaults=_model_defaults(state))
+    params = body.sampling_params(max_tokens, logprobs, defaults=_model_defaults(state),
+                                  structured=await _structured(body))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     prepared = engine.prepare(rid, ids, params, body.priority, body.cache_salt)
     created = int(time.time())

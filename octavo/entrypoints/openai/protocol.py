@@ -5,15 +5,15 @@ yet are accepted by the schema and then refused by name, never silently ignored.
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from octavo.params import SamplingParams
+from octavo.params import SamplingParams, StructuredOutputsParams
 
 # Present and not null -> 400 naming the field.
 UNSUPPORTED = {
-    "response_format": "structured output",
     "tools": "tool calling",
     "tool_choice": "tool calling",
     "functions": "function calling",
@@ -25,13 +25,12 @@ UNSUPPORTED = {
     "web_search_options": "web search",
     "suffix": "suffix (fill-in-the-middle)",
     "best_of": "best_of",
-    "guided_json": "vLLM's removed guided_* fields (use response_format when supported)",
+    "guided_json": "vLLM's removed guided_* fields (use response_format or structured_outputs)",
     "guided_regex": "vLLM's removed guided_* fields",
     "guided_choice": "vLLM's removed guided_* fields",
     "guided_grammar": "vLLM's removed guided_* fields",
     "guided_decoding_backend": "vLLM's removed guided_* fields",
     "guided_whitespace_pattern": "vLLM's removed guided_* fields",
-    "structured_outputs": "structured output",
 }
 
 
@@ -39,6 +38,46 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    # structural_tag: xgrammar's {"format": {...}}, or vLLM's older structures + triggers
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+    def to_params(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The constraint, and the field a problem with it is reported under."""
+        if self.type == "text":
+            return None, "response_format"
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("response_format.json_schema is required with type json_schema")
+            if self.json_schema.json_schema is None:  # no schema: any JSON object
+                return StructuredOutputsParams(json_object=True), "response_format"
+            return (StructuredOutputsParams(json=self.json_schema.json_schema),
+                    "response_format.json_schema.schema")
+        if self.format is not None:
+            tag: dict[str, Any] = {"type": "structural_tag", "format": self.format}
+        elif self.structures is not None:
+            tag = {"structures": self.structures, "triggers": self.triggers or []}
+        else:
+            raise ValueError("response_format of type structural_tag needs 'format' (or "
+                             "'structures' and 'triggers')")
+        return StructuredOutputsParams(structural_tag=tag), "response_format"
 
 
 class _Common(BaseModel):
@@ -68,8 +107,9 @@ class _Common(BaseModel):
     priority: int = 0
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams fields
     # OpenAI fields octavo does not support yet (refused by name when set)
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -81,15 +121,31 @@ class _Common(BaseModel):
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
 
     def unsupported_fields(self) -> list[str]:
         return [name for name in UNSUPPORTED
                 if name in self.model_fields_set and getattr(self, name, None) is not None]
 
+    def structured_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """From `response_format` or octavo's `structured_outputs` (not both), with the field
+        a grammar problem is reported under (None: `structured_outputs.<kind>`). Raises
+        ValueError."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and self.structured_outputs is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+        if self.structured_outputs is None:
+            return fmt.to_params() if fmt is not None else (None, "response_format")
+        known = {f.name for f in fields(StructuredOutputsParams)}
+        for name in self.structured_outputs:
+            if name not in known:
+                raise ValueError(f"unknown parameter 'structured_outputs.{name}' (known: "
+                                 f"{', '.join(sorted(known))})")
+        return StructuredOutputsParams(**self.structured_outputs), None
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None,
-                        defaults: SamplingParams | None = None) -> SamplingParams:
+                        defaults: SamplingParams | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """`defaults` (the model's generation_config) fills the fields the request left unset."""
         defaults = defaults or SamplingParams()
         return SamplingParams(
@@ -106,7 +162,8 @@ class _Common(BaseModel):
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            structured_outputs=structured)
 
 
 class CompletionRequest(_Common):

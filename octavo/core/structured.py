@@ -1,0 +1,165 @@
+"""Structured output in the core: grammars compiled off the step loop, one matcher per request,
+and the token bitmask of each step.
+
+The grammar library is reached only through `GrammarBackend`, which the layer that starts the
+core provides (octavo/engine/grammar.py wraps xgrammar); the core itself never imports it nor
+torch, and its bitmasks are numpy arrays. A request whose grammar is still compiling waits in
+the scheduler, which skips it and runs the others, so a slow compile never stalls the loop.
+Compiled grammars are cached by the grammar's key (a core serves one tokenizer, so the key of
+the spec is the whole key); `n > 1` children and repeated schemas compile once.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from octavo.core.contract import GrammarBitmask, SchedulerOutput
+from octavo.core.request import Request
+from octavo.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarMatcher(Protocol):
+    """One request's position in its grammar."""
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def fill_next_token_bitmask(self, bitmask: np.ndarray, index: int) -> object:
+        """Write the allowed next tokens into row `index` of an int32 [rows, words] array."""
+
+    def is_terminated(self) -> bool:
+        """The grammar has ended (a stop token was accepted): nothing more may follow."""
+
+
+class GrammarBackend(Protocol):
+    vocab_size: int
+
+    def compile(self, spec: StructuredOutputsParams) -> object:
+        """Compile a grammar for this tokenizer (slow: runs in a worker thread). Raises
+        ValueError naming the problem."""
+
+    def matcher(self, compiled: object) -> GrammarMatcher: ...
+
+
+BackendFactory = Callable[[], GrammarBackend]
+
+
+class StructuredOutputManager:
+    def __init__(self, backend_factory: BackendFactory | None, cache_size: int = 256) -> None:
+        """backend_factory: builds the backend on the first constrained request (in the compile
+        thread: loading a tokenizer's vocabulary takes a while); None refuses such requests."""
+        self._factory = backend_factory
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._cache_size = cache_size
+        self._compiled: OrderedDict[tuple, cf.Future] = OrderedDict()
+        self._compiling: dict[str, tuple[tuple, cf.Future]] = {}  # request id -> (key, compile)
+        self._matchers: dict[str, GrammarMatcher] = {}
+
+    # -- requests in and out ---------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        spec = req.sampling_params.structured_outputs
+        if spec is None:
+            return
+        if self._factory is None:
+            raise ValueError("structured_outputs: this engine has no grammar backend")
+        key = spec.key()
+        fut = self._compiled.get(key)
+        if fut is None:
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="octavo-grammar")
+            fut = self._pool.submit(self._compile, spec)
+            self._compiled[key] = fut
+            while len(self._compiled) > self._cache_size:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        self._compiling[req.req_id] = (key, fut)
+
+    def remove(self, req_id: str) -> None:
+        self._compiling.pop(req_id, None)
+        self._matchers.pop(req_id, None)
+
+    def _compile(self, spec: StructuredOutputsParams) -> object:
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self._factory()
+        return self._backend.compile(spec)
+
+    # -- compiles --------------------------------------------------------------------------------
+
+    def is_compiling(self, req_id: str) -> bool:
+        return req_id in self._compiling
+
+    def has_compiling(self) -> bool:
+        return bool(self._compiling)
+
+    def collect_compiled(self) -> list[tuple[str, str]]:
+        """Give each request whose compile finished its matcher. Returns (request id, error) of
+        those whose grammar failed to compile (their failed entry leaves the cache)."""
+        failed = []
+        for req_id, (key, fut) in list(self._compiling.items()):
+            if not fut.done():
+                continue
+            del self._compiling[req_id]
+            try:
+                self._matchers[req_id] = self._backend.matcher(fut.result())
+            except Exception as exc:  # reported on the request; the loop goes on
+                if self._compiled.get(key) is fut:
+                    del self._compiled[key]
+                failed.append((req_id, f"{type(exc).__name__}: {exc}" if not
+                               isinstance(exc, ValueError) else str(exc)))
+        return failed
+
+    def wait_for_compiles(self, timeout: float) -> None:
+        """Block until some compile finishes or `timeout` seconds pass (instead of spinning
+        while every unfinished request waits on its grammar)."""
+        futures = {fut for _, fut in self._compiling.values()}
+        if futures:
+            cf.wait(futures, timeout, return_when=cf.FIRST_COMPLETED)
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def bitmask_for(self, sched: SchedulerOutput, requests: dict[str, Request]
+                    ) -> GrammarBitmask | None:
+        """The bitmask of the constrained requests that sample this step (those whose scheduled
+        tokens reach their end; a prefill chunk short of it samples nothing)."""
+        if not self._matchers:
+            return None
+        ids = [rid for rid in sched.num_scheduled_tokens if rid in self._matchers
+               and requests[rid].num_computed_tokens >= requests[rid].num_tokens]
+        if not ids:
+            return None
+        words = (self._backend.vocab_size + 31) // 32
+        bitmask = np.zeros((len(ids), words), np.int32)
+        for i, rid in enumerate(ids):
+            self._matchers[rid].fill_next_token_bitmask(bitmask, i)
+        return GrammarBitmask(ids, bitmask)
+
+    def accept(self, req_id: str, token: int) -> bool | None:
+        """Advance a request's matcher by a sampled token: None when it has no grammar, else
+        whether the grammar took the token."""
+        matcher = self._matchers.get(req_id)
+        if matcher is None:
+            return None
+        if matcher.accept_token(token):
+            return True
+        logger.error("request %s: sampled token %d is outside its grammar", req_id, token)
+        return False
+
+    def is_terminated(self, req_id: str) -> bool:
+        matcher = self._matchers.get(req_id)
+        return matcher is not None and matcher.is_terminated()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
