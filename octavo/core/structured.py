@@ -47,19 +47,25 @@ class GrammarBackend(Protocol):
 
     def matcher(self, compiled: object) -> GrammarMatcher: ...
 
+    def memory_bytes(self, compiled: object) -> int: ...
+
 
 BackendFactory = Callable[[], GrammarBackend]
 
 
 class StructuredOutputManager:
-    def __init__(self, backend_factory: BackendFactory | None, cache_size: int = 256) -> None:
+    def __init__(self, backend_factory: BackendFactory | None, cache_size: int = 256,
+                 cache_bytes: int = 256 << 20) -> None:
         """backend_factory: builds the backend on the first constrained request (in the compile
-        thread: loading a tokenizer's vocabulary takes a while); None refuses such requests."""
+        thread: loading a tokenizer's vocabulary takes a while); None refuses such requests.
+        The cache keeps the `cache_size` most recent grammars within `cache_bytes` (a large
+        schema compiles to a few MB)."""
         self._factory = backend_factory
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
         self._pool: cf.ThreadPoolExecutor | None = None
         self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
         self._compiled: OrderedDict[tuple, cf.Future] = OrderedDict()
         self._compiling: dict[str, tuple[tuple, cf.Future]] = {}  # request id -> (key, compile)
         self._matchers: dict[str, GrammarMatcher] = {}
@@ -79,8 +85,7 @@ class StructuredOutputManager:
                 self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="octavo-grammar")
             fut = self._pool.submit(self._compile, spec)
             self._compiled[key] = fut
-            while len(self._compiled) > self._cache_size:
-                self._compiled.popitem(last=False)
+            self._evict()
         else:
             self._compiled.move_to_end(key)
         self._compiling[req.req_id] = (key, fut)
@@ -88,6 +93,22 @@ class StructuredOutputManager:
     def remove(self, req_id: str) -> None:
         self._compiling.pop(req_id, None)
         self._matchers.pop(req_id, None)
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars beyond the cache's bounds (a request that
+        still needs one keeps its own reference)."""
+        sizes = [self._size(fut) for fut in self._compiled.values()]
+        total, i = sum(sizes), 0
+        while len(self._compiled) > 1 and (len(self._compiled) > self._cache_size
+                                           or total > self._cache_bytes):
+            self._compiled.popitem(last=False)
+            total -= sizes[i]
+            i += 1
+
+    def _size(self, fut: cf.Future) -> int:
+        if not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return 0
+        return self._backend.memory_bytes(fut.result())
 
     def _compile(self, spec: StructuredOutputsParams) -> object:
         with self._backend_lock:

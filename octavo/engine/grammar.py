@@ -108,3 +108,6 @@ class XgrammarBackend:
 
     def matcher(self, compiled: Any) -> Any:
         return _xgr().GrammarMatcher(compiled)
+
+    def memory_bytes(self, compiled: Any) -> int:
+        return compiled.memory_size_bytes

@@ -46,13 +46,15 @@ class Sampler:
     def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._row_generator = torch.Generator(device=device)
+        self._byte_masks = byte_mask_table(device)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[torch.Tensor, TopLogprobs | None]:
         """logits: [R, V] float32 -> sampled token ids [R], logprobs of the model output (within
         the grammar, for constrained rows)."""
         if batch.grammar_rows is not None:
-            apply_token_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
+            apply_token_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask,
+                                self._byte_masks)
         raw_logprobs = None
         if batch.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -96,16 +98,26 @@ class Sampler:
         return noise
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+def byte_mask_table(device: torch.device | str = "cpu") -> torch.Tensor:
+    """[256, 8] float32: row b holds 0 where bit i of byte b is set, -inf where it is clear."""
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return torch.zeros(256, 8).masked_fill_(bits == 0, float("-inf")).to(device)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,
+                        table: torch.Tensor) -> None:
     """In place: logits[rows[i], t] = -inf unless bit t % 32 of bitmask[i, t // 32] is set.
-    The packed mask travels (32x smaller than a bool one) and is unpacked on the device."""
+    The packed mask travels (32x smaller than a bool one); each of its bytes becomes 8 additive
+    0 / -inf entries by one table lookup, added to the rows in one call (a boolean masked_fill
+    over the rows costs about 6x more on the CPU). `table` is byte_mask_table(), on the device."""
     vocab = logits.shape[-1]
     if bitmask.shape[-1] * 32 < vocab:
         raise ValueError(f"grammar bitmask covers {bitmask.shape[-1] * 32} tokens, "
                          f"the logits {vocab}")
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [G, V]
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    # int32 words viewed as bytes: little-endian, so byte j of a row holds tokens 8j .. 8j + 7.
+    data = bitmask.contiguous().view(torch.uint8).flatten().int()
+    add = table.index_select(0, data).view(len(rows), -1)[:, :vocab]  # [G, V]
+    logits.index_add_(0, rows, add.to(logits.dtype))
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

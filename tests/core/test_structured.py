@@ -13,6 +13,7 @@ import pytest
 from octavo.config import EngineConfig
 from octavo.core.contract import ModelOutput, SchedulerOutput
 from octavo.core.engine_core import EngineCore
+from octavo.core.structured import StructuredOutputManager
 from octavo.executor.base import Executor
 from octavo.params import StructuredOutputsParams
 from tests.core.fakes import EOS, FakeWorker, make_request
@@ -73,6 +74,9 @@ class FakeBackend:
 
     def matcher(self, compiled: list[list[int]]) -> ChoiceMatcher:
         return ChoiceMatcher(compiled)
+
+    def memory_bytes(self, compiled: list[list[int]]) -> int:
+        return 100 * sum(len(s) for s in compiled)
 
 
 def allowed_tokens(row: np.ndarray) -> list[int]:
@@ -190,6 +194,28 @@ def test_compiles_are_cached_by_key():
     core.add_request(make_request("later", 4, structured_outputs=choice("ab", "c")))
     run(core)
     assert backend.compiles == [("choice", '["ab", "c"]', False), ("choice", '["c", "ab"]', False)]
+
+
+def test_cache_keeps_the_most_recent_grammars_within_its_bounds():
+    backend = FakeBackend()
+    manager = StructuredOutputManager(lambda: backend, cache_size=3, cache_bytes=1000)
+
+    def use(option: str) -> None:
+        manager.add_request(make_request("r", 4, structured_outputs=choice(option)))
+        while manager.has_compiling():
+            manager.wait_for_compiles(5)
+            assert manager.collect_compiled() == []
+        manager.remove("r")
+
+    for option in ["aa", "bb", "cc", "dd", "aa", "dd"]:
+        use(option)
+    # At most 3 entries: "dd" evicted "aa", which compiled again; "dd" was still cached.
+    assert [k[1] for k in backend.compiles] == ['["aa"]', '["bb"]', '["cc"]', '["dd"]', '["aa"]']
+    use("x" * 12)  # 1200 bytes once compiled: over the byte bound
+    use("y")
+    use("dd")
+    assert [k[1] for k in backend.compiles][-3:] == ['["xxxxxxxxxxxx"]', '["y"]', '["dd"]']
+    manager.shutdown()
 
 
 def test_failed_compile_aborts_only_that_request():
