@@ -30,10 +30,11 @@ def _dense(q, k, v, start, scale, window=None, softcap=None):
 @pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 30.0)])
-def test_mixed_batch_matches_dense(block_size, window, softcap, native, native_kernels):
+@pytest.mark.parametrize("dim", [8, 64, 128])  # the C++ kernel specializes 64, 128 and 256
+def test_mixed_batch_matches_dense(block_size, window, softcap, dim, native, native_kernels):
     fused.enable_native(native)
     rng = np.random.default_rng(block_size)
-    heads, kv_heads, dim = 6, 2, 8
+    heads, kv_heads = 6, 2
     # (already computed, computed now): decodes, fresh prefills, later chunks, block edges.
     reqs = [(0, 1), (7, 1), (block_size, 1), (0, 9), (block_size - 1, 2 * block_size + 1),
             (3 * block_size, block_size), (0, block_size)]

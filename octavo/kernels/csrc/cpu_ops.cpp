@@ -166,6 +166,109 @@ inline void add_scaled(const cache_t* value, const float* probs, int64_t group, 
     for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += probs[g] * scratch[d];
 }
 
+#if defined(__AVX512F__)
+// Lane i of the result is the sum of v[i]'s 16 lanes: a transpose-and-add tree, about 3
+// instructions per vector where a reduction per vector costs 8 on one dependency chain.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's partial sums of 4 vectors
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
+}
+
+// scores[j] = scale * <q, key j> for one query head: q stays in registers, keys stream by, and
+// 16 keys' products are summed together.
+template <int DIM, typename cache_t>
+inline void head_scores(const cache_t* keys, const int64_t* slots, int64_t n, int64_t row,
+                        const float* qf, float scale, float* scores) {
+  __m512 q[DIM / 16], part[16];
+  for (int c = 0; c < DIM / 16; ++c) q[c] = _mm512_loadu_ps(qf + 16 * c);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    for (int64_t t = 0; t < 16; ++t) {
+      if (t >= m) {
+        part[t] = _mm512_setzero_ps();
+        continue;
+      }
+      const cache_t* key = keys + slots[j0 + t] * row;
+      __m512 acc = _mm512_mul_ps(q[0], load16(key));
+      for (int c = 1; c < DIM / 16; ++c) acc = _mm512_fmadd_ps(q[c], load16(key + 16 * c), acc);
+      part[t] = acc;
+    }
+    const __m512 s = _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(scores + j0, static_cast<__mmask16>((1u << m) - 1), s);
+  }
+}
+
+// out = sum_j probs[j] * value j for one query head, accumulated in registers (two sets, so
+// consecutive keys do not wait on each other's adds).
+template <int DIM, typename cache_t>
+inline void head_values(const cache_t* values, const int64_t* slots, int64_t n, int64_t row,
+                        const float* probs, float* out) {
+  __m512 even[DIM / 16], odd[DIM / 16];
+  for (int c = 0; c < DIM / 16; ++c) even[c] = odd[c] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const cache_t* v0 = values + slots[j] * row;
+    const cache_t* v1 = values + slots[j + 1] * row;
+    const __m512 p0 = _mm512_set1_ps(probs[j]), p1 = _mm512_set1_ps(probs[j + 1]);
+    for (int c = 0; c < DIM / 16; ++c) {
+      even[c] = _mm512_fmadd_ps(p0, load16(v0 + 16 * c), even[c]);
+      odd[c] = _mm512_fmadd_ps(p1, load16(v1 + 16 * c), odd[c]);
+    }
+  }
+  if (j < n) {
+    const cache_t* v0 = values + slots[j] * row;
+    const __m512 p0 = _mm512_set1_ps(probs[j]);
+    for (int c = 0; c < DIM / 16; ++c) even[c] = _mm512_fmadd_ps(p0, load16(v0 + 16 * c), even[c]);
+  }
+  for (int c = 0; c < DIM / 16; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(even[c], odd[c]));
+}
+
+// One query head over its context, head by head: keys, softmax, values. Returns false when the
+// head size has no specialization here (the caller then takes the generic loops).
+template <typename cache_t>
+inline bool attend_head(const cache_t* keys, const cache_t* values, const int64_t* slots,
+                        int64_t n, int64_t row, int64_t dim, const float* qf, float scale,
+                        float cap, float* scores, float* out) {
+  if constexpr (std::is_same_v<cache_t, double>) {
+    return false;
+  } else {
+    switch (dim) {
+      case 64: head_scores<64>(keys, slots, n, row, qf, scale, scores); break;
+      case 128: head_scores<128>(keys, slots, n, row, qf, scale, scores); break;
+      case 256: head_scores<256>(keys, slots, n, row, qf, scale, scores); break;
+      default: return false;
+    }
+    if (cap > 0.f)
+      for (int64_t j = 0; j < n; ++j) scores[j] = std::tanh(scores[j] / cap) * cap;
+    const float peak = *std::max_element(scores, scores + n);
+    const float inv = 1.f / exp_shifted(scores, n, peak);
+    switch (dim) {
+      case 64: head_values<64>(values, slots, n, row, scores, out); break;
+      case 128: head_values<128>(values, slots, n, row, scores, out); break;
+      default: head_values<256>(values, slots, n, row, scores, out); break;
+    }
+    for (int64_t d = 0; d < dim; ++d) out[d] *= inv;
+    return true;
+  }
+}
+#else
+template <typename cache_t>
+inline bool attend_head(const cache_t*, const cache_t*, const int64_t*, int64_t, int64_t, int64_t,
+                        const float*, float, float, float*, float*) {
+  return false;
+}
+#endif
+
 // One query token per request over its paged context. A work item is a request and a range of
 // its KV heads: all of them when there are enough requests to share the threads, so that each
 // slot's keys (all heads, contiguous) are read in one sequential sweep; one head per item
@@ -219,6 +322,20 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
           slots[j] = base + off;
       }
       scores.resize(nq * n);
+      bool fast = true;
+      for (int64_t h = 0; h < nq && fast; ++h) {
+        const int64_t kvh = h0 + h / group;
+        fast = attend_head(kp + kvh * dim, vp + kvh * dim, slots.data(), n, row, dim,
+                           qf.data() + h * dim, fscale, fcap, scores.data() + h * n,
+                           acc.data() + h * dim);
+      }
+      if (fast) {
+        for (int64_t h = 0; h < nq; ++h) {
+          q_t* dst = op + tok[r] * os0 + (h0 * group + h) * os1;
+          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<q_t>(acc[h * dim + d]);
+        }
+        continue;
+      }
       for (int64_t j = 0; j < n; ++j) {
         const cache_t* keys = kp + slots[j] * row;
         for (int64_t kvh = h0; kvh < h1; ++kvh) {
