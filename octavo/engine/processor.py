@@ -1,6 +1,7 @@
 """Validate and tokenize inputs; turn them into core requests."""
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,11 +28,11 @@ class Processor:
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or list of token ids")
-        ids = list(prompt)
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+        for t in prompt:  # numpy integers are ids too; bools and floats are not
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) \
+                    or not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {t!r}")
-        return None, ids
+        return None, [int(t) for t in prompt]
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Check `params` against the model; returns the resolved max_tokens."""

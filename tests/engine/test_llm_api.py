@@ -130,6 +130,7 @@ def test_priority_is_accepted(smollm_llm):
     ("hello", SamplingParams(max_tokens=2048), "max_tokens"),
     ("", GREEDY, "prompt"),
     ([10**7], GREEDY, "prompt token ids"),
+    ([1.0, 2.0], GREEDY, "prompt token ids"),
     ("hello", SamplingParams(logit_bias={10**7: 1.0}), "logit_bias"),
     ("hello", SamplingParams(stop_token_ids=[10**7]), "stop_token_ids"),
     ("hello", SamplingParams(logprobs=100), "logprobs"),
@@ -172,3 +173,14 @@ def test_parallel_samples_score_the_prompt_once(smollm_llm):
                                                     temperature=1.0, seed=2), use_tqdm=False)[0]
     assert len(out.prompt_logprobs) == len(ids) and len(out.outputs) == 3
     assert all(ids[p] in out.prompt_logprobs[p] for p in range(1, len(ids)))
+
+
+def test_numpy_token_ids_are_token_ids(smollm_llm):
+    import numpy as np
+
+    ids = smollm_llm.tokenizer.encode("The capital of France is")
+    params = SamplingParams(max_tokens=4, temperature=0)
+    plain = smollm_llm.generate([ids], params, use_tqdm=False)[0]
+    from_numpy = smollm_llm.generate([list(np.array(ids, np.int64))], params, use_tqdm=False)[0]
+    assert from_numpy.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert all(type(t) is int for t in from_numpy.prompt_token_ids)
