@@ -30,12 +30,19 @@ class ModelConfig:
     decode_weights: str = field(default="auto", metadata=_opt(
         "auto: linear layers from 4/8-bit GGUF tensors keep an int4/int8 copy for small batches "
         "(bf16 on the CPU); none: dense weights only", choices=["auto", "none"]))
+    quantization: str | None = field(default=None, metadata=_opt(
+        "quantize an unquantized safetensors checkpoint at load: int8 (per channel), int4 (per "
+        "group of 32), fp8 (e4m3 per channel, computed in bf16); default: what the checkpoint "
+        "has", choices=["int8", "int4", "fp8"]))
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
         if self.decode_weights not in ("auto", "none"):
             raise ValueError(f"decode_weights must be auto or none, got {self.decode_weights!r}")
+        if self.quantization not in (None, "int8", "int4", "fp8"):
+            raise ValueError(f"quantization must be int8, int4 or fp8 (or unset), "
+                             f"got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

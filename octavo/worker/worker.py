@@ -59,7 +59,7 @@ class Worker:
                             else "off")
         start = time.perf_counter()
         model = load_model(self.source, self.arch, self.dtype, self.device, self.max_model_len,
-                           self.config.model.decode_weights)
+                           self.config.model.decode_weights, self.config.model.quantization)
         logger.info("loaded %s (%s, %s) in %.1f s", self.source.name, self.arch.architecture,
                     self.dtype, time.perf_counter() - start)
         sched = self.config.scheduler

@@ -1,10 +1,15 @@
-"""Linear layers whose weights may be packed from several checkpoint tensors (q/k/v, gate/up)."""
+"""Linear layers whose weights may be packed from several checkpoint tensors (q/k/v, gate/up).
+
+The weight belongs to the layer's `quant_method` (octavo/model/quant/base.py): dense by default,
+or the packed int4/int8 form of a quantized checkpoint or of --quantization. The bias stays dense.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from octavo.model.quant.decode_weights import make_decode_weight, small_batch_linear
+from octavo.model.quant.base import UNQUANTIZED, QuantMethod
+from octavo.model.quant.decode_weights import make_decode_weight
 
 
 class Linear(nn.Module):
@@ -12,27 +17,42 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, shards: list[int], bias: bool = False) -> None:
         super().__init__()
+        self.in_features = in_features
         self.shards = shards
-        out = sum(shards)
-        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
+        self.bias = nn.Parameter(torch.zeros(sum(shards)), requires_grad=False) if bias else None
         self.decode_weight = None
+        self.quant_method: QuantMethod = UNQUANTIZED
+        UNQUANTIZED.create_weights(self)
 
-    def load_shard(self, name: str, index: int, tensor: torch.Tensor) -> None:
-        """Copy checkpoint tensor `name` (weight or bias) into packed slot `index`."""
-        param = self.weight if name == "weight" else self.bias
-        if param is None:
+    def set_quant_method(self, method: QuantMethod) -> None:
+        """Before loading: hand the weight to `method` (creates what it will be loaded into)."""
+        self.quant_method = method
+        method.create_weights(self)
+
+    def load_shard(self, name: str, index: int | None, tensor: torch.Tensor) -> None:
+        """Checkpoint tensor `name` (weight, bias, qweight, scales, ...) of packed slot `index`
+        (None: a tensor spanning all slots)."""
+        if name != "bias":
+            self.quant_method.load_shard(self, name, index, tensor)
+            return
+        if self.bias is None:
             raise ValueError("checkpoint has a bias this layer was built without")
-        start = sum(self.shards[:index])
-        dest = param.data.narrow(0, start, self.shards[index])
+        start = sum(self.shards[:index]) if index is not None else 0
+        width = self.shards[index] if index is not None else sum(self.shards)
+        dest = self.bias.data.narrow(0, start, width)
         if dest.shape != tensor.shape:
-            raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)}, "
+            raise ValueError(f"shape mismatch: checkpoint bias {tuple(tensor.shape)}, "
                              f"layer slot {tuple(dest.shape)}")
         dest.copy_(tensor)
 
+    def process_after_load(self) -> None:
+        self.quant_method.process_after_load(self)
+
     def set_decode_bits(self, bits: int) -> None:
         """Keep a low-bit copy for small batches when the source had `bits` bits per weight."""
-        self.decode_weight = make_decode_weight(self.weight.data, bits)
+        if self.quant_method is UNQUANTIZED:
+            self.decode_weight = make_decode_weight(self.weight.data, bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return small_batch_linear(x, self.weight, self.bias, self.decode_weight)
+        y = self.quant_method.apply(self, x)
+        return y if self.bias is None else y + self.bias

@@ -11,10 +11,14 @@ from octavo.model_source import ModelSource
 
 def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
-               decode_weights: str = "auto") -> nn.Module:
+               decode_weights: str = "auto", quantization: str | None = None) -> nn.Module:
     """Build the model and fill it. With decode_weights="auto", linear layers whose GGUF source
     is 8-bit or narrower also keep a low-bit copy for small (decode) batches. A GGUF's prepared
-    weights are cached on disk (see prepared_cache) for the next start."""
+    weights are cached on disk (see prepared_cache) for the next start. A quantized checkpoint
+    (config.json's quantization_config) or `quantization` (int8, int4, fp8: quantize at load)
+    hands linear layers their quant methods before the tensors stream in (see model/quant)."""
+    from octavo.model.quant.config import plan_quantization
+    plan = plan_quantization(source, quantization, dtype)
     cls = model_class(cfg.architecture)
     with torch.device(device):
         prev = torch.get_default_dtype()
@@ -34,7 +38,10 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
         from octavo.model.loader.gguf_weights import iterate_gguf_weights
         weights = iterate_gguf_weights(source.path, cfg, bits)
     else:
-        from octavo.model.loader.safetensors_weights import iterate_safetensors_weights
+        from octavo.model.loader.safetensors_weights import (
+            iterate_safetensors_weights, safetensors_names)
+        if plan is not None:
+            plan.apply(model, safetensors_names(source.path))
         weights = iterate_safetensors_weights(source.path)
     model.load_weights(weights)
     if decode_weights == "auto" and bits:
@@ -46,16 +53,11 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
 
 
 def _set_decode_bits(model: nn.Module, bits: dict[str, int]) -> None:
-    packed = getattr(model, "packed_modules_mapping", {})
     per_module: dict[str, int] = {}
     for ckpt_name, b in bits.items():
-        name = model.checkpoint_name(ckpt_name)  # the parameter it fills (GPT-2: transformer.h...)
-        if name is None:
+        module = model.linear_name(ckpt_name)  # the module it fills (GPT-2: transformer.h...)
+        if module is None:
             continue
-        module = name.rpartition(".")[0]
-        owner, _, leaf = module.rpartition(".")
-        if leaf in packed:
-            module = f"{owner}.{packed[leaf][0]}"
         per_module[module] = max(per_module.get(module, 0), b)  # the widest shard decides
     modules = dict(model.named_modules())
     head = modules.get("lm_head")

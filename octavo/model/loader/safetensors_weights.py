@@ -26,3 +26,12 @@ def iterate_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tenso
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def safetensors_names(folder: Path) -> list[str]:
+    """Every tensor name, read from the files' headers only."""
+    names = []
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            names.extend(f.keys())
+    return names

@@ -49,6 +49,18 @@ class CausalLM(nn.Module):
             return None
         return name
 
+    def linear_name(self, ckpt_name: str) -> str | None:
+        """The module (a packed Linear for q/k/v and gate/up) that checkpoint tensor fills."""
+        name = self.checkpoint_name(ckpt_name)
+        if name is None:
+            return None
+        module = name.rpartition(".")[0]
+        owner, _, leaf = module.rpartition(".")
+        if leaf in self.packed_modules_mapping:
+            packed = self.packed_modules_mapping[leaf][0]
+            module = f"{owner}.{packed}" if owner else packed
+        return module
+
     def convert_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Reshape or transpose a checkpoint tensor into this model's layout (`name` is ours)."""
         return tensor
@@ -73,12 +85,15 @@ class CausalLM(nn.Module):
                 continue
             module_name, _, kind = name.rpartition(".")
             owner, leaf = module_name.rsplit(".", 1) if "." in module_name else ("", module_name)
+            target, slot = module_name, None  # a Linear's own tensor: every slot at once
             if leaf in self.packed_modules_mapping:
                 packed, slot = self.packed_modules_mapping[leaf]
                 target = f"{owner}.{packed}" if owner else packed
+            if hasattr(modules.get(target), "load_shard"):  # weight, bias, qweight, scales, ...
                 modules[target].load_shard(kind, slot, tensor)
-                slots.setdefault(f"{target}.{kind}", set()).add(slot)
-                if len(slots[f"{target}.{kind}"]) == len(modules[target].shards):
+                filled = slots.setdefault(f"{target}.{kind}", set())
+                filled.update(range(len(modules[target].shards)) if slot is None else [slot])
+                if len(filled) == len(modules[target].shards):
                     loaded.add(f"{target}.{kind}")
                 continue
             if name not in params:
@@ -96,4 +111,7 @@ class CausalLM(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        for module in modules.values():
+            if hasattr(module, "process_after_load"):
+                module.process_after_load()
         return loaded

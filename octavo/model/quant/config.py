@@ -1,0 +1,121 @@
+"""Which quantization a model loads with, and which of its linear layers get which method.
+
+A checkpoint's `quantization_config` (config.json) names its format: gptq, awq, fp8,
+compressed-tensors. `--quantization int8|int4|fp8` quantizes an unquantized checkpoint at load;
+asking for it on a checkpoint that is quantized already is a ValueError naming the field. The
+layers of a quantized checkpoint are the ones whose tensors carry the format's marker (`qweight`,
+`weight_scale`); the rest (the LM head, MoE routers) stay dense. On-the-fly quantization takes
+every linear layer of the decoder except MoE routers; embeddings and the LM head stay dense.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from octavo.model.quant.base import CheckpointMethod, OnTheFlyMethod, QuantMethod
+from octavo.model.quant.fp8 import FP8Spec, quantize_fp8
+from octavo.model.quant.gptq import GPTQSpec
+from octavo.model.quant.packed import quantize_int4, quantize_int8
+from octavo.model_source import ModelSource
+
+logger = logging.getLogger(__name__)
+
+ON_THE_FLY = ("int8", "int4", "fp8")
+INT4_GROUP = 32  # on-the-fly int4: min/max per 32 inputs (SmolLM2 perplexity: docs/usage.md)
+_MARKERS = {"gptq": (".qweight",), "awq": (".qweight",), "fp8": (".weight_scale",
+            ".weight_scale_inv"), "compressed-tensors": (".weight_scale",)}
+
+
+def checkpoint_quantization(source: ModelSource) -> dict[str, Any] | None:
+    """config.json's quantization_config of a Hugging Face folder (None for GGUF or none)."""
+    if source.is_gguf:
+        return None
+    path = source.path / "config.json"
+    if not path.is_file():
+        return None
+    qc = json.loads(path.read_text()).get("quantization_config")
+    return qc or None
+
+
+class QuantPlan:
+    """What the loader applies: a format name and the method of each chosen linear layer."""
+
+    def __init__(self, fmt: str, dtype: torch.dtype, *, spec: GPTQSpec | FP8Spec | None = None,
+                 on_the_fly: str | None = None) -> None:
+        self.fmt, self.dtype, self.spec, self.on_the_fly = fmt, dtype, spec, on_the_fly
+
+    def method(self, layer: nn.Module) -> QuantMethod | None:
+        if self.spec is not None:
+            return CheckpointMethod(self.fmt, self.spec.build, self.dtype)
+        if self.on_the_fly == "int8":
+            return OnTheFlyMethod("int8", quantize_int8, self.dtype)
+        if self.on_the_fly == "int4":
+            if layer.in_features % INT4_GROUP:
+                return None  # the int4 kernel needs whole groups: this layer stays dense
+            return OnTheFlyMethod("int4", lambda w, dt: quantize_int4(w, INT4_GROUP, dt),
+                                  self.dtype)
+        return OnTheFlyMethod("fp8", quantize_fp8, self.dtype)
+
+    def layers(self, model: nn.Module, checkpoint_names: Iterable[str]) -> dict[str, nn.Module]:
+        """Model module name -> the Linear layers this plan quantizes."""
+        modules = dict(model.named_modules())
+        linears = {n: m for n, m in modules.items() if hasattr(m, "set_quant_method")}
+        if self.on_the_fly is not None:
+            return {n: m for n, m in linears.items()
+                    if not (n.endswith(".gate") or n.endswith("shared_expert_gate"))}
+        chosen = {}
+        for ckpt in checkpoint_names:
+            marker = next((m for m in _MARKERS[self.fmt] if ckpt.endswith(m)), None)
+            if marker is None:
+                continue
+            name = model.linear_name(ckpt.removesuffix(marker) + ".weight")
+            if name in linears:
+                chosen[name] = linears[name]
+            elif name is not None:
+                raise NotImplementedError(
+                    f"{self.fmt} tensor {ckpt}: quantized weights are supported on linear layers "
+                    f"only, not on {name}")
+        return chosen
+
+    def apply(self, model: nn.Module, checkpoint_names: Iterable[str]) -> None:
+        """Before loading: give the chosen layers their methods."""
+        count = 0
+        for layer in self.layers(model, checkpoint_names).values():
+            method = self.method(layer)
+            if method is not None:
+                layer.set_quant_method(method)
+                count += 1
+        logger.info("quantization %s: %d linear layers", self.fmt, count)
+
+
+def plan_quantization(source: ModelSource, requested: str | None,
+                      dtype: torch.dtype) -> QuantPlan | None:
+    """The plan for this checkpoint and --quantization (None: everything dense)."""
+    qc = checkpoint_quantization(source)
+    if requested is not None:
+        if requested not in ON_THE_FLY:
+            raise ValueError(f"quantization must be one of {', '.join(ON_THE_FLY)}, "
+                             f"got {requested!r}")
+        if qc is not None:
+            raise ValueError(
+                f"quantization={requested!r} asks to quantize at load, but the checkpoint is "
+                f"already quantized ({qc.get('quant_method')!r} in config.json's "
+                "quantization_config); omit quantization to use the checkpoint's own")
+        if source.is_gguf:
+            raise ValueError(f"quantization={requested!r} applies to safetensors checkpoints; "
+                             "a GGUF keeps its own quantization (see decode_weights)")
+        return QuantPlan(requested, dtype, on_the_fly=requested)
+    if qc is None:
+        return None
+    fmt = str(qc.get("quant_method", "")).lower()
+    if fmt in ("gptq", "awq"):
+        return QuantPlan(fmt, dtype, spec=GPTQSpec(fmt, qc))
+    if fmt in ("fp8", "compressed-tensors"):
+        return QuantPlan(fmt, dtype, spec=FP8Spec(fmt, qc))
+    raise NotImplementedError(f"quantization_config.quant_method={fmt!r} is not supported; "
+                              "supported: gptq, awq, fp8, compressed-tensors")

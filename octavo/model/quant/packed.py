@@ -1,0 +1,180 @@
+"""Weight-only quantized matrices as the kernels read them: int4 per group, int8 per group or
+channel, each with scales and zero points; built from integer codes by every format's loader.
+
+A weight is w[n, k] = scale[n, g] * (q[n, k] - zero[n, g]) with g = k // group, after an optional
+permutation of the inputs (GPTQ's act-order: x[:, perm] meets the columns sorted by group).
+Batches of up to `dense_rows` rows (decode, also batch 32) run torch's packed int4 kernel or an
+int8 kernel (octavo's AVX-512 GEMV in bf16 for <= 8 rows, else torch's) straight on the packed
+bytes: their time grows with the rows (one pass over the weights per row or few), so larger
+batches (prefill chunks) dequantize one tile of output rows at a time into the activation dtype
+and use the dense GEMM; the whole matrix is never dequantized at once.
+
+Measured (bf16, 2 threads, SmolLM2's gate/up 3072 x 576; microseconds; dense bf16 in brackets):
+rows      1          4          16         32          128           512
+int4   55 [136]   91 [172]   339 [294]  668 [433]   2702 [1232]  10760 (tile: 8261)
+int8   56         104        399        785 (tile 848) 3121 (tile 1994)
+so the int4 kernel is used up to 256 rows and the int8 one up to 64.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from octavo.kernels import fused
+
+_TILE_ELEMS = 1 << 20  # weights dequantized per tile (2 MiB of bf16: stays in L2)
+INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # what torch's int4 kernel takes
+
+
+def kernel_group(group: int, k: int) -> int:
+    """The largest int4-kernel group size that divides `group` (scales repeat per sub-group)."""
+    for g in INT4_KERNEL_GROUPS:
+        if group % g == 0 and k % g == 0:
+            return g
+    raise ValueError(f"group_size must be a multiple of 32 that divides in_features={k} "
+                     f"for the int4 kernel, got {group}")
+
+
+class PackedWeight:
+    """Common part: input permutation, the choice between packed kernel and dense tiles."""
+
+    out_features: int
+    in_features: int
+    perm: torch.Tensor | None
+    dense_rows = 64  # above this many rows: dequantized tiles and the dense GEMM
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, N] in x's dtype."""
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        if x.shape[0] <= self.dense_rows:
+            return self.kernel_matmul(x)
+        rows = max(64, _TILE_ELEMS // self.in_features // 64 * 64)
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        for start in range(0, self.out_features, rows):
+            end = min(start + rows, self.out_features)
+            out[:, start:end] = F.linear(x, self.dequantize(start, end, x.dtype))
+        return out
+
+    def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows start:end of the weight, [end - start, K] (in permuted input order)."""
+        raise NotImplementedError
+
+    def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int4Packed(PackedWeight):
+    """torch's CPU int4 layout: per block of 64 output rows a [K, 32] byte array whose byte j
+    holds rows j (low nibble) and j + 32 (high); the last N % 64 rows form one block of adjacent
+    row pairs. torch computes (q - 8) * scale + zero, so zero = (8 - zero_point) * scale."""
+
+    dense_rows = 256
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+                 dtype: torch.dtype, perm: torch.Tensor | None = None) -> None:
+        """q: [N, K] codes 0..15; scale, zero: [N, K // group] float (w = scale * (q - zero))."""
+        n, k = q.shape
+        self.out_features, self.in_features, self.perm = n, k, perm
+        self.group = kernel_group(group, k)
+        rep = group // self.group
+        scale, zero = scale.float().repeat_interleave(rep, 1), zero.float().repeat_interleave(rep, 1)
+        pad = -n % 16  # the kernel takes N in multiples of 16: zero rows, sliced off after
+        self.padded_n = n + pad
+        q = F.pad(q.to(torch.int32), (0, 0, 0, pad))
+        scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        # [K / group, N, 2]: scale and torch's zero, in the activation dtype the kernel wants
+        self.scales_zeros = torch.stack([scale, (8 - zero) * scale], -1).transpose(0, 1) \
+            .to(dtype).contiguous()
+
+    def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.scales_zeros.dtype)
+        y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group,
+                                              self.scales_zeros)
+        return y[:, :self.out_features] if self.padded_n != self.out_features else y
+
+    def codes(self, start: int, end: int) -> torch.Tensor:
+        """Rows start:end (start a multiple of 64) of the 4-bit codes, [end - start, K] uint8."""
+        k, full = self.in_features, self.padded_n // 64 * 64
+        flat = self.packed.reshape(-1)
+        parts = []
+        if start < full:
+            hi = min(end, full)
+            b = flat[start * k // 2:hi * k // 2].reshape(-1, k, 32)
+            parts.append(torch.cat([b & 15, b >> 4], 2).transpose(1, 2).reshape(-1, k))
+            start = hi
+        if start < end:  # the tail block: byte (k, j) holds rows 2j and 2j + 1
+            tail = self.padded_n - full
+            b = flat[full * k // 2:].reshape(k, tail // 2)
+            rows = torch.stack([b & 15, b >> 4], 2).reshape(k, tail).t()
+            parts.append(rows[start - full:end - full])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        q = self.codes(start, end).to(dtype).reshape(end - start, -1, self.group) - 8
+        sz = self.scales_zeros[:, start:end].to(dtype).transpose(0, 1)  # [rows, G, 2]
+        return (q * sz[..., :1] + sz[..., 1:]).reshape(end - start, self.in_features)
+
+
+class Int8Packed(PackedWeight):
+    """q' = q - 128 as int8, one kernel call per group of inputs (one call when per channel);
+    w = scale * (q' - zero'), the zero term added as (sum of x over the group) * scale * zero'."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                 group: int, dtype: torch.dtype, perm: torch.Tensor | None = None,
+                 signed: bool = False) -> None:
+        """q: [N, K] codes (0..255, or -128..127 if signed); scale, zero: [N, K // group]."""
+        n, k = q.shape
+        if k % group:
+            raise ValueError(f"group_size {group} must divide in_features={k}")
+        self.out_features, self.in_features, self.perm, self.group = n, k, perm, group
+        q = q.to(torch.int16) if signed else q.to(torch.int16) - 128
+        self.q = q.to(torch.int8).reshape(n, k // group, group).transpose(0, 1).contiguous()
+        self.scale = scale.float().t().contiguous()  # [G, N] float32 (octavo's kernel)
+        self.scale_dtype = self.scale.to(dtype)  # torch's kernel wants the activation dtype
+        self.zero_term = None  # [G, N]: scale * zero' (None when symmetric)
+        if zero is not None:
+            z = zero.float() - (0 if signed else 128)
+            if z.abs().max() > 0:
+                self.zero_term = (scale.float() * z).t().contiguous().to(dtype)
+
+    def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.scale_dtype.dtype)
+        native = fused.native_active(x) and x.dtype == torch.bfloat16 and x.shape[0] <= 8
+        y = None
+        for g in range(self.q.shape[0]):
+            xg = x[:, g * self.group:(g + 1) * self.group].contiguous()
+            yg = (fused.int8_gemv(xg, self.q[g], self.scale[g]) if native
+                  else torch._weight_int8pack_mm(xg, self.q[g], self.scale_dtype[g]))
+            y = yg if y is None else y + yg
+        if self.zero_term is not None:
+            sums = x.reshape(x.shape[0], -1, self.group).sum(-1)  # [M, G]
+            y = y - sums @ self.zero_term
+        return y
+
+    def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        q = self.q[:, start:end].to(dtype)  # [G, rows, group]
+        w = q * self.scale[:, start:end, None].to(dtype)
+        if self.zero_term is not None:
+            w = w - self.zero_term[:, start:end, None].to(dtype)
+        return w.transpose(0, 1).reshape(end - start, self.in_features)
+
+
+def quantize_int4(w: torch.Tensor, group: int, dtype: torch.dtype) -> Int4Packed:
+    """Asymmetric min/max int4 per group of `group` inputs (on-the-fly quantization)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-10)
+    zero = (-lo / scale).round().clamp(0, 15)
+    q = (g / scale[..., None] + zero[..., None]).round().clamp(0, 15).reshape(n, k)
+    return Int4Packed(q, scale, zero, group, dtype)
+
+
+def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int8Packed:
+    """Symmetric int8 per output channel (on-the-fly quantization)."""
+    w = w.float()
+    scale = (w.abs().amax(1, keepdim=True) / 127).clamp(min=1e-10)
+    q = (w / scale).round().clamp(-127, 127)
+    return Int8Packed(q, scale, None, w.shape[1], dtype, signed=True)

@@ -1,0 +1,214 @@
+"""Tiny GPTQ, AWQ and FP8 checkpoints packed here from the formats' descriptions, loaded by
+octavo and compared with transformers running the same weights dequantized in float32; and
+--quantization on an unquantized checkpoint."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from octavo import LLM, SamplingParams
+
+_CONFIG = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               rms_norm_eps=1e-5, tie_word_embeddings=False)
+_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+_AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    words = words & 0xFFFFFFFF
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """[R, C] codes -> int32 [R * bits / 32, C], lowest bits first (GPTQ qweight)."""
+    per = 32 // bits
+    q = q.long().reshape(-1, per, q.shape[1])
+    return _int32(sum(q[:, j] << (bits * j) for j in range(per)))
+
+
+def _pack_cols(q: torch.Tensor, bits: int, order: list[int] | None = None) -> torch.Tensor:
+    """[R, C] codes -> int32 [R, C * bits / 32]; word nibble j holds column order[j] of its pack."""
+    per = 32 // bits
+    order = order or list(range(per))
+    q = q.long().reshape(q.shape[0], -1, per)
+    return _int32(sum(q[..., order[j]] << (bits * j) for j in range(per)))
+
+
+def _gptq_layer(w, bits, group, sym, perm, fmt):
+    """w [N, K] -> (checkpoint tensors, dequantized w). Input perm[j] is in group j // group."""
+    n, k = w.shape
+    group = k if group == -1 else group  # -1: per channel, one group spans the inputs
+    g = torch.Generator().manual_seed(n * k + bits)
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[perm] = torch.arange(k, dtype=torch.int32) // group
+    top = (1 << bits) - 1
+    scales = (torch.rand(k // group, n, generator=g) * 0.02 + 0.005).half().float()
+    if sym:
+        zeros = torch.full((k // group, n), 1 << (bits - 1))
+    else:  # zero 0 would wrap in GPTQ v1's zero - 1 storage; real quantizers avoid it too
+        zeros = torch.randint(1, top, (k // group, n), generator=g)
+    s, z = scales[g_idx.long()], zeros[g_idx.long()].float()  # [K, N] per input
+    q = (w.t() / s + z).round().clamp(0, top)
+    deq = (s * (q - z)).t()
+    if fmt == "awq":
+        tensors = {"qweight": _pack_cols(q, 4, _AWQ_ORDER), "qzeros": _pack_cols(zeros, 4, _AWQ_ORDER),
+                   "scales": scales.half()}
+    else:
+        tensors = {"qweight": _pack_rows(q, bits), "qzeros": _pack_cols(zeros - 1, bits),
+                   "scales": scales.half(), "g_idx": g_idx}
+    return tensors, deq
+
+
+def _fp8_layer(w, per_channel):
+    amax = w.abs().amax(1, keepdim=True) if per_channel else w.abs().amax()
+    scale = (amax / 448).float()
+    q = (w / scale).to(torch.float8_e4m3fn)
+    return ({"weight": q, "weight_scale": scale if per_channel else scale.reshape(1)},
+            q.float() * scale)
+
+
+def _build(tmp_path, tokenizer_folder, fmt, qconfig, **kw):
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_CONFIG)).eval()
+    tensors = {}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+        perms = {}
+        for name, module in model.named_modules():
+            leaf = name.rpartition(".")[2]
+            if leaf not in _PROJ:
+                continue
+            k = module.weight.shape[1]
+            key = (name.rpartition(".")[0], _SHARED_INPUT.get(leaf, leaf))
+            perms.setdefault(key, torch.randperm(k) if kw.get("desc_act") else torch.arange(k))
+            if fmt == "fp8":
+                layer, deq = _fp8_layer(module.weight, kw["per_channel"])
+            else:
+                layer, deq = _gptq_layer(module.weight, kw["bits"], kw["group"], kw["sym"],
+                                         perms[key], fmt)
+            module.weight.copy_(deq)  # the oracle runs the dequantized weights
+            tensors.update({f"{name}.{t}": v.contiguous() for t, v in layer.items()})
+    state = {k: v.contiguous() for k, v in model.state_dict().items()
+             if k.rpartition(".")[0].rpartition(".")[2] not in _PROJ}
+    folder = tmp_path / "ckpt"
+    model.config.save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"], cfg["architectures"] = qconfig, ["LlamaForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file({**state, **tensors}, str(folder / "model.safetensors"))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_folder / f, folder / f)
+    return folder, model
+
+
+def _compare(folder, ref, atol=1e-4, **llm_kw):
+    prompt = torch.randint(100, 49000, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        ref_lp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].float(), -1)
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=8 << 20, **llm_kw)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    ours = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
+    theirs = ref_lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(ours, theirs, atol=atol), (ours - theirs).abs().max()
+    return llm
+
+
+GPTQ_CASES = {
+    "gptq-4bit-sym": dict(bits=4, group=32, sym=True, desc_act=False),
+    "gptq-4bit-asym-act-order": dict(bits=4, group=64, sym=False, desc_act=True),
+    "gptq-4bit-per-channel": dict(bits=4, group=-1, sym=False, desc_act=False),
+    "gptq-8bit-sym-act-order": dict(bits=8, group=32, sym=True, desc_act=True),
+    "gptq-8bit-asym": dict(bits=8, group=128, sym=False, desc_act=False),
+}
+
+
+@pytest.mark.parametrize("name", list(GPTQ_CASES))
+def test_gptq_checkpoint_matches_dequantized_model(tmp_path, smollm_oracle_folder, name):
+    kw = GPTQ_CASES[name]
+    qc = {"quant_method": "gptq", "bits": kw["bits"], "group_size": kw["group"],
+          "desc_act": kw["desc_act"], "sym": kw["sym"], "checkpoint_format": "gptq"}
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "gptq", qc, **kw)
+    _compare(folder, ref)
+
+
+def test_awq_checkpoint_matches_dequantized_model(tmp_path, smollm_oracle_folder):
+    qc = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+          "version": "gemm"}
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "awq", qc, bits=4, group=32, sym=False)
+    _compare(folder, ref)
+
+
+@pytest.mark.parametrize("fmt,per_channel", [("fp8", False), ("compressed-tensors", True)])
+def test_fp8_checkpoint_matches_dequantized_model(tmp_path, smollm_oracle_folder, fmt,
+                                                  per_channel):
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic"} if fmt == "fp8" else {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "channel"}}}}
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "fp8", qc, per_channel=per_channel)
+    _compare(folder, ref)
+
+
+def test_quantization_flag_on_a_quantized_checkpoint_names_the_field(tmp_path,
+                                                                    smollm_oracle_folder):
+    qc = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"}
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "awq", qc, bits=4, group=32, sym=False)
+    with pytest.raises(ValueError, match="quantization='int8'.*already quantized"):
+        LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=8 << 20,
+            quantization="int8")
+
+
+def test_unsupported_formats_name_themselves(tmp_path, smollm_oracle_folder):
+    qc = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "awq", qc, bits=4, group=32, sym=False)
+    with pytest.raises(NotImplementedError, match="version='gemv'"):
+        LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=8 << 20)
+
+
+def _fake_quant(w: torch.Tensor, mode: str) -> torch.Tensor:
+    """What --quantization promises, computed here independently: int8 symmetric per channel,
+    int4 min/max per 32 inputs, fp8 e4m3 per channel."""
+    if mode == "int8":
+        s = w.abs().amax(1, keepdim=True) / 127
+        return (w / s).round().clamp(-127, 127) * s
+    if mode == "fp8":
+        s = w.abs().amax(1, keepdim=True) / 448
+        return (w / s).to(torch.float8_e4m3fn).float() * s
+    g = w.reshape(w.shape[0], -1, 32)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    s = (hi - lo) / 15
+    z = (-lo / s).round()
+    return (((g / s + z).round().clamp(0, 15) - z) * s).reshape(w.shape)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
+def test_quantization_at_load_matches_fake_quantized_model(tmp_path, smollm_oracle_folder, mode):
+    import transformers
+
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_CONFIG)).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.08) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    folder = tmp_path / "dense"
+    ref.save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm_oracle_folder / f, folder / f)
+    with torch.no_grad():
+        for name, module in ref.named_modules():
+            if name.rpartition(".")[2] in _PROJ:
+                module.weight.copy_(_fake_quant(module.weight, mode))
+    llm = _compare(folder, ref, atol=2e-4, quantization=mode)
+    layer = llm.engine.client.core.executor.worker.runner.model.model.layers[0].mlp.gate_up_proj
+    if mode != "fp8":  # the packed weight replaces the dense one
+        assert layer.weight is None and "weight" not in dict(layer.named_parameters())

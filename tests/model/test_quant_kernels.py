@@ -1,0 +1,95 @@
+"""Packed int4/int8 weights against dequantize-then-matmul references, across shapes, group
+sizes, zero points, act-order permutations, the packed kernels and the dense-tile path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo.model.quant.gptq import unpack_cols, unpack_rows
+from octavo.model.quant.packed import Int4Packed, Int8Packed, quantize_int4, quantize_int8
+
+DENSE_ROWS = Int4Packed.dense_rows  # Int8Packed's is 64
+
+
+def _reference(q, scale, zero, group, perm=None):
+    """w [N, K] = scale * (q - zero) per group of inputs, in the original input order."""
+    s, z = scale.repeat_interleave(group, 1), zero.repeat_interleave(group, 1)
+    w = s * (q.float() - z)
+    if perm is not None:  # columns are in sorted order: put them back
+        out = torch.empty_like(w)
+        out[:, perm] = w
+        w = out
+    return w
+
+
+def _codes(n, k, group, bits, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (n, k), generator=g)
+    scale = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
+    zero = torch.randint(0, 1 << bits, (n, k // group), generator=g).float()
+    return q, scale, zero
+
+
+@pytest.mark.parametrize("rows", [1, 3, DENSE_ROWS + 5])
+@pytest.mark.parametrize("n,k,group", [(96, 128, 32), (200, 256, 64), (64, 384, 128),
+                                       (130, 256, 256), (160, 192, 64)])
+def test_int4_matches_reference(n, k, group, rows):
+    q, scale, zero = _codes(n, k, group, 4)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(1)) if n == 160 else None
+    if perm is not None:  # act-order: input perm[j] belongs to group j // group
+        q = q[:, perm]
+    packed = Int4Packed(q, scale, zero, group, torch.float32, perm)
+    x = torch.randn(rows, k)
+    ref = x @ _reference(q, scale, zero, group, perm).t()
+    out = packed.matmul(x)
+    assert out.shape == (rows, n)
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
+
+
+def test_int4_codes_round_trip_through_torch_layout():
+    for n in (64, 128, 80, 112, 48):
+        q, scale, zero = _codes(n, 96, 32, 4, seed=n)
+        packed = Int4Packed(q, scale, zero, 32, torch.float32)
+        assert torch.equal(packed.codes(0, n).long(), q)
+        assert torch.equal(packed.codes(64, n).long(), q[64:]) if n > 64 else True
+
+
+@pytest.mark.parametrize("rows", [1, 4, 67])
+@pytest.mark.parametrize("group,asym", [(160, False), (32, True), (64, False)])
+def test_int8_grouped_matches_reference(rows, group, asym):
+    n, k = 72, 320
+    q, scale, zero = _codes(n, k, group, 8)
+    if not asym:
+        zero = torch.full_like(zero, 128)
+    packed = Int8Packed(q, scale, zero, group, torch.float32)
+    x = torch.randn(rows, k)
+    ref = x @ _reference(q, scale, zero, group).t()
+    out = packed.matmul(x)
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, 65])
+def test_int8_bf16_native_kernel_per_group(native_kernels, rows):
+    q, scale, zero = _codes(64, 256, 128, 8)
+    packed = Int8Packed(q, scale, zero, 128, torch.bfloat16)
+    x = torch.randn(rows, 256).bfloat16()
+    ref = x.float() @ _reference(q, scale, zero, 128).t()
+    out = packed.matmul(x).float()
+    assert (out - ref).norm() / ref.norm() < 1e-2
+
+
+def test_on_the_fly_quantizers_stay_close_to_the_weight():
+    w = torch.randn(128, 256) * 0.05
+    x = torch.randn(2, 256)
+    ref = x @ w.t()
+    for packed, bound in ((quantize_int8(w, torch.float32), 0.01),
+                          (quantize_int4(w, 32, torch.float32), 0.12)):
+        assert (packed.matmul(x) - ref).norm() / ref.norm() < bound
+
+
+def test_unpack_orders():
+    words = torch.tensor([[0x76543210]], dtype=torch.int32)
+    assert unpack_cols(words, 4).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert unpack_rows(words, 4).flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    neg = torch.tensor([[-1]], dtype=torch.int32)  # all bits set: the sign must not leak
+    assert unpack_cols(neg, 8).tolist() == [[255, 255, 255, 255]]
