@@ -1,9 +1,25 @@
 """octavo: an LLM inference and serving engine."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from octavo.config import EngineConfig
-from octavo.llm import LLM
 from octavo.params import (
     CompletionOutput, Logprob, RequestOutput, SamplingParams, StructuredOutputsParams)
+
+if TYPE_CHECKING:
+    from octavo.llm import LLM
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
            "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in the whole front end; the server and the engine-core process import `octavo`
+    # for its small modules and should not pay for it at start-up.
+    if name == "LLM":
+        from octavo.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'octavo' has no attribute {name!r}")
