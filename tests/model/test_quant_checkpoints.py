@@ -8,15 +8,24 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from octavo import LLM, SamplingParams
 
 _CONFIG = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                rms_norm_eps=1e-5, tie_word_embeddings=False)
-_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+_ARCHS = {  # MoE: every expert's projections quantized, routers dense
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128}),
+}
+_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+         "w1", "w2", "w3")
+_SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj", "w3": "w1"}
 _AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
@@ -73,41 +82,60 @@ def _fp8_layer(w, per_channel):
             q.float() * scale)
 
 
-def _build(tmp_path, tokenizer_folder, fmt, qconfig, **kw):
+def _random_model(arch):
     import transformers
 
+    config_cls, model_cls, extra = _ARCHS[arch]
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_CONFIG)).eval()
-    tensors = {}
+    config = getattr(transformers, config_cls)(**_CONFIG, **extra)
+    model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.08) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
-        perms = {}
-        for name, module in model.named_modules():
-            leaf = name.rpartition(".")[2]
-            if leaf not in _PROJ:
-                continue
-            k = module.weight.shape[1]
-            key = (name.rpartition(".")[0], _SHARED_INPUT.get(leaf, leaf))
-            perms.setdefault(key, torch.randperm(k) if kw.get("desc_act") else torch.arange(k))
-            if fmt == "fp8":
-                layer, deq = _fp8_layer(module.weight, kw["per_channel"])
-            else:
-                layer, deq = _gptq_layer(module.weight, kw["bits"], kw["group"], kw["sym"],
-                                         perms[key], fmt)
-            module.weight.copy_(deq)  # the oracle runs the dequantized weights
-            tensors.update({f"{name}.{t}": v.contiguous() for t, v in layer.items()})
-    state = {k: v.contiguous() for k, v in model.state_dict().items()
-             if k.rpartition(".")[0].rpartition(".")[2] not in _PROJ}
-    folder = tmp_path / "ckpt"
-    model.config.save_pretrained(folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"], cfg["architectures"] = qconfig, ["LlamaForCausalLM"]
-    (folder / "config.json").write_text(json.dumps(cfg))
-    save_file({**state, **tensors}, str(folder / "model.safetensors"))
+    return model
+
+
+def _save_dense(model, folder, tokenizer_folder):
+    model.save_pretrained(folder)  # transformers writes per-expert tensors (experts.0.w1...)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_folder / f, folder / f)
-    return folder, model
+
+
+def _build(tmp_path, tokenizer_folder, fmt, qconfig, arch="llama", **kw):
+    """(quantized checkpoint folder, transformers model on its dequantized weights)."""
+    from transformers import AutoModelForCausalLM
+
+    dense = tmp_path / "dense"
+    _save_dense(_random_model(arch), dense, tokenizer_folder)
+    tensors = load_file(dense / "model.safetensors")
+    quantized, perms, replaced = {}, {}, set()
+    for name in list(tensors):
+        module, _, kind = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        if leaf not in _PROJ or kind != "weight":
+            continue
+        w = tensors.pop(name)
+        key = (parent, _SHARED_INPUT.get(leaf, leaf))  # q/k/v and gate/up share their input
+        perms.setdefault(key, torch.randperm(w.shape[1]) if kw.get("desc_act")
+                         else torch.arange(w.shape[1]))
+        if fmt == "fp8":
+            layer, deq = _fp8_layer(w, kw["per_channel"])
+        else:
+            layer, deq = _gptq_layer(w, kw["bits"], kw["group"], kw["sym"], perms[key], fmt)
+        tensors[name] = deq.contiguous()  # the oracle's dequantized weight
+        replaced.add(name)
+        quantized.update({f"{module}.{t}": v.contiguous() for t, v in layer.items()})
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(dense / f, folder / f)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = qconfig
+    (folder / "config.json").write_text(json.dumps(cfg))
+    kept = {k: v for k, v in tensors.items() if k not in replaced}
+    save_file({**kept, **quantized}, str(folder / "model.safetensors"))
+    save_file(tensors, str(dense / "model.safetensors"))
+    return folder, AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
 
 
 def _compare(folder, ref, atol=1e-4, **llm_kw):
@@ -132,13 +160,30 @@ GPTQ_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(GPTQ_CASES))
+GPTQ_MOE = {"mixtral-gptq-4bit-act-order": ("mixtral", "gptq-4bit-asym-act-order"),
+            "qwen2-moe-gptq-8bit": ("qwen2-moe", "gptq-8bit-asym")}
+
+
+@pytest.mark.parametrize("name", list(GPTQ_CASES) + list(GPTQ_MOE))
 def test_gptq_checkpoint_matches_dequantized_model(tmp_path, smollm_oracle_folder, name):
-    kw = GPTQ_CASES[name]
+    arch, case = GPTQ_MOE.get(name, ("llama", name))
+    kw = GPTQ_CASES[case]
     qc = {"quant_method": "gptq", "bits": kw["bits"], "group_size": kw["group"],
           "desc_act": kw["desc_act"], "sym": kw["sym"], "checkpoint_format": "gptq"}
-    folder, ref = _build(tmp_path, smollm_oracle_folder, "gptq", qc, **kw)
-    _compare(folder, ref)
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "gptq", qc, arch, **kw)
+    _assert_packed(_compare(folder, ref), arch)
+
+
+def _assert_packed(llm, arch):
+    """The packed weights replace the dense ones (experts too)."""
+    layer = llm.engine.client.core.executor.worker.runner.model.model.layers[0]
+    if arch == "llama":
+        assert layer.mlp.gate_up_proj.weight is None
+        assert "weight" not in dict(layer.mlp.gate_up_proj.named_parameters())
+    else:
+        moe = getattr(layer, "block_sparse_moe", None) or layer.mlp
+        assert moe.experts.quantized is not None and not hasattr(moe.experts, "w13")
+        assert moe.experts.quantized[0][0].weight is None
 
 
 def test_awq_checkpoint_matches_dequantized_model(tmp_path, smollm_oracle_folder):
@@ -191,24 +236,22 @@ def _fake_quant(w: torch.Tensor, mode: str) -> torch.Tensor:
     return (((g / s + z).round().clamp(0, 15) - z) * s).reshape(w.shape)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
-def test_quantization_at_load_matches_fake_quantized_model(tmp_path, smollm_oracle_folder, mode):
-    import transformers
+@pytest.mark.parametrize("mode,arch", [("int8", "llama"), ("int4", "llama"), ("fp8", "llama"),
+                                       ("int4", "mixtral"), ("int8", "qwen2-moe")])
+def test_quantization_at_load_matches_fake_quantized_model(tmp_path, smollm_oracle_folder, mode,
+                                                           arch):
+    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_CONFIG)).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0, 0.08) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
     folder = tmp_path / "dense"
-    ref.save_pretrained(folder)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm_oracle_folder / f, folder / f)
-    with torch.no_grad():
-        for name, module in ref.named_modules():
-            if name.rpartition(".")[2] in _PROJ:
-                module.weight.copy_(_fake_quant(module.weight, mode))
+    _save_dense(_random_model(arch), folder, smollm_oracle_folder)
+    tensors = load_file(folder / "model.safetensors")
+    for name, w in tensors.items():
+        if name.rpartition(".")[0].rpartition(".")[2] in _PROJ and name.endswith(".weight"):
+            tensors[name] = _fake_quant(w, mode)
+    oracle = tmp_path / "oracle"
+    shutil.copytree(folder, oracle)
+    save_file(tensors, str(oracle / "model.safetensors"))
+    ref = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32).eval()
     llm = _compare(folder, ref, atol=2e-4, quantization=mode)
-    layer = llm.engine.client.core.executor.worker.runner.model.model.layers[0].mlp.gate_up_proj
-    if mode != "fp8":  # the packed weight replaces the dense one
-        assert layer.weight is None and "weight" not in dict(layer.named_parameters())
+    if mode != "fp8":  # fp8 is computed dense (fp8.py)
+        _assert_packed(llm, arch)

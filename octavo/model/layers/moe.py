@@ -2,21 +2,27 @@
 
 Tokens are sorted by the expert they were routed to, so each expert runs one matmul over all of
 its tokens (a loop over experts, never over tokens), then the outputs are weighted and summed back
-per token with one index_add.
+per token with one index_add. Quantized experts (a GPTQ/AWQ/FP8 checkpoint's, or --quantization)
+become one `Linear` per expert and projection (gate/up packed, down), each with the quant method
+any other linear layer gets, replacing the stacked dense tensors.
 """
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from octavo.model.layers.activation import gated_act
+from octavo.model.layers.linear import Linear
+from octavo.model.quant.base import QuantMethod
 
 # checkpoint projection name -> (packed parameter, slot): Mixtral's w1/w3/w2 and Qwen's names
 _PROJ = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
          "w2": ("w2", 0), "down_proj": ("w2", 0)}
-EXPERT_TENSOR = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.weight$")
+# <block>.experts.<index>.<projection>.<kind: weight, or a quantized format's qweight, scales...>
+EXPERT_TENSOR = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(\w+)$")
 
 
 class FusedMoE(nn.Module):
@@ -33,13 +39,36 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
                                requires_grad=False)
         self.act = gated_act(hidden_act)
+        self.quantized: nn.ModuleList | None = None  # per expert: [gate_up, down] Linears
 
-    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> str:
-        """Copy one expert's gate, up or down weight in; returns the parameter it went to."""
+    def quantize_experts(self, method_for: Callable[[Linear], QuantMethod | None]) -> int:
+        """Before loading: per-expert Linears with `method_for`'s methods replace w13 and w2
+        (left dense when it has none for them). Returns the number of quantized Linears."""
+        hidden, inter = self.w13.shape[2], self.intermediate_size
+        experts = [nn.ModuleList([Linear(hidden, [inter, inter]), Linear(inter, [hidden])])
+                   for _ in range(self.num_experts)]
+        methods = [method_for(layer) for layer in experts[0]]
+        if any(m is None for m in methods):
+            return 0
+        for pair in experts:
+            for layer, method in zip(pair, methods):
+                layer.set_quant_method(method)
+        self.quantized = nn.ModuleList(experts)
+        del self.w13, self.w2
+        return 2 * self.num_experts
+
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor,
+                    kind: str = "weight") -> str:
+        """Copy one expert's gate, up or down tensor in; returns the slot it went to."""
         if proj not in _PROJ or not 0 <= expert < self.num_experts:
             raise ValueError(f"expert tensor {expert}.{proj} has no place in this MoE layer "
                              f"({self.num_experts} experts)")
         name, slot = _PROJ[proj]
+        if self.quantized is not None:
+            self.quantized[expert][name == "w2"].load_shard(kind, slot, tensor)
+            return f"{name}.{expert}.{slot}"
+        if kind != "weight":
+            raise ValueError(f"expert tensor {expert}.{proj}.{kind} on unquantized experts")
         i = self.intermediate_size
         if name == "w2":
             dest = self.w2.data[expert]
@@ -70,7 +99,11 @@ class FusedMoE(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 rows = xs[start:start + n]
-                ys[start:start + n] = self.act(rows @ self.w13[e].t()) @ self.w2[e].t()
+                if self.quantized is not None:
+                    gate_up, down = self.quantized[e]
+                    ys[start:start + n] = down(self.act(gate_up(rows)))
+                else:
+                    ys[start:start + n] = self.act(rows @ self.w13[e].t()) @ self.w2[e].t()
                 start += n
         ys = ys * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, ys)

@@ -81,7 +81,7 @@ class CausalLM(nn.Module):
             if m and hasattr(modules.get(f"{m[1]}.experts"), "load_expert"):
                 moe = modules[f"{m[1]}.experts"]
                 experts.setdefault(f"{m[1]}.experts", set()).add(
-                    moe.load_expert(int(m[2]), m[3], tensor))
+                    moe.load_expert(int(m[2]), m[3], tensor, m[4]))
                 continue
             module_name, _, kind = name.rpartition(".")
             owner, leaf = module_name.rsplit(".", 1) if "." in module_name else ("", module_name)
@@ -107,8 +107,8 @@ class CausalLM(nn.Module):
             loaded.add(name)
         for moe, filled in experts.items():
             if len(filled) == modules[moe].num_expert_tensors():
-                loaded.update({f"{moe}.w13", f"{moe}.w2"})
-        missing = set(params) - loaded
+                loaded.update({f"{moe}.w13", f"{moe}.w2"})  # dense experts' (none if quantized)
+        missing = {n for n, _ in self.named_parameters()} - loaded  # quantizing removed some
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
         for module in modules.values():

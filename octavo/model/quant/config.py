@@ -6,6 +6,7 @@ asking for it on a checkpoint that is quantized already is a ValueError naming t
 layers of a quantized checkpoint are the ones whose tensors carry the format's marker (`qweight`,
 `weight_scale`); the rest (the LM head, MoE routers) stay dense. On-the-fly quantization takes
 every linear layer of the decoder except MoE routers; embeddings and the LM head stay dense.
+MoE experts take the same methods, one Linear per expert (layers/moe.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from octavo.model.layers.moe import EXPERT_TENSOR
 from octavo.model.quant.base import CheckpointMethod, OnTheFlyMethod, QuantMethod
 from octavo.model.quant.fp8 import FP8Spec, quantize_fp8
 from octavo.model.quant.gptq import GPTQSpec
@@ -64,7 +66,8 @@ class QuantPlan:
     def layers(self, model: nn.Module, checkpoint_names: Iterable[str]) -> dict[str, nn.Module]:
         """Model module name -> the Linear layers this plan quantizes."""
         modules = dict(model.named_modules())
-        linears = {n: m for n, m in modules.items() if hasattr(m, "set_quant_method")}
+        linears = {n: m for n, m in modules.items()  # Linear layers and MoE experts
+                   if hasattr(m, "set_quant_method") or hasattr(m, "quantize_experts")}
         if self.on_the_fly is not None:
             return {n: m for n, m in linears.items()
                     if not (n.endswith(".gate") or n.endswith("shared_expert_gate"))}
@@ -74,6 +77,9 @@ class QuantPlan:
             if marker is None:
                 continue
             name = model.linear_name(ckpt.removesuffix(marker) + ".weight")
+            expert = EXPERT_TENSOR.match(f"{name}.weight") if name else None
+            if expert:
+                name = f"{expert[1]}.experts"
             if name in linears:
                 chosen[name] = linears[name]
             elif name is not None:
@@ -86,6 +92,9 @@ class QuantPlan:
         """Before loading: give the chosen layers their methods."""
         count = 0
         for layer in self.layers(model, checkpoint_names).values():
+            if hasattr(layer, "quantize_experts"):
+                count += layer.quantize_experts(self.method)
+                continue
             method = self.method(layer)
             if method is not None:
                 layer.set_quant_method(method)
