@@ -1,12 +1,56 @@
-"""User-facing value types: SamplingParams (with StructuredOutputsParams) in, RequestOutput /
-CompletionOutput / Logprob out."""
+"""User-facing value types: SamplingParams (with StructuredOutputsParams and ReasoningEndRule) in,
+RequestOutput / CompletionOutput / Logprob out."""
 from __future__ import annotations
 
 import json as _json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningEndRule:
+    """Where a reasoning model's `<think>…</think>` section ends, from token ids alone (the core
+    has no text). Valid where both tags are single tokens; `ReasoningParser.end_rule` in
+    octavo/serving/reasoning.py builds it from a vocabulary.
+
+    start_required: the reasoning section exists only if the output starts with the start tag
+    (Qwen3); otherwise everything up to the end tag is reasoning (DeepSeek-R1, whose template may
+    already have written the start tag).
+    """
+    start_id: int
+    end_id: int
+    start_required: bool
+
+    def __post_init__(self) -> None:
+        for name in ("start_id", "end_id"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"reasoning_end.{name} must be a token id >= 0, got {value!r}")
+        if not isinstance(self.start_required, bool):
+            raise ValueError(f"reasoning_end.start_required must be a bool, "
+                             f"got {self.start_required!r}")
+
+    def ended(self, output_ids: Sequence[int]) -> bool:
+        """Whether the answer has begun after these output tokens."""
+        if self.start_required:
+            if not output_ids:
+                return False
+            if output_ids[0] != self.start_id:
+                return True
+        return self.end_id in output_ids
+
+    def ended_in_prompt(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether the prompt itself closes the reasoning section: its last tag is the end tag
+        (Qwen3's template with enable_thinking=false writes an empty `<think></think>`)."""
+        for tok in reversed(prompt_ids):
+            if tok == self.end_id:
+                return True
+            if tok == self.start_id:
+                return False
+        return False
 
 
 @dataclass
@@ -28,8 +72,17 @@ class StructuredOutputsParams:
     grammar: str | None = None
     structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = False
+    # The grammar applies only once this rule says reasoning has ended (the tokens before are
+    # free); None: from the first token. Not part of the grammar's key.
+    reasoning_end: ReasoningEndRule | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.reasoning_end, dict):  # e.g. decoded from a message
+            self.reasoning_end = ReasoningEndRule(**self.reasoning_end)
+        if self.reasoning_end is not None and not isinstance(self.reasoning_end,
+                                                             ReasoningEndRule):
+            raise ValueError(f"structured_outputs.reasoning_end must be a ReasoningEndRule, "
+                             f"got {type(self.reasoning_end).__name__}")
         for name in ("json_object", "disable_any_whitespace"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"structured_outputs.{name} must be a bool, "
@@ -86,7 +139,12 @@ class StructuredOutputsParams:
         return kind, text, self.disable_any_whitespace
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        rule = self.reasoning_end
+        if rule is not None:
+            out["reasoning_end"] = {"start_id": rule.start_id, "end_id": rule.end_id,
+                                    "start_required": rule.start_required}
+        return out
 
 
 @dataclass

@@ -7,6 +7,11 @@ torch, and its bitmasks are numpy arrays. A request whose grammar is still compi
 the scheduler, which skips it and runs the others, so a slow compile never stalls the loop.
 Compiled grammars are cached by the grammar's key (a core serves one tokenizer, so the key of
 the spec is the whole key); `n > 1` children and repeated schemas compile once.
+
+A spec with a `reasoning_end` rule is gated: its tokens are free until the rule says reasoning
+has ended (the end tag itself is free too), and the grammar applies from the next token. Where
+the rule requires the start tag (Qwen3), the first token may be either the start tag or one the
+grammar allows; any other first token means there is no reasoning, and it goes to the grammar.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import numpy as np
 
 from octavo.core.contract import GrammarBitmask, SchedulerOutput
 from octavo.core.request import Request
-from octavo.params import StructuredOutputsParams
+from octavo.params import ReasoningEndRule, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +57,31 @@ class GrammarBackend(Protocol):
 
 BackendFactory = Callable[[], GrammarBackend]
 
+_FIRST, _REASONING = range(2)
+
+
+class _ReasoningGate:
+    """A gated request's place before its grammar applies: at its first token, or reasoning."""
+
+    __slots__ = ("rule", "state")
+
+    def __init__(self, rule: ReasoningEndRule) -> None:
+        self.rule = rule
+        self.state = _FIRST
+
+    def to_grammar(self, token: int) -> bool | None:
+        """Take a sampled token: True: it is the grammar's (reasoning is over, or never began);
+        False: it is reasoning and the grammar applies from the next token; None: still
+        reasoning."""
+        rule = self.rule
+        if self.state == _FIRST:
+            if rule.start_required and token != rule.start_id:
+                return True
+            self.state = _REASONING
+            if token == rule.start_id:
+                return None
+        return False if token == rule.end_id else None
+
 
 class StructuredOutputManager:
     def __init__(self, backend_factory: BackendFactory | None, cache_size: int = 256,
@@ -69,6 +99,7 @@ class StructuredOutputManager:
         self._compiled: OrderedDict[tuple, cf.Future] = OrderedDict()
         self._compiling: dict[str, tuple[tuple, cf.Future]] = {}  # request id -> (key, compile)
         self._matchers: dict[str, GrammarMatcher] = {}
+        self._gates: dict[str, _ReasoningGate] = {}  # requests whose grammar waits on reasoning
 
     # -- requests in and out ---------------------------------------------------------------------
 
@@ -89,10 +120,13 @@ class StructuredOutputManager:
         else:
             self._compiled.move_to_end(key)
         self._compiling[req.req_id] = (key, fut)
+        if spec.reasoning_end is not None:
+            self._gates[req.req_id] = _ReasoningGate(spec.reasoning_end)
 
     def remove(self, req_id: str) -> None:
         self._compiling.pop(req_id, None)
         self._matchers.pop(req_id, None)
+        self._gates.pop(req_id, None)
 
     def _evict(self) -> None:
         """Drop the least recently used grammars beyond the cache's bounds (a request that
@@ -153,17 +187,25 @@ class StructuredOutputManager:
     def bitmask_for(self, sched: SchedulerOutput, requests: dict[str, Request]
                     ) -> GrammarBitmask | None:
         """The bitmask of the constrained requests that sample this step (those whose scheduled
-        tokens reach their end; a prefill chunk short of it samples nothing)."""
+        tokens reach their end; a prefill chunk short of it samples nothing), leaving out gated
+        requests while they reason."""
         if not self._matchers:
             return None
+        gates = self._gates
         ids = [rid for rid in sched.num_scheduled_tokens if rid in self._matchers
-               and requests[rid].num_computed_tokens >= requests[rid].num_tokens]
+               and requests[rid].num_computed_tokens >= requests[rid].num_tokens
+               and (rid not in gates or (gates[rid].state == _FIRST
+                                         and gates[rid].rule.start_required))]
         if not ids:
             return None
         words = (self._backend.vocab_size + 31) // 32
         bitmask = np.zeros((len(ids), words), np.int32)
         for i, rid in enumerate(ids):
             self._matchers[rid].fill_next_token_bitmask(bitmask, i)
+            gate = gates.get(rid)
+            start = -1 if gate is None else gate.rule.start_id
+            if 0 <= start < words * 32:  # the first token may also open the reasoning section
+                bitmask[i].view(np.uint32)[start >> 5] |= np.uint32(1 << (start & 31))
         return GrammarBitmask(ids, bitmask)
 
     def accept(self, req_id: str, token: int) -> bool | None:
@@ -172,6 +214,13 @@ class StructuredOutputManager:
         matcher = self._matchers.get(req_id)
         if matcher is None:
             return None
+        gate = self._gates.get(req_id)
+        if gate is not None:
+            to_grammar = gate.to_grammar(token)
+            if to_grammar is not None:
+                del self._gates[req_id]  # the grammar applies from here on
+            if not to_grammar:
+                return True  # a reasoning token: free
         if matcher.accept_token(token):
             return True
         logger.error("request %s: sampled token %d is outside its grammar", req_id, token)

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import octavo
 from octavo.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from octavo.serving.chat_output import ChatParsers
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class ServerState:
     served_model_names: list[str]
     api_key: str | None = None
     chat_template: str | None = None
+    parsers: ChatParsers = field(default_factory=ChatParsers)  # tool-call and reasoning parsers
     max_request_bytes: int = 8 << 20
     on_engine_death: Callable[[], None] = lambda: None
     tasks: list[asyncio.Task] = field(default_factory=list)

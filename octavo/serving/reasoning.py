@@ -9,17 +9,19 @@ text before content text; `parse` reads a whole output with the same state machi
 be the start of a tag is held back until it is decided, so tags split across deltas anywhere are
 found. Whitespace right inside the tags and right after `</think>` is dropped; everything else is
 kept. `reasoning_ended` says when the answer has begun (structured output applies from there);
-`ReasoningEndRule` decides the same from token ids alone, for the engine core.
+`end_rule` builds the `ReasoningEndRule` (octavo/params.py) that decides the same from token ids
+alone, for the engine core's grammar gate.
 
 Run the tool-call parser, if any, on the content this parser returns.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar
 
+from octavo.params import ReasoningEndRule
 from octavo.serving.tool_parsers.base import held_suffix
 
 _START, _REASONING, _CONTENT = range(3)
@@ -38,25 +40,6 @@ class ReasoningDelta:
 class ParsedReasoning:
     reasoning: str | None  # None when the output has no reasoning section
     content: str
-
-
-@dataclass(frozen=True, slots=True)
-class ReasoningEndRule:
-    """Whether reasoning is over, from the generated token ids alone (the core has no text).
-
-    Valid where the tags are single tokens; `ReasoningParser.end_rule` builds it from a vocabulary.
-    """
-    start_id: int
-    end_id: int
-    start_required: bool  # qwen3: a first token other than <think> means there is no reasoning
-
-    def ended(self, output_ids: Sequence[int]) -> bool:
-        if self.start_required:
-            if not output_ids:
-                return False
-            if output_ids[0] != self.start_id:
-                return True
-        return self.end_id in output_ids
 
 
 class ReasoningParser:

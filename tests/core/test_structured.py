@@ -15,7 +15,7 @@ from octavo.core.contract import ModelOutput, SchedulerOutput
 from octavo.core.engine_core import EngineCore
 from octavo.core.structured import StructuredOutputManager
 from octavo.executor.base import Executor
-from octavo.params import StructuredOutputsParams
+from octavo.params import ReasoningEndRule, StructuredOutputsParams
 from tests.core.fakes import EOS, FakeWorker, make_request
 
 VOCAB = 2048
@@ -268,3 +268,50 @@ def test_a_token_outside_the_grammar_aborts_the_request():
     outs = core.scheduler.update_from_output(sched, ModelOutput(["a"], [[ord("z")]]))
     assert outs[0].finish_reason == "abort" and "outside" in outs[0].stop_reason
     assert not core.has_unfinished_requests()
+
+
+def gated(rule: ReasoningEndRule, *options: str) -> StructuredOutputsParams:
+    return StructuredOutputsParams(choice=list(options), reasoning_end=rule)
+
+
+def test_grammar_waits_until_reasoning_ends():
+    # DeepSeek-R1 style: the fake worker's free tokens 1000, 1001, 1002 are reasoning; 1002 is
+    # the end tag, so the grammar applies from the fourth token.
+    core, ex = make_core(FakeBackend())
+    core.add_request(make_request("r1", 4, structured_outputs=gated(
+        ReasoningEndRule(start_id=999, end_id=1002, start_required=False), "yes", "no")))
+    done = run(core)
+    assert done["r1"][0][:3] == [1000, 1001, 1002] and text(done["r1"][0][3:]) == "no"
+    assert done["r1"][1] == "stop"
+    masked = [s.grammar.req_ids if s.grammar else [] for s in ex.steps]
+    assert masked == [[], [], [], ["r1"], ["r1"], ["r1"]]  # reasoning rows are free
+
+
+def test_gate_that_requires_the_start_tag():
+    # Qwen3 style: the first token may open reasoning (token 50 is the lowest allowed) or be
+    # the grammar's; reasoning then runs to the end tag 1003.
+    core, ex = make_core(FakeBackend())
+    core.add_request(make_request("think", 4, structured_outputs=gated(
+        ReasoningEndRule(start_id=50, end_id=1003, start_required=True), "yes", "no")))
+    done = run(core)
+    assert done["think"][0][:4] == [50, 1001, 1002, 1003]
+    assert text(done["think"][0][4:]) == "no" and done["think"][1] == "stop"
+    first = ex.steps[0].grammar
+    assert first.req_ids == ["think"] and allowed_tokens(first.bitmask[0]) == [50, ord("n"),
+                                                                                 ord("y")]
+    # Without reasoning the first token is already the grammar's (the highest allowed is "y").
+    core, ex = make_core(FakeBackend(), highest=True)
+    core.add_request(make_request("direct", 4, structured_outputs=gated(
+        ReasoningEndRule(start_id=50, end_id=1003, start_required=True), "yes", "no")))
+    done = run(core)
+    assert text(done["direct"][0]) == "yes" and done["direct"][1] == "stop"
+    assert all(s.grammar is not None for s in ex.steps)
+
+
+def test_reasoning_end_rule_in_the_prompt():
+    rule = ReasoningEndRule(7, 8, start_required=True)
+    assert rule.ended_in_prompt([1, 7, 3, 8, 4])      # an empty think block closed it
+    assert not rule.ended_in_prompt([1, 8, 2, 7, 3])  # the template opened a new one
+    assert not rule.ended_in_prompt([1, 2])
+    with pytest.raises(ValueError, match="reasoning_end.end_id"):
+        ReasoningEndRule(7, -1, False)

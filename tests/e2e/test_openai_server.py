@@ -115,7 +115,7 @@ def test_chat_logprobs_and_extras(client):
     ({"messages": MESSAGES, "response_format": {"type": "json_schema"}}, 400,
      "response_format.json_schema is required"),
     ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "tools"),
+     "needs the server to run with --enable-auto-tool-choice and --tool-call-parser"),
     ({"messages": MESSAGES, "guided_json": {}}, 400, "guided_json"),
     ({"messages": MESSAGES, "temperature": -1}, 400, "temperature"),
     ({"messages": MESSAGES, "top_p": 2}, 400, "top_p"),

@@ -254,3 +254,17 @@ def test_bench_structured_backend(smollm_llm):
     run = bench._time_octavo(smollm_llm, [(smollm_llm.tokenizer.encode("Items:"), 5)] * 4,
                              spec, 0.5)
     assert run.output_tokens == 20
+
+
+def test_reasoning_gate_crosses_to_the_core_process():
+    from octavo.core.request import Request
+    from octavo.engine.messages import AddRequest, encoder, input_decoder
+    from octavo.params import ReasoningEndRule
+
+    rule = ReasoningEndRule(7, 8, start_required=True)
+    spec = StructuredOutputsParams(json={"type": "object"}, reasoning_end=rule)
+    req = Request("r", [1, 2], SamplingParams(structured_outputs=spec), frozenset({0}), 16)
+    back = input_decoder.decode(encoder.encode(AddRequest.of(req, 0.0))).to_request()
+    got = back.sampling_params.structured_outputs
+    assert got.reasoning_end == rule and got.key() == spec.key()
+    assert StructuredOutputsParams(json={"type": "object"}).key() == spec.key()

@@ -11,13 +11,19 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from octavo.engine.processor import PreparedRequest
+from octavo.entrypoints.anthropic.tools import (
+    BlockStream, Tool, ToolChoice, content_blocks, new_id_for, schema_fields, template_messages,
+    template_tools, tool_request)
+from octavo.entrypoints.chat_plan import plan_output
 from octavo.entrypoints.http import APIError, ServerState, check_model, state_of, unless_disconnected
 from octavo.params import RequestOutput, SamplingParams
+from octavo.serving.chat_output import ChatPlan
 from octavo.serving.chat_template import render_chat
 
 router = APIRouter()
 
-_UNSUPPORTED = {"tools": "tool use", "tool_choice": "tool use", "thinking": "extended thinking",
+_UNSUPPORTED = {"thinking": "extended thinking settings (a server started with "
+                            "--reasoning-parser returns thinking blocks)",
                 "mcp_servers": "MCP servers", "container": "containers",
                 "output_config": "output configuration (structured output)"}
 
@@ -57,8 +63,8 @@ class MessagesRequest(BaseModel):
     user_profile_id: str | None = None
     workspace_id: str | None = None
     output_config: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     thinking: Any = None
     mcp_servers: Any = None
     container: Any = None
@@ -73,8 +79,8 @@ class CountTokensRequest(BaseModel):
     output_config: Any = None
     mcp_servers: Any = None
     container: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     thinking: Any = None
 
 
@@ -88,53 +94,54 @@ def _conversation(body: MessagesRequest | CountTokensRequest) -> list[dict[str, 
             "".join(b.text for b in body.system)
         conv.append({"role": "system", "content": text})
     for i, m in enumerate(body.messages):
-        content = m.content
-        if isinstance(content, list):
-            for j, block in enumerate(content):
-                if block.get("type") != "text":
-                    raise APIError(400, f"messages.{i}.content.{j}: content blocks of type "
-                                        f"{block.get('type')!r} are not supported; only 'text'",
-                                   f"messages.{i}.content")
-            content = "".join(str(b.get("text", "")) for b in content)
-        conv.append({"role": m.role, "content": content})
+        conv.extend(template_messages(i, m.role, m.content))
     return conv
 
 
-def _prompt_ids(state: ServerState, conv: list[dict[str, Any]]) -> list[int]:
+def _prompt_ids(state: ServerState, body: MessagesRequest | CountTokensRequest) -> list[int]:
+    conv = _conversation(body)
     # A final assistant turn is a prefill the reply continues, as Anthropic's API defines.
     prefill = conv[-1]["role"] == "assistant"
+    kwargs = {"tools": template_tools(body.tools)} if body.tools else None
     return render_chat(state.engine.tokenizer, conv, state.chat_template,
-                       add_generation_prompt=not prefill, continue_final_message=prefill)
+                       add_generation_prompt=not prefill, continue_final_message=prefill,
+                       template_kwargs=kwargs)
 
 
-def _stop_reason(finish: str | None, stop: int | str | None) -> tuple[str, str | None]:
+def _stop_reason(finish: str | None, stop: int | str | None,
+                 tool_calls: bool = False) -> tuple[str, str | None]:
     if finish == "length":
         return "max_tokens", None
     if isinstance(stop, str):
         return "stop_sequence", stop
-    return "end_turn", None
+    return ("tool_use" if tool_calls else "end_turn"), None
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     state = state_of(request)
     check_model(state, body.model)
-    return {"input_tokens": len(_prompt_ids(state, _conversation(body)))}
+    return {"input_tokens": len(_prompt_ids(state, body))}
 
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
     state = state_of(request)
     model = check_model(state, body.model)
-    ids = _prompt_ids(state, _conversation(body))
+    tools = tool_request(body.tools, body.tool_choice)
+    ids = _prompt_ids(state, body)
     if body.max_tokens < 1:
         raise APIError(400, f"max_tokens must be >= 1, got {body.max_tokens}", "max_tokens")
+    plan = await plan_output(state, tools, schema_fields(body.tools or []), None, ids,
+                             new_id_for(state.parsers.tool_parser))
     defaults = SamplingParams(**state.engine.setup.arch.sampling_defaults)
     params = SamplingParams(
         max_tokens=body.max_tokens, stop=body.stop_sequences,
         temperature=defaults.temperature if body.temperature is None else body.temperature,
         top_p=defaults.top_p if body.top_p is None else body.top_p,
-        top_k=defaults.top_k if body.top_k is None else body.top_k)
+        top_k=defaults.top_k if body.top_k is None else body.top_k,
+        skip_special_tokens=plan.skip_special_tokens is not False,
+        structured_outputs=plan.structured)
     if body.temperature is not None and body.temperature > 1.0:
         raise APIError(400, f"temperature must be in [0, 1], got {body.temperature}",
                        "temperature")
@@ -142,7 +149,8 @@ async def messages(body: MessagesRequest, request: Request):
     prepared = state.engine.prepare(msg_id, ids, params)
     stream = state.engine.generate(prepared)
     if body.stream:
-        return StreamingResponse(_stream(prepared, stream, model), media_type="text/event-stream")
+        return StreamingResponse(_stream(plan, prepared, stream, model),
+                                 media_type="text/event-stream")
 
     async def run() -> tuple[str, int, Any]:
         text, n_out, last = "", 0, None
@@ -153,9 +161,10 @@ async def messages(body: MessagesRequest, request: Request):
         return text, n_out, last
 
     text, n_out, last = await unless_disconnected(request, run())
-    reason, sequence = _stop_reason(last.finish_reason, last.stop_reason)
+    parsed = plan.parse(text)
+    reason, sequence = _stop_reason(last.finish_reason, last.stop_reason, bool(parsed.tool_calls))
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": text}], "stop_reason": reason,
+            "content": content_blocks(parsed), "stop_reason": reason,
             "stop_sequence": sequence, "usage": {"input_tokens": len(ids), "output_tokens": n_out}}
 
 
@@ -163,27 +172,32 @@ def _event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _stream(prepared: PreparedRequest, stream: AsyncIterator[RequestOutput],
-                  model: str) -> AsyncIterator[str]:
+async def _stream(plan: ChatPlan, prepared: PreparedRequest,
+                  stream: AsyncIterator[RequestOutput], model: str) -> AsyncIterator[str]:
     n_in = len(prepared.prompt_token_ids)
     yield _event("message_start", {"type": "message_start", "message": {
         "id": prepared.request_id, "type": "message", "role": "assistant", "model": model,
         "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": n_in, "output_tokens": 0}}})
-    yield _event("content_block_start", {"type": "content_block_start", "index": 0,
-                                         "content_block": {"type": "text", "text": ""}})
+    blocks, reader = BlockStream(), plan.stream()
+    if plan.plain:  # one text block, opened at once as Anthropic does
+        for e in blocks.open_text():
+            yield _event(e["type"], e)
     yield _event("ping", {"type": "ping"})
     n_out, last = 0, None
     async for out in stream:
         c = out.outputs[0]
         n_out += len(c.token_ids)
         last = c
-        if c.text:
-            yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                 "delta": {"type": "text_delta", "text": c.text}})
-    yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        events = reader.feed(c.text) if c.text else []
+        if c.finish_reason is not None:
+            events += reader.finish()
+        for e in blocks.events(events):
+            yield _event(e["type"], e)
+    for e in blocks.finish():
+        yield _event(e["type"], e)
     reason, sequence = _stop_reason(last.finish_reason if last else None,
-                                    last.stop_reason if last else None)
+                                    last.stop_reason if last else None, reader.has_tool_calls)
     yield _event("message_delta", {"type": "message_delta",
                                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                    "usage": {"output_tokens": n_out}})

@@ -35,6 +35,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="largest request body (413 beyond)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
+    s.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the format of the model's own tool calls, read for tool_choice auto: "
+                        "hermes, llama3_json, mistral, pythonic")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide whether to call tools (tool_choice auto, the "
+                        "default when a request has tools); needs --tool-call-parser")
+    s.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split <think> reasoning from the answer (reasoning_content, thinking "
+                        "blocks): deepseek_r1, qwen3")
     add_engine_args(s)
     # A server answers at once and lets the C++ kernels build behind it on a first start.
     s.set_defaults(run=run, native_kernels="background")
@@ -74,13 +83,25 @@ def run(args: argparse.Namespace) -> int:
     template = args.chat_template
     if template and Path(template).is_file():
         template = Path(template).read_text()
+    from octavo.serving.chat_output import ChatParsers
+
+    # Checked before the model loads: an unknown parser name lists the choices.
+    parsers = ChatParsers.from_flags(args.tool_call_parser, args.enable_auto_tool_choice,
+                                     args.reasoning_parser)
     engine = AsyncEngine(config, args.max_queued_requests, args.max_queued_tokens)
     # The core process starts now; the web stack imports while it loads the model.
     from octavo.entrypoints.http import ServerState, build_app
 
+    parsers = parsers.for_vocab(engine.tokenizer.backend.get_vocab(with_added_tokens=True))
+    if parsers.reasoning_parser is not None and parsers.reasoning_end is None:
+        logger.warning("--reasoning-parser %s: <think> and </think> are not single tokens of "
+                       "this model, so structured output and tool_choice required/named apply "
+                       "from the first token (those outputs have no reasoning)",
+                       args.reasoning_parser)
     state = ServerState(engine, args.served_model_name or [args.model],
                         api_key=args.api_key or os.environ.get("OCTAVO_API_KEY") or None,
-                        chat_template=template, max_request_bytes=args.max_request_bytes)
+                        chat_template=template, parsers=parsers,
+                        max_request_bytes=args.max_request_bytes)
     app = build_app(state, args.allowed_origins)
     server = _Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=logging.getLogger().level,

@@ -14,12 +14,18 @@ from fastapi.responses import StreamingResponse
 
 from octavo.engine.grammar import check_structured
 from octavo.engine.processor import PreparedRequest
+from octavo.entrypoints.chat_plan import plan_output
 from octavo.entrypoints.http import (
     APIError, ServerState, check_model, state_of, unless_disconnected)
 from octavo.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from octavo.entrypoints.openai.protocol import (
-    UNSUPPORTED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
+    UNSUPPORTED, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+    TokenizeRequest)
+from octavo.entrypoints.openai.tools import (
+    ChatTool, delta_of, message_of, schema_fields, template_message, template_tools,
+    tool_request)
 from octavo.params import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
+from octavo.serving.chat_output import ChatPlan
 from octavo.serving.chat_template import render_chat
 
 router = APIRouter()
@@ -101,9 +107,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
     if body.messages is not None:
-        ids = render_chat(tok, [m.model_dump(exclude_none=True) for m in body.messages],
-                          state.chat_template, body.add_generation_prompt,
-                          template_kwargs=body.chat_template_kwargs)
+        ids = _render(state, body.messages, body.chat_template, body.tools,
+                      body.chat_template_kwargs, body.add_generation_prompt)
     else:
         ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
@@ -232,21 +237,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     engine = state.engine
-    ids = render_chat(engine.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages],
-                      body.chat_template or state.chat_template,
-                      body.add_generation_prompt and not body.continue_final_message,
-                      body.continue_final_message, body.chat_template_kwargs)
+    tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+    ids = _render(state, body.messages, body.chat_template, body.tools,
+                  body.chat_template_kwargs, body.add_generation_prompt
+                  and not body.continue_final_message, body.continue_final_message)
+    structured = await _structured(body)
+    plan = await plan_output(state, tools, schema_fields(body.tools or []), structured, ids,
+                             state.parsers.tool_parser.default_id if state.parsers.tool_parser
+                             else None)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(max_tokens, logprobs, defaults=_model_defaults(state),
-                                  structured=await _structured(body))
+                                  structured=plan.structured,
+                                  skip_special_tokens=plan.skip_special_tokens)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     prepared = engine.prepare(rid, ids, params, body.priority, body.cache_salt)
     created = int(time.time())
     stream = engine.generate(prepared)
     if body.stream:
-        return StreamingResponse(_stream_chat(body, prepared, stream, model, created),
+        return StreamingResponse(_stream_chat(body, plan, prepared, stream, model, created),
                                  media_type="text/event-stream")
     col = await unless_disconnected(request, _collect(stream))
     choices, n_out = [], 0
@@ -257,15 +267,34 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         if body.logprobs:
             lps = {"content": chat_logprobs(col.logprobs.get(idx, []), col.tokens[idx],
                                             body.top_logprobs or 0)}
-        choices.append({"index": idx, "message": {"role": "assistant", "content": col.text[idx]},
-                        "logprobs": lps, "finish_reason": last.finish_reason,
+        parsed = plan.parse(col.text[idx])
+        finish = _finish_reason(last.finish_reason, bool(parsed.tool_calls))
+        choices.append({"index": idx, "message": message_of(parsed, plan.reads_reasoning),
+                        "logprobs": lps, "finish_reason": finish,
                         "stop_reason": last.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices,
             "usage": _usage(len(ids), n_out, col.final.num_cached_tokens)}
 
 
-async def _stream_chat(body: ChatCompletionRequest, prepared: PreparedRequest,
+def _render(state: ServerState, messages: list[ChatMessage], template: str | None,
+            tools: list[ChatTool] | None, kwargs: dict[str, Any] | None,
+            add_generation_prompt: bool, continue_final_message: bool = False) -> list[int]:
+    """Prompt ids of a conversation; the tools reach the template as `tools`."""
+    kwargs = dict(kwargs or {})
+    if tools:
+        kwargs.setdefault("tools", template_tools(tools))
+    return render_chat(state.engine.tokenizer,
+                       [template_message(m.model_dump(exclude_none=True)) for m in messages],
+                       template or state.chat_template, add_generation_prompt,
+                       continue_final_message, kwargs)
+
+
+def _finish_reason(finish: str | None, tool_calls: bool) -> str | None:
+    return "tool_calls" if tool_calls and finish == "stop" else finish
+
+
+async def _stream_chat(body: ChatCompletionRequest, plan: ChatPlan, prepared: PreparedRequest,
                        stream: AsyncIterator[RequestOutput], model: str,
                        created: int) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -280,6 +309,7 @@ async def _stream_chat(body: ChatCompletionRequest, prepared: PreparedRequest,
 
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(body.n)])
+    readers = [plan.stream() for _ in range(body.n)]
     n_out, cached = 0, 0
     async for out in stream:
         cached = out.num_cached_tokens
@@ -292,9 +322,20 @@ async def _stream_chat(body: ChatCompletionRequest, prepared: PreparedRequest,
             if body.logprobs:
                 lps = {"content": chat_logprobs(c.logprobs or [], c.token_ids,
                                                 body.top_logprobs or 0)}
-            delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+            reader = readers[c.index]
+            events = reader.feed(c.text) if c.text else []
+            if c.finish_reason is not None:
+                events += reader.finish()
+            delta = delta_of(events)
+            if not delta and c.finish_reason is None:
+                if plan.plain:
+                    delta = {"content": ""}  # a token whose text is not complete yet
+                elif lps is None:
+                    continue  # the parsers hold the text back until it is decided
             choices.append({"index": c.index, "delta": delta, "logprobs": lps,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                            "finish_reason": _finish_reason(c.finish_reason,
+                                                            reader.has_tool_calls),
+                            "stop_reason": c.stop_reason})
         if choices:
             yield chunk(choices)
     if include_usage:

@@ -8,17 +8,15 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from octavo.entrypoints.openai.tools import AssistantToolCall, ChatTool, ToolChoice
 from octavo.params import SamplingParams, StructuredOutputsParams
 
 # Present and not null -> 400 naming the field.
 UNSUPPORTED = {
-    "tools": "tool calling",
-    "tool_choice": "tool calling",
-    "functions": "function calling",
-    "function_call": "function calling",
-    "parallel_tool_calls": "tool calling",
+    "functions": "the deprecated function calling (use tools)",
+    "function_call": "the deprecated function calling (use tool_choice)",
     "audio": "audio output",
     "prediction": "predicted outputs",
     "reasoning_effort": "reasoning control",
@@ -110,11 +108,8 @@ class _Common(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams fields
     # OpenAI fields octavo does not support yet (refused by name when set)
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -135,7 +130,7 @@ class _Common(BaseModel):
             raise ValueError("give response_format or structured_outputs, not both")
         if self.structured_outputs is None:
             return fmt.to_params() if fmt is not None else (None, "response_format")
-        known = {f.name for f in fields(StructuredOutputsParams)}
+        known = {f.name for f in fields(StructuredOutputsParams)} - {"reasoning_end"}
         for name in self.structured_outputs:
             if name not in known:
                 raise ValueError(f"unknown parameter 'structured_outputs.{name}' (known: "
@@ -145,8 +140,10 @@ class _Common(BaseModel):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None,
                         defaults: SamplingParams | None = None,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
-        """`defaults` (the model's generation_config) fills the fields the request left unset."""
+                        structured: StructuredOutputsParams | None = None,
+                        skip_special_tokens: bool | None = None) -> SamplingParams:
+        """`defaults` (the model's generation_config) fills the fields the request left unset;
+        `skip_special_tokens` overrides the request's (a tool-call format may need them)."""
         defaults = defaults or SamplingParams()
         return SamplingParams(
             n=self.n,
@@ -161,7 +158,8 @@ class _Common(BaseModel):
             logit_bias=self.logit_bias, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+            skip_special_tokens=(self.skip_special_tokens if skip_special_tokens is None
+                                 else skip_special_tokens), logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             structured_outputs=structured)
 
@@ -176,9 +174,20 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... pass to the template
+    model_config = ConfigDict(extra="allow")  # other fields pass to the template as they are
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this is the result of
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a message of role 'tool' needs tool_call_id")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to role 'assistant', not {self.role!r}")
+        return self
 
 
 class ChatCompletionRequest(_Common):
@@ -191,6 +200,9 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # accepted OpenAI bookkeeping fields with no effect on generation
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -211,7 +223,9 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
 
 
 class DetokenizeRequest(BaseModel):
