@@ -86,6 +86,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    def get_vocab(self) -> dict[str, int]:
+        """Token text -> id, added tokens included."""
+        return self.backend.get_vocab(with_added_tokens=True)
+
     @property
     def all_special_ids(self) -> list[int]:
         """Ids of the named special tokens and of every added token marked special."""

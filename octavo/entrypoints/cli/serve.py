@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     # The core process starts now; the web stack imports while it loads the model.
     from octavo.entrypoints.http import ServerState, build_app
 
-    parsers = parsers.for_vocab(engine.tokenizer.backend.get_vocab(with_added_tokens=True))
+    parsers = parsers.for_vocab(engine.tokenizer.get_vocab())
     if parsers.reasoning_parser is not None and parsers.reasoning_end is None:
         logger.warning("--reasoning-parser %s: <think> and </think> are not single tokens of "
                        "this model, so structured output and tool_choice required/named apply "
