@@ -162,14 +162,15 @@ class Int8Packed(PackedWeight):
 
 
 def quantize_int4(w: torch.Tensor, group: int, dtype: torch.dtype) -> Int4Packed:
-    """Asymmetric min/max int4 per group of `group` inputs (on-the-fly quantization)."""
+    """Min/max int4 per group of `group` inputs (on-the-fly quantization): w ≈ scale * q + min,
+    the minimum kept exact (a fractional zero point) as GGUF's Q4_1 does: rounding the zero to
+    an integer raised SmolLM2's perplexity by 28% against 1% here."""
     n, k = w.shape
     g = w.float().reshape(n, k // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15).clamp(min=1e-10)
-    zero = (-lo / scale).round().clamp(0, 15)
-    q = (g / scale[..., None] + zero[..., None]).round().clamp(0, 15).reshape(n, k)
-    return Int4Packed(q, scale, zero, group, dtype)
+    q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(n, k)
+    return Int4Packed(q, scale, -lo / scale, group, dtype)
 
 
 def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int8Packed:
