@@ -5,13 +5,14 @@ from typing import TYPE_CHECKING
 
 from octavo.config import EngineConfig
 from octavo.params import (
-    CompletionOutput, Logprob, RequestOutput, SamplingParams, StructuredOutputsParams)
+    BeamSearchParams, CompletionOutput, Logprob, RequestOutput, SamplingParams,
+    StructuredOutputsParams)
 
 if TYPE_CHECKING:
     from octavo.llm import LLM
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
 

@@ -1,12 +1,14 @@
-"""The offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(messages)`."""
+"""The offline API: `LLM(model).generate(prompts, params)`, `LLM.chat(messages)` and
+`LLM.beam_search(prompts, params)`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
 from octavo.config import DEFAULT_MODEL, EngineConfig
+from octavo.engine import beam_search as beam
 from octavo.engine.llm_engine import LLMEngine
-from octavo.params import RequestOutput, SamplingParams
+from octavo.params import BeamSearchParams, RequestOutput, SamplingParams
 from octavo.serving.chat_template import render_chat
 
 Prompt = str | Sequence[int]
@@ -72,6 +74,20 @@ class LLM:
                             chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         return render_chat(self.tokenizer, conversation, chat_template, add_generation_prompt,
                            template_kwargs=chat_template_kwargs)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    cache_salt: str | None = None) -> list[RequestOutput]:
+        """Beam search for one prompt or many (all searched together, one engine step per token):
+        one RequestOutput per prompt, in input order, whose `outputs` are the beam_width best
+        beams, best first (`cumulative_logprob`; the score they are ranked by is
+        cumulative_logprob / len(token_ids) ** length_penalty). Equals transformers'
+        `generate(num_beams=beam_width, do_sample=False)`."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        searches = [beam.start(self.engine, self.engine.next_request_id(), p, params)
+                    for p in prompts]
+        beam.run(self.engine, searches, cache_salt)
+        return [s.output(self.tokenizer) for s in searches]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block. Refused (returns False) while requests run."""

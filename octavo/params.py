@@ -1,5 +1,5 @@
-"""User-facing value types: SamplingParams (with StructuredOutputsParams and ReasoningEndRule) in,
-RequestOutput / CompletionOutput / Logprob out."""
+"""User-facing value types: SamplingParams (with StructuredOutputsParams and ReasoningEndRule) and
+BeamSearchParams in, RequestOutput / CompletionOutput / Logprob out."""
 from __future__ import annotations
 
 import json as _json
@@ -152,6 +152,7 @@ class SamplingParams:
     """How to sample one request. Every field is validated on construction (`ValueError` names it)."""
 
     n: int = 1
+    best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -175,6 +176,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, 1)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
         _check_float("temperature", self.temperature, 0.0, None)
         _check_float("top_p", self.top_p, 0.0, 1.0)
         if self.top_p <= 0.0:
@@ -240,6 +245,41 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def num_samples(self) -> int:
+        """How many sequences are generated: best_of, or n."""
+        return self.best_of if self.best_of is not None else self.n
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search (`LLM.beam_search`), with the semantics of transformers' `generate(num_beams=
+    beam_width, do_sample=False)`: a finished beam's score is its cumulative logprob divided by
+    (generated tokens, EOS included) ** length_penalty; early_stopping is True (stop once
+    beam_width beams have finished), False (stop once no running beam can still beat the worst
+    finished one, judged at the current length) or "never" (judged at max_tokens when
+    length_penalty > 0). Every beam_width beam is returned, best first. temperature must be 0:
+    beams are ranked by the model's raw logprobs."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, 1)
+        _check_int("max_tokens", self.max_tokens, 1)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        _check_float("temperature", self.temperature, 0.0, 0.0)
+        _check_float("length_penalty", self.length_penalty, None, None)
+        if self.early_stopping not in (True, False, "never") or \
+                not isinstance(self.early_stopping, (bool, str)):
+            raise ValueError(f"early_stopping must be true, false or 'never', "
+                             f"got {self.early_stopping!r}")
 
 
 def _check_int(name: str, value: object, low: int) -> None:

@@ -26,7 +26,7 @@ from octavo.engine.llm_engine import ModelSetup
 from octavo.engine.messages import (
     AbortRequests, AddRequest, CoreOutputs, Shutdown, UtilityCall, encoder, output_decoder)
 from octavo.engine.outputs import OutputProcessor, ParentState
-from octavo.engine.processor import PreparedRequest
+from octavo.engine.processor import MAX_LOGPROBS, PreparedRequest
 from octavo.metrics import EngineMetrics
 from octavo.params import RequestOutput, SamplingParams
 
@@ -204,9 +204,11 @@ class AsyncEngine:
     # -- requests --------------------------------------------------------------------------------
 
     def prepare(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                priority: int = 0, cache_salt: str | None = None) -> PreparedRequest:
+                priority: int = 0, cache_salt: str | None = None,
+                max_logprobs: int = MAX_LOGPROBS) -> PreparedRequest:
         """Validate and tokenize (raises ValueError on bad input)."""
-        return self.processor.build(request_id, prompt, params, priority, cache_salt)
+        return self.processor.build(request_id, prompt, params, priority, cache_salt,
+                                    max_logprobs)
 
     def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Admit the request (or raise QueueFullError / EngineDeadError now, before any

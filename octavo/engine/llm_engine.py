@@ -13,7 +13,7 @@ from octavo.config import EngineConfig
 from octavo.engine.client import InprocClient
 from octavo.engine.grammar import XgrammarBackend
 from octavo.engine.outputs import OutputProcessor
-from octavo.engine.processor import Processor
+from octavo.engine.processor import MAX_LOGPROBS, Processor
 from octavo.engine.tokenizer import load_tokenizer
 from octavo.model_source import ModelSource, resolve_model
 from octavo.params import RequestOutput, SamplingParams
@@ -74,11 +74,13 @@ class LLMEngine:
         return str(next(self._ids))
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+                    priority: int = 0, cache_salt: str | None = None,
+                    max_logprobs: int = MAX_LOGPROBS) -> None:
         """Validate, tokenize and queue one request (n > 1 fans out into n core requests)."""
         if request_id in self.outputs.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prepared = self.processor.build(request_id, prompt, params, priority, cache_salt)
+        prepared = self.processor.build(request_id, prompt, params, priority, cache_salt,
+                                        max_logprobs)
         self.outputs.add_request(prepared)
         for req in prepared.core_requests:
             self.client.add_request(req)

@@ -1,7 +1,8 @@
 """Turn the core's per-step token outputs into RequestOutputs: text, logprobs, finish reasons.
 
 A request with n > 1 was fanned out into n core requests (children); their completions are
-gathered back into one RequestOutput under the parent's id.
+gathered back into one RequestOutput under the parent's id. With best_of > n, best_of children
+run and only the n with the highest cumulative logprob come out, whole, once all have finished.
 """
 from __future__ import annotations
 
@@ -56,7 +57,16 @@ class ParentState:
         return all(c.finish_reason is not None for c in self.children.values())
 
     def output(self, delta: bool = False) -> RequestOutput:
-        outs = [c.completion(delta) for c in self.children.values()]
+        n = self.params.n
+        if len(self.children) > n:  # best_of: nothing until every sample is done
+            outs = []
+            if self.finished:
+                ranked = sorted(self.children.values(), key=lambda c: -c.cumulative_logprob)
+                outs = [c.completion(False) for c in ranked[:n]]
+                for i, out in enumerate(outs):
+                    out.index = i
+        else:
+            outs = [c.completion(delta) for c in self.children.values()]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              self.prompt_logprobs, outs, self.finished, self.num_cached_tokens)
 
@@ -70,11 +80,12 @@ class OutputProcessor:
     def add_request(self, prepared: PreparedRequest) -> None:
         params = prepared.params
         want_lp = params.logprobs is not None
+        ranked = params.num_samples > params.n  # best_of ranks by cumulative logprob
         children = {
             cid: ChildState(i, IncrementalDetokenizer(self.tokenizer, prepared.prompt_token_ids,
                                                       params),
                             logprobs=[] if want_lp else None,
-                            cumulative_logprob=0.0 if want_lp else None)
+                            cumulative_logprob=0.0 if want_lp or ranked else None)
             for i, cid in enumerate(prepared.child_ids)}
         parent = ParentState(prepared.request_id, prepared.prompt, prepared.prompt_token_ids,
                              params, children)
@@ -132,9 +143,9 @@ class OutputProcessor:
     def _apply(self, child: ChildState, params: SamplingParams, out: EngineCoreOutput,
                to_abort: list[str]) -> None:
         child.token_ids.extend(out.new_token_ids)
-        if out.logprobs is not None and child.logprobs is not None:
-            positions = self._positions(out.logprobs)
-            child.logprobs.extend(positions)
+        if out.logprobs is not None and child.cumulative_logprob is not None:
+            if child.logprobs is not None:
+                child.logprobs.extend(self._positions(out.logprobs))
             child.cumulative_logprob += float(out.logprobs.logprobs[:, 0].sum())
         text_tokens = out.new_token_ids
         ended_by_token = out.finish_reason == "stop" and out.new_token_ids

@@ -34,7 +34,8 @@ class Processor:
                 raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {t!r}")
         return None, [int(t) for t in prompt]
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
+    def validate(self, prompt_ids: list[int], params: SamplingParams,
+                 max_logprobs: int = MAX_LOGPROBS) -> int:
         """Check `params` against the model; returns the resolved max_tokens."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -48,8 +49,8 @@ class Processor:
                              f"max_model_len ({self.max_model_len})")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
-            if k is not None and k > MAX_LOGPROBS:
-                raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {k}")
+            if k is not None and k > max_logprobs:
+                raise ValueError(f"{name} must be <= {max_logprobs}, got {k}")
         for tok in list(params.logit_bias or {}) + params.stop_token_ids:
             if not 0 <= tok < self.vocab_size:
                 raise ValueError(f"token id {tok} (in logit_bias or stop_token_ids) is outside "
@@ -61,11 +62,14 @@ class Processor:
         return max_tokens
 
     def child_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        """Parameters of the index-th of n parallel samples (distinct seeds when seeded)."""
-        if params.n == 1:
+        """Parameters of the index-th of the n (or best_of) parallel samples (distinct seeds when
+        seeded; best_of > n needs each sample's cumulative logprob, so logprobs is at least 0)."""
+        if params.num_samples == 1:
             return params
         fields = {k: getattr(params, k) for k in params.__dataclass_fields__ if k != "stop_strings"}
-        fields["n"] = 1
+        fields["n"], fields["best_of"] = 1, None
+        if params.num_samples > params.n and params.logprobs is None:
+            fields["logprobs"] = 0
         if index > 0:  # the prompt is the same for every sample: score it once
             fields["prompt_logprobs"] = None
         if params.seed is not None:
@@ -73,15 +77,18 @@ class Processor:
         return SamplingParams(**fields)
 
     def build(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-              priority: int = 0, cache_salt: str | None = None) -> PreparedRequest:
-        """Validate and tokenize; fan n > 1 out into n core requests with distinct seeds."""
+              priority: int = 0, cache_salt: str | None = None,
+              max_logprobs: int = MAX_LOGPROBS) -> PreparedRequest:
+        """Validate and tokenize; fan n > 1 (or best_of > 1) out into that many core requests
+        with distinct seeds. `max_logprobs` is raised only by beam search (2 x beam width)."""
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         text, prompt_ids = self.tokenize(prompt)
-        max_tokens = self.validate(prompt_ids, params)
-        ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        max_tokens = self.validate(prompt_ids, params, max_logprobs)
+        count = params.num_samples
+        ids = [request_id] if count == 1 else [f"{request_id}#{i}" for i in range(count)]
         now = time.time()
         reqs = [Request(cid, prompt_ids, self.child_params(params, i), self.eos_token_ids,
                         max_tokens, priority=priority, arrival_time=now, cache_salt=cache_salt)
