@@ -142,7 +142,7 @@ def test_bad_chat_requests(server, body, status, fragment):
     ({"prompt": "x " * 3000}, "max_model_len"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "suffix": "end"}, "suffix"),
-    ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "n": 4, "best_of": 3}, "best_of"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": [99999999]}, "prompt token ids"),
     ({}, "prompt"),

@@ -17,6 +17,7 @@ from octavo.engine.processor import PreparedRequest
 from octavo.entrypoints.chat_plan import plan_output
 from octavo.entrypoints.http import (
     APIError, ServerState, check_model, state_of, unless_disconnected)
+from octavo.entrypoints.openai.beam import beam_chat, beam_completions
 from octavo.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from octavo.entrypoints.openai.protocol import (
     UNSUPPORTED, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
@@ -139,6 +140,11 @@ async def completions(body: CompletionRequest, request: Request):
         prompts = [prompts]
     if not prompts:
         raise APIError(400, "prompt must not be empty", "prompt")
+    if body.use_beam_search:
+        return await beam_completions(state, body, request, prompts, model)
+    if body.stream and body.best_of is not None and body.best_of > body.n:
+        raise APIError(400, "best_of > n cannot be streamed (the best are known only at the "
+                       "end)", "best_of")
     params = body.sampling_params(body.max_tokens, body.logprobs,
                                   body.logprobs if body.echo and body.logprobs is not None
                                   else None, _model_defaults(state), await _structured(body))
@@ -241,6 +247,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ids = _render(state, body.messages, body.chat_template, body.tools,
                   body.chat_template_kwargs, body.add_generation_prompt
                   and not body.continue_final_message, body.continue_final_message)
+    if body.use_beam_search:
+        return await beam_chat(state, body, request, ids, model)
     structured = await _structured(body)
     plan = await plan_output(state, tools, schema_fields(body.tools or []), structured, ids,
                              state.parsers.tool_parser.default_id if state.parsers.tool_parser

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from octavo.entrypoints.openai.tools import AssistantToolCall, ChatTool, ToolChoice
-from octavo.params import SamplingParams, StructuredOutputsParams
+from octavo.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 # Present and not null -> 400 naming the field.
 UNSUPPORTED = {
@@ -22,7 +22,6 @@ UNSUPPORTED = {
     "reasoning_effort": "reasoning control",
     "web_search_options": "web search",
     "suffix": "suffix (fill-in-the-middle)",
-    "best_of": "best_of",
     "guided_json": "vLLM's removed guided_* fields (use response_format or structured_outputs)",
     "guided_regex": "vLLM's removed guided_* fields",
     "guided_choice": "vLLM's removed guided_* fields",
@@ -30,6 +29,13 @@ UNSUPPORTED = {
     "guided_decoding_backend": "vLLM's removed guided_* fields",
     "guided_whitespace_pattern": "vLLM's removed guided_* fields",
 }
+
+
+# Sampling and output fields beam search has no use for: a 400 naming them when set.
+BEAM_REFUSED = ("stream", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop",
+                "stop_token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "echo",
+                "response_format", "structured_outputs", "tools")
 
 
 class StreamOptions(BaseModel):
@@ -107,6 +113,9 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams fields
+    use_beam_search: bool = False  # beam width: best_of (completions) or n; returns n
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     # OpenAI fields octavo does not support yet (refused by name when set)
     functions: Any = None
     function_call: Any = None
@@ -146,7 +155,7 @@ class _Common(BaseModel):
         `skip_special_tokens` overrides the request's (a tool-call format may need them)."""
         defaults = defaults or SamplingParams()
         return SamplingParams(
-            n=self.n,
+            n=self.n, best_of=getattr(self, "best_of", None),
             temperature=defaults.temperature if self.temperature is None else self.temperature,
             top_p=defaults.top_p if self.top_p is None else self.top_p,
             top_k=defaults.top_k if self.top_k is None else self.top_k,
@@ -162,6 +171,25 @@ class _Common(BaseModel):
                                  else skip_special_tokens), logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             structured_outputs=structured)
+
+    def beam_params(self, max_tokens: int | None, max_model_len: int,
+                    prompt_len: int) -> BeamSearchParams:
+        """use_beam_search: the width is best_of (completions) or n; fields that beam search
+        does not use are refused by name rather than ignored. Raises ValueError."""
+        for name in BEAM_REFUSED:
+            value = getattr(self, name, None)
+            if name in self.model_fields_set and value not in (None, False, 0, 0.0, [], {}):
+                raise ValueError(f"'{name}' cannot be used with use_beam_search")
+        if self.temperature not in (None, 0, 0.0):
+            raise ValueError(f"temperature must be 0 with use_beam_search, "
+                             f"got {self.temperature}")
+        width = getattr(self, "best_of", None) or self.n
+        if width < self.n:
+            raise ValueError(f"best_of must be >= n ({self.n}), got {width}")
+        return BeamSearchParams(
+            beam_width=width, max_tokens=max_tokens or max(max_model_len - prompt_len, 1),
+            ignore_eos=self.ignore_eos, length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping)
 
 
 class CompletionRequest(_Common):

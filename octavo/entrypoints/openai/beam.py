@@ -1,0 +1,67 @@
+"""`use_beam_search` on /v1/completions and /v1/chat/completions: the request's prompts are
+searched together by the front end's beam search (octavo/engine/beam_search.py) and the best `n`
+beams of each come back as its choices. Not streamed."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+
+from octavo.engine import beam_search as beam
+from octavo.entrypoints.http import APIError, ServerState, unless_disconnected
+from octavo.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def _searches(state: ServerState, body, rid: str, prompts: list,
+              max_tokens: int | None) -> list[beam.BeamSearch]:
+    engine = state.engine
+    searches = []
+    try:
+        for i, prompt in enumerate(prompts):
+            _, ids = engine.processor.tokenize(prompt)
+            params = body.beam_params(max_tokens, engine.max_model_len, len(ids))
+            searches.append(beam.start(engine, f"{rid}-{i}", prompt, params))
+    except ValueError as exc:  # the messages start with the field's name
+        raise APIError(400, str(exc), str(exc).split(" ")[0].strip("'")) from None
+    return searches
+
+
+async def beam_completions(state: ServerState, body: CompletionRequest, request: Request,
+                           prompts: list, model: str) -> dict:
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    searches = _searches(state, body, rid, prompts, body.max_tokens)
+    await unless_disconnected(request, beam.run_async(state.engine, searches, body.priority,
+                                                      body.cache_salt))
+    choices, n_prompt, n_out = [], 0, 0
+    for i, search in enumerate(searches):
+        n_prompt += len(search.prompt_ids)
+        for c in search.output(state.engine.tokenizer, body.n).outputs:
+            n_out += len(c.token_ids)
+            choices.append({"index": i * body.n + c.index, "text": c.text, "logprobs": None,
+                            "finish_reason": c.finish_reason, "stop_reason": None})
+    return {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": _usage(n_prompt, n_out)}
+
+
+async def beam_chat(state: ServerState, body: ChatCompletionRequest, request: Request,
+                    prompt_ids: list[int], model: str) -> dict:
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    searches = _searches(state, body, rid, [prompt_ids], max_tokens)
+    await unless_disconnected(request, beam.run_async(state.engine, searches, body.priority,
+                                                      body.cache_salt))
+    outs = searches[0].output(state.engine.tokenizer, body.n).outputs
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": None}
+               for c in outs]
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices,
+            "usage": _usage(len(prompt_ids), sum(len(c.token_ids) for c in outs))}
