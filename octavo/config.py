@@ -54,8 +54,15 @@ class CacheConfig:
         "bytes of memory for the KV cache (all layers), allocated once at start-up"))
     enable_prefix_caching: bool = field(default=True, metadata=_opt(
         "reuse the KV blocks of prompt prefixes computed before"))
+    kv_cache_dtype: str = field(default="auto", metadata=_opt(
+        "KV cache element type: auto (the model dtype), bfloat16, fp8_e4m3 (half of bf16's "
+        "memory; per-layer scales from the checkpoint's k_scale/v_scale, else 1)",
+        choices=["auto", "bfloat16", "fp8_e4m3"]))
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto, bfloat16 or fp8_e4m3, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory < 1:

@@ -81,9 +81,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+FP8_MAX = 448.0  # largest float8_e4m3fn
+
+
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys and values ([T, num_kv_heads, head_dim]) in their slots."""
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store this step's keys and values ([T, num_kv_heads, head_dim]) in their slots. An fp8
+    cache stores k / k_scale and v / v_scale, saturated at the e4m3 range (in torch: a few
+    hundred values per token)."""
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        _, _, _, kvh, d = kv_cache.shape
+        for cache, x, s in ((kv_cache[0], k, k_scale), (kv_cache[1], v, v_scale)):
+            x8 = (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            cache.view(-1, kvh, d).view(torch.uint8).index_copy_(0, slot_mapping,
+                                                                  x8.view(torch.uint8))
+        return
     if native_active(k) and k.stride(-1) == 1 and v.stride(-1) == 1:
         _native.write_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
         return

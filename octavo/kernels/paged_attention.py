@@ -101,15 +101,20 @@ def _group(members: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, st
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan,
-                    scale: float, softcap: float | None = None) -> torch.Tensor:
-    """q: [T, num_heads, head_dim] -> [T, num_heads, head_dim]. K/V must already be written."""
+                    scale: float, softcap: float | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """q: [T, num_heads, head_dim] -> [T, num_heads, head_dim]. K/V must already be written.
+    An fp8 cache holds k / k_scale and v / v_scale (one pair per layer): k_scale folds into the
+    softmax scale, v_scale into the output."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, _, kvh, _ = kv_cache.shape
     out = torch.empty_like(q)
     if plan.decode is not None:
         d = plan.decode
-        fused.decode_attention(out, q, kv_cache, d.token_index, d.block_table, d.seq_lens, scale,
-                               softcap, d.window)
+        fused.decode_attention(out, q, kv_cache, d.token_index, d.block_table, d.seq_lens,
+                               scale * k_scale, softcap, d.window)
+        if v_scale != 1.0:
+            out[d.token_index] *= v_scale
     if not plan.groups:
         return out
     q_padded = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
@@ -119,6 +124,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
         qg = q_padded[g.token_index].transpose(1, 2)  # [R, H, Qmax, D]
         kg = _gather(k_flat, g.key_slots).to(q.dtype)  # [R, KVH, Lmax, D]
         vg = _gather(v_flat, g.key_slots).to(q.dtype)
+        if k_scale != 1.0 or v_scale != 1.0:
+            kg, vg = kg * k_scale, vg * v_scale
         if softcap is None and qg.shape[2] > 1:
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
                                                 enable_gqa=kvh != num_heads)

@@ -51,6 +51,8 @@ class Worker:
             raise ValueError("device: cuda was asked for but torch sees no CUDA device")
         torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.kv_dtype = {"auto": self.dtype, "bfloat16": torch.bfloat16,
+                         "fp8_e4m3": torch.float8_e4m3fn}[config.cache.kv_cache_dtype]
         self.arch = arch
         self.runner: ModelRunner | None = None
 
@@ -70,7 +72,7 @@ class Worker:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         a = self.arch
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * block_size * a.num_kv_heads * a.head_dim * elem * a.num_layers
 
     def init_kv_cache(self, kv_cache_memory: int, block_size: int) -> int:
@@ -80,7 +82,7 @@ class Worker:
                              f"block ({self.kv_bytes_per_block(block_size)} bytes)")
         a = self.arch
         shape = (2, num_blocks, block_size, a.num_kv_heads, a.head_dim)
-        self.runner.kv_caches = [_zeros(shape, self.dtype, self.device)
+        self.runner.kv_caches = [_zeros(shape, self.kv_dtype, self.device)
                                  for _ in range(a.num_layers)]
         return num_blocks
 

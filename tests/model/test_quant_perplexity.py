@@ -16,18 +16,21 @@ TEXT = Path(__file__).parent.parent / "data" / "perplexity_text.txt"
 WINDOW = 1100  # tokens scored per request; the text has about 2200
 # mode -> (dtype, quantization, most perplexity may rise over float32, relative). Measured on
 # 2 windows of 1100 tokens: float32 20.61; bf16 +0.13%, int8 +0.34%, int4 +0.1% (the weights came
-# from a Q4_1 GGUF: 4-bit min/max per 32 inputs, which int4 reproduces); fp8 +1.7% (not run here).
+# from a Q4_1 GGUF: 4-bit min/max per 32 inputs, which int4 reproduces); not run here: fp8
+# weights +1.7%, an fp8 KV cache (kv_cache_dtype="fp8_e4m3", bf16) +0.56%.
 MODES = {"bf16": ("bfloat16", None, 0.01), "int8": ("bfloat16", "int8", 0.015),
          "int4": ("bfloat16", "int4", 0.03)}
 
 
-def perplexity(folder: Path, dtype: str, quantization: str | None) -> float:
+def perplexity(folder: Path, dtype: str, quantization: str | None,
+               kv_cache_dtype: str = "auto") -> float:
     from tokenizers import Tokenizer
 
     ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(TEXT.read_text()).ids
     windows = [ids[i:i + WINDOW] for i in range(0, len(ids) - WINDOW + 1, WINDOW)]
     llm = LLM(str(folder), dtype=dtype, quantization=quantization, max_model_len=WINDOW + 8,
-              kv_cache_memory=64 << 20, max_num_batched_tokens=WINDOW)
+              kv_cache_memory=64 << 20, max_num_batched_tokens=WINDOW,
+              kv_cache_dtype=kv_cache_dtype)
     outs = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     nll = [-o.prompt_logprobs[p][w[p]].logprob for o, w in zip(outs, windows)
            for p in range(1, len(w))]

@@ -68,6 +68,15 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+// fp8 e4m3fn (the fp8 KV cache): exponent and mantissa moved under float32's (bits 20-26) read
+// as a float are the value times 2^-120, subnormals included; the sign bit goes to bit 31.
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(raw, _mm512_set1_epi32(0x7F)), 20);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(raw, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, sign)),
+                       _mm512_set1_ps(1.329228e36f));  // 2^120
+}
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -533,6 +542,12 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
               block_table.stride(1) == 1, "index tensors must be contiguous");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_q", [&] {
     using q_t = scalar_t;
+    if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {  // fp8 cache: the caller folds in scales
+      decode_attention_typed<q_t, c10::Float8_e4m3fn>(out, q, k_cache, v_cache, token_index,
+                                                      block_table, seq_lens, scale, softcap,
+                                                      window);
+      return;
+    }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_c",
                                     [&] {
       decode_attention_typed<q_t, scalar_t>(out, q, k_cache, v_cache, token_index, block_table,

@@ -19,12 +19,23 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.softcap = softcap
+        # An fp8 KV cache stores k / k_scale and v / v_scale: a checkpoint's calibrated
+        # self_attn.k_scale / v_scale when it has them, else 1 (values saturate at +-448).
+        self.k_scale = self.v_scale = 1.0
+
+    def set_kv_scale(self, name: str, value: torch.Tensor) -> None:
+        if name not in ("k_scale", "v_scale") or value.numel() != 1 or not value.item() > 0:
+            raise ValueError(f"{name}: a KV-cache scale must be one positive number, "
+                             f"got shape {tuple(value.shape)}")
+        setattr(self, name, float(value.item()))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] -> [T, H * D]"""
         ctx = get_forward_context()
         cache = ctx.kv_caches[self.layer_index]
         plan = ctx.sliding_plan if self.sliding_window and ctx.sliding_plan else ctx.plan
-        write_kv(cache, k, v, plan.slot_mapping)
-        out = paged_attention(q, cache, plan, self.scale, self.softcap)
+        ks, vs = ((self.k_scale, self.v_scale) if cache.dtype == torch.float8_e4m3fn
+                  else (1.0, 1.0))
+        write_kv(cache, k, v, plan.slot_mapping, ks, vs)
+        out = paged_attention(q, cache, plan, self.scale, self.softcap, ks, vs)
         return out.reshape(q.shape[0], -1)

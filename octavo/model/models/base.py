@@ -96,6 +96,10 @@ class CausalLM(nn.Module):
                 if len(filled) == len(modules[target].shards):
                     loaded.add(f"{target}.{kind}")
                 continue
+            attn = modules.get(f"{module_name}.attn")
+            if kind in ("k_scale", "v_scale") and hasattr(attn, "set_kv_scale"):
+                attn.set_kv_scale(kind, tensor)  # an fp8 checkpoint's KV-cache scales
+                continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {ckpt_name} has no place in "
                                  f"{type(self).__name__}")
