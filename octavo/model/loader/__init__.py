@@ -19,6 +19,9 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
     hands linear layers their quant methods before the tensors stream in (see model/quant)."""
     from octavo.model.quant.config import plan_quantization
     plan = plan_quantization(source, quantization, dtype)
+    if plan is not None and device.type != "cpu":
+        raise NotImplementedError(f"quantized weights ({plan.fmt}) run on the CPU only; "
+                                  f"device={device.type}")
     cls = model_class(cfg.architecture)
     with torch.device(device):
         prev = torch.get_default_dtype()
