@@ -6,6 +6,7 @@ Each component receives only its own part. Command-line flags are derived from t
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -104,18 +105,82 @@ class DeviceConfig:
                              f"got {self.native_kernels!r}")
 
 
+_EAGLE_METHODS = ("eagle", "eagle3", "medusa", "mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, given on the command line as one JSON object
+    (`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4  # longest n-gram matched against the earlier tokens
+    prompt_lookup_min: int = 2  # shortest
+    model: str | None = None  # the draft model (method draft_model)
+
+    def __post_init__(self) -> None:
+        if self.method in _EAGLE_METHODS:
+            raise ValueError(
+                f"speculative_config.method {self.method!r}: EAGLE-style heads (eagle, eagle3, "
+                f"medusa, mtp) are out of scope until real EAGLE weights exist for octavo's "
+                f"models; use method 'ngram'")
+        if self.method == "draft_model":
+            raise NotImplementedError(
+                "speculative_config.method 'draft_model' is not implemented yet; use 'ngram'")
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config.method must be 'ngram', got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be in [1, 32], "
+                             f"got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min < 1:
+            raise ValueError(f"speculative_config.prompt_lookup_min must be >= 1, "
+                             f"got {self.prompt_lookup_min}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"speculative_config.prompt_lookup_max must be >= prompt_lookup_min "
+                             f"({self.prompt_lookup_min}), got {self.prompt_lookup_max}")
+        if self.model is not None:
+            raise ValueError("speculative_config.model is only for method 'draft_model'")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a SpeculativeConfig, a dict or a JSON object string; None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        for name, v in value.items():
+            want = str if name in ("method", "model") else int
+            if v is not None and (not isinstance(v, want) or isinstance(v, bool)):
+                raise ValueError(f"speculative_config.{name} must be a {want.__name__}, got {v!r}")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from flat keyword arguments (`max_num_seqs=8`), each routed to its section."""
-        unknown = set(kwargs)
-        parts = {}
+        """Build from flat keyword arguments (`max_num_seqs=8`), each routed to its section;
+        `speculative_config` is a SpeculativeConfig, a dict or a JSON string."""
+        unknown = set(kwargs) - {"speculative_config"}
+        parts: dict[str, Any] = {
+            "speculative": SpeculativeConfig.parse(kwargs.get("speculative_config"))}
         for name, section in _SECTIONS.items():
             sub = {f.name: kwargs[f.name] for f in fields(section) if f.name in kwargs}
             unknown -= set(sub)
@@ -126,13 +191,15 @@ class EngineConfig:
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
-        return cls.from_kwargs(**{
-            f.name: getattr(args, f.name) for sec in _SECTIONS.values() for f in fields(sec)
-            if hasattr(args, f.name)})
+        flat = {f.name: getattr(args, f.name) for sec in _SECTIONS.values() for f in fields(sec)
+                if hasattr(args, f.name)}
+        return cls.from_kwargs(speculative_config=getattr(args, "speculative_config", None),
+                               **flat)
 
     def replace(self, **kwargs: Any) -> EngineConfig:
         flat = {f.name: getattr(getattr(self, s), f.name)
                 for s, sec in _SECTIONS.items() for f in fields(sec)}
+        flat["speculative_config"] = self.speculative
         flat.update(kwargs)
         return EngineConfig.from_kwargs(**flat)
 
@@ -168,3 +235,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
             else:
                 kind = int if f.type in ("int", "int | None") else str
                 group.add_argument(flag, type=kind, default=default, **meta)
+    if "speculative_config" not in skip:
+        parser.add_argument_group("SpeculativeConfig").add_argument(
+            "--speculative-config", default=None,
+            help='speculative decoding as JSON, e.g. {"method": "ngram", '
+                 '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}')

@@ -33,6 +33,14 @@ class EngineMetrics:
                                       "Prompt tokens looked up in the prefix cache", registry=r)
         self.prefix_hits = Counter("octavo:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache", registry=r)
+        self.spec_drafts = Counter("octavo:spec_decode_num_draft_tokens",
+                                   "Speculative draft tokens proposed and verified", registry=r)
+        self.spec_accepted = Counter("octavo:spec_decode_num_accepted_tokens",
+                                     "Speculative draft tokens accepted", registry=r)
+        self.spec_verifications = Counter(
+            "octavo:spec_decode_num_drafts",
+            "Verifications of drafts (mean acceptance length = 1 + accepted / this)", registry=r)
+        self._spec_seen = (0, 0, 0)
         self.ttft = Histogram("octavo:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("octavo:time_per_output_token_seconds",
@@ -66,6 +74,13 @@ class EngineMetrics:
             self.prefix_queries.inc(queries - self._prefix_seen[0])
             self.prefix_hits.inc(hits - self._prefix_seen[1])
             self._prefix_seen = (queries, hits)
+        spec = (stats.spec_draft_tokens, stats.spec_accepted_tokens, stats.spec_num_drafts)
+        if spec[2] > self._spec_seen[2]:
+            for counter, now, seen in zip(
+                    (self.spec_drafts, self.spec_accepted, self.spec_verifications), spec,
+                    self._spec_seen):
+                counter.inc(now - seen)
+            self._spec_seen = spec
 
     def first_token(self, ttft: float, queue_time: float | None) -> None:
         self.ttft.observe(ttft)

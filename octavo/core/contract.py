@@ -49,6 +49,9 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # worker drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
     grammar: GrammarBitmask | None = None  # filled by the core after scheduling
+    # Speculative decoding: request id -> draft tokens, scheduled right after its last token
+    # (num_scheduled_tokens counts them); the worker verifies them and returns 1 + accepted tokens.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> SchedulerOutput:
@@ -67,6 +70,8 @@ class TopLogprobs:
 @dataclass
 class ModelOutput:
     req_ids: list[str]
-    sampled_token_ids: list[list[int]]  # empty list: a prefill chunk that did not reach the end
+    # Empty: a prefill chunk that did not reach the end; with drafts, the accepted ones and the
+    # token sampled after them.
+    sampled_token_ids: list[list[int]]
     logprobs: dict[str, TopLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)

@@ -7,6 +7,7 @@ import time
 from octavo.arch_config import ArchConfig
 from octavo.config import EngineConfig
 from octavo.core.kv_manager import KVCacheManager, cdiv
+from octavo.core.ngram import NgramProposer
 from octavo.core.request import Request
 from octavo.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from octavo.core.structured import BackendFactory, StructuredOutputManager
@@ -50,7 +51,8 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                             sliding_window)
         self.structured = StructuredOutputManager(grammar_backend)
-        self.scheduler = Scheduler(config.scheduler, kv, max_model_len, self.structured)
+        proposer = NgramProposer(config.speculative) if config.speculative is not None else None
+        self.scheduler = Scheduler(config.scheduler, kv, max_model_len, self.structured, proposer)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

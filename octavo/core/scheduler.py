@@ -7,6 +7,12 @@ When blocks run out, the lowest-priority, latest running request is preempted: i
 freed and it goes back to the waiting queue, to be recomputed later. A constrained request is
 skipped while its grammar compiles; its matcher advances on every token it is given, and a grammar
 that has ended finishes it.
+
+Speculative decoding (n-gram) is the same rule: a decoding request is scheduled for 1 + its draft
+tokens (proposed here from its token ids); after verification, the positions of rejected drafts are
+given back by moving `num_computed_tokens` back (their blocks stay in the table and are written
+again by the next steps). Only real tokens are ever hashed into the prefix cache. Constrained
+requests get no drafts (they decode one token a step).
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from octavo.config import SchedulerConfig
 from octavo.core.contract import (
     CachedRequestData, ModelOutput, NewRequestData, SchedulerOutput, TopLogprobs)
 from octavo.core.kv_manager import KVCacheManager
+from octavo.core.ngram import NgramProposer
 from octavo.core.request import Request, RequestStatus
 from octavo.core.structured import StructuredOutputManager
 
@@ -50,11 +57,22 @@ class SchedulerStats:
     kv_slots_allocated: int = 0  # slots held by finished block tables (cumulative)
     kv_slots_unwritten: int = 0  # of those, never written
     peak_running: int = 0
+    spec_draft_tokens: int = 0  # draft tokens proposed and verified (cumulative)
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_num_drafts: int = 0  # verifications (request-steps with drafts)
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per verification (accepted drafts + the one sampled after them)."""
+        if not self.spec_num_drafts:
+            return None
+        return 1 + self.spec_accepted_tokens / self.spec_num_drafts
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 structured: StructuredOutputManager | None = None) -> None:
+                 structured: StructuredOutputManager | None = None,
+                 proposer: NgramProposer | None = None) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -67,6 +85,8 @@ class Scheduler:
         self._arrivals = 0
         self.num_preemptions = 0
         self.peak_running = 0
+        self.proposer = proposer
+        self.spec_counts = [0, 0, 0]  # draft tokens, accepted, verifications
 
     # -- requests in and out ---------------------------------------------------------------------
 
@@ -118,7 +138,8 @@ class Scheduler:
         kv = self.kv
         return SchedulerStats(len(self.running), len(self.waiting), kv.usage(),
                               self.num_preemptions, kv.prefix_queries, kv.prefix_hits,
-                              kv.slots_allocated, kv.slots_unwritten, self.peak_running)
+                              kv.slots_allocated, kv.slots_unwritten, self.peak_running,
+                              *self.spec_counts)
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -128,11 +149,14 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
+        spec: dict[str, list[int]] = {}
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._propose(req, budget) if self.proposer is not None else []
+            num_new += len(drafts)
             new_blocks = self.kv.allocate_slots(req, num_new)
             while new_blocks is None:
                 # The tail of `running` has not been scheduled yet this step (it is at or after i).
@@ -145,6 +169,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
+            if drafts:
+                spec[req.req_id] = drafts
             num_scheduled[req.req_id] = num_new
             budget -= num_new
             i += 1
@@ -180,7 +206,18 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += n
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
-                               self.max_num_batched_tokens - budget, finished, preempted)
+                               self.max_num_batched_tokens - budget, finished, preempted,
+                               spec_token_ids=spec)
+
+    def _propose(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request: as many as the budget, max_tokens and
+        max_model_len leave room for after its one certain token; none for constrained ones."""
+        if (req.num_computed_tokens != req.num_tokens - 1
+                or req.sampling_params.structured_outputs is not None):
+            return []
+        room = min(budget, req.max_tokens - len(req.output_token_ids),
+                   self.max_model_len - req.num_tokens) - 1
+        return self.proposer.propose(req.all_token_ids, room) if room > 0 else []
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -196,6 +233,13 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            num_drafts = len(sched.spec_token_ids.get(req_id, ()))
+            if num_drafts:  # give back the positions of the rejected drafts
+                accepted = len(sampled) - 1
+                req.num_computed_tokens -= num_drafts - accepted
+                self.spec_counts[0] += num_drafts
+                self.spec_counts[1] += accepted
+                self.spec_counts[2] += 1
             new_tokens: list[int] = []
             status = None
             for tok in sampled:

@@ -74,15 +74,29 @@ class InputBatch:
         self.num_blocks[row] = start + len(block_ids)
 
     def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
-        self.token_ids[rows, self.num_tokens[rows]] = tokens
-        self.num_tokens[rows] += 1
+        """tokens[i] after rows[i]'s tokens; a row may repeat (several tokens, in order)."""
+        order = np.argsort(rows, kind="stable")
+        rows, tokens = rows[order], tokens[order]
+        first = np.searchsorted(rows, rows)  # index of each row's first entry
+        offset = np.arange(len(rows)) - first
+        self.token_ids[rows, self.num_tokens[rows] + offset] = tokens
+        np.add.at(self.num_tokens, rows, 1)
 
-    def sampling_batch(self, rows: np.ndarray, device: torch.device) -> SamplingBatch:
-        """Sampling inputs for `rows` (the requests that sample this step), in that order."""
+    def write_drafts(self, row: int, drafts: list[int]) -> None:
+        """Put draft tokens after a request's tokens (inputs of the verification; not counted)."""
+        n = self.num_tokens[row]
+        self.token_ids[row, n:n + len(drafts)] = drafts
+
+    def sampling_batch(self, rows: np.ndarray, device: torch.device,
+                       lengths: np.ndarray | None = None) -> SamplingBatch:
+        """Sampling inputs for `rows` (the requests that sample this step), in that order.
+        lengths: the tokens each entry follows, when not the row's own (speculative verification
+        samples a row at several positions, each after the drafts before it)."""
         params = [self.params[r] for r in rows]
         greedy = self.temperature[rows] < 1e-5
         t = lambda a: torch.from_numpy(a[rows]).to(device)  # noqa: E731
-        num_out = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        lengths = self.num_tokens[rows] if lengths is None else lengths
+        num_out = lengths - self.num_prompt_tokens[rows]
         seeds = [None if p.seed is None else _mix(p.seed, int(n)) for p, n in zip(params, num_out)]
         logprob_ks = [p.logprobs for p in params if p.logprobs is not None]
         batch = SamplingBatch(
@@ -93,7 +107,7 @@ class InputBatch:
             bias_rows=None, bias_tokens=None, bias_values=None, banned_rows=None,
             banned_tokens=None, max_num_logprobs=max(logprob_ks) if logprob_ks else None)
         if any(p.has_penalties() for p in params):
-            self._add_penalties(batch, rows, device)
+            self._add_penalties(batch, rows, lengths, device)
         bias = [(i, tok, val) for i, p in enumerate(params) for tok, val in
                 (p.logit_bias or {}).items()]
         if bias:
@@ -109,13 +123,14 @@ class InputBatch:
             batch.banned_tokens = torch.tensor(tok, device=device)
         return batch
 
-    def _add_penalties(self, batch: SamplingBatch, rows: np.ndarray, device: torch.device) -> None:
+    def _add_penalties(self, batch: SamplingBatch, rows: np.ndarray, lengths: np.ndarray,
+                       device: torch.device) -> None:
         num_rows = len(rows)
-        longest = int(self.num_tokens[rows].max())
+        longest = int(lengths.max())
         tokens = torch.from_numpy(self.token_ids[rows, :longest])  # [R, L]
         pos = torch.arange(longest).unsqueeze(0)
         prompt_len = torch.from_numpy(self.num_prompt_tokens[rows]).unsqueeze(1)
-        total_len = torch.from_numpy(self.num_tokens[rows]).unsqueeze(1)
+        total_len = torch.from_numpy(lengths).unsqueeze(1)
         is_output = ((pos >= prompt_len) & (pos < total_len)).float()
         counts = torch.zeros(num_rows, self.vocab_size).scatter_add_(1, tokens, is_output)
         seen = torch.zeros(num_rows, self.vocab_size).scatter_add_(

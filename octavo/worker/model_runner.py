@@ -1,4 +1,10 @@
-"""The hot path: turn a SchedulerOutput into one forward pass over the mixed batch and sample."""
+"""The hot path: turn a SchedulerOutput into one forward pass over the mixed batch and sample.
+
+Speculative decoding: a request's draft tokens are scheduled after its last token, so the same
+forward pass computes them (a multi-token query over the existing context, like a prefill chunk);
+the logits at every position of its span are sampled by the request's own pipeline, each position
+after the drafts before it, and `spec.rejection.accept_drafts` keeps what is accepted.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +17,7 @@ from octavo.kernels.paged_attention import build_plan
 from octavo.model.context import ForwardContext, forward_context
 from octavo.worker.input_batch import InputBatch
 from octavo.worker.sampler import Sampler, SamplingBatch, gather_logprobs
+from octavo.worker.spec.rejection import accept_drafts
 
 
 class ModelRunner:
@@ -42,6 +49,9 @@ class ModelRunner:
         if not req_ids:
             return ModelOutput([], [])
         rows = np.fromiter((b.row_of[r] for r in req_ids), np.int64, len(req_ids))
+        drafts = sched.spec_token_ids
+        for req_id, tokens in drafts.items():  # a few short lists: the verification's inputs
+            b.write_drafts(b.row_of[req_id], tokens)
         query_lens = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(req_ids))
         computed = b.num_computed[rows]
         seq_lens = computed + query_lens
@@ -70,29 +80,39 @@ class ModelRunner:
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict[str, TopLogprobs] = {}
         if len(sample_idx):
-            logits = self.model.compute_logits(hidden[torch.from_numpy(ends[sample_idx] - 1)])
-            sample_rows = rows[sample_idx]
-            batch = b.sampling_batch(sample_rows, self.device)
-            if sched.grammar is not None:
-                self._add_grammar(batch, sched.grammar, [req_ids[i] for i in sample_idx])
+            req_drafts = [drafts.get(req_ids[i], []) for i in sample_idx]
+            # One sampling entry per verified position: request i's last 1 + len(drafts) tokens.
+            num_pos = np.fromiter((1 + len(d) for d in req_drafts), np.int64, len(sample_idx))
+            first_entry = np.cumsum(num_pos) - num_pos
+            entry_req = np.repeat(np.arange(len(sample_idx)), num_pos)  # [E]
+            entry_pos = np.arange(int(num_pos.sum())) - first_entry[entry_req]
+            entry_rows = rows[sample_idx][entry_req]
+            token_idx = (ends[sample_idx] - num_pos)[entry_req] + entry_pos
+            logits = self.model.compute_logits(hidden[torch.from_numpy(token_idx)])
+            batch = b.sampling_batch(entry_rows, self.device, b.num_tokens[entry_rows] + entry_pos)
+            if sched.grammar is not None:  # constrained requests have no drafts: one entry
+                self._add_grammar(batch, sched.grammar,
+                                  {req_ids[i]: int(e) for i, e in zip(sample_idx, first_entry)})
             tokens, top = self.sampler(logits, batch)
             tokens_np = tokens.cpu().numpy()
-            b.append_tokens(sample_rows, tokens_np)
+            emitted, emitted_idx = accept_drafts(tokens_np, req_drafts)
+            b.append_tokens(entry_rows[emitted_idx], tokens_np[emitted_idx])
+            offset = 0
             for j, i in enumerate(sample_idx):
-                sampled_lists[i] = [int(tokens_np[j])]
+                sampled_lists[i] = emitted[j]
+                sel = emitted_idx[offset:offset + len(emitted[j])]
+                offset += len(emitted[j])
                 if top is not None and b.params[rows[i]].logprobs is not None:
                     k = b.params[rows[i]].logprobs
                     logprobs[req_ids[i]] = TopLogprobs(
-                        top.token_ids[j:j + 1, :k + 1], top.logprobs[j:j + 1, :k + 1],
-                        top.ranks[j:j + 1])
+                        top.token_ids[sel, :k + 1], top.logprobs[sel, :k + 1], top.ranks[sel])
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, computed, seq_lens, starts, hidden)
         return ModelOutput(req_ids, sampled_lists, logprobs, prompt_logprobs)
 
     def _add_grammar(self, batch: SamplingBatch, grammar: GrammarBitmask,
-                     sampling_ids: list[str]) -> None:
-        """Point the core's bitmask rows at the rows that sample (every constrained request in
-        it samples this step: the core filled it for exactly those)."""
-        row_of = {rid: j for j, rid in enumerate(sampling_ids)}
+                     row_of: dict[str, int]) -> None:
+        """Point the core's bitmask rows at the sampling rows `row_of` gives (every constrained
+        request in it samples this step: the core filled it for exactly those)."""
         batch.grammar_rows = torch.tensor([row_of[rid] for rid in grammar.req_ids],
                                           device=self.device)
         batch.grammar_bitmask = torch.from_numpy(grammar.bitmask).to(self.device)

@@ -18,6 +18,9 @@ def register(kinds: argparse._SubParsersAction) -> None:
     t.add_argument("--input-len", type=int, default=128)
     t.add_argument("--output-len", type=int, default=128)
     t.add_argument("--num-iters", type=int, default=5, help="timed requests (after one warm-up)")
+    t.add_argument("--repeat-period", type=int, default=0,
+                   help="a repetitive prompt: this many random tokens repeated up to --input-len "
+                        "(where n-gram speculation finds its drafts); 0: all random")
     t.add_argument("--backends", default="octavo",
                    help="comma-separated: octavo, llama.cpp (needs llama-cpp-python and a GGUF)")
     t.add_argument("--json", default=None)
@@ -74,11 +77,15 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--backends: unknown backend {b!r}")
     if args.num_iters < 1 or args.output_len < 2:
         raise ValueError("--num-iters must be >= 1 and --output-len >= 2")
+    if args.repeat_period < 0:
+        raise ValueError(f"--repeat-period must be >= 0, got {args.repeat_period}")
     llm = LLM.from_config(EngineConfig.from_cli(args))
     rng = np.random.default_rng(0)
     special = set(llm.tokenizer.all_special_ids)
     allowed = [t for t in range(llm.engine.arch.vocab_size) if t not in special]
     prompt = rng.choice(allowed, args.input_len).tolist()
+    if args.repeat_period:
+        prompt = (prompt[:args.repeat_period] * args.input_len)[:args.input_len]
     runners = {"octavo": lambda: _octavo_once(llm, prompt, args.output_len)}
     if "llama.cpp" in backends:
         try:
@@ -106,6 +113,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{b:>10}: TTFT p50 {s['ttft']['p50_ms']} ms (prefill "
               f"{s['prefill_tokens_per_s']} tokens/s), TPOT p50 {s['tpot']['p50_ms']} ms "
               f"(decode {s['decode_tokens_per_s']} tokens/s), e2e p50 {s['e2e']['p50_ms']} ms")
+    stats = llm.engine.client.stats()
+    if stats.spec_num_drafts:
+        report["spec_mean_acceptance_length"] = round(stats.spec_mean_acceptance_length, 3)
+        report["spec_draft_tokens"] = stats.spec_draft_tokens
+        report["spec_accepted_tokens"] = stats.spec_accepted_tokens
+        print(f"speculative: {stats.spec_accepted_tokens} of {stats.spec_draft_tokens} draft "
+              f"tokens accepted, mean acceptance length "
+              f"{stats.spec_mean_acceptance_length:.2f}")
     if len(backends) > 1:
         a, b = (report["results"][x] for x in backends[:2])
         print(f"{backends[0]} / {backends[1]}: decode {a['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}x, "
