@@ -1,9 +1,9 @@
 """N-gram (prompt lookup) drafts for speculative decoding, proposed in the core.
 
 The core holds every request's token ids, so it proposes right where it schedules: for a request
-that is decoding, find the latest earlier occurrence of its last n tokens (n from
-`prompt_lookup_max` down to `prompt_lookup_min`, the longest match wins) and propose the tokens
-that followed it. The drafts travel to the worker in the SchedulerOutput and are verified there.
+that is decoding, find the latest earlier occurrence of its last n tokens that is followed by k
+tokens (else the earliest occurrence; n from `prompt_lookup_max` down to `prompt_lookup_min`, the
+longest match wins) and propose the tokens that followed it. The drafts travel to the worker in the SchedulerOutput and are verified there.
 The lookup is one vectorized comparison per n over the request's tokens (numpy); the scheduler
 calls it once per decoding request, a Python loop over the running requests that costs
 microseconds each against the forward pass.
@@ -34,6 +34,10 @@ class NgramProposer:
             windows = sliding_window_view(tokens[:length - 1], n)
             hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
             if len(hits):
-                start = int(hits[-1]) + n  # the latest occurrence: the most recent context
+                # The latest occurrence that still has k tokens after it (the most recent
+                # context); in a short loop the latest ones are too close to the end, and the
+                # earliest has the longest continuation.
+                full = hits[hits + n + k <= length]
+                start = int(full[-1] if len(full) else hits[0]) + n
                 return tokens[start:start + k].tolist()
         return []

@@ -21,6 +21,10 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert p.propose([1, 2, 3, 4, 5, 1, 2], 1) == [3]
     assert p.propose([1, 2, 3, 4], 5) == []  # no repeat
     assert p.propose([5], 5) == []
+    loop = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2,
+                                           prompt_lookup_min=2))
+    # In a short loop the latest match has only 2 tokens after it; the earliest has all 4.
+    assert loop.propose([5, 6, 5, 6, 5, 6], 10) == [5, 6, 5, 6]
 
 
 def test_config_is_checked_and_parsed_from_json():
