@@ -94,12 +94,18 @@ class DeviceConfig:
         "octavo's C++ CPU kernels: on (built at the first start, about 30 s, then cached), "
         "background (serve with PyTorch ops until the build is done), off",
         choices=["on", "background", "off"]))
+    enforce_eager: bool = field(default=False, metadata=_opt(
+        "run every step layer by layer from Python; by default a decode step of a Llama-family "
+        "model runs its whole decoder stack in one C++ call (the CPU analogue of a captured "
+        "graph)"))
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.native_kernels not in ("on", "background", "off"):
             raise ValueError(f"native_kernels must be on, background or off, "
                              f"got {self.native_kernels!r}")

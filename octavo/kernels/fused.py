@@ -37,6 +37,13 @@ def native_ready() -> bool:
     return _native is not None
 
 
+def native_module() -> ModuleType:
+    """The loaded C++ module (for callers that keep its objects, such as the decode stack)."""
+    if _native is None:
+        raise RuntimeError("octavo's C++ kernels are not loaded")
+    return _native
+
+
 def native_active(x: torch.Tensor) -> bool:
     return _native is not None and x.device.type == "cpu"
 

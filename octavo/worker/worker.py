@@ -13,6 +13,7 @@ from octavo.arch_config import ArchConfig
 from octavo.config import EngineConfig
 from octavo.core.contract import ModelOutput, SchedulerOutput
 from octavo.kernels import fused
+from octavo.model import decode_stack
 from octavo.model.loader import load_model
 from octavo.model_source import ModelSource
 from octavo.worker.model_runner import ModelRunner
@@ -64,6 +65,8 @@ class Worker:
                            self.config.model.decode_weights, self.config.model.quantization)
         logger.info("loaded %s (%s, %s) in %.1f s", self.source.name, self.arch.architecture,
                     self.dtype, time.perf_counter() - start)
+        if self.device.type == "cpu" and not self.config.device.enforce_eager:
+            decode_stack.attach(model)
         sched = self.config.scheduler
         self.runner = ModelRunner(
             model, self.device, sched.max_num_seqs, self.max_model_len,

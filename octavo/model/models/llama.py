@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
+from octavo.model.context import get_forward_context
 from octavo.model.layers.activation import gated_act
 from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.embedding import Embedding
@@ -76,11 +77,17 @@ class LlamaModel(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.decode_stack = None  # octavo/model/decode_stack.py attaches one where it fits
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x)
+        ctx = get_forward_context()
+        stack = self.decode_stack
+        if stack is not None and stack.usable(x, ctx.plan, ctx.sliding_plan, ctx.kv_caches):
+            x = stack(x, positions, ctx.plan, ctx.kv_caches)
+        else:
+            for layer in self.layers:
+                x = layer(positions, x)
         return self.norm(x)
 
 

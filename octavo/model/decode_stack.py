@@ -1,0 +1,142 @@
+"""A decode step of a Llama-family decoder as one C++ call (octavo/kernels/csrc: DecodeStack).
+
+In a decode step every request brings one token, and for a small model the Python around each
+kernel costs as much as the kernel: about a dozen module calls and dispatches a layer, about
+3 ms a step for SmolLM2's 30 layers against roughly 5 ms of arithmetic. The stack runs the same
+kernels in the same order from C++ (the CPU analogue of replaying a captured CUDA graph), so it
+needs exactly what those kernels need; anything else (mixed prefill steps, sliding windows,
+softcaps, an fp8 KV cache, quantized checkpoints' packed weights, partial rotary, MoE layers,
+kernels not loaded yet) runs the Python layers. `--enforce-eager` turns it off.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from octavo.kernels import fused
+from octavo.kernels.paged_attention import AttentionPlan
+from octavo.model.layers.linear import Linear
+from octavo.model.layers.norm import RMSNorm
+from octavo.model.layers.rotary import RotaryEmbedding
+from octavo.model.models.llama import LlamaDecoderLayer, LlamaMLP
+from octavo.model.quant.base import UNQUANTIZED
+from octavo.model.quant.decode_weights import MAX_ROWS
+from octavo.model.quant.packed import Int4Packed, Int8Packed
+
+logger = logging.getLogger(__name__)
+
+
+def unsupported_reason(layers: nn.ModuleList) -> str | None:
+    """Why these decoder layers cannot run as one stack (None: they can)."""
+    eps: set[float] = set()
+    for layer in layers:
+        if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
+            return f"layer type {type(layer).__name__}/{type(getattr(layer, 'mlp', None)).__name__}"
+        attn = layer.self_attn
+        if layer.mlp.act is not fused.silu_and_mul:
+            return "a gated activation other than silu"
+        if type(attn.rotary) is not RotaryEmbedding:
+            return f"rotary embedding {type(attn.rotary).__name__}"
+        if attn.attn.sliding_window or attn.attn.softcap:
+            return "a sliding window or attention softcap"
+        if attn.o_proj.bias is not None:
+            return "an o_proj bias"
+        for lin in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if lin.quant_method is not UNQUANTIZED:
+                return f"a {type(lin.quant_method).__name__} linear layer"
+            reason = _low_bit_reason(lin)
+            if reason is not None:
+                return reason
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if attn.q_norm is not None:
+            norms += [attn.q_norm, attn.k_norm]
+        if any(type(n) is not RMSNorm for n in norms):
+            return "a norm other than RMSNorm"
+        eps.update(n.eps for n in norms)
+    if len(eps) > 1:
+        return "RMSNorm epsilons that differ between norms"
+    return None
+
+
+def _low_bit_reason(lin: Linear) -> str | None:
+    low = lin.decode_weight
+    if low is None:
+        return None
+    if low.perm is not None:
+        return "a permuted low-bit copy"
+    if isinstance(low, Int4Packed):
+        return None if low.scales_zeros.dtype == lin.weight.dtype else "int4 scales in another dtype"
+    if isinstance(low, Int8Packed):
+        return None if low.q.shape[0] == 1 and low.zero_term is None else \
+            "a grouped or asymmetric int8 copy"
+    return f"a {type(low).__name__} copy"
+
+
+def _linear(native: Any, lin: Linear) -> Any:
+    low = lin.decode_weight
+    if isinstance(low, Int4Packed):
+        return native.StackLinear(lin.weight, lin.bias, 4, low.packed, low.scales_zeros,
+                                  low.group)
+    if isinstance(low, Int8Packed):
+        return native.StackLinear(lin.weight, lin.bias, 8, low.q[0], low.scale[0], 0)
+    return native.StackLinear(lin.weight, lin.bias, 0, None, None, 0)
+
+
+class DecodeStack:
+    """Builds the C++ stack the first time a step can use it, for the KV caches of that step."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        self.layers = layers
+        self._stack: Any = None
+        self._caches: list[torch.Tensor] | None = None
+
+    def usable(self, x: torch.Tensor, plan: AttentionPlan, sliding: AttentionPlan | None,
+               kv_caches: list[torch.Tensor]) -> bool:
+        return (not plan.groups and plan.decode is not None and sliding is None
+                and fused.native_active(x) and kv_caches[0].dtype == x.dtype
+                and x.dtype == self.layers[0].input_layernorm.weight.dtype)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
+                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        if self._caches is not kv_caches:
+            self._build(kv_caches)
+        d = plan.decode
+        return self._stack.forward(x, positions, d.token_index, d.block_table, d.seq_lens,
+                                   plan.slot_mapping)
+
+    def _build(self, kv_caches: list[torch.Tensor]) -> None:
+        native = fused.native_module()
+        first = self.layers[0].self_attn
+        rotary = first.rotary
+        stack = native.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim,
+                                   self.layers[0].input_layernorm.eps, first.attn.scale,
+                                   rotary.cos, rotary.sin, MAX_ROWS)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            stack.add_layer(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                attn.q_norm.weight if attn.q_norm is not None else None,
+                attn.k_norm.weight if attn.k_norm is not None else None,
+                [_linear(native, lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                  mlp.down_proj)],
+                kv_caches[attn.attn.layer_index])
+        self._stack, self._caches = stack, kv_caches
+
+
+def attach(model: nn.Module) -> DecodeStack | None:
+    """Give `model` (a causal LM over a LlamaModel) a decode stack if its layers allow one."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(inner, "decode_stack"):
+        logger.info("decode steps run layer by layer: %s has no decoder stack octavo fuses",
+                    type(model).__name__)
+        return None
+    reason = unsupported_reason(layers)
+    if reason is not None:
+        logger.info("decode steps run layer by layer: the model has %s", reason)
+        return None
+    inner.decode_stack = DecodeStack(layers)
+    return inner.decode_stack

@@ -1,0 +1,103 @@
+"""The fused decode stack (one C++ call for all decoder layers of a decode step) against the
+Python layers it replaces, on tiny random models: dense weights and int4/int8 low-bit copies,
+q/k norms (Qwen3) and qkv biases (Qwen2); and the models and steps it must leave alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo import LLM, SamplingParams
+from octavo.model import decode_stack
+from octavo.model.quant.decode_weights import make_decode_weight
+from tests.parity.test_tiny_models import _build
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
+PROMPTS = [[100 + 7 * i + j for j in range(20 + 9 * i)] for i in range(3)]
+
+
+def _model(llm: LLM):
+    return llm.engine.client.core.executor.worker.runner.model
+
+
+def _generate(llm: LLM) -> list:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("name", ["llama-default", "qwen2-bias", "qwen3-qk-norm"])
+@pytest.mark.parametrize("bits", [None, 4, 8])
+def test_stack_matches_the_python_layers(tmp_path, smollm_oracle_folder, name, bits):
+    folder, _ = _build(tmp_path, smollm_oracle_folder, name)
+    llm = LLM(str(folder), dtype="bfloat16", max_model_len=256, kv_cache_memory=16 << 20)
+    model = _model(llm)
+    if bits is not None:  # the low-bit copies a 4- or 8-bit GGUF would get
+        for layer in model.model.layers:
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                        layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                lin.decode_weight = make_decode_weight(lin.weight.data, bits)
+    stack = decode_stack.attach(model)
+    assert stack is not None
+    calls = [0]
+    forward = stack.__class__.__call__
+
+    def counted(self, *args):
+        calls[0] += 1
+        return forward(self, *args)
+
+    stack.__class__.__call__ = counted
+    try:
+        fused = _generate(llm)
+    finally:
+        stack.__class__.__call__ = forward
+    assert calls[0] >= 11  # every step after the prefill of all three prompts
+    model.model.decode_stack = None
+    layered = _generate(llm)
+    for a, b in zip(fused, layered):
+        assert a.token_ids == b.token_ids
+        diff = max(abs(x[t].logprob - y[t].logprob)
+                   for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids))
+        assert diff < 2e-2, diff  # the same kernels in the same order; bf16 rounding at most
+
+
+def test_mixed_prefill_and_decode_steps_run_the_layers(tmp_path, smollm_oracle_folder):
+    """A step with a prefill chunk is not a decode step: the stack must not be used for it."""
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "llama-default")
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              max_num_batched_tokens=16)  # the later prompts prefill while the first decodes
+    model = _model(llm)
+    stack = model.model.decode_stack
+    assert stack is not None
+    seen = []
+    usable = stack.usable
+
+    def spy(x, plan, sliding, caches):
+        ok = usable(x, plan, sliding, caches)
+        seen.append((bool(plan.groups), ok))
+        return ok
+
+    stack.usable = spy
+    outs = _generate(llm)
+    assert all(not ok for has_prefill, ok in seen if has_prefill)
+    assert any(ok for _, ok in seen)
+    stack.usable = usable
+    model.model.decode_stack = None
+    assert [o.token_ids for o in _generate(llm)] == [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3-longrope-partial", "mixtral",
+                                  "mistral-sliding-window"])
+def test_models_the_stack_does_not_fit_keep_their_layers(tmp_path, smollm_oracle_folder, name):
+    folder, _ = _build(tmp_path, smollm_oracle_folder, name)
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
+    model = _model(llm)
+    assert getattr(model.model, "decode_stack", None) is None
+
+
+def test_enforce_eager_turns_the_stack_off(tmp_path, smollm_oracle_folder):
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "llama-default")
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              enforce_eager=True)
+    assert _model(llm).model.decode_stack is None
+    with pytest.raises(ValueError, match="enforce_eager"):
+        LLM(str(folder), enforce_eager="yes")
