@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import gguf
+import gguf.quants
 import numpy as np
 
 _ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen3": gguf.MODEL_ARCH.QWEN3,
@@ -131,13 +132,25 @@ def _tensors(arch: str, model) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(path, arch: str, model) -> None:
-    """Write `model` (a transformers model) as a float32 GGUF of architecture `arch`."""
+def write_gguf(path, arch: str, model, qtypes=None) -> None:
+    """Write `model` (a transformers model) as a GGUF of architecture `arch`: float32, or the
+    GGML type `qtypes(gguf name)` gives a tensor (None: float32; K-quants by the reference
+    quantizer of test_gguf_kquants, the others by the gguf package's)."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, arch, c, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     for name, t in _tensors(arch, model).items():
-        w.add_tensor(name, t)
+        qtype = qtypes(name) if qtypes is not None else None
+        if qtype is None:
+            w.add_tensor(name, t)
+            continue
+        if qtype.name.endswith("_K"):
+            from tests.model.test_gguf_kquants import encode
+
+            raw = encode(qtype, t.reshape(-1, 256)).reshape(t.shape[0], -1)
+        else:
+            raw = gguf.quants.quantize(t, qtype)
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,12 +1,13 @@
-"""The int4/int8 small-batch weight copies against the dense weights they stand for."""
+"""The int4/int8 small-batch weight copies against the dense weights they stand for (the GGUF
+codes they are made of: test_gguf_packed.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from octavo import LLM, SamplingParams
-from octavo.model.quant.decode_weights import (
-    MAX_ROWS, Int4Weight, Int8Weight, make_decode_weight, small_batch_linear)
+from octavo.model.quant.decode_weights import MAX_ROWS, make_decode_weight, small_batch_linear
+from octavo.model.quant.packed import Int4Packed, Int8Packed
 
 
 def _q4_weight(n: int, k: int) -> torch.Tensor:
@@ -23,7 +24,7 @@ def test_int4_reproduces_a_4bit_weight():
     w = _q4_weight(96, 256)
     x = torch.randn(3, 256).bfloat16()
     dense = torch.nn.functional.linear(x.float(), w.float())
-    out = Int4Weight(w).matmul(x).float()
+    out = make_decode_weight(w, 4).matmul(x).float()
     assert (out - dense).norm() / dense.norm() < 1e-2
 
 
@@ -36,7 +37,7 @@ def test_int8_close_to_dense(native_kernels, native, rows):
     w = torch.randn(64, 160).bfloat16()  # 160: the kernel's 16-wide loop plus no tail
     x = torch.randn(rows, 160).bfloat16()
     dense = torch.nn.functional.linear(x.float(), w.float())
-    out = Int8Weight(w).matmul(x)
+    out = make_decode_weight(w, 8).matmul(x)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 64)
     assert (out.float() - dense).norm() / dense.norm() < 2e-2
 
@@ -45,9 +46,9 @@ def test_int8_kernel_matches_torch_kernel(native_kernels):
     from octavo.kernels import fused
 
     w, x = torch.randn(300, 96).bfloat16(), torch.randn(2, 96).bfloat16()
-    weight = Int8Weight(w)
-    ours = fused.int8_gemv(x, weight.q, weight.scale).float()
-    theirs = torch._weight_int8pack_mm(x, weight.q, weight.scale_bf16).float()
+    weight = make_decode_weight(w, 8)
+    ours = fused.int8_gemv(x, weight.q[0], weight.scale[0]).float()
+    theirs = torch._weight_int8pack_mm(x, weight.q[0], weight.scale_dtype[0]).float()
     assert torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2)
 
 
@@ -74,8 +75,8 @@ def test_decode_copies_exist_only_when_asked(bf16_pair):
     fast_model = fast.engine.client.core.executor.worker.runner.model
     dense_model = dense.engine.client.core.executor.worker.runner.model
     layer = fast_model.model.layers[0]
-    assert isinstance(layer.mlp.gate_up_proj.decode_weight, Int4Weight)  # Q4_1 source
-    assert isinstance(fast_model.lm_head.decode_weight, Int8Weight)  # tied Q8_0 embedding
+    assert isinstance(layer.mlp.gate_up_proj.decode_weight, Int4Packed)  # Q4_1 source
+    assert isinstance(fast_model.lm_head.decode_weight, Int8Packed)  # tied Q8_0 embedding
     assert dense_model.model.layers[0].mlp.gate_up_proj.decode_weight is None
 
 

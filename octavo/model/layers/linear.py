@@ -1,7 +1,9 @@
 """Linear layers whose weights may be packed from several checkpoint tensors (q/k/v, gate/up).
 
 The weight belongs to the layer's `quant_method` (octavo/model/quant/base.py): dense by default,
-or the packed int4/int8 form of a quantized checkpoint or of --quantization. The bias stays dense.
+or the packed int4/int8 form of a quantized checkpoint or of --quantization. A dense layer may also
+hold `decode_weight`, a packed copy for small batches made from a GGUF's codes (quant/gguf.py).
+The bias stays dense.
 """
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import torch
 from torch import nn
 
 from octavo.model.quant.base import UNQUANTIZED, QuantMethod
-from octavo.model.quant.decode_weights import make_decode_weight
 
 
 class Linear(nn.Module):
@@ -20,7 +21,7 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.shards = shards
         self.bias = nn.Parameter(torch.zeros(sum(shards)), requires_grad=False) if bias else None
-        self.decode_weight = None
+        self.decode_weight = None  # a GGUF layer's packed copy for decode (quant/gguf.py)
         self.quant_method: QuantMethod = UNQUANTIZED
         UNQUANTIZED.create_weights(self)
 
@@ -47,11 +48,6 @@ class Linear(nn.Module):
 
     def process_after_load(self) -> None:
         self.quant_method.process_after_load(self)
-
-    def set_decode_bits(self, bits: int) -> None:
-        """Keep a low-bit copy for small batches when the source had `bits` bits per weight."""
-        if self.quant_method is UNQUANTIZED:
-            self.decode_weight = make_decode_weight(self.weight.data, bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x)

@@ -12,16 +12,20 @@ from octavo.model_source import ModelSource
 def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
                decode_weights: str = "auto", quantization: str | None = None) -> nn.Module:
-    """Build the model and fill it. With decode_weights="auto", linear layers whose GGUF source
-    is 8-bit or narrower also keep a low-bit copy for small (decode) batches. A GGUF's prepared
+    """Build the model and fill it. A GGUF's linear layers keep packed int4/int8 weights made
+    from its codes (model/quant/gguf.py): beside the dense ones for small (decode) batches with
+    decode_weights="auto" in bf16, alone with `quantization` int4 or int8. A GGUF's prepared
     weights are cached on disk (see prepared_cache) for the next start. A quantized checkpoint
     (config.json's quantization_config) or `quantization` (int8, int4, fp8: quantize at load)
     hands linear layers their quant methods before the tensors stream in (see model/quant)."""
     from octavo.model.quant.config import plan_quantization
-    plan = plan_quantization(source, quantization, dtype)
+    plan = plan_quantization(source, quantization, dtype, decode_weights)
     if plan is not None and device.type != "cpu":
-        raise NotImplementedError(f"quantized weights ({plan.fmt}) run on the CPU only; "
-                                  f"device={device.type}")
+        if quantization is None and source.is_gguf:
+            plan = None  # the decode copies are a CPU matter: dense weights elsewhere
+        else:
+            raise NotImplementedError(f"quantized weights ({plan.fmt}) run on the CPU only; "
+                                      f"device={device.type}")
     cls = model_class(cfg.architecture)
     with torch.device(device):
         prev = torch.get_default_dtype()
@@ -30,16 +34,21 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
             model = cls(cfg, max_positions)
         finally:
             torch.set_default_dtype(prev)
+    codes: set[str] = set()
+    if source.is_gguf and plan is not None:
+        from octavo.model.loader.gguf_weights import gguf_tensor_types
+        codes = plan.apply(model, gguf_tensor_types(source.path, cfg))
     prepared = None
     if source.is_gguf and device.type == "cpu":
         from octavo.model.loader.prepared_cache import load_prepared, prepared_path
-        prepared = prepared_path(source, dtype, decode_weights)
+        prepared = prepared_path(source, dtype, decode_weights, quantization)
         if load_prepared(model, prepared):
             return model.eval()
     bits: dict[str, int] = {}
     if source.is_gguf:
         from octavo.model.loader.gguf_weights import iterate_gguf_weights
-        weights = iterate_gguf_weights(source.path, cfg, bits)
+        weights = iterate_gguf_weights(source.path, cfg, bits, codes,
+                                       dense_too=plan is None or plan.keep_dense)
     else:
         from octavo.model.loader.safetensors_weights import (
             iterate_safetensors_weights, safetensors_names)
@@ -56,6 +65,7 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
 
 
 def _set_decode_bits(model: nn.Module, bits: dict[str, int]) -> None:
+    """The LM head's low-bit copy (linear layers get theirs from quant/gguf.py)."""
     per_module: dict[str, int] = {}
     for ckpt_name, b in bits.items():
         module = model.linear_name(ckpt_name)  # the module it fills (GPT-2: transformer.h...)

@@ -128,23 +128,54 @@ def source_bits(tensor_type: GGMLQuantizationType) -> int:
     return 32 if tensor_type.name == "F32" else 16
 
 
-def iterate_gguf_weights(path: Path, cfg: ArchConfig,
-                         bits: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_tensor_types(path: Path, cfg: ArchConfig) -> dict[str, GGMLQuantizationType]:
+    """Hugging Face name (stacked experts with {}) -> GGML type of each weight in the file."""
+    return {hf_name(t.name, cfg.architecture): t.tensor_type for t in GGUFReader(path).tensors
+            if t.name not in _ROPE_TENSORS and t.name.endswith(".weight")}
+
+
+def _code_layout(name: str, a: np.ndarray, cfg: ArchConfig) -> np.ndarray:
+    """_to_hf_layout's row reorderings, for per-row codes or scales [.., rows, columns] (the
+    codes of GPT-2's Conv1D weights are [out, in] already, the layout octavo computes with)."""
+    if cfg.gguf_arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+        return _unpermute(a, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+    if cfg.gguf_arch == "gptneox" and ".query_key_value." in name:
+        return a.reshape(3, cfg.num_heads, -1, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+    return a
+
+
+def iterate_gguf_weights(path: Path, cfg: ArchConfig, bits: dict[str, int] | None = None,
+                         codes: set[str] = frozenset(), dense_too: bool = True,
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, dequantized tensor); `bits` gets each tensor's source width.
-    A stacked expert tensor [E, out, in] is yielded as E per-expert tensors."""
+    A stacked expert tensor [E, out, in] is yielded as E per-expert tensors. For the names in
+    `codes` (Q4_0/Q4_1/Q4_K weights; stacked experts with {}), the 4-bit codes, scales and
+    offsets come too, as `<module>.gguf_q4`, `.gguf_q4_scale`, `.gguf_q4_low` (quant/gguf.py),
+    and without `dense_too` instead of the dequantized weight."""
+    from octavo.model.quant.gguf import CODE_KINDS, int4_codes
+
     reader = GGUFReader(path)
     for t in reader.tensors:
         if t.name in _ROPE_TENSORS:
             continue
         shape = tuple(int(d) for d in reversed(t.shape))
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            w = np.array(t.data).reshape(shape)  # a copy: the mmap is read-only
-        else:
-            w = dequantize(t.data, t.tensor_type).reshape(shape)
         name = hf_name(t.name, cfg.architecture)
-        w = _to_hf_layout(name, w, cfg)
-        parts = [(name.format(e), w[e]) for e in range(w.shape[0])] if "{}" in name else [(name, w)]
-        for part_name, part in parts:
-            if bits is not None:
-                bits[part_name] = source_bits(t.tensor_type)
-            yield part_name, torch.from_numpy(part)
+        out: dict[str, np.ndarray] = {}
+        if name in codes:
+            rows = int(np.prod(shape[:-1]))
+            for kind, a in zip(CODE_KINDS, int4_codes(t.tensor_type, t.data.reshape(rows, -1))):
+                out[name.removesuffix("weight") + kind] = _code_layout(
+                    name, a.reshape(*shape[:-1], -1), cfg)
+        if name not in codes or dense_too:
+            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                w = np.array(t.data).reshape(shape)  # a copy: the mmap is read-only
+            else:
+                w = dequantize(t.data, t.tensor_type).reshape(shape)
+            out[name] = _to_hf_layout(name, w, cfg)
+        for key, w in out.items():
+            parts = [(key.format(e), w[e]) for e in range(w.shape[0])] if "{}" in key \
+                else [(key, w)]
+            for part_name, part in parts:
+                if bits is not None and key == name:
+                    bits[part_name] = source_bits(t.tensor_type)
+                yield part_name, torch.from_numpy(part)

@@ -2,7 +2,8 @@
 takes the checkpoint's tensors, turns them into the form it computes with once they are all in
 (`process_after_load`), and computes `apply`. A new format adds a method, never a model file.
 
-- `UnquantizedMethod`: a dense weight [N, K] (plus the GGUF small-batch copy, decode_weights.py).
+- `UnquantizedMethod`: a dense weight [N, K], and maybe a packed copy for small batches.
+- `GGUFMethod` (gguf.py): a GGUF's codes as int4/int8, alone or as the dense layer's copy.
 - `CheckpointMethod`: collects a pre-quantized checkpoint's tensors per packed slot (q, k, v...)
   and builds one packed weight for the whole layer (GPTQ/AWQ in gptq.py, FP8 in fp8.py).
 - `OnTheFlyMethod`: loads dense and quantizes each layer as soon as all its slots are in, so at

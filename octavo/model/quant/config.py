@@ -2,7 +2,8 @@
 
 A checkpoint's `quantization_config` (config.json) names its format: gptq, awq, fp8,
 compressed-tensors. `--quantization int8|int4|fp8` quantizes an unquantized checkpoint at load;
-asking for it on a checkpoint that is quantized already is a ValueError naming the field. The
+asking for it on a checkpoint that is quantized already is a ValueError naming the field. On a
+GGUF, int4/int8 mean "its own codes in that layout, no dense copy" (quant/gguf.py). The
 layers of a quantized checkpoint are the ones whose tensors carry the format's marker (`qweight`,
 `weight_scale`); the rest (the LM head, MoE routers) stay dense. On-the-fly quantization takes
 every linear layer of the decoder except MoE routers; embeddings and the LM head stay dense.
@@ -21,6 +22,7 @@ from torch import nn
 from octavo.model.layers.moe import EXPERT_TENSOR
 from octavo.model.quant.base import CheckpointMethod, OnTheFlyMethod, QuantMethod
 from octavo.model.quant.fp8 import FP8Spec, quantize_fp8
+from octavo.model.quant.gguf import GGUFPlan, gguf_plan
 from octavo.model.quant.gptq import GPTQSpec
 from octavo.model.quant.packed import quantize_int4, quantize_int8
 from octavo.model_source import ModelSource
@@ -102,9 +104,12 @@ class QuantPlan:
         logger.info("quantization %s: %d linear layers", self.fmt, count)
 
 
-def plan_quantization(source: ModelSource, requested: str | None,
-                      dtype: torch.dtype) -> QuantPlan | None:
-    """The plan for this checkpoint and --quantization (None: everything dense)."""
+def plan_quantization(source: ModelSource, requested: str | None, dtype: torch.dtype,
+                      decode_weights: str = "auto") -> QuantPlan | GGUFPlan | None:
+    """The plan for this checkpoint and --quantization (None: everything dense). A GGUF's is
+    a GGUFPlan (quant/gguf.py): its own codes, with or without the dense weights."""
+    if source.is_gguf:
+        return gguf_plan(requested, decode_weights, dtype)
     qc = checkpoint_quantization(source)
     if requested is not None:
         if requested not in ON_THE_FLY:
@@ -115,9 +120,6 @@ def plan_quantization(source: ModelSource, requested: str | None,
                 f"quantization={requested!r} asks to quantize at load, but the checkpoint is "
                 f"already quantized ({qc.get('quant_method')!r} in config.json's "
                 "quantization_config); omit quantization to use the checkpoint's own")
-        if source.is_gguf:
-            raise ValueError(f"quantization={requested!r} applies to safetensors checkpoints; "
-                             "a GGUF keeps its own quantization (see decode_weights)")
         return QuantPlan(requested, dtype, on_the_fly=requested)
     if qc is None:
         return None

@@ -36,7 +36,8 @@ def kernel_group(group: int, k: int) -> int:
 
 
 class PackedWeight:
-    """Common part: input permutation, the choice between packed kernel and dense tiles."""
+    """Common part: input permutation, the choice between packed kernel and dense tiles.
+    `tensors()` / `from_tensors()` save and restore one (prepared weights, prepared_cache.py)."""
 
     out_features: int
     in_features: int
@@ -74,19 +75,45 @@ class Int4Packed(PackedWeight):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
                  dtype: torch.dtype, perm: torch.Tensor | None = None) -> None:
         """q: [N, K] codes 0..15; scale, zero: [N, K // group] float (w = scale * (q - zero))."""
+        scale = scale.float()
+        self._pack(q, scale, (8 - zero.float()) * scale, group, dtype, perm)
+
+    @classmethod
+    def from_affine(cls, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, group: int,
+                    dtype: torch.dtype) -> Int4Packed:
+        """w = scale * q + low per group (GGUF's Q4_0/Q4_1/Q4_K form, and min/max quantizing):
+        torch's zero is 8 * scale + low, with no division, so a zero scale is fine."""
+        self = cls.__new__(cls)
+        scale = scale.float()
+        self._pack(q, scale, 8 * scale + low.float(), group, dtype, None)
+        return self
+
+    def _pack(self, q: torch.Tensor, scale: torch.Tensor, tzero: torch.Tensor, group: int,
+              dtype: torch.dtype, perm: torch.Tensor | None) -> None:
         n, k = q.shape
         self.out_features, self.in_features, self.perm = n, k, perm
         self.group = kernel_group(group, k)
         rep = group // self.group
-        scale, zero = scale.float().repeat_interleave(rep, 1), zero.float().repeat_interleave(rep, 1)
+        scale, tzero = scale.repeat_interleave(rep, 1), tzero.repeat_interleave(rep, 1)
         pad = -n % 16  # the kernel takes N in multiples of 16: zero rows, sliced off after
         self.padded_n = n + pad
         q = F.pad(q.to(torch.int32), (0, 0, 0, pad))
-        scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
+        scale, tzero = F.pad(scale, (0, 0, 0, pad)), F.pad(tzero, (0, 0, 0, pad))
         self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
         # [K / group, N, 2]: scale and torch's zero, in the activation dtype the kernel wants
-        self.scales_zeros = torch.stack([scale, (8 - zero) * scale], -1).transpose(0, 1) \
-            .to(dtype).contiguous()
+        self.scales_zeros = torch.stack([scale, tzero], -1).transpose(0, 1).to(dtype).contiguous()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        shape = torch.tensor([self.out_features, self.in_features, self.group, self.padded_n])
+        out = {"packed": self.packed, "scales_zeros": self.scales_zeros, "shape": shape}
+        return out if self.perm is None else {**out, "perm": self.perm}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> Int4Packed:
+        self = cls.__new__(cls)
+        self.out_features, self.in_features, self.group, self.padded_n = t["shape"].tolist()
+        self.packed, self.scales_zeros, self.perm = t["packed"], t["scales_zeros"], t.get("perm")
+        return self
 
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.scales_zeros.dtype)
@@ -139,6 +166,24 @@ class Int8Packed(PackedWeight):
             if z.abs().max() > 0:
                 self.zero_term = (scale.float() * z).t().contiguous().to(dtype)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"q": self.q, "scale": self.scale,
+               "shape": torch.tensor([self.out_features, self.in_features, self.group])}
+        if self.scale_dtype.dtype != self.scale.dtype:  # float32 runs: the same tensor
+            out["scale_dtype"] = self.scale_dtype
+        if self.zero_term is not None:
+            out["zero_term"] = self.zero_term
+        return out if self.perm is None else {**out, "perm": self.perm}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> Int8Packed:
+        self = cls.__new__(cls)
+        self.out_features, self.in_features, self.group = t["shape"].tolist()
+        self.q, self.scale = t["q"], t["scale"]
+        self.scale_dtype = t.get("scale_dtype", self.scale)
+        self.zero_term, self.perm = t.get("zero_term"), t.get("perm")
+        return self
+
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.scale_dtype.dtype)
         native = fused.native_active(x) and x.dtype == torch.bfloat16 and x.shape[0] <= 8
@@ -165,12 +210,17 @@ def quantize_int4(w: torch.Tensor, group: int, dtype: torch.dtype) -> Int4Packed
     """Min/max int4 per group of `group` inputs (on-the-fly quantization): w ≈ scale * q + min,
     the minimum kept exact (a fractional zero point) as GGUF's Q4_1 does: rounding the zero to
     an integer raised SmolLM2's perplexity by 28% against 1% here."""
+    return Int4Packed.from_affine(*minmax_int4(w, group), group, dtype)
+
+
+def minmax_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> codes [N, K] (0..15), scale and minimum [N, K // group]: w ≈ scale * q + min."""
     n, k = w.shape
     g = w.float().reshape(n, k // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15).clamp(min=1e-10)
     q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(n, k)
-    return Int4Packed(q, scale, -lo / scale, group, dtype)
+    return q, scale, lo
 
 
 def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int8Packed:
@@ -179,3 +229,10 @@ def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int8Packed:
     scale = (w.abs().amax(1, keepdim=True) / 127).clamp(min=1e-10)
     q = (w / scale).round().clamp(-127, 127)
     return Int8Packed(q, scale, None, w.shape[1], dtype, signed=True)
+
+
+PACKED_KINDS: dict[str, type[PackedWeight]] = {"int4": Int4Packed, "int8": Int8Packed}
+
+
+def packed_kind(w: PackedWeight) -> str:
+    return next(k for k, cls in PACKED_KINDS.items() if type(w) is cls)

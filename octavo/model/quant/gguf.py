@@ -1,0 +1,256 @@
+"""GGUF weights kept quantized: each linear layer's GGML type mapped onto octavo's int4/int8 paths.
+
+Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m) and Q4_K (per 32 weights w = d * sc * q - dmin * m)
+are 4-bit codes with a scale and an offset per 32 inputs: exactly torch's int4 layout with group
+32, so those codes and scales are copied over, not re-quantized (only scale and torch's zero,
+8 * scale + offset, are rounded to the activation dtype). The other types go to the nearest
+layout the kernels have, re-quantized from the dequantized weights: Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 to
+int8 per output channel (octavo's int8 kernel takes one scale per row, so Q8_0's scale per 32 is
+not kept: about 0.3% relative error on Qwen2.5-0.5B's Q8_0 tensors), Q2_K/Q3_K to int4 min/max per
+32. A packed layer takes the layout of its widest slot (q/k/v, gate/up). Each choice is logged
+once per GGML type at load.
+
+Modes (`GGUFPlan`): "auto" (the default in bf16 on the CPU) keeps the dense weight for prefill
+and the packed copy for batches of up to MAX_ROWS rows (decode_weights.py); "int4" / "int8"
+(--quantization) keep only packed weights of that layout, so memory drops, and run every batch on
+them (PackedWeight.matmul: packed kernels for small batches, dequantized tiles for large ones).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from torch import nn
+
+from octavo.model.layers.moe import EXPERT_TENSOR
+from octavo.model.quant.base import UNQUANTIZED, QuantMethod, packed_apply
+from octavo.model.quant.packed import Int4Packed, PackedWeight, minmax_int4, quantize_int8
+
+logger = logging.getLogger(__name__)
+
+GROUP = 32
+INT4_EXACT = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+_INT8_NEAREST = (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0)
+_INT4_NEAREST = (*INT4_EXACT, Q.Q2_K, Q.Q3_K)
+# checkpoint kinds the loader yields beside `weight` for INT4_EXACT tensors: [N, K] codes 0..15,
+# and [N, K / 32] scale and offset (w = scale * q + offset)
+CODE_KINDS = ("gguf_q4", "gguf_q4_scale", "gguf_q4_low")
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def int4_codes(qtype: Q, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Raw blocks [rows, row bytes] of a Q4_0/Q4_1/Q4_K tensor -> codes [rows, K] uint8,
+    scale and offset [rows, K / 32] float32, with w = scale * q + offset."""
+    rows = data.shape[0]
+    size = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q4_K: 144}[qtype]
+    b = data.reshape(rows, -1, size)
+    if qtype == Q.Q4_K:
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [rows, nb, 1]
+        lo, mid, hi = b[..., 4:8], b[..., 8:12], b[..., 12:16]
+        sc = np.concatenate([lo & 63, (hi & 15) | (lo >> 6) << 4], -1)  # [rows, nb, 8]
+        mn = np.concatenate([mid & 63, (hi >> 4) | (mid >> 6) << 4], -1)
+        qs = b[..., 16:].reshape(rows, -1, 4, 1, 32)  # 32 bytes: sub-blocks 2c (low), 2c + 1
+        q = np.concatenate([qs & 15, qs >> 4], 3)  # [rows, nb, 4, 2, 32]
+        scale, low = d * sc, -(dmin * mn)
+    else:
+        d = _f16(b[..., 0:2])
+        qs = b[..., size - 16:].reshape(rows, -1, 1, 16)  # byte j: weights j (low), j + 16
+        q = np.concatenate([qs & 15, qs >> 4], 2)
+        scale = d
+        low = _f16(b[..., 2:4]) if qtype == Q.Q4_1 else -8 * d
+    return q.reshape(rows, -1), scale.reshape(rows, -1), low.reshape(rows, -1)
+
+
+def _target(mode: str, types: list[Q], in_features: int) -> str | None:
+    """The layout of a layer whose slots have GGML `types`; None: no packed weight."""
+    if mode != "auto":
+        return "int4" if mode == "int4" and in_features % GROUP == 0 else "int8"
+    if in_features % GROUP:
+        return None
+    if all(t in _INT4_NEAREST for t in types):
+        return "int4"
+    if all(t in _INT4_NEAREST + _INT8_NEAREST for t in types):
+        return "int8"
+    return None  # a float slot (F16, BF16, F32) or a type without a mapping: dense only
+
+
+def _how(qtype: Q, target: str, in_features: int) -> str:
+    if target == "int4" and qtype in INT4_EXACT:
+        return "int4 group 32, its codes, scales and offsets copied (exact)"
+    if target == "int4":
+        return "int4 group 32, re-quantized (min/max per 32) from the dequantized weights"
+    reason = "" if in_features % GROUP == 0 else f" (in_features {in_features} is not a " \
+        "multiple of 32, the int4 group)"
+    return f"int8 per output channel, re-quantized from the dequantized weights{reason}"
+
+
+class GGUFMethod(QuantMethod):
+    """A linear layer from GGUF tensors of `types` (one per slot): packed `target` weights, and
+    with `keep_dense` the dense weight too (used above MAX_ROWS rows)."""
+
+    def __init__(self, types: list[Q], target: str, keep_dense: bool,
+                 dtype: torch.dtype) -> None:
+        self.types, self.target, self.keep_dense, self.dtype = types, target, keep_dense, dtype
+
+    def create_weights(self, layer: nn.Module) -> None:
+        if self.keep_dense:  # (made after the model, outside its default dtype: say it)
+            layer.weight = nn.Parameter(torch.empty(sum(layer.shards), layer.in_features,
+                                                    dtype=self.dtype), requires_grad=False)
+        else:
+            if "weight" in layer._parameters:
+                del layer._parameters["weight"]
+            layer.weight = None
+        layer.packed = layer.decode_weight = None
+        layer.gguf_parts = {}
+
+    def _needs(self, slot: int) -> tuple[str, ...]:
+        exact = self.target == "int4" and self.types[slot] in INT4_EXACT
+        return CODE_KINDS if exact else ("weight",)
+
+    def load_shard(self, layer: nn.Module, name: str, index: int | None,
+                   tensor: torch.Tensor) -> None:
+        if name not in ("weight", *CODE_KINDS):
+            raise ValueError(f"checkpoint tensor {name!r} on a GGUF linear layer")
+        if name == "weight" and self.keep_dense:
+            UNQUANTIZED.load_shard(layer, name, index, tensor)
+        slot = 0 if index is None else index
+        if layer.gguf_parts is None or name not in self._needs(slot):
+            return
+        layer.gguf_parts.setdefault(slot, {})[name] = tensor
+        if all(set(self._needs(s)) <= set(layer.gguf_parts.get(s, ()))
+               for s in range(len(self.types))):
+            self._build(layer)
+
+    def _build(self, layer: nn.Module) -> None:
+        parts = [layer.gguf_parts[s] for s in range(len(self.types))]
+        if self.target == "int8":
+            w = torch.cat([p["weight"].float() for p in parts])
+            self.restore(layer, quantize_int8(w, self.dtype))
+            return
+        q, scale, low = zip(*[(p["gguf_q4"], p["gguf_q4_scale"], p["gguf_q4_low"])
+                              if "gguf_q4" in p else minmax_int4(p["weight"], GROUP)
+                              for p in parts])
+        self.restore(layer, Int4Packed.from_affine(torch.cat(q), torch.cat(scale),
+                                                   torch.cat(low), GROUP, self.dtype))
+
+    def restore(self, layer: nn.Module, packed: PackedWeight) -> None:
+        """The layer's packed weight is built (or read back from prepared weights). With the
+        dense weight kept, the layer is a dense one from here on, with a copy for decode
+        (UnquantizedMethod.apply, and the C++ decode stack, read `decode_weight`)."""
+        layer.gguf_parts = None
+        if self.keep_dense:
+            layer.decode_weight = packed
+            layer.quant_method = UNQUANTIZED
+        else:
+            layer.packed = packed
+
+    def process_after_load(self, layer: nn.Module) -> None:
+        if layer.gguf_parts is not None:
+            raise ValueError(f"GGUF linear layer is missing tensors: slots loaded "
+                             f"{sorted(layer.gguf_parts)} of {len(self.types)}")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return packed_apply(layer.packed, x)
+
+
+def _slot(model: nn.Module, ckpt_name: str) -> tuple[str, int | None] | None:
+    """(Linear module name, slot) that a checkpoint weight fills, as load_weights routes it."""
+    name = model.checkpoint_name(ckpt_name)
+    if name is None or not name.endswith(".weight"):
+        return None
+    module = name.removesuffix(".weight")
+    owner, _, leaf = module.rpartition(".")
+    if leaf in model.packed_modules_mapping:
+        packed, slot = model.packed_modules_mapping[leaf]
+        return (f"{owner}.{packed}" if owner else packed), slot
+    return module, None
+
+
+class GGUFPlan:
+    """Which linear layers of a GGUF model get a `GGUFMethod`, in mode auto, int4 or int8."""
+
+    def __init__(self, mode: str, dtype: torch.dtype) -> None:
+        if mode not in ("auto", "int4", "int8"):
+            raise ValueError(f"quantization for a GGUF must be int4 or int8, got {mode!r}")
+        self.mode, self.dtype, self.keep_dense = mode, dtype, mode == "auto"
+        self.fmt = f"gguf {mode}"
+
+    def apply(self, model: nn.Module, tensor_types: dict[str, Q]) -> set[str]:
+        """Before loading: give the layers their methods; `tensor_types` maps each checkpoint
+        weight name (stacked experts with {}) to its GGML type. Returns the checkpoint names
+        whose int4 codes the loader should yield (CODE_KINDS)."""
+        modules = dict(model.named_modules())
+        slots: dict[str, dict[int | None, tuple[Q, str]]] = {}
+        moe: dict[str, dict[str, tuple[Q, str]]] = {}  # stacked experts: block -> projection -> type
+        for ckpt, qtype in tensor_types.items():
+            m = EXPERT_TENSOR.match(ckpt.format(0)) if "{}" in ckpt else None
+            if m:
+                moe.setdefault(f"{m[1]}.experts", {})[m[3]] = (qtype, ckpt)
+                continue
+            where = _slot(model, ckpt)
+            if where is not None and hasattr(modules.get(where[0]), "set_quant_method"):
+                slots.setdefault(where[0], {})[where[1]] = (qtype, ckpt)
+        wants: set[str] = set()
+        logged: set[tuple[Q, str]] = set()
+
+        def method(layer: nn.Module, typed: list[tuple[Q, str]]) -> GGUFMethod | None:
+            types = [t for t, _ in typed]
+            target = _target(self.mode, types, layer.in_features)
+            if target is None:
+                return None
+            for t, ckpt in typed:
+                if (t, target) not in logged:
+                    logged.add((t, target))
+                    logger.info("GGUF %s weights -> %s", t.name, _how(t, target,
+                                                                     layer.in_features))
+                if target == "int4" and t in INT4_EXACT:
+                    wants.add(ckpt)
+            return GGUFMethod(types, target, self.keep_dense, self.dtype)
+
+        count = 0
+        for name, typed in slots.items():
+            layer = modules[name]
+            if name.endswith(".gate") or name.endswith("shared_expert_gate"):
+                continue  # MoE routers stay dense, as with on-the-fly quantization
+            if None in typed:  # one tensor for every slot (Phi-3's attn_qkv)
+                ordered = [typed[None]]
+            elif sorted(typed) == list(range(len(layer.shards))):
+                ordered = [typed[s] for s in sorted(typed)]
+            else:
+                continue  # slots not all in the file: load_weights reports what is missing
+            chosen = method(layer, ordered)
+            if chosen is not None:
+                layer.set_quant_method(chosen)
+                count += 1
+        if not self.keep_dense:  # experts stay dense in auto mode, as before
+            for name, projs in moe.items():
+                gate_up = [projs.get(p) for p in ("gate_proj", "w1", "up_proj", "w3")]
+                gate_up = [t for t in gate_up if t is not None]
+                down = projs.get("down_proj") or projs.get("w2")
+                if len(gate_up) != 2 or down is None or name not in modules:
+                    continue
+                count += modules[name].quantize_experts(
+                    lambda layer, g=gate_up, d=down: method(
+                        layer, g if len(layer.shards) == 2 else [d]))
+        logger.info("quantization %s: %d linear layers", self.fmt, count)
+        return wants
+
+
+def gguf_plan(requested: str | None, decode_weights: str, dtype: torch.dtype) -> GGUFPlan | None:
+    """--quantization int4|int8 on a GGUF: packed weights only; unset: the packed copies for
+    decode beside the dense weights (bf16 with decode_weights=auto), or nothing."""
+    if requested is not None:
+        if requested not in ("int4", "int8"):
+            raise ValueError(f"quantization={requested!r} is not available for a GGUF (its "
+                             "weights are integer codes): use int4 or int8, or omit it for the "
+                             "dense weights with low-bit copies for decode")
+        return GGUFPlan(requested, dtype)
+    if decode_weights == "auto" and dtype == torch.bfloat16:
+        return GGUFPlan("auto", dtype)
+    return None
+

@@ -1,0 +1,231 @@
+"""GGUF weights kept quantized (octavo/model/quant/gguf.py).
+
+1. Q4_0, Q4_1 and Q4_K codes copied into torch's int4 layout give back the GGUF's own
+   dequantization: to float32 rounding in float32, to the bf16 rounding of scale and zero in
+   bf16, on random valid blocks (random bytes, finite f16 scales).
+2. Q8_0 goes to int8 per output channel (octavo's int8 kernel has one scale per row): within half
+   a per-row step of the GGUF's weights.
+3. A tiny Llama written as a GGUF with Q4_0 (q/k, whose rows llama.cpp permutes), Q4_1, Q4_K and
+   Q8_0 tensors: each GGML type's choice is logged once; int8 and the bf16 decode copies agree
+   with dense by the top-5 criterion; with only 4-bit types, --quantization int4 in float32 gives
+   the dense path's greedy tokens and prompt logprobs; --quantization fp8 on a GGUF is refused.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGUFWriter
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from octavo.arch_config import ArchConfig
+from octavo.model.loader.gguf_weights import iterate_gguf_weights
+from octavo.model.quant.packed import Int4Packed, quantize_int8
+
+NAME = "model.layers.0.mlp.up_proj.weight"
+
+
+def _random_blocks(qtype: Q, nb: int, seed: int) -> np.ndarray:
+    """Random bytes with finite f16 scales (d, and m / dmin where the type has one)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (nb, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    scales = {Q.Q4_0: 1, Q.Q4_1: 2, Q.Q4_K: 2, Q.Q8_0: 1}[qtype]
+    blocks[:, :2 * scales] = rng.uniform(-0.05, 0.05, (nb, scales)).astype(np.float16) \
+        .view(np.uint8)
+    return blocks
+
+
+def _load(tmp_path, qtype: Q, blocks: np.ndarray, shape: tuple[int, int]):
+    """Write one GGUF tensor and read it back: (dense weight, codes or None)."""
+    path = tmp_path / "w.gguf"
+    writer = GGUFWriter(str(path), "qwen2")
+    raw = blocks.reshape(shape[0], -1)
+    writer.add_tensor("blk.0.ffn_up.weight", raw, raw_shape=raw.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cfg = ArchConfig(architecture="Qwen2ForCausalLM", vocab_size=8, hidden_size=shape[1],
+                     intermediate_size=shape[0], num_layers=1, num_heads=2, num_kv_heads=2,
+                     head_dim=shape[1] // 2, max_position_embeddings=64, gguf_arch="qwen2")
+    codes = {NAME} if qtype != Q.Q8_0 else set()
+    out = dict(iterate_gguf_weights(path, cfg, codes=codes))
+    reference = dequantize(raw, qtype).reshape(shape)
+    assert np.array_equal(out[NAME].numpy(), reference)
+    stem = NAME.removesuffix("weight")
+    parts = [out.get(stem + k) for k in ("gguf_q4", "gguf_q4_scale", "gguf_q4_low")]
+    return torch.from_numpy(reference), (None if parts[0] is None else parts)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+def test_int4_codes_give_back_the_gguf_weights(tmp_path, qtype):
+    shape = (40, 512)  # 40 rows: the kernel's tail block (N % 64) and row padding are used
+    nb = shape[0] * shape[1] // {Q.Q4_K: 256}.get(qtype, 32)
+    w, (q, scale, low) = _load(tmp_path, qtype, _random_blocks(qtype, nb, int(qtype)), shape)
+    assert q.dtype == torch.uint8 and q.shape == shape and int(q.max()) <= 15
+    assert scale.shape == low.shape == (shape[0], shape[1] // 32)
+    exact = Int4Packed.from_affine(q, scale, low, 32, torch.float32)
+    got = exact.dequantize(0, shape[0], torch.float32)
+    torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6 * float(w.abs().max()))
+    x = torch.randn(3, shape[1])
+    torch.testing.assert_close(exact.matmul(x), x @ w.t(), rtol=1e-4, atol=1e-4)
+    # bf16: scale and torch's zero (8 * scale + low) rounded to bf16, nothing else
+    bf16 = Int4Packed.from_affine(q, scale, low, 32, torch.bfloat16)
+    got = bf16.dequantize(0, shape[0], torch.float32)
+    sz = bf16.scales_zeros[:, :shape[0]].float().transpose(0, 1).repeat_interleave(32, 1)
+    expected = (q.float() - 8) * sz[..., 0] + sz[..., 1]
+    assert torch.equal(got, expected)
+    bound = ((q.float() - 8).abs() * scale.abs().repeat_interleave(32, 1)
+             + (8 * scale + low).abs().repeat_interleave(32, 1)) * 2 ** -8
+    assert ((got - w).abs() <= bound + 1e-12).all()
+    assert (got - w).abs().max() > 0  # bf16 did round something
+    assert w.abs().max() > 0.1  # the random codes and scales were really used
+
+
+def test_q8_0_goes_to_int8_per_channel_within_half_a_step(tmp_path):
+    shape = (48, 256)
+    blocks = _random_blocks(Q.Q8_0, shape[0] * shape[1] // 32, 7)
+    w, codes = _load(tmp_path, Q.Q8_0, blocks, shape)
+    assert codes is None
+    packed = quantize_int8(w, torch.float32)
+    got = packed.dequantize(0, shape[0], torch.float32)
+    step = w.abs().amax(1, keepdim=True) / 127
+    assert ((got - w).abs() <= step / 2 + 1e-7).all()
+    assert packed.q.shape[0] == 1 and packed.zero_term is None  # one scale per row
+
+
+def _qtypes(name: str) -> Q | None:
+    """The GGML type of each tiny-model tensor: each mapping in use."""
+    if not name.startswith("blk.") or not name.endswith(".weight") or "norm" in name:
+        return None
+    for part, qtype in (("attn_q", Q.Q4_0), ("attn_k", Q.Q4_0), ("attn_v", Q.Q8_0),
+                        ("attn_output", Q.Q4_K), ("ffn_gate", Q.Q4_1), ("ffn_up", Q.Q4_1),
+                        ("ffn_down", Q.Q8_0)):
+        if f".{part}." in name:
+            return qtype
+    return None
+
+
+def _write_tiny(path, qtypes) -> None:
+    import transformers
+
+    from tests.model.gguf_convert import write_gguf
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.08 if p.dim() > 1 else 1 + 0.1 * torch.randn_like(p))
+    write_gguf(path, "llama", model, qtypes)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    _write_tiny(path, _qtypes)
+    return path
+
+
+def _generate(path, tokenizer, monkeypatch, tmp_path, **kw):
+    from octavo import LLM, SamplingParams
+
+    # the prepared-weights copies of this throwaway file stay out of the user's cache
+    monkeypatch.setattr("octavo.model.loader.prepared_cache.cache_dir", lambda: tmp_path)
+    prompts = [torch.randint(100, 49000, (n,), generator=torch.Generator().manual_seed(n))
+               .tolist() for n in (5, 17, 40)]
+    llm = LLM(str(path), tokenizer=str(tokenizer), max_model_len=256, kv_cache_memory=16 << 20,
+              max_num_batched_tokens=64, **kw)
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=5, prompt_logprobs=0)
+    return [o for o in llm.generate(prompts, params, use_tqdm=False)], llm
+
+
+def _top5_agree(a, b) -> None:
+    """Tokens equal, or at the first divergence each side's pick is in the other's top 5."""
+    for x, y in zip(a, b):
+        for j, (p, q) in enumerate(zip(x.outputs[0].token_ids, y.outputs[0].token_ids)):
+            if p != q:
+                assert p in y.outputs[0].logprobs[j] and q in x.outputs[0].logprobs[j]
+                break
+
+
+def test_tiny_gguf_int4_and_int8_agree_with_dense(tiny_gguf, smollm_oracle_folder, monkeypatch,
+                                             tmp_path, caplog):
+    from octavo.model.quant.gguf import GGUFMethod
+    from octavo.model.quant.packed import Int8Packed
+
+    dense, _ = _generate(tiny_gguf, smollm_oracle_folder, monkeypatch, tmp_path,
+                         dtype="float32")
+    with caplog.at_level(logging.INFO, logger="octavo.model.quant.gguf"):
+        _, llm = _generate(tiny_gguf, smollm_oracle_folder, monkeypatch, tmp_path,
+                              dtype="float32", quantization="int4")
+    model = llm.engine.client.core.executor.worker.runner.model
+    for lin in (model.model.layers[1].self_attn.qkv_proj, model.model.layers[1].mlp.down_proj):
+        assert isinstance(lin.quant_method, GGUFMethod) and lin.weight is None  # no dense copy
+        assert isinstance(lin.packed, Int4Packed)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF ")]
+    assert sorted(lines) == sorted([
+        "GGUF Q4_0 weights -> int4 group 32, its codes, scales and offsets copied (exact)",
+        "GGUF Q8_0 weights -> int4 group 32, re-quantized (min/max per 32) from the dequantized "
+        "weights",
+        "GGUF Q4_K weights -> int4 group 32, its codes, scales and offsets copied (exact)",
+        "GGUF Q4_1 weights -> int4 group 32, its codes, scales and offsets copied (exact)"]), lines
+    del llm
+    int8, llm = _generate(tiny_gguf, smollm_oracle_folder, monkeypatch, tmp_path,
+                          dtype="float32", quantization="int8")
+    model = llm.engine.client.core.executor.worker.runner.model
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj.packed, Int8Packed)
+    _top5_agree(int8, dense)  # (int4 re-quantizes the Q8_0 tensors: the next test is exact)
+
+
+def test_tiny_gguf_exact_int4_layers_give_dense_logprobs(tiny_gguf, smollm_oracle_folder,
+                                                        monkeypatch, tmp_path):
+    """Every quantized tensor Q4_0/Q4_1/Q4_K: the int4 path is the dense one to float32
+    rounding, so greedy tokens are equal and prompt logprobs agree to 1e-4."""
+    path = tmp_path / "tiny-q4.gguf"
+    four = {Q.Q8_0: Q.Q4_1}
+    _write_tiny(path, lambda n: four.get(_qtypes(n), _qtypes(n)))
+    dense, _ = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path, dtype="float32")
+    int4, _ = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path, dtype="float32",
+                        quantization="int4")
+    for a, b in zip(int4, dense):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        ours = torch.tensor([lp[t].logprob for lp, t in zip(a.prompt_logprobs[1:],
+                                                             a.prompt_token_ids[1:])])
+        theirs = torch.tensor([lp[t].logprob for lp, t in zip(b.prompt_logprobs[1:],
+                                                              b.prompt_token_ids[1:])])
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+def test_tiny_gguf_bf16_decode_copies_agree_with_dense(tiny_gguf, smollm_oracle_folder,
+                                                      monkeypatch, tmp_path):
+    from octavo.model.quant.base import UNQUANTIZED
+    from octavo.model.quant.packed import Int8Packed
+
+    fast, llm = _generate(tiny_gguf, smollm_oracle_folder, monkeypatch, tmp_path,
+                          dtype="bfloat16")
+    layer = llm.engine.client.core.executor.worker.runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.quant_method is UNQUANTIZED  # dense, with its copy
+    assert isinstance(layer.self_attn.qkv_proj.decode_weight, Int8Packed)  # widest slot: Q8_0 v
+    assert isinstance(layer.self_attn.o_proj.decode_weight, Int4Packed)  # Q4_K
+    assert isinstance(layer.mlp.gate_up_proj.decode_weight, Int4Packed)  # Q4_1
+    dense, _ = _generate(tiny_gguf, smollm_oracle_folder, monkeypatch, tmp_path,
+                         dtype="bfloat16", decode_weights="none")
+    _top5_agree(fast, dense)
+
+
+def test_fp8_on_a_gguf_is_refused(tiny_gguf):
+    from octavo.model.quant.gguf import GGUFPlan, gguf_plan
+
+    with pytest.raises(ValueError, match="quantization='fp8' is not available for a GGUF"):
+        gguf_plan("fp8", "auto", torch.bfloat16)
+    with pytest.raises(ValueError, match="must be int4 or int8"):
+        GGUFPlan("int2", torch.bfloat16)
+    assert gguf_plan(None, "none", torch.bfloat16) is None
+    assert gguf_plan(None, "auto", torch.float32) is None  # float32: dense only
