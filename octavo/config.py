@@ -117,25 +117,24 @@ _EAGLE_METHODS = ("eagle", "eagle3", "medusa", "mtp")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, given on the command line as one JSON object
-    (`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`)."""
+    (`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`, or
+    `'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}'`)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4  # longest n-gram matched against the earlier tokens
     prompt_lookup_min: int = 2  # shortest
-    model: str | None = None  # the draft model (method draft_model)
+    model: str | None = None  # the draft model (method draft_model): same tokenizer as the target
 
     def __post_init__(self) -> None:
         if self.method in _EAGLE_METHODS:
             raise ValueError(
                 f"speculative_config.method {self.method!r}: EAGLE-style heads (eagle, eagle3, "
                 f"medusa, mtp) are out of scope until real EAGLE weights exist for octavo's "
-                f"models; use method 'ngram'")
-        if self.method == "draft_model":
-            raise NotImplementedError(
-                "speculative_config.method 'draft_model' is not implemented yet; use 'ngram'")
-        if self.method != "ngram":
-            raise ValueError(f"speculative_config.method must be 'ngram', got {self.method!r}")
+                f"models; use method 'ngram' or 'draft_model'")
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', "
+                             f"got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(f"speculative_config.num_speculative_tokens must be in [1, 32], "
                              f"got {self.num_speculative_tokens}")
@@ -145,7 +144,10 @@ class SpeculativeConfig:
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"speculative_config.prompt_lookup_max must be >= prompt_lookup_min "
                              f"({self.prompt_lookup_min}), got {self.prompt_lookup_max}")
-        if self.model is not None:
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model is required for method 'draft_model' "
+                             "(a model with the target's tokenizer)")
+        if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config.model is only for method 'draft_model'")
 
     @classmethod
@@ -245,4 +247,5 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
         parser.add_argument_group("SpeculativeConfig").add_argument(
             "--speculative-config", default=None,
             help='speculative decoding as JSON, e.g. {"method": "ngram", '
-                 '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}')
+                 '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
+                 'or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}')

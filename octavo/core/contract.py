@@ -33,8 +33,9 @@ class CachedRequestData:
 
 @dataclass(slots=True)
 class GrammarBitmask:
-    """Tokens the constrained requests that sample this step may emit: request req_ids[i] may
-    emit token t when bit t % 32 of bitmask[i, t // 32] is set."""
+    """Tokens the constrained requests that sample this step may emit: row i belongs to request
+    req_ids[i], which may emit token t there when bit t % 32 of bitmask[i, t // 32] is set. A
+    request with draft tokens has one row per verified position, in order (its id repeats)."""
 
     req_ids: list[str]
     bitmask: np.ndarray  # [len(req_ids), ceil(vocab_size / 32)] int32
@@ -75,3 +76,6 @@ class ModelOutput:
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, TopLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)
+    # Draft-model speculation: request id -> the draft model's tokens to follow this step's last
+    # one, to be verified in a later step (their KV slots are the scheduler's lookahead).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

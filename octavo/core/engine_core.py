@@ -51,8 +51,11 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                             sliding_window)
         self.structured = StructuredOutputManager(grammar_backend)
-        proposer = NgramProposer(config.speculative) if config.speculative is not None else None
-        self.scheduler = Scheduler(config.scheduler, kv, max_model_len, self.structured, proposer)
+        spec = config.speculative
+        proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
+        lookahead = spec.num_speculative_tokens if spec is not None and proposer is None else 0
+        self.scheduler = Scheduler(config.scheduler, kv, max_model_len, self.structured, proposer,
+                                   lookahead)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -59,6 +59,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of each full block, chained
     num_cached_tokens: int | None = None  # prefix-cache hit when first scheduled
     stop_reason: int | str | None = None
+    draft_token_ids: list[int] = field(default_factory=list)  # the draft model's, for next step
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,11 +8,14 @@ freed and it goes back to the waiting queue, to be recomputed later. A constrain
 skipped while its grammar compiles; its matcher advances on every token it is given, and a grammar
 that has ended finishes it.
 
-Speculative decoding (n-gram) is the same rule: a decoding request is scheduled for 1 + its draft
-tokens (proposed here from its token ids); after verification, the positions of rejected drafts are
-given back by moving `num_computed_tokens` back (their blocks stay in the table and are written
-again by the next steps). Only real tokens are ever hashed into the prefix cache. Constrained
-requests get no drafts (they decode one token a step).
+Speculative decoding is the same rule: a decoding request is scheduled for 1 + its draft tokens
+(n-gram: proposed here from its token ids; draft model: the ones the worker's draft model proposed
+after the request's previous step); after verification, the positions of rejected drafts are given
+back by moving `num_computed_tokens` back (their blocks stay in the table and are written again by
+the next steps). Only real tokens are ever hashed into the prefix cache. A constrained request's
+drafts are cut to the prefix its grammar accepts. With a draft model, a request that samples this
+step also gets `lookahead` KV slots past its scheduled tokens: the draft model writes its own KV
+there (its layers share the target's blocks) while it proposes the next drafts.
 """
 from __future__ import annotations
 
@@ -72,7 +75,9 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  structured: StructuredOutputManager | None = None,
-                 proposer: NgramProposer | None = None) -> None:
+                 proposer: NgramProposer | None = None, lookahead: int = 0) -> None:
+        """proposer: n-gram drafts; lookahead: > 0 when a draft model proposes (its
+        num_speculative_tokens): drafts come in the worker's output, and slots for its KV."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -86,7 +91,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.peak_running = 0
         self.proposer = proposer
+        self.lookahead = lookahead
         self.spec_counts = [0, 0, 0]  # draft tokens, accepted, verifications
+
+    @property
+    def speculating(self) -> bool:
+        return self.proposer is not None or self.lookahead > 0
 
     # -- requests in and out ---------------------------------------------------------------------
 
@@ -155,9 +165,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            drafts = self._propose(req, budget) if self.proposer is not None else []
+            drafts = self._propose(req, budget) if self.speculating else []
             num_new += len(drafts)
-            new_blocks = self.kv.allocate_slots(req, num_new)
+            extra = self._lookahead(req, req.num_computed_tokens + num_new)
+            new_blocks = self.kv.allocate_slots(req, num_new + extra)
             while new_blocks is None:
                 # The tail of `running` has not been scheduled yet this step (it is at or after i).
                 victim = self.running.pop()
@@ -165,7 +176,7 @@ class Scheduler:
                 preempted.add(victim.req_id)
                 if victim is req:
                     break
-                new_blocks = self.kv.allocate_slots(req, num_new)
+                new_blocks = self.kv.allocate_slots(req, num_new + extra)
             if new_blocks is None:
                 break
             cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
@@ -184,7 +195,8 @@ class Scheduler:
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
-            if self.kv.allocate_slots(req, num_new, hits) is None:
+            extra = self._lookahead(req, num_hit + num_new)
+            if self.kv.allocate_slots(req, num_new + extra, hits) is None:
                 break
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens is None:  # count a prompt's lookup once, not per resume
@@ -203,7 +215,9 @@ class Scheduler:
             budget -= num_new
 
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            req = self.requests[req_id]
+            req.num_computed_tokens += n
+            req.draft_token_ids = []  # used now, or stale: the worker proposes again
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                self.max_num_batched_tokens - budget, finished, preempted,
@@ -211,16 +225,33 @@ class Scheduler:
 
     def _propose(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request: as many as the budget, max_tokens and
-        max_model_len leave room for after its one certain token; none for constrained ones."""
-        if (req.num_computed_tokens != req.num_tokens - 1
-                or req.sampling_params.structured_outputs is not None):
+        max_model_len leave room for after its one certain token; for a constrained request,
+        the prefix its grammar accepts."""
+        if req.num_computed_tokens != req.num_tokens - 1:
             return []
         room = min(budget, req.max_tokens - len(req.output_token_ids),
                    self.max_model_len - req.num_tokens) - 1
-        return self.proposer.propose(req.all_token_ids, room) if room > 0 else []
+        if room <= 0:
+            return []
+        if self.proposer is not None:
+            drafts = self.proposer.propose(req.all_token_ids, room)
+        else:
+            drafts = req.draft_token_ids[:room]
+        if drafts and req.sampling_params.structured_outputs is not None:
+            drafts = self.structured.valid_prefix(req.req_id, drafts)
+        return drafts
+
+    def _lookahead(self, req: Request, end: int) -> int:
+        """KV slots past `end` (the scheduled tokens' end) for the draft model: it writes the
+        token sampled this step and its drafts but the last (within max_model_len). None unless
+        the request samples this step."""
+        if not self.lookahead or end < req.num_tokens:
+            return 0
+        return max(0, min(self.lookahead, self.max_model_len - end))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.draft_token_ids = []  # the worker forgets the request, and its draft state
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -254,6 +285,8 @@ class Scheduler:
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
+            else:
+                req.draft_token_ids = out.draft_token_ids.get(req_id, [])
             outputs.append(EngineCoreOutput(
                 req_id, new_tokens, status.finish_reason if status else None,
                 req.stop_reason, out.logprobs.get(req_id), prompt_lp,

@@ -12,6 +12,11 @@ A spec with a `reasoning_end` rule is gated: its tokens are free until the rule 
 has ended (the end tag itself is free too), and the grammar applies from the next token. Where
 the rule requires the start tag (Qwen3), the first token may be either the start tag or one the
 grammar allows; any other first token means there is no reasoning, and it goes to the grammar.
+
+Speculative drafts: the scheduler keeps the prefix of a request's drafts that its grammar accepts
+(`valid_prefix`: accept, then roll back), and the bitmask has one row per verified position, each
+filled after accepting the drafts before it (then rolled back: matchers advance only on the
+tokens the request really emits). A gated request gets no drafts until its grammar applies.
 """
 from __future__ import annotations
 
@@ -41,6 +46,10 @@ class GrammarMatcher(Protocol):
 
     def is_terminated(self) -> bool:
         """The grammar has ended (a stop token was accepted): nothing more may follow."""
+
+    def rollback(self, num_tokens: int) -> object:
+        """Undo the last `num_tokens` accepted tokens (speculative drafts are tried, then
+        undone)."""
 
 
 class GrammarBackend(Protocol):
@@ -184,11 +193,28 @@ class StructuredOutputManager:
 
     # -- steps -----------------------------------------------------------------------------------
 
+    def valid_prefix(self, req_id: str, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the request's grammar accepts after its tokens so far
+        (nothing after a token that ends the grammar; none while a reasoning gate is open)."""
+        matcher = self._matchers.get(req_id)
+        if matcher is None:
+            return drafts
+        if req_id in self._gates:
+            return []
+        n = 0
+        for tok in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(tok):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return drafts[:n]
+
     def bitmask_for(self, sched: SchedulerOutput, requests: dict[str, Request]
                     ) -> GrammarBitmask | None:
         """The bitmask of the constrained requests that sample this step (those whose scheduled
         tokens reach their end; a prefill chunk short of it samples nothing), leaving out gated
-        requests while they reason."""
+        requests while they reason; one row per verified position of a request with drafts."""
         if not self._matchers:
             return None
         gates = self._gates
@@ -199,14 +225,29 @@ class StructuredOutputManager:
         if not ids:
             return None
         words = (self._backend.vocab_size + 31) // 32
-        bitmask = np.zeros((len(ids), words), np.int32)
-        for i, rid in enumerate(ids):
-            self._matchers[rid].fill_next_token_bitmask(bitmask, i)
+        spec = sched.spec_token_ids
+        row_ids = [rid for rid in ids for _ in range(1 + len(spec.get(rid, ())))]
+        bitmask = np.zeros((len(row_ids), words), np.int32)
+        i = 0
+        for rid in ids:
+            matcher = self._matchers[rid]
+            matcher.fill_next_token_bitmask(bitmask, i)
             gate = gates.get(rid)
             start = -1 if gate is None else gate.rule.start_id
             if 0 <= start < words * 32:  # the first token may also open the reasoning section
                 bitmask[i].view(np.uint32)[start >> 5] |= np.uint32(1 << (start & 31))
-        return GrammarBitmask(ids, bitmask)
+            i += 1
+            drafts = spec.get(rid, ())
+            for tok in drafts:  # valid_prefix checked them: each is accepted
+                matcher.accept_token(tok)
+                if matcher.is_terminated():  # the request ends at this draft: the row after it
+                    bitmask[i] = -1  # is never used, but must allow something
+                else:
+                    matcher.fill_next_token_bitmask(bitmask, i)
+                i += 1
+            if drafts:
+                matcher.rollback(len(drafts))
+        return GrammarBitmask(row_ids, bitmask)
 
     def accept(self, req_id: str, token: int) -> bool | None:
         """Advance a request's matcher by a sampled token: None when it has no grammar, else

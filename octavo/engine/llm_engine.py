@@ -39,6 +39,9 @@ class ModelSetup:
         arch = read_arch_config(source)
         resolved = time.perf_counter()
         tokenizer = load_tokenizer(source, config.model.tokenizer)
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model":
+            check_draft_tokenizer(spec.model, arch, tokenizer)
         logger.info("start-up: model files and config %.1f s, tokenizer %.1f s",
                     resolved - start, time.perf_counter() - resolved)
         max_model_len = config.model.max_model_len or arch.max_position_embeddings
@@ -56,6 +59,27 @@ class ModelSetup:
         """The structured-output backend for this tokenizer (built on first use, in the core's
         compile thread)."""
         return XgrammarBackend(self.tokenizer, self.arch.vocab_size, sorted(self.eos_token_ids))
+
+
+def check_draft_tokenizer(name: str, arch: ArchConfig, tokenizer: Any) -> None:
+    """A draft model must speak the target's tokens: the same vocabulary size and the same text
+    for every token id; else ValueError naming speculative_config.model."""
+    try:
+        source = resolve_model(name)
+        draft_arch = read_arch_config(source)
+        draft_tok = load_tokenizer(source)
+    except ValueError as exc:
+        raise ValueError(f"speculative_config.model: {exc}") from None
+    if draft_arch.vocab_size != arch.vocab_size:
+        raise ValueError(f"speculative_config.model {name!r} has a vocabulary of "
+                         f"{draft_arch.vocab_size} tokens, the target {arch.vocab_size}: a draft "
+                         f"model must share the target's tokenizer")
+    mine, theirs = tokenizer.get_vocab(), draft_tok.get_vocab()
+    if mine != theirs:
+        diff = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda kv: kv[1])[:3]
+        raise ValueError(f"speculative_config.model {name!r} has a different tokenizer from the "
+                         f"target's ({len(theirs)} vs {len(mine)} tokens; first differences: "
+                         f"{diff}): a draft model must share the target's tokenizer")
 
 
 class LLMEngine:

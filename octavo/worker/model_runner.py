@@ -3,7 +3,9 @@
 Speculative decoding: a request's draft tokens are scheduled after its last token, so the same
 forward pass computes them (a multi-token query over the existing context, like a prefill chunk);
 the logits at every position of its span are sampled by the request's own pipeline, each position
-after the drafts before it, and `spec.rejection.accept_drafts` keeps what is accepted.
+after the drafts before it, and `spec.rejection.accept_drafts` keeps what is accepted. With a draft
+model (`spec.draft`), the verification uses the draft's distribution of each draft, and after the
+step the draft model proposes the next step's drafts, which go back in the output.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from octavo.kernels.paged_attention import build_plan
 from octavo.model.context import ForwardContext, forward_context
 from octavo.worker.input_batch import InputBatch
 from octavo.worker.sampler import Sampler, SamplingBatch, gather_logprobs
+from octavo.worker.spec.draft import DraftModel
 from octavo.worker.spec.rejection import accept_drafts
 
 
@@ -32,10 +35,13 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, vocab_size)
         self.sampler = Sampler(seed, device)
         self.kv_caches: list[torch.Tensor] = []
+        self.drafter: DraftModel | None = None  # draft-model speculative decoding
 
     def update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             self.batch.remove(req_id)
+            if self.drafter is not None:
+                self.drafter.forget(req_id)
         for new in sched.new_requests:
             self.batch.add(new, self.eos_token_ids)
         for cached in sched.cached_requests:
@@ -90,9 +96,12 @@ class ModelRunner:
             token_idx = (ends[sample_idx] - num_pos)[entry_req] + entry_pos
             logits = self.model.compute_logits(hidden[torch.from_numpy(token_idx)])
             batch = b.sampling_batch(entry_rows, self.device, b.num_tokens[entry_rows] + entry_pos)
-            if sched.grammar is not None:  # constrained requests have no drafts: one entry
+            if sched.grammar is not None:  # one row per verified position
                 self._add_grammar(batch, sched.grammar,
                                   {req_ids[i]: int(e) for i, e in zip(sample_idx, first_entry)})
+            if self.drafter is not None and not batch.all_greedy:
+                self._add_draft_probs(batch, [req_ids[i] for i in sample_idx], req_drafts,
+                                      first_entry)
             tokens, top = self.sampler(logits, batch)
             tokens_np = tokens.cpu().numpy()
             emitted, emitted_idx = accept_drafts(tokens_np, req_drafts)
@@ -107,14 +116,41 @@ class ModelRunner:
                     logprobs[req_ids[i]] = TopLogprobs(
                         top.token_ids[sel, :k + 1], top.logprobs[sel, :k + 1], top.ranks[sel])
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, computed, seq_lens, starts, hidden)
-        return ModelOutput(req_ids, sampled_lists, logprobs, prompt_logprobs)
+        proposed = {}
+        if self.drafter is not None:
+            # The draft runs over this step's real tokens: the whole chunk of a request that
+            # did not sample, else up to and including the tokens it just emitted.
+            ends = np.where(sampling, b.num_tokens[rows], seq_lens)
+            proposed = self.drafter.propose(b, req_ids, rows, computed, ends, sampling)
+        return ModelOutput(req_ids, sampled_lists, logprobs, prompt_logprobs, proposed)
+
+    def _add_draft_probs(self, batch: SamplingBatch, ids: list[str], drafts: list[list[int]],
+                         first_entry: np.ndarray) -> None:
+        """Point the sampler at the draft model's q for each verified draft it proposed (random
+        rows; greedy rows and n-gram drafts need none)."""
+        entries, tokens, probs = [], [], []
+        for req_id, d, first in zip(ids, drafts, first_entry.tolist()):
+            q = self.drafter.draft_probs(req_id, d) if d else None
+            if q is not None:
+                entries.extend(range(first, first + len(d)))
+                tokens.extend(d)
+                probs.append(q)
+        if entries:
+            batch.draft_rows = torch.tensor(entries, device=self.device)
+            batch.draft_tokens = torch.tensor(tokens, device=self.device)
+            batch.draft_probs = torch.cat(probs)
 
     def _add_grammar(self, batch: SamplingBatch, grammar: GrammarBitmask,
                      row_of: dict[str, int]) -> None:
-        """Point the core's bitmask rows at the sampling rows `row_of` gives (every constrained
-        request in it samples this step: the core filled it for exactly those)."""
-        batch.grammar_rows = torch.tensor([row_of[rid] for rid in grammar.req_ids],
-                                          device=self.device)
+        """Point the core's bitmask rows at the sampling entries: `row_of` gives each request's
+        first (every constrained request in it samples this step: the core filled it for exactly
+        those), and a request with drafts has its next rows at its next entries."""
+        seen: dict[str, int] = {}
+        entries = []
+        for rid in grammar.req_ids:
+            entries.append(row_of[rid] + seen.get(rid, 0))
+            seen[rid] = seen.get(rid, 0) + 1
+        batch.grammar_rows = torch.tensor(entries, device=self.device)
         batch.grammar_bitmask = torch.from_numpy(grammar.bitmask).to(self.device)
 
     def _prompt_logprobs(self, req_ids: list[str], rows: np.ndarray, computed: np.ndarray,

@@ -2,7 +2,7 @@
 top-k/top-p/min-p, seeds.
 
 Everything is a tensor op over the whole batch. Random rows sample by exponential-noise argmax
-(argmax p_i / q_i with q_i ~ Exp(1) draws i with probability p_i). A seeded request draws its
+(argmax p_i / e_i with e_i ~ Exp(1) draws i with probability p_i). A seeded request draws its
 noise from a generator reseeded from (seed, output position), so its tokens do not depend on the
 batch it runs in, nor on preemption. A structured-output request's grammar bitmask is applied
 first, so the logprobs it returns are those of the distribution restricted to its grammar.
@@ -40,6 +40,11 @@ class SamplingBatch:
     max_num_logprobs: int | None  # None: no row asked for logprobs
     grammar_rows: torch.Tensor | None = None  # [G] int64: rows constrained by a grammar
     grammar_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32, bit set = allowed
+    # Speculative verification against a draft model's distribution (spec.rejection): row
+    # draft_rows[i] verifies draft token draft_tokens[i], drawn from draft_probs[i].
+    draft_rows: torch.Tensor | None = None  # [D] int64
+    draft_tokens: torch.Tensor | None = None  # [D] int64
+    draft_probs: torch.Tensor | None = None  # [D, V] float32
 
 
 class Sampler:
@@ -68,8 +73,13 @@ class Sampler:
             sampled = greedy_tokens
         else:
             probs = self.probabilities(logits, batch)
-            noise = self._exponential_noise(probs, batch.seeds)
-            sampled = torch.where(batch.greedy, greedy_tokens, (probs / noise).argmax(dim=-1))
+            noise = self.exponential_noise(probs, batch.seeds)
+            drawn = (probs / noise).argmax(dim=-1)
+            if batch.draft_rows is not None:
+                drawn[batch.draft_rows] = verify_drafts(
+                    probs[batch.draft_rows], noise[batch.draft_rows], batch.draft_tokens,
+                    batch.draft_probs)
+            sampled = torch.where(batch.greedy, greedy_tokens, drawn)
         top = None
         if raw_logprobs is not None:
             top = gather_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
@@ -89,13 +99,31 @@ class Sampler:
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
 
-    def _exponential_noise(self, probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
+    def exponential_noise(self, probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
+        """Exp(1) noise shaped like probs; a row with a seed draws from that seed alone."""
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seed in enumerate(seeds):
             if seed is not None:
                 self._row_generator.manual_seed(seed)
                 noise[row].exponential_(generator=self._row_generator)
         return noise
+
+
+def verify_drafts(probs: torch.Tensor, noise: torch.Tensor, drafts: torch.Tensor,
+                  draft_probs: torch.Tensor) -> torch.Tensor:
+    """Speculative sampling at D positions: keep draft token d (drawn from q = draft_probs) with
+    probability min(1, p(d) / q(d)), else draw from max(0, p - q) renormalized; the result is
+    distributed as p. probs, noise, draft_probs: [D, V]; drafts: [D]. The uniform draw is
+    exp(-noise[d]) (Exp(1) noise makes it uniform); on rejection p(d) < q(d), so the residual is
+    0 at d and the draw from it reads only the other positions' noise, independent of it."""
+    d = drafts.unsqueeze(1)
+    p_d = probs.gather(1, d).squeeze(1)
+    q_d = draft_probs.gather(1, d).squeeze(1)
+    accept = torch.exp(-noise.gather(1, d).squeeze(1)) * q_d < p_d
+    residual = (probs - draft_probs).clamp_(min=0)
+    empty = residual.sum(dim=-1, keepdim=True) <= 0  # p == q up to round-off: draw from p
+    residual = torch.where(empty, probs, residual)
+    return torch.where(accept, drafts, (residual / noise).argmax(dim=-1))
 
 
 def byte_mask_table(device: torch.device | str = "cpu") -> torch.Tensor:

@@ -9,14 +9,15 @@ import time
 import numpy as np
 import torch
 
-from octavo.arch_config import ArchConfig
+from octavo.arch_config import ArchConfig, read_arch_config
 from octavo.config import EngineConfig
 from octavo.core.contract import ModelOutput, SchedulerOutput
 from octavo.kernels import fused
 from octavo.model import decode_stack
 from octavo.model.loader import load_model
-from octavo.model_source import ModelSource
+from octavo.model_source import ModelSource, resolve_model
 from octavo.worker.model_runner import ModelRunner
+from octavo.worker.spec.draft import DraftModel
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class Worker:
                          "fp8_e4m3": torch.float8_e4m3fn}[config.cache.kv_cache_dtype]
         self.arch = arch
         self.runner: ModelRunner | None = None
+        self.draft_arch: ArchConfig | None = None  # speculative decoding's draft model
 
     def load_model(self) -> None:
         fused.enable_native(self.config.device.native_kernels if self.device.type == "cpu"
@@ -72,21 +74,53 @@ class Worker:
             model, self.device, sched.max_num_seqs, self.max_model_len,
             self.config.cache.block_size, self.arch.vocab_size, self.eos_token_ids,
             self.config.device.seed, self.arch.sliding_window)
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft_model":
+            self.runner.drafter = self._load_draft(spec.model, spec.num_speculative_tokens)
+
+    def _load_draft(self, name: str, k: int) -> DraftModel:
+        try:
+            source = resolve_model(name)
+            arch = read_arch_config(source)
+        except ValueError as exc:
+            raise ValueError(f"speculative_config.model: {exc}") from None
+        if arch.vocab_size != self.arch.vocab_size:
+            raise ValueError(f"speculative_config.model {name!r} has a vocabulary of "
+                             f"{arch.vocab_size} tokens, the target {self.arch.vocab_size}: a "
+                             f"draft model must share the target's tokenizer")
+        if self.arch.all_layers_sliding:
+            raise ValueError("speculative_config.model: a draft model with a target whose every "
+                             "layer slides (blocks behind the window are freed) is not supported")
+        start = time.perf_counter()
+        model = load_model(source, arch, self.dtype, self.device, self.max_model_len,
+                           self.config.model.decode_weights)
+        logger.info("loaded draft model %s (%s, %d layers) in %.1f s", name, arch.architecture,
+                    arch.num_layers, time.perf_counter() - start)
+        self.draft_arch = arch
+        return DraftModel(model, self.device, k, self.config.cache.block_size,
+                          self.config.device.seed, arch.sliding_window)
+
+    def _kv_layers(self) -> list[ArchConfig]:
+        """One entry per KV layer: the target's, then the draft model's (same blocks)."""
+        layers = [self.arch] * self.arch.num_layers
+        if self.draft_arch is not None:
+            layers += [self.draft_arch] * self.draft_arch.num_layers
+        return layers
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        a = self.arch
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * block_size * a.num_kv_heads * a.head_dim * elem * a.num_layers
+        return sum(2 * block_size * a.num_kv_heads * a.head_dim * elem for a in self._kv_layers())
 
     def init_kv_cache(self, kv_cache_memory: int, block_size: int) -> int:
         num_blocks = kv_cache_memory // self.kv_bytes_per_block(block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than one "
                              f"block ({self.kv_bytes_per_block(block_size)} bytes)")
-        a = self.arch
-        shape = (2, num_blocks, block_size, a.num_kv_heads, a.head_dim)
-        self.runner.kv_caches = [_zeros(shape, self.kv_dtype, self.device)
-                                 for _ in range(a.num_layers)]
+        caches = [_zeros((2, num_blocks, block_size, a.num_kv_heads, a.head_dim), self.kv_dtype,
+                         self.device) for a in self._kv_layers()]
+        self.runner.kv_caches = caches[:self.arch.num_layers]
+        if self.runner.drafter is not None:
+            self.runner.drafter.kv_caches = caches[self.arch.num_layers:]
         return num_blocks
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:

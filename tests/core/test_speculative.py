@@ -1,6 +1,7 @@
 """Speculative decoding in the core, with fake requests: n-gram drafts, the 1 + k scheduling,
 the rollback of rejected positions, limits (max_tokens, budget, max_model_len), the counters, and
-no leaked blocks."""
+no leaked blocks; draft-model drafts from the worker's output and their lookahead slots; grammar
+masking of drafts (valid prefix, one bitmask row per verified position)."""
 from __future__ import annotations
 
 import json
@@ -37,8 +38,15 @@ def test_config_is_checked_and_parsed_from_json():
     for method in ("eagle", "eagle3", "medusa", "mtp"):
         with pytest.raises(ValueError, match="EAGLE-style heads"):
             SpeculativeConfig(method=method)
-    with pytest.raises(NotImplementedError, match="draft_model"):
-        SpeculativeConfig.parse({"method": "draft_model", "model": "x"})
+    draft = SpeculativeConfig.parse({"method": "draft_model", "model": "x",
+                                     "num_speculative_tokens": 3})
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "x", 3)
+    with pytest.raises(ValueError, match="speculative_config.model is required"):
+        SpeculativeConfig.parse({"method": "draft_model"})
+    with pytest.raises(ValueError, match="speculative_config.model is only"):
+        SpeculativeConfig(model="x")
+    with pytest.raises(ValueError, match="speculative_config.method must be"):
+        SpeculativeConfig(method="lookahead")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="prompt_lookup_max"):
@@ -151,3 +159,68 @@ def test_cli_flag_reaches_the_config():
     assert EngineConfig.from_cli(parser.parse_args([])).speculative is None
     with pytest.raises(ValueError, match="speculative_config.method"):
         EngineConfig.from_cli(parser.parse_args(["--speculative-config", '{"method": "eagle"}']))
+
+
+def test_draft_model_drafts_come_from_the_output_with_lookahead_slots():
+    s = make_scheduler(num_blocks=32, block_size=4, max_model_len=40)
+    s.lookahead = 3
+    req = make_request("a", 6, max_tokens=40)
+    s.add_request(req)
+    out = s.schedule()  # the prompt: it samples, so 3 lookahead slots past its 6 tokens
+    assert out.spec_token_ids == {} and len(s.kv.blocks_of("a")) == 3  # 9 slots
+    s.update_from_output(out, ModelOutput(["a"], [[50]], draft_token_ids={"a": [51, 52, 53]}))
+    assert req.draft_token_ids == [51, 52, 53]
+    out = s.schedule()
+    assert out.spec_token_ids == {"a": [51, 52, 53]} and out.num_scheduled_tokens == {"a": 4}
+    assert req.draft_token_ids == []  # used
+    # 6 computed + 4 scheduled + 3 lookahead = 13 slots: 4 blocks
+    assert len(s.kv.blocks_of("a")) == 4
+    s.update_from_output(out, ModelOutput(["a"], [[51, 60]], draft_token_ids={"a": [61, 62]}))
+    assert req.output_token_ids == [50, 51, 60] and req.num_computed_tokens == 8
+    # A request not scheduled keeps its drafts; preemption drops them.
+    s._preempt(s.running.pop())
+    assert req.draft_token_ids == []
+    out = s.schedule()  # recomputed from scratch: no drafts to verify
+    assert out.spec_token_ids == {} and out.num_scheduled_tokens == {"a": 9}
+    s.update_from_output(out, ModelOutput(["a"], [[70]], draft_token_ids={"a": [1, 2, 3]}))
+    # Near max_model_len the drafts and the lookahead shrink to what is left.
+    req.output_token_ids += [80] * (40 - 2 - req.num_tokens)
+    req.num_computed_tokens = req.num_tokens - 1
+    req.draft_token_ids = [1, 2, 3]
+    out = s.schedule()
+    assert out.spec_token_ids == {"a": [1]}  # room: 40 - 38 - 1
+    assert len(s.kv.blocks_of("a")) * 4 >= 40 and len(s.kv.blocks_of("a")) == 10
+    s.abort_requests(["a"])
+    assert s.kv.pool.num_free_blocks == 32
+
+
+def test_grammar_keeps_the_drafts_it_accepts_and_masks_each_position():
+    from octavo.core.contract import SchedulerOutput
+    from octavo.core.structured import StructuredOutputManager
+    from octavo.params import StructuredOutputsParams
+    from tests.core.test_structured import FakeBackend, allowed_tokens
+
+    backend = FakeBackend()
+    manager = StructuredOutputManager(lambda: backend)
+    s = _spec_scheduler(k=3, num_blocks=16, block_size=4)
+    s.structured = manager
+    req = make_request("g", 4, max_tokens=10,
+                       structured_outputs=StructuredOutputsParams(choice=["abcd", "abxy"]))
+    s.add_request(req)
+    manager.wait_for_compiles(5)
+    assert s.finish_failed_grammars() == []
+    a, b, c, d, x, z = (ord(ch) for ch in "abcdxz")
+    assert s.structured.accept("g", a)
+    assert manager.valid_prefix("g", [b, c, z]) == [b, c]
+    assert manager.valid_prefix("g", [z]) == []
+    assert manager.valid_prefix("g", [b, x, ord("y"), 2, 5]) == [b, x, ord("y"), 2]  # EOS ends it
+    req.output_token_ids = [a]
+    req.num_computed_tokens = req.num_tokens
+    sched = SchedulerOutput([], [], {"g": 3}, 3, spec_token_ids={"g": [b, c]})
+    mask = manager.bitmask_for(sched, {"g": req})
+    assert mask.req_ids == ["g", "g", "g"]
+    assert [allowed_tokens(row) for row in mask.bitmask] == [[b], [c, x], [d]]
+    # The matcher is back where it was: only the real token a was accepted.
+    assert manager.valid_prefix("g", [b]) == [b]
+    assert allowed_tokens(manager.bitmask_for(
+        SchedulerOutput([], [], {"g": 1}, 1), {"g": req}).bitmask[0]) == [b]

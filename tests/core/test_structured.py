@@ -53,6 +53,13 @@ class ChoiceMatcher:
     def is_terminated(self) -> bool:
         return self.terminated
 
+    def rollback(self, num_tokens: int) -> None:
+        for _ in range(num_tokens):
+            if self.terminated:
+                self.terminated = False
+            else:
+                self.prefix.pop()
+
 
 class FakeBackend:
     """choice: each string's characters are its token ids; regex "fail" does not compile; a

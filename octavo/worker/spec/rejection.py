@@ -1,18 +1,23 @@
-"""Exact rejection sampling of draft tokens whose draft distribution is a point mass (n-gram).
+"""Exact rejection sampling of draft tokens: the leading run of accepted drafts, then the
+target's token at the first rejection (or the bonus token after the last draft).
 
 Speculative sampling accepts draft token d at a position with probability min(1, p(d) / q(d))
 and, on rejection, samples from max(0, p - q) renormalized, where p is the target distribution
 (the request's whole sampling pipeline applied to the target logits at that position) and q the
-draft distribution. For an n-gram draft q is a point mass on d, so: accept with probability p(d);
-on rejection sample from p with d removed, renormalized.
+draft distribution. The sampler draws each verified position's token so that it equals d exactly
+when d is accepted, and is the rejection's replacement otherwise; this module only keeps the
+leading matches.
 
-Drawing x ~ p at the position and accepting d when x == d does exactly that: P(accept) = p(d),
-and when x != d, x is distributed as p(x) / (1 - p(d)) over x != d. So verification reuses the
-sampler unchanged on every position of the verified span (greedy rows: d is accepted when it is
-the argmax, and the argmax is emitted otherwise, token for token what plain decoding emits; seeded
-rows draw from (seed, output position) as in plain decoding) and only this function is new: it
-keeps the leading run of matches and the target's token at the first mismatch (or the bonus token
-after the last draft).
+- A draft model's q is known (the worker keeps it from the proposal): `sampler.verify_drafts`
+  does the test and the residual draw for those positions.
+- An n-gram draft's q is a point mass on d: accept with probability p(d); on rejection sample
+  from p with d removed. Drawing x ~ p and accepting d when x == d does exactly that:
+  P(accept) = p(d), and when x != d, x is distributed as p(x) / (1 - p(d)) over x != d. So the
+  sampler runs unchanged on those positions.
+
+Greedy rows need neither: d is accepted when it is the argmax, and the argmax is emitted
+otherwise, token for token what plain decoding emits. Seeded rows draw from (seed, output
+position) as in plain decoding.
 """
 from __future__ import annotations
 

@@ -1,0 +1,153 @@
+"""The draft model of speculative decoding: a smaller model with the target's tokenizer, run in the
+worker right after each target step to propose the next step's drafts.
+
+Its KV layers share the target's blocks (one allocation holds both; the same block tables and
+slots address them), so the core's block accounting is the target's plus a few lookahead slots.
+Invariant: at the start of a step the draft's KV is valid wherever the target's is, positions
+[0, num_computed). After the target step the draft runs over the same real tokens from there: the
+scheduled ones that stay (a prefill chunk, or the last token and the accepted drafts) and the
+token just sampled, in one pass over the batch (its last position's logits give draft 1), then
+k - 1 single-token passes, each writing the previous draft's KV into the lookahead slots. A
+rejected draft's KV is rewritten by the next step's first pass, as the target's is.
+
+A request samples its drafts from the draft model's distribution q with its own temperature and
+top-k / top-p / min-p (greedy: the argmax); q is kept for the verification, which needs q(d).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from octavo.kernels import fused
+from octavo.kernels.paged_attention import build_plan
+from octavo.model.context import ForwardContext, forward_context
+from octavo.worker.input_batch import InputBatch, _mix
+from octavo.worker.sampler import Sampler, SamplingBatch
+
+_DRAFT_SALT = 0x5EED_D4AF  # draft noise is drawn apart from the target's at the same position
+
+
+class DraftModel:
+    def __init__(self, model: nn.Module, device: torch.device, num_speculative_tokens: int,
+                 block_size: int, seed: int, sliding_window: int | None = None) -> None:
+        self.model = model
+        self.device = device
+        self.k = num_speculative_tokens
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.kv_caches: list[torch.Tensor] = []  # one per draft layer, on the target's blocks
+        self.sampler = Sampler(seed ^ _DRAFT_SALT, device)
+        # request id -> (its drafts, q of each [num_drafts, V]); q only for random rows
+        self.proposed: dict[str, tuple[list[int], torch.Tensor | None]] = {}
+
+    def forget(self, req_id: str) -> None:
+        self.proposed.pop(req_id, None)
+
+    def draft_probs(self, req_id: str, drafts: list[int]) -> torch.Tensor | None:
+        """q of each of `drafts` (a prefix of what was proposed for the request), or None when
+        the request is greedy (or the drafts are not this model's)."""
+        tokens, q = self.proposed.get(req_id, ((), None))
+        if q is None or list(tokens[:len(drafts)]) != drafts:
+            return None
+        return q[:len(drafts)]
+
+    def _forward(self, input_ids: np.ndarray, positions: np.ndarray, query_lens: np.ndarray,
+                 seq_lens: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+        native = self.device.type == "cpu" and fused.native_ready()
+        plan = build_plan(query_lens, seq_lens, tables, self.block_size, device=self.device,
+                          native_decode=native)
+        sliding = None
+        if self.sliding_window is not None:
+            sliding = build_plan(query_lens, seq_lens, tables, self.block_size,
+                                 self.sliding_window, self.device, native)
+        with forward_context(ForwardContext(plan, self.kv_caches, sliding)):
+            return self.model(torch.from_numpy(input_ids).to(self.device),
+                              torch.from_numpy(positions).to(self.device))
+
+    @torch.inference_mode()
+    def propose(self, b: InputBatch, req_ids: list[str], rows: np.ndarray, computed: np.ndarray,
+                ends: np.ndarray, sampled: np.ndarray) -> dict[str, list[int]]:
+        """Run the draft over positions [computed, ends) of each scheduled request (its real
+        tokens of this step, including those just sampled) and propose up to k drafts for the
+        requests that sampled (`sampled`: bool per request), within their allocated slots.
+        rows: the requests' batch rows. Returns request id -> drafts."""
+        for req_id in req_ids:
+            self.forget(req_id)
+        slots = b.num_blocks[rows] * self.block_size
+        ends = np.minimum(ends, slots)  # the core allocates enough; never write past a table
+        query_lens = ends - computed
+        live = query_lens > 0
+        if not live.any():
+            return {}
+        rows, computed, ends, sampled, slots = (
+            rows[live], computed[live], ends[live], sampled[live], slots[live])
+        ids = [r for r, keep in zip(req_ids, live) if keep]
+        query_lens = query_lens[live]
+        # Draft 1 only where the pass reached the request's last token.
+        sampled &= ends >= b.num_tokens[rows]
+        starts = np.cumsum(query_lens) - query_lens
+        req_of_token = np.repeat(np.arange(len(rows)), query_lens)
+        positions = computed[req_of_token] + np.arange(int(query_lens.sum())) - starts[req_of_token]
+        hidden = self._forward(b.token_ids[rows[req_of_token], positions], positions, query_lens,
+                               ends, b.block_table[rows])
+        sel = np.flatnonzero(sampled)
+        if not len(sel):
+            return {}
+        rows, ends, slots, ids = rows[sel], ends[sel], slots[sel], [ids[i] for i in sel]
+        logits = self.model.compute_logits(hidden[torch.from_numpy(starts[sel] + query_lens[sel]
+                                                                   - 1)])
+        batch = _draft_batch(b, rows, self.device)
+        keep_q = not batch.all_greedy
+        tokens = np.zeros((len(rows), self.k), np.int64)
+        counts = np.zeros(len(rows), np.int64)
+        probs: list[torch.Tensor] = []  # step s: [active rows, V] (random rows only)
+        active = np.arange(len(rows))
+        for s in range(self.k):
+            if s:  # feed draft s at position ends - 1 + s; it needs that slot
+                active = active[ends[active] - 1 + s < slots[active]]
+                if not len(active):
+                    break
+                pos = ends[active] - 1 + s
+                hidden = self._forward(tokens[active, s - 1], pos, np.ones(len(active), np.int64),
+                                       pos + 1, b.block_table[rows[active]])
+                logits = self.model.compute_logits(hidden)
+                batch = _draft_batch(b, rows[active], self.device)
+            out, q = self._sample(logits, batch, b, rows[active], ends[active] + s, keep_q)
+            tokens[active, s] = out
+            counts[active] += 1
+            if q is not None:
+                probs.append(torch.zeros(len(rows), q.shape[1], device=self.device)
+                             .index_copy_(0, torch.from_numpy(active).to(self.device), q))
+        q_all = torch.stack(probs, dim=1) if probs else None  # [R, steps, V]
+        result = {}
+        for i, req_id in enumerate(ids):
+            drafts = tokens[i, :counts[i]].tolist()
+            result[req_id] = drafts
+            greedy = b.temperature[rows[i]] < 1e-5
+            self.proposed[req_id] = (drafts, None if greedy or q_all is None
+                                     else q_all[i, :counts[i]].clone())
+        return result
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, b: InputBatch,
+                rows: np.ndarray, positions: np.ndarray, keep_q: bool
+                ) -> tuple[np.ndarray, torch.Tensor | None]:
+        """One draft token per row (the one for token position `positions`), and q
+        ([rows, V]) when keep_q."""
+        greedy_tokens = logits.argmax(dim=-1)
+        if not keep_q:
+            return greedy_tokens.cpu().numpy(), None
+        q = Sampler.probabilities(logits, batch)
+        seeds = [None if b.params[r].seed is None else _mix(b.params[r].seed ^ _DRAFT_SALT, int(p))
+                 for r, p in zip(rows, positions)]
+        drawn = (q / self.sampler.exponential_noise(q, seeds)).argmax(dim=-1)
+        return torch.where(batch.greedy, greedy_tokens, drawn).cpu().numpy(), q
+
+
+def _draft_batch(b: InputBatch, rows: np.ndarray, device: torch.device) -> SamplingBatch:
+    """The part of the requests' sampling the draft uses: temperature and truncation."""
+    t = lambda a: torch.from_numpy(a[rows]).to(device)  # noqa: E731
+    greedy = b.temperature[rows] < 1e-5
+    return SamplingBatch(t(b.temperature), t(b.top_k), t(b.top_p), t(b.min_p), bool(greedy.all()),
+                         torch.from_numpy(greedy).to(device), [], None, None, None, None, None,
+                         None, None, None, None, None, None)
