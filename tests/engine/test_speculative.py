@@ -1,7 +1,8 @@
 """Speculative decoding (n-gram) end to end: the rejection sampler on synthetic logits keeps the
-target distribution; greedy and seeded outputs equal plain decoding token for token, batched, on
-SmolLM2 and on a tiny random Llama; logprobs and penalties per emitted token; preemption with a
-tiny KV budget; the block pool returns to idle."""
+target distribution (point-mass n-gram drafts, and drafts with a draft model's q); greedy and
+seeded outputs equal plain decoding token for token, batched, on SmolLM2 and on a tiny random
+Llama; logprobs and penalties per emitted token; preemption with a tiny KV budget; the block pool
+returns to idle."""
 from __future__ import annotations
 
 import numpy as np
@@ -51,6 +52,32 @@ def test_rejection_sampling_keeps_the_target_distribution(temperature, top_k):
     freq1 = np.bincount(accepted, minlength=vocab) / len(accepted)
     assert 0.5 * np.abs(freq1 - probs[1].numpy()).sum() < 0.03
     assert all(len(e) == 1 and e[0] != draft for e in emitted if e[0] != draft)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.8, 4)])
+def test_rejection_with_a_draft_distribution_keeps_the_target_distribution(temperature, top_k):
+    """A draft model's drafts: d ~ q at position 0 (q far from p), verified against q. The first
+    emitted token follows p0, d is accepted with probability sum_x min(p0(x), q(x)), and the
+    token after an accepted d follows p1."""
+    trials, vocab = 20000, 6
+    gen = torch.Generator().manual_seed(1)
+    logits0, logits1 = torch.randn(vocab, generator=gen), torch.randn(vocab, generator=gen)
+    q = torch.softmax(-logits0 * 1.5, dim=0)  # favours what the target finds unlikely
+    drafts = torch.multinomial(q, trials, replacement=True, generator=gen)  # [trials]
+    logits = torch.stack([logits0, logits1]).repeat(trials, 1)  # [2 * trials, V]
+    batch = _batch(2 * trials, temperature, top_k)
+    batch.draft_rows = torch.arange(0, 2 * trials, 2)
+    batch.draft_tokens = drafts
+    batch.draft_probs = q.expand(trials, vocab)
+    p = Sampler.probabilities(logits[:2].clone(), _batch(2, temperature, top_k))
+    tokens, _ = Sampler(2)(logits.clone(), batch)
+    emitted, _ = accept_drafts(tokens.numpy(), [[d] for d in drafts.tolist()])
+    freq0 = np.bincount([e[0] for e in emitted], minlength=vocab) / trials
+    assert 0.5 * np.abs(freq0 - p[0].numpy()).sum() < 0.02  # total variation
+    accepted = [e[1] for e in emitted if len(e) == 2]
+    assert abs(len(accepted) / trials - float(torch.minimum(p[0], q).sum())) < 0.015
+    freq1 = np.bincount(accepted, minlength=vocab) / len(accepted)
+    assert 0.5 * np.abs(freq1 - p[1].numpy()).sum() < 0.03
 
 
 def test_greedy_rejection_emits_the_argmax():
