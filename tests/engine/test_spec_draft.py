@@ -165,3 +165,26 @@ def test_grammar_with_speculation_equals_grammar_alone(tiny, plain, method):
     stats = llm.engine.client.stats()
     assert stats.spec_accepted_tokens > 0
     assert stats.kv_cache_usage == 0
+
+
+def test_layer_truncated_gguf_draft_on_smollm2(tmp_path, smollm_gguf, smollm_llm):
+    """tools/make_draft_model.py on the real GGUF: 2 of 30 layers, quantization and tokenizer
+    kept; as a draft it leaves greedy output unchanged. The draft is kept in the octavo cache,
+    so that its tokenizer and prepared weights are cached for the next run too."""
+    from octavo.arch_config import read_arch_config
+    from octavo.model_source import cache_dir, resolve_model
+
+    draft = cache_dir() / "drafts" / "smollm2-135m-instruct-2-layers.gguf"
+    if not draft.is_file():
+        draft.parent.mkdir(parents=True, exist_ok=True)
+        truncate(smollm_gguf, tmp_path / draft.name, 2).replace(draft)
+    arch = read_arch_config(resolve_model(str(draft)))
+    assert (arch.num_layers, arch.vocab_size) == (2, 49152)
+    assert draft.stat().st_size < smollm_gguf.stat().st_size / 2  # the embedding stays
+    llm = LLM(str(smollm_gguf), dtype="float32", max_model_len=512, kv_cache_memory=32 << 20,
+              speculative_config={"method": "draft_model", "model": str(draft),
+                                  "num_speculative_tokens": 3})
+    prompts = ["The capital of France is", "1, 2, 3, 4, 5,"]
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    assert _tokens(llm, prompts, greedy) == _tokens(smollm_llm, prompts, greedy)
+    assert llm.engine.client.stats().spec_num_drafts > 0
