@@ -29,12 +29,14 @@ class ModelConfig:
         "tokenizer folder, if not the model's own"))
     revision: str | None = field(default=None, metadata=_opt("hub revision for a hub id"))
     decode_weights: str = field(default="auto", metadata=_opt(
-        "auto: linear layers from 4/8-bit GGUF tensors keep an int4/int8 copy for small batches "
-        "(bf16 on the CPU); none: dense weights only", choices=["auto", "none"]))
+        "auto: linear layers from 2- to 8-bit GGUF tensors keep an int4/int8 copy, made from "
+        "the GGUF's codes, for small batches (bf16 on the CPU); none: dense weights only",
+        choices=["auto", "none"]))
     quantization: str | None = field(default=None, metadata=_opt(
         "quantize an unquantized safetensors checkpoint at load: int8 (per channel), int4 (per "
-        "group of 32), fp8 (e4m3 per channel, computed in bf16); default: what the checkpoint "
-        "has", choices=["int8", "int4", "fp8"]))
+        "group of 32), fp8 (e4m3 per channel, computed in bf16); on a GGUF, int4/int8 keep only "
+        "its codes in that layout, no dense weights; default: what the checkpoint has",
+        choices=["int8", "int4", "fp8"]))
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):

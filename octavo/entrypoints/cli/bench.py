@@ -5,7 +5,8 @@ that drift hits all alike; medians are reported, with ratios to the first backen
 `octavo`, `octavo-no-prefix-cache` (the same engine with prefix caching off), `octavo-structured`
 (a JSON schema on a fraction of the requests, see bench_structured), `transformers` and
 `llama.cpp` (see bench_peers); `--compare` adds the peers that are installed. Workloads come
-from bench_data (random, prefix, sharegpt).
+from bench_data (random, prefix, sharegpt). The engine's memory (weights, RSS, peak RSS:
+bench_memory) closes the table and goes in the JSON report.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from octavo.config import EngineConfig, add_engine_args
 from octavo.entrypoints.cli import bench_latency, bench_serve, bench_startup, bench_structured
 from octavo.entrypoints.cli.bench_data import Workload, add_dataset_args, build_workload
+from octavo.entrypoints.cli.bench_memory import memory_line, memory_report
 from octavo.entrypoints.cli.bench_peers import (LlamaCppBatcher, Run, load_transformers,
                                                 time_transformers)
 
@@ -244,6 +246,8 @@ def run_throughput(args: argparse.Namespace) -> int:
             sweep.append({"concurrency": level, **point})
     if sweep:
         report["sweep"] = sweep
+    report["memory"] = memory_report(llm)  # peak: of every backend run in this process
+    print(memory_line(report["memory"]))
     if args.plot:
         from octavo.entrypoints.cli.bench_plot import plot_sweep
 

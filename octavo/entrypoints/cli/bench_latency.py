@@ -1,6 +1,7 @@
 """`octavo bench latency`: one request at a time; time to first token, time per output token
 and end-to-end latency percentiles, optionally beside llama.cpp (`llama-cpp-python`) on the same
-GGUF and thread count."""
+GGUF and thread count. The table ends with the engine's memory (bench_memory: weights, RSS, peak
+RSS), so modes such as --quantization int4 can be compared."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,7 @@ import time
 import numpy as np
 
 from octavo.config import EngineConfig, add_engine_args
+from octavo.entrypoints.cli.bench_memory import memory_line, memory_report
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -121,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"speculative: {stats.spec_accepted_tokens} of {stats.spec_draft_tokens} draft "
               f"tokens accepted, mean acceptance length "
               f"{stats.spec_mean_acceptance_length:.2f}")
+    report["memory"] = memory_report(llm)  # peak: of every backend run in this process
+    print(memory_line(report["memory"]))
     if len(backends) > 1:
         a, b = (report["results"][x] for x in backends[:2])
         print(f"{backends[0]} / {backends[1]}: decode {a['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}x, "
