@@ -20,13 +20,24 @@ KW = dict(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20, num_threa
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, smollm_oracle_folder):
-    """The target (2 layers) and a 1-layer draft cut from it (same embeddings and head)."""
+    """The target (2 layers), a 1-layer draft cut from it (same embeddings and head), and an
+    unrelated draft of other shapes (hidden 32, 1 KV head of 16, 1 layer)."""
+    import transformers
+
     from tests.parity.test_tiny_models import _build
 
     root = tmp_path_factory.mktemp("spec-draft")
     target, _ = _build(root, smollm_oracle_folder, "llama-default")
     draft = truncate(target, root / "draft-1-layer", 1)
-    return target, draft
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    torch.manual_seed(1)
+    other = root / "draft-other-shape"
+    transformers.LlamaForCausalLM(config).save_pretrained(other, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target / f, other / f)
+    return target, draft, other
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +68,10 @@ def _tokens(llm, prompts, params):
                                                                  use_tqdm=False)]
 
 
-@pytest.mark.parametrize("which", ["same-model", "truncated"])
+@pytest.mark.parametrize("which", ["same-model", "truncated", "other-shape"])
 def test_greedy_equals_plain_decoding(tiny, plain, which):
-    target, cut = tiny
-    spec = _spec(target, target if which == "same-model" else cut)
+    target, cut, other = tiny
+    spec = _spec(target, {"same-model": target, "truncated": cut, "other-shape": other}[which])
     prompts = _prompts()
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, n=2, logprobs=2)
     outs, ref = spec.generate(prompts, greedy, use_tqdm=False), plain.generate(
@@ -76,7 +87,7 @@ def test_greedy_equals_plain_decoding(tiny, plain, which):
     if which == "same-model":  # the draft is the target: every draft is accepted
         assert stats.spec_accepted_tokens == stats.spec_draft_tokens
         assert stats.spec_mean_acceptance_length > 3
-    else:
+    elif which == "truncated":
         assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     # Stop strings cut the output where plain decoding cuts it.
     text = ref[0].outputs[0].text
@@ -87,7 +98,7 @@ def test_greedy_equals_plain_decoding(tiny, plain, which):
 
 
 def test_preemption_and_seeded_sampling(tiny, plain):
-    target, cut = tiny
+    target, cut, _ = tiny
     block = 2 * 16 * 2 * 16 * 4  # K and V, 16 tokens, 2 KV heads of 16, fp32: one layer
     spec = _spec(target, cut, k=4, kv_cache_memory=10 * 3 * block, max_model_len=128)
     assert spec.engine.client.core.num_blocks == 10  # target's 2 layers + the draft's 1
@@ -107,7 +118,7 @@ def test_preemption_and_seeded_sampling(tiny, plain):
 
 
 def test_a_draft_with_another_tokenizer_is_refused(tiny, tmp_path):
-    target, cut = tiny
+    target, cut, _ = tiny
     other = tmp_path / "other-vocab"
     shutil.copytree(cut, other)
     data = json.loads((other / "tokenizer.json").read_text())
@@ -130,7 +141,7 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny, tmp_path):
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_grammar_with_speculation_equals_grammar_alone(tiny, plain, method):
-    target, _ = tiny
+    target = tiny[0]
     spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
              "prompt_lookup_min": 1} if method == "ngram" else
             {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3})
