@@ -9,6 +9,8 @@
    Q8_0 tensors: each GGML type's choice is logged once; int8 and the bf16 decode copies agree
    with dense by the top-5 criterion; with only 4-bit types, --quantization int4 in float32 gives
    the dense path's greedy tokens and prompt logprobs; --quantization fp8 on a GGUF is refused.
+4. The same exactness through every layout change the loader undoes (GPT-2, GPT-NeoX, Phi-3,
+   Mixtral's permuted q/k and stacked experts).
 """
 from __future__ import annotations
 
@@ -229,3 +231,35 @@ def test_fp8_on_a_gguf_is_refused(tiny_gguf):
         GGUFPlan("int2", torch.bfloat16)
     assert gguf_plan(None, "none", torch.bfloat16) is None
     assert gguf_plan(None, "auto", torch.float32) is None  # float32: dense only
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gptneox-sequential", "phi3-longrope-partial",
+                                  "mixtral"])
+def test_every_layout_keeps_its_codes_in_place(tmp_path, smollm_oracle_folder, monkeypatch,
+                                               name):
+    """Each architecture's row reorderings (GPT-NeoX's q/k/v regrouping, Mixtral's llama q/k
+    permutation), GPT-2's [out, in] Conv1D codes, Phi-3's one qkv tensor and stacked MoE
+    experts: with every block weight Q4_0, int4 in float32 equals the dense path."""
+    from tests.model.gguf_convert import write_gguf
+    from tests.model.test_gguf_archs import CASES, _build
+
+    def q4(gguf_name: str) -> Q | None:  # routers and 1-D tensors stay float32
+        return Q.Q4_0 if gguf_name.startswith("blk.") and gguf_name.endswith(".weight") \
+            and "norm" not in gguf_name and "ffn_gate_inp" not in gguf_name else None
+
+    path = tmp_path / f"{name}.gguf"
+    write_gguf(path, CASES[name][0], _build(name), q4)
+    dense, _ = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path, dtype="float32")
+    int4, llm = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path, dtype="float32",
+                          quantization="int4")
+    model = llm.engine.client.core.executor.worker.runner.model
+    assert any(isinstance(getattr(m, "packed", None), Int4Packed) for m in model.modules())
+    moe = [m for m in model.modules() if hasattr(m, "quantize_experts")]
+    assert all(m.quantized is not None for m in moe)  # experts packed too (one Linear each)
+    for a, b in zip(int4, dense):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        ours = torch.tensor([lp[t].logprob for lp, t in zip(a.prompt_logprobs[1:],
+                                                             a.prompt_token_ids[1:])])
+        theirs = torch.tensor([lp[t].logprob for lp, t in zip(b.prompt_logprobs[1:],
+                                                              b.prompt_token_ids[1:])])
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
