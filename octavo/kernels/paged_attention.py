@@ -5,6 +5,8 @@ The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`;
 prefills (several); each group is padded to its longest query and context and run through one
 `scaled_dot_product_attention` call, so no Python loop runs over requests. With the C++ kernels
 loaded, decodes skip the padding: one call reads each request's keys in place from its blocks.
+So do short queries (speculative verification, a prompt's last few tokens): the kernel takes
+each of their tokens as a query of its own over the context up to and including it.
 """
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ import torch.nn.functional as F
 from octavo.kernels import fused
 
 SMALL_GROUP = 4  # requests; below this the matmul path computes in fp32
+# New tokens of a request up to which the in-place kernel takes each token as its own query;
+# longer prefill chunks share their key reads in one padded SDPA call instead.
+KERNEL_QUERY_LEN = 8
 
 
 @dataclass
@@ -29,11 +34,12 @@ class AttentionGroup:
 
 @dataclass
 class DecodeGroup:
-    """Single-token requests for the in-place kernel (no padding, no gathered copies)."""
+    """Queries for the in-place kernel (no padding, no gathered copies): one entry per query
+    token, which attends to its request's context up to and including itself."""
 
-    token_index: torch.Tensor  # [R] position of each request's query in the flat tokens
-    block_table: torch.Tensor  # [R, max_blocks]
-    seq_lens: torch.Tensor  # [R]
+    token_index: torch.Tensor  # [Q] position of each query in the flat tokens
+    block_table: torch.Tensor  # [Q, max_blocks] its request's blocks
+    seq_lens: torch.Tensor  # [Q] context length through the query token
     window: int | None
 
 
@@ -52,7 +58,8 @@ def build_plan(query_lens: np.ndarray, seq_lens: np.ndarray, block_table: np.nda
 
     query_lens[r]: tokens of request r computed this step; seq_lens[r]: its context length after
     this step; block_table[r]: its block ids (padded). Tokens are laid out request after request.
-    native_decode: single-token requests go to the C++ kernel (`fused.decode_attention`).
+    native_decode: the tokens of requests with at most KERNEL_QUERY_LEN new tokens go to the
+    C++ kernel (`fused.decode_attention`).
     """
     num_tokens = int(query_lens.sum())
     starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]])
@@ -62,15 +69,21 @@ def build_plan(query_lens: np.ndarray, seq_lens: np.ndarray, block_table: np.nda
     slots = block_table[req_of_token, pos // block_size] * block_size + pos % block_size
     groups, decode = [], None
     decodes = np.flatnonzero(query_lens == 1)
-    if native_decode and len(decodes):
-        used_blocks = -(-int(seq_lens[decodes].max()) // block_size)
-        decode = DecodeGroup(
-            torch.from_numpy(starts[decodes].astype(np.int64)).to(device),
-            torch.from_numpy(np.ascontiguousarray(block_table[decodes, :used_blocks],
-                                                  np.int64)).to(device),
-            torch.from_numpy(seq_lens[decodes].astype(np.int64)).to(device), sliding_window)
-        decodes = decodes[:0]
-    for members in (decodes, np.flatnonzero(query_lens > 1)):
+    prefills = np.flatnonzero(query_lens > 1)
+    if native_decode:
+        short = query_lens <= KERNEL_QUERY_LEN
+        in_kernel = short[req_of_token]
+        if in_kernel.any():
+            token_req = req_of_token[in_kernel]
+            used_blocks = -(-int(seq_lens[short].max()) // block_size)
+            decode = DecodeGroup(
+                torch.from_numpy(np.flatnonzero(in_kernel)).to(device),
+                torch.from_numpy(np.ascontiguousarray(block_table[token_req, :used_blocks],
+                                                      np.int64)).to(device),
+                torch.from_numpy((pos[in_kernel] + 1).astype(np.int64)).to(device),
+                sliding_window)
+            decodes, prefills = decodes[:0], np.flatnonzero(~short)
+    for members in (decodes, prefills):
         if len(members):
             groups.append(_group(members, query_lens, seq_lens, starts, block_table, block_size,
                                  num_tokens, sliding_window, device))

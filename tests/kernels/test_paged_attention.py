@@ -35,9 +35,10 @@ def test_mixed_batch_matches_dense(block_size, window, softcap, dim, native, nat
     fused.enable_native(native)
     rng = np.random.default_rng(block_size)
     heads, kv_heads = 6, 2
-    # (already computed, computed now): decodes, fresh prefills, later chunks, block edges.
+    # (already computed, computed now): decodes, fresh prefills, later chunks, block edges,
+    # short queries over a context (speculative verification: the kernel takes their tokens).
     reqs = [(0, 1), (7, 1), (block_size, 1), (0, 9), (block_size - 1, 2 * block_size + 1),
-            (3 * block_size, block_size), (0, block_size)]
+            (3 * block_size, block_size), (0, block_size), (5, 3), (2 * block_size + 3, 5)]
     num_blocks = 64
     cache = torch.zeros(2, num_blocks, block_size, kv_heads, dim)
     perm = rng.permutation(num_blocks)  # scattered, non-contiguous blocks
