@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the CLI imports this module; torch loads only with an engine
+    import torch
 
 
 def _status_kb(pid: int, field: str) -> int:
