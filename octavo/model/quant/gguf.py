@@ -101,7 +101,7 @@ class GGUFMethod(QuantMethod):
         self.types, self.target, self.keep_dense, self.dtype = types, target, keep_dense, dtype
 
     def create_weights(self, layer: nn.Module) -> None:
-        if self.keep_dense:  # (made after the model, outside its default dtype: say it)
+        if self.keep_dense:  # created after the model, outside its default dtype
             layer.weight = nn.Parameter(torch.empty(sum(layer.shards), layer.in_features,
                                                     dtype=self.dtype), requires_grad=False)
         else:
