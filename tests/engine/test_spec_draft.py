@@ -117,6 +117,20 @@ def test_preemption_and_seeded_sampling(tiny, plain):
     assert spec.engine.client.stats().kv_cache_usage == 0
 
 
+def test_sampled_drafts_from_the_target_itself_are_all_accepted(tiny):
+    """With the target as its own draft, q equals p at every verified position (same sampling
+    settings on the same logits), so min(1, p/q) = 1: every draft is accepted. A q kept for the
+    wrong position or request would reject some."""
+    target = tiny[0]
+    spec = _spec(target, target, k=4)
+    params = [SamplingParams(max_tokens=16, temperature=t, top_k=k, ignore_eos=True, n=2)
+              for t, k in ((1.0, 0), (0.8, 50))]
+    spec.generate(_prompts()[:2] * 2, params * 2, use_tqdm=False)
+    stats = spec.engine.client.stats()
+    assert stats.spec_draft_tokens > 40
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+
+
 def test_a_draft_with_another_tokenizer_is_refused(tiny, tmp_path):
     target, cut, _ = tiny
     other = tmp_path / "other-vocab"
