@@ -96,6 +96,8 @@ class Worker:
                            self.config.model.decode_weights)
         logger.info("loaded draft model %s (%s, %d layers) in %.1f s", name, arch.architecture,
                     arch.num_layers, time.perf_counter() - start)
+        if self.device.type == "cpu" and not self.config.device.enforce_eager:
+            decode_stack.attach(model)  # its k - 1 single-token steps are decode steps
         self.draft_arch = arch
         return DraftModel(model, self.device, k, self.config.cache.block_size,
                           self.config.device.seed, arch.sliding_window)
