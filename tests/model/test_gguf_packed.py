@@ -111,7 +111,7 @@ def _qtypes(name: str) -> Q | None:
     return None
 
 
-def _write_tiny(path, qtypes) -> None:
+def _write_tiny(path, qtypes, tied: bool = True) -> None:
     import transformers
 
     from tests.model.gguf_convert import write_gguf
@@ -119,7 +119,7 @@ def _write_tiny(path, qtypes) -> None:
     config = transformers.LlamaConfig(
         vocab_size=49152, hidden_size=256, intermediate_size=512, num_attention_heads=4,
         num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256,
-        rms_norm_eps=1e-6, tie_word_embeddings=True)
+        rms_norm_eps=1e-6, tie_word_embeddings=tied)
     model = transformers.LlamaForCausalLM(config)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -220,6 +220,24 @@ def test_tiny_gguf_bf16_decode_copies_agree_with_dense(tiny_gguf, smollm_oracle_
     dense, _ = _generate(tiny_gguf, smollm_oracle_folder, monkeypatch, tmp_path,
                          dtype="bfloat16", decode_weights="none")
     _top5_agree(fast, dense)
+
+
+def test_untied_lm_head_is_packed_only_with_quantization(smollm_oracle_folder, monkeypatch,
+                                                         tmp_path):
+    """An untied Q8_0 output.weight with --quantization int8 (bf16): the head keeps only its
+    int8 copy, used for every batch (prompt logprobs: 40 rows), and agrees with dense bf16."""
+    from octavo.model.quant.packed import Int8Packed
+
+    path = tmp_path / "tiny-untied.gguf"
+    _write_tiny(path, lambda n: Q.Q8_0 if n == "output.weight" else _qtypes(n), tied=False)
+    packed, llm = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path,
+                            dtype="bfloat16", quantization="int8")
+    head = llm.engine.client.core.executor.worker.runner.model.lm_head
+    assert head.weight is None and isinstance(head.decode_weight, Int8Packed)
+    dense, _ = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path, dtype="bfloat16",
+                         decode_weights="none")
+    _top5_agree(packed, dense)
+    assert len(packed[2].prompt_logprobs) == 40
 
 
 def test_fp8_on_a_gguf_is_refused(tiny_gguf):

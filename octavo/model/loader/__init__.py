@@ -43,7 +43,7 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
         from octavo.model.loader.prepared_cache import load_prepared, prepared_path
         prepared = prepared_path(source, dtype, decode_weights, quantization)
         if load_prepared(model, prepared):
-            return model.eval()
+            return _finish(model, plan)
     bits: dict[str, int] = {}
     if source.is_gguf:
         from octavo.model.loader.gguf_weights import iterate_gguf_weights
@@ -56,11 +56,22 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
             plan.apply(model, safetensors_names(source.path))
         weights = iterate_safetensors_weights(source.path)
     model.load_weights(weights)
-    if decode_weights == "auto" and bits:
+    packed_only = getattr(plan, "keep_dense", True) is False  # a GGUF with int4|int8
+    if (decode_weights == "auto" or packed_only) and bits:
         _set_decode_bits(model, bits)
     if prepared is not None:
         from octavo.model.loader.prepared_cache import save_prepared
         save_prepared(model, prepared)
+    return _finish(model, plan)
+
+
+def _finish(model: nn.Module, plan) -> nn.Module:
+    """With a GGUF's packed weights only (--quantization int4|int8, whatever decode_weights
+    says), an untied LM head keeps its packed copy alone too (after the prepared weights were
+    saved with it dense, as the model is built)."""
+    head = getattr(model, "lm_head", None)
+    if getattr(plan, "keep_dense", True) is False and hasattr(head, "packed_only"):
+        head.packed_only()
     return model.eval()
 
 

@@ -33,8 +33,7 @@ _PACKED_ATTRS = {"decode_weight": "__decode__", "packed": "__packed__"}
 def prepared_path(source: ModelSource, dtype: torch.dtype, decode_weights: str,
                   quantization: str | None = None) -> Path:
     stat = source.path.stat()
-    # int4/int8 replace the linear layers' decode copies; decode_weights still sets the LM head's
-    mode = decode_weights if quantization is None else f"{quantization}+{decode_weights}"
+    mode = quantization or decode_weights  # a GGUF's int4/int8 ignore decode_weights
     h = hashlib.sha256()
     for part in (str(source.path.resolve()), stat.st_size, stat.st_mtime_ns, str(dtype),
                  mode, torch.__version__):

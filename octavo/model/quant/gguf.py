@@ -9,7 +9,7 @@ int8 per output channel (octavo's int8 kernel takes one scale per row, so Q8_0's
 not kept), Q2_K/Q3_K to int4 min/max per 32. Measured on Qwen2.5-0.5B's Q4_K_M file (relative
 Frobenius error against the GGUF's own weights): to int8 per channel Q8_0 1.8%, Q6_K 1.6%, Q5_0
 1.1%; to int4 min/max Q8_0 10.6%, Q5_0 8.5%, Q6_K 8.2% (Q4_K would be 4.3%; it is copied, 0%).
-Perplexity on that model: int8 +0.8%, int4 +7.9% (tests/model/test_quant_perplexity.py). A packed
+Perplexity on that model: int8 +0.9%, int4 +7.9% (tests/model/test_quant_perplexity.py). A packed
 layer takes the layout of its widest slot (q/k/v, gate/up). Each choice is logged once per GGML
 type at load.
 
