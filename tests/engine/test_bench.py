@@ -1,5 +1,5 @@
 """The bench tool: seeded workloads, the ShareGPT reader, llama.cpp's continuous batcher, the
-concurrency sweep and its plot."""
+concurrency sweep and its plot, --quantization and the memory figures."""
 from __future__ import annotations
 
 import argparse
@@ -94,3 +94,22 @@ def test_throughput_sweep_writes_json_and_plot(smollm_gguf, tmp_path):
     assert all(p["results"][0]["total_tokens_per_s"] > 0 for p in report["sweep"])
     assert report["sweep"][0]["results"][0]["peak_running_requests"] == 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    mem = report["memory"]  # the engine's: weights (float32 SmolLM2: about 0.5 GB), RSS, peak
+    assert 400 < mem["weights_mb"] < 700 and mem["peak_rss_mb"] >= mem["rss_mb"] > 0
+
+
+def test_latency_takes_quantization_and_reports_memory(smollm_gguf, tmp_path):
+    """--quantization int4 on the GGUF: packed weights only, so the weights the latency table
+    reports are well under bf16's (SmolLM2: dense bf16 about 270 MB)."""
+    out = tmp_path / "latency.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "octavo.entrypoints.cli.main", "--log-level", "warning", "bench",
+         "latency", "--model", str(smollm_gguf), "--dtype", "bfloat16", "--quantization", "int4",
+         "--max-model-len", "256", "--kv-cache-memory", "64MiB", "--input-len", "8",
+         "--output-len", "3", "--num-iters", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "memory: weights" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["results"]["octavo"]["decode_tokens_per_s"] > 0
+    assert 50 < report["memory"]["weights_mb"] < 200, report["memory"]
