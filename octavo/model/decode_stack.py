@@ -4,9 +4,11 @@ In a decode step every request brings one token, and for a small model the Pytho
 kernel costs as much as the kernel: about a dozen module calls and dispatches a layer, about
 3 ms a step for SmolLM2's 30 layers against roughly 5 ms of arithmetic. The stack runs the same
 kernels in the same order from C++ (the CPU analogue of replaying a captured CUDA graph), so it
-needs exactly what those kernels need; anything else (mixed prefill steps, sliding windows,
-softcaps, an fp8 KV cache, quantized checkpoints' packed weights, partial rotary, MoE layers,
-kernels not loaded yet) runs the Python layers. `--enforce-eager` turns it off.
+needs exactly what those kernels need: dense weights (with or without a GGUF's int4/int8 copy
+for small batches) or packed int4 / per-channel int8 weights alone (--quantization). Anything
+else (mixed prefill steps, sliding windows, softcaps, an fp8 KV cache, act-order or grouped int8
+weights, partial rotary, MoE layers, kernels not loaded yet) runs the Python layers.
+`--enforce-eager` turns it off.
 """
 from __future__ import annotations
 
@@ -44,10 +46,8 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
             return "a sliding window or attention softcap"
         if attn.o_proj.bias is not None:
             return "an o_proj bias"
-        for lin in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if lin.quant_method is not UNQUANTIZED:
-                return f"a {type(lin.quant_method).__name__} linear layer"
-            reason = _low_bit_reason(lin)
+        for lin in _linears(layer):
+            reason = _weight_reason(lin, layer.input_layernorm.weight.dtype)
             if reason is not None:
                 return reason
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
@@ -61,28 +61,51 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
     return None
 
 
-def _low_bit_reason(lin: Linear) -> str | None:
-    low = lin.decode_weight
+def _linears(layer: nn.Module) -> list[Linear]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def _weight_reason(lin: Linear, dtype: torch.dtype) -> str | None:
+    """What the stack cannot compute of a linear layer: a dense weight (the activation dtype)
+    with at most a low-bit copy for small batches beside it, or a packed weight alone (what
+    --quantization int4/int8 and packed checkpoints leave), either int4 or per-channel int8."""
+    dense = lin.weight is not None
+    if dense and lin.quant_method is not UNQUANTIZED and lin.decode_weight is not None:
+        return f"a {type(lin.quant_method).__name__} linear layer"
+    low = lin.decode_weight if dense else getattr(lin, "packed", None)
     if low is None:
-        return None
+        return None if dense else f"a {type(lin.quant_method).__name__} linear layer"
     if low.perm is not None:
-        return "a permuted low-bit copy"
+        return "a permuted (act-order) packed weight"
     if isinstance(low, Int4Packed):
-        return None if low.scales_zeros.dtype == lin.weight.dtype else "int4 scales in another dtype"
+        return None if low.scales_zeros.dtype == dtype else "int4 scales in another dtype"
     if isinstance(low, Int8Packed):
-        return None if low.q.shape[0] == 1 and low.zero_term is None else \
-            "a grouped or asymmetric int8 copy"
-    return f"a {type(low).__name__} copy"
+        if low.q.shape[0] != 1 or low.zero_term is not None:
+            return "a grouped or asymmetric int8 weight"
+        return None if dtype == torch.bfloat16 else "int8 weights with float32 activations"
+    return f"a {type(low).__name__} weight"
+
+
+def _row_limit(lin: Linear) -> int | None:
+    """The most rows the stack computes of `lin` as its Python layer does (None: any)."""
+    if lin.weight is not None:
+        return None
+    # Packed alone: the Python layer takes dequantized tiles above an int4 weight's dense_rows;
+    # octavo's int8 GEMV takes 1..8 rows.
+    return lin.packed.dense_rows if isinstance(lin.packed, Int4Packed) else 8
 
 
 def _linear(native: Any, lin: Linear) -> Any:
-    low = lin.decode_weight
+    low = lin.decode_weight if lin.weight is not None else lin.packed
     if isinstance(low, Int4Packed):
-        return native.StackLinear(lin.weight, lin.bias, 4, low.packed, low.scales_zeros,
-                                  low.group)
-    if isinstance(low, Int8Packed):
-        return native.StackLinear(lin.weight, lin.bias, 8, low.q[0], low.scale[0], 0)
-    return native.StackLinear(lin.weight, lin.bias, 0, None, None, 0)
+        kind, a, b, group = 4, low.packed, low.scales_zeros, low.group
+    elif isinstance(low, Int8Packed):
+        kind, a, b, group = 8, low.q[0], low.scale[0], 0
+    else:
+        kind, a, b, group = 0, None, None, 0
+    out = lin.weight.shape[0] if lin.weight is not None else low.out_features
+    return native.StackLinear(lin.weight, lin.bias, kind, a, b, group, out)
 
 
 class DecodeStack:
@@ -92,12 +115,17 @@ class DecodeStack:
         self.layers = layers
         self._stack: Any = None
         self._caches: list[torch.Tensor] | None = None
+        # Tokens a step may have (packed-only layers compute small batches only); None: any.
+        limits = [n for layer in layers for lin in _linears(layer)
+                  if (n := _row_limit(lin)) is not None]
+        self.max_tokens: int | None = min(limits) if limits else None
 
     def usable(self, x: torch.Tensor, plan: AttentionPlan, sliding: AttentionPlan | None,
                kv_caches: list[torch.Tensor]) -> bool:
         return (not plan.groups and plan.decode is not None and sliding is None
                 and fused.native_active(x) and kv_caches[0].dtype == x.dtype
-                and x.dtype == self.layers[0].input_layernorm.weight.dtype)
+                and x.dtype == self.layers[0].input_layernorm.weight.dtype
+                and (self.max_tokens is None or x.shape[0] <= self.max_tokens))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
                  kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -115,13 +143,12 @@ class DecodeStack:
                                    self.layers[0].input_layernorm.eps, first.attn.scale,
                                    rotary.cos, rotary.sin, MAX_ROWS)
         for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             stack.add_layer(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                 attn.q_norm.weight if attn.q_norm is not None else None,
                 attn.k_norm.weight if attn.k_norm is not None else None,
-                [_linear(native, lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                  mlp.down_proj)],
+                [_linear(native, lin) for lin in _linears(layer)],
                 kv_caches[attn.attn.layer_index])
         self._stack, self._caches = stack, kv_caches
 

@@ -9,6 +9,7 @@ import torch
 from octavo import LLM, SamplingParams
 from octavo.model import decode_stack
 from octavo.model.quant.decode_weights import make_decode_weight
+from octavo.model.quant.packed import Int4Packed
 from tests.parity.test_tiny_models import _build
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
@@ -104,3 +105,24 @@ def test_enforce_eager_turns_the_stack_off(tmp_path, smollm_oracle_folder):
     assert _model(llm).model.decode_stack is None
     with pytest.raises(ValueError, match="enforce_eager"):
         LLM(str(folder), enforce_eager="yes")
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_packed_only_gguf_layers_run_in_the_stack(smollm_gguf, mode):
+    """--quantization int4/int8 on a GGUF leaves packed weights alone (no dense copy): the stack
+    computes them too, for steps of at most the rows their kernels take."""
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+    llm = LLM(str(smollm_gguf), quantization=mode, max_model_len=512, kv_cache_memory=32 << 20,
+              enable_prefix_caching=False)
+    model = _model(llm)
+    stack = model.model.decode_stack
+    assert stack is not None
+    prompts = ["The capital of France is", "def add(a, b):"]
+    fused_out = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert stack.max_tokens == (Int4Packed.dense_rows if mode == "int4" else 8)
+    model.model.decode_stack = None
+    layered = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for a, b in zip(fused_out, layered):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x[t].logprob - y[t].logprob)
+                   for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids)) < 2e-2

@@ -607,18 +607,21 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
 // dispatches per layer around each of them (about 3 ms a step for a 30-layer model, a third of
 // a batch-1 decode step). octavo/model/decode_stack.py builds it and checks what it supports.
 struct StackLinear {
-  torch::Tensor dense;  // [N, K], the weight every batch size can use
+  torch::Tensor dense;  // [N, K], the weight every batch size can use; undefined: packed only
   torch::Tensor bias;   // [N] or undefined
-  int64_t kind = 0;     // low-bit copy for small batches: 0 none, 4 int4, 8 int8
+  int64_t kind = 0;     // packed weight: 0 none, 4 int4, 8 int8
   torch::Tensor low_a;  // int4: packed weight (N padded to 16); int8: codes [N, K]
   torch::Tensor low_b;  // int4: scales and zeros [K / group, N, 2]; int8: float scale per row
   int64_t group = 32;   // int4 group size
+  int64_t out = 0;      // N
 
+  // With a dense weight the packed one serves at most `max_low_rows` rows (decode); alone it
+  // serves every batch the stack is given (DecodeStack.max_tokens keeps those small).
   torch::Tensor operator()(const torch::Tensor& x, int64_t max_low_rows) const {
-    if (kind != 0 && x.size(0) <= max_low_rows) {
+    if (kind != 0 && (!dense.defined() || x.size(0) <= max_low_rows)) {
       auto y = kind == 4 ? at::_weight_int4pack_mm_for_cpu(x, low_a, group, low_b)
                          : int8_gemv(x, low_a, low_b);
-      if (y.size(1) != dense.size(0)) y = y.narrow(1, 0, dense.size(0));
+      if (y.size(1) != out) y = y.narrow(1, 0, out);
       return bias.defined() ? y + bias : y;
     }
     return bias.defined() ? at::linear(x, dense, bias) : at::linear(x, dense);
@@ -701,13 +704,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace);
   m.def("silu_and_mul", &silu_and_mul);
   py::class_<StackLinear>(m, "StackLinear")
-      .def(py::init([](torch::Tensor dense, c10::optional<torch::Tensor> bias, int64_t kind,
-                       c10::optional<torch::Tensor> low_a, c10::optional<torch::Tensor> low_b,
-                       int64_t group) {
+      .def(py::init([](c10::optional<torch::Tensor> dense, c10::optional<torch::Tensor> bias,
+                       int64_t kind, c10::optional<torch::Tensor> low_a,
+                       c10::optional<torch::Tensor> low_b, int64_t group, int64_t out) {
         TORCH_CHECK(kind == 0 || kind == 4 || kind == 8, "kind must be 0, 4 or 8");
         TORCH_CHECK(kind == 0 || (low_a && low_b), "a low-bit kind needs its tensors");
+        TORCH_CHECK(dense || kind != 0, "a linear needs a dense or a packed weight");
         StackLinear lin;
-        lin.dense = std::move(dense);
+        if (dense) lin.dense = *dense;
+        lin.out = out;
         if (bias) lin.bias = *bias;
         lin.kind = kind;
         if (low_a) lin.low_a = *low_a;
