@@ -123,5 +123,6 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M <= 8, K] times int8 weights q [N, K] with a float32 scale per row (C++ only)."""
+    """x [M <= 8, K] times int8 weights q [N, K] with float32 scales: one per row [N], or one
+    per group of inputs [N, G] (C++ only)."""
     return _native.int8_gemv(x.contiguous(), q, scale)

@@ -5,7 +5,7 @@ kernel costs as much as the kernel: about a dozen module calls and dispatches a 
 3 ms a step for SmolLM2's 30 layers against roughly 5 ms of arithmetic. The stack runs the same
 kernels in the same order from C++ (the CPU analogue of replaying a captured CUDA graph), so it
 needs exactly what those kernels need: dense weights (with or without a GGUF's int4/int8 copy
-for small batches) or packed int4 / per-channel int8 weights alone (--quantization). Anything
+for small batches) or packed int4 / per-channel or per-32 int8 weights alone (--quantization). Anything
 else (mixed prefill steps, sliding windows, softcaps, an fp8 KV cache, act-order or grouped int8
 weights, partial rotary, MoE layers, kernels not loaded yet) runs the Python layers.
 `--enforce-eager` turns it off.
@@ -26,7 +26,7 @@ from octavo.model.layers.rotary import RotaryEmbedding
 from octavo.model.models.llama import LlamaDecoderLayer, LlamaMLP
 from octavo.model.quant.base import UNQUANTIZED
 from octavo.model.quant.decode_weights import MAX_ROWS
-from octavo.model.quant.packed import Int4Packed, Int8Packed
+from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ def _weight_reason(lin: Linear, dtype: torch.dtype) -> str | None:
         return "a permuted (act-order) packed weight"
     if isinstance(low, Int4Packed):
         return None if low.scales_zeros.dtype == dtype else "int4 scales in another dtype"
+    if isinstance(low, Int8Grouped):
+        return None if dtype == torch.bfloat16 else "int8 weights with float32 activations"
     if isinstance(low, Int8Packed):
         if low.q.shape[0] != 1 or low.zero_term is not None:
             return "a grouped or asymmetric int8 weight"
@@ -102,6 +104,8 @@ def _linear(native: Any, lin: Linear) -> Any:
         kind, a, b, group = 4, low.packed, low.scales_zeros, low.group
     elif isinstance(low, Int8Packed):
         kind, a, b, group = 8, low.q[0], low.scale[0], 0
+    elif isinstance(low, Int8Grouped):  # scales [N, G]: the GEMV applies them per group
+        kind, a, b, group = 8, low.q, low.scale, 0
     else:
         kind, a, b, group = 0, None, None, 0
     out = lin.weight.shape[0] if lin.weight is not None else low.out_features

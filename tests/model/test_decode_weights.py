@@ -7,7 +7,7 @@ import torch
 
 from octavo import LLM, SamplingParams
 from octavo.model.quant.decode_weights import MAX_ROWS, make_decode_weight, small_batch_linear
-from octavo.model.quant.packed import Int4Packed, Int8Packed
+from octavo.model.quant.packed import Int4Packed, Int8Grouped, quantize_int8
 
 
 def _q4_weight(n: int, k: int) -> torch.Tensor:
@@ -46,10 +46,28 @@ def test_int8_kernel_matches_torch_kernel(native_kernels):
     from octavo.kernels import fused
 
     w, x = torch.randn(300, 96).bfloat16(), torch.randn(2, 96).bfloat16()
-    weight = make_decode_weight(w, 8)
+    weight = quantize_int8(w, torch.bfloat16)  # per channel
     ours = fused.int8_gemv(x, weight.q[0], weight.scale[0]).float()
     theirs = torch._weight_int8pack_mm(x, weight.q[0], weight.scale_dtype[0]).float()
     assert torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("group", [16, 32, 64])
+def test_grouped_int8_kernel_matches_its_dequantized_weight(native_kernels, rows, group):
+    """A scale per group of inputs (GGUF's Q8_0: 32), applied group by group in the GEMV."""
+    from octavo.kernels import fused
+
+    g = torch.Generator().manual_seed(group)
+    q = torch.randint(-127, 128, (200, 192), generator=g, dtype=torch.int8)
+    scale = torch.rand(200, 192 // group, generator=g) * 0.01 + 1e-4
+    x = torch.randn(rows, 192, generator=g).bfloat16()
+    w = (q.float().view(200, -1, group) * scale[..., None]).view(200, 192)
+    ref = x.float() @ w.t()
+    out = fused.int8_gemv(x, q, scale).float()
+    assert (out - ref).norm() / ref.norm() < 5e-3  # bf16 output rounding
+    with pytest.raises(RuntimeError, match="groups of a multiple of 16"):
+        fused.int8_gemv(x, q, torch.rand(200, 192 // 8))
 
 
 def test_only_small_bf16_batches_take_the_low_bit_path():
@@ -76,7 +94,7 @@ def test_decode_copies_exist_only_when_asked(bf16_pair):
     dense_model = dense.engine.client.core.executor.worker.runner.model
     layer = fast_model.model.layers[0]
     assert isinstance(layer.mlp.gate_up_proj.decode_weight, Int4Packed)  # Q4_1 source
-    assert isinstance(fast_model.lm_head.decode_weight, Int8Packed)  # tied Q8_0 embedding
+    assert isinstance(fast_model.lm_head.decode_weight, Int8Grouped)  # tied Q8_0 embedding
     assert dense_model.model.layers[0].mlp.gate_up_proj.decode_weight is None
 
 

@@ -92,3 +92,18 @@ def test_tiny_gguf_matches_transformers(tmp_path, smollm_oracle_folder, monkeypa
     ours = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
     expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert torch.allclose(ours, expected, atol=1e-4), (ours - expected).abs().max()
+
+
+def test_tensor_types_are_parsed_once_per_file(smollm_gguf, tmp_path, monkeypatch):
+    """GGUFReader parses the whole vocabulary (about 2 s for SmolLM2): a start that reads
+    prepared weights takes the tensor types from the cache instead."""
+    from octavo.arch_config import read_arch_config
+    from octavo.model.loader import gguf_weights
+    from octavo.model_source import ModelSource
+
+    monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path))
+    cfg = read_arch_config(ModelSource(smollm_gguf.name, smollm_gguf))
+    first = gguf_weights.gguf_tensor_types(smollm_gguf, cfg)
+    assert first["model.layers.0.self_attn.q_proj.weight"] == Q.Q4_1
+    monkeypatch.setattr(gguf_weights, "GGUFReader", lambda *a: pytest.fail("parsed again"))
+    assert gguf_weights.gguf_tensor_types(smollm_gguf, cfg) == first

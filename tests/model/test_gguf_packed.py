@@ -3,8 +3,8 @@
 1. Q4_0, Q4_1 and Q4_K codes copied into torch's int4 layout give back the GGUF's own
    dequantization: to float32 rounding in float32, to the bf16 rounding of scale and zero in
    bf16, on random valid blocks (random bytes, finite f16 scales).
-2. Q8_0 goes to int8 per output channel (octavo's int8 kernel has one scale per row): within half
-   a per-row step of the GGUF's weights.
+2. Q8_0 goes to int8 per 32 inputs: its codes and scales come back exactly from its dequantized
+   weights, and octavo's grouped int8 GEMV gives the dense product.
 3. A tiny Llama written as a GGUF with Q4_0 (q/k, whose rows llama.cpp permutes), Q4_1, Q4_K and
    Q8_0 tensors: each GGML type's choice is logged once; int8 and the bf16 decode copies agree
    with dense by the top-5 criterion; with only 4-bit types, --quantization int4 in float32 gives
@@ -25,7 +25,7 @@ from gguf.quants import dequantize
 
 from octavo.arch_config import ArchConfig
 from octavo.model.loader.gguf_weights import iterate_gguf_weights
-from octavo.model.quant.packed import Int4Packed, quantize_int8
+from octavo.model.quant.packed import Int4Packed
 
 NAME = "model.layers.0.mlp.up_proj.weight"
 
@@ -87,16 +87,27 @@ def test_int4_codes_give_back_the_gguf_weights(tmp_path, qtype):
     assert w.abs().max() > 0.1  # the random codes and scales were really used
 
 
-def test_q8_0_goes_to_int8_per_channel_within_half_a_step(tmp_path):
+def test_q8_0_goes_to_int8_per_32_exactly(tmp_path, native_kernels):
+    from octavo.model.quant.packed import quantize_int8_grouped
+
     shape = (48, 256)
     blocks = _random_blocks(Q.Q8_0, shape[0] * shape[1] // 32, 7)
+    codes8 = blocks[:, 2:].view(np.int8)  # as llama.cpp writes them: d = absmax / 127 >= 0, so
+    codes8[codes8 == -128] = -127  # each block's largest code is +-127 and none is -128
+    codes8[:, 5] = np.where(codes8[:, 5] < 0, -127, 127)
+    d = blocks[:, :2].view(np.float16)
+    d[:] = np.abs(d)
     w, codes = _load(tmp_path, Q.Q8_0, blocks, shape)
     assert codes is None
-    packed = quantize_int8(w, torch.float32)
-    got = packed.dequantize(0, shape[0], torch.float32)
-    step = w.abs().amax(1, keepdim=True) / 127
-    assert ((got - w).abs() <= step / 2 + 1e-7).all()
-    assert packed.q.shape[0] == 1 and packed.zero_term is None  # one scale per row
+    packed = quantize_int8_grouped(w, 32, torch.bfloat16)
+    assert torch.equal(packed.dequantize(0, shape[0], torch.float32), w)  # code for code
+    raw = blocks.reshape(shape[0], -1, 34)  # per block: f16 scale, then 32 int8 codes
+    assert torch.equal(packed.q, torch.from_numpy(raw[..., 2:].copy().view(np.int8)
+                                                  .reshape(shape)))
+    x = torch.randn(3, shape[1]).bfloat16()
+    ref = torch.nn.functional.linear(x.float(), w)
+    out = packed.matmul(x).float()  # octavo's grouped int8 GEMV
+    assert (out - ref).norm() / ref.norm() < 1e-2
 
 
 def _qtypes(name: str) -> Q | None:
@@ -160,7 +171,7 @@ def _top5_agree(a, b) -> None:
 def test_tiny_gguf_int4_and_int8_agree_with_dense(tiny_gguf, smollm_oracle_folder, monkeypatch,
                                              tmp_path, caplog):
     from octavo.model.quant.gguf import GGUFMethod
-    from octavo.model.quant.packed import Int8Packed
+    from octavo.model.quant.packed import Int8Grouped
 
     dense, _ = _generate(tiny_gguf, smollm_oracle_folder, monkeypatch, tmp_path,
                          dtype="float32")
@@ -182,7 +193,7 @@ def test_tiny_gguf_int4_and_int8_agree_with_dense(tiny_gguf, smollm_oracle_folde
     int8, llm = _generate(tiny_gguf, smollm_oracle_folder, monkeypatch, tmp_path,
                           dtype="float32", quantization="int8")
     model = llm.engine.client.core.executor.worker.runner.model
-    assert isinstance(model.model.layers[0].mlp.gate_up_proj.packed, Int8Packed)
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj.packed, Int8Grouped)
     _top5_agree(int8, dense)  # (int4 re-quantizes the Q8_0 tensors: the next test is exact)
 
 
@@ -208,13 +219,13 @@ def test_tiny_gguf_exact_int4_layers_give_dense_logprobs(tiny_gguf, smollm_oracl
 def test_tiny_gguf_bf16_decode_copies_agree_with_dense(tiny_gguf, smollm_oracle_folder,
                                                       monkeypatch, tmp_path):
     from octavo.model.quant.base import UNQUANTIZED
-    from octavo.model.quant.packed import Int8Packed
+    from octavo.model.quant.packed import Int8Grouped
 
     fast, llm = _generate(tiny_gguf, smollm_oracle_folder, monkeypatch, tmp_path,
                           dtype="bfloat16")
     layer = llm.engine.client.core.executor.worker.runner.model.model.layers[0]
     assert layer.self_attn.qkv_proj.quant_method is UNQUANTIZED  # dense, with its copy
-    assert isinstance(layer.self_attn.qkv_proj.decode_weight, Int8Packed)  # widest slot: Q8_0 v
+    assert isinstance(layer.self_attn.qkv_proj.decode_weight, Int8Grouped)  # widest: Q8_0 v
     assert isinstance(layer.self_attn.o_proj.decode_weight, Int4Packed)  # Q4_K
     assert isinstance(layer.mlp.gate_up_proj.decode_weight, Int4Packed)  # Q4_1
     dense, _ = _generate(tiny_gguf, smollm_oracle_folder, monkeypatch, tmp_path,
@@ -226,14 +237,14 @@ def test_untied_lm_head_is_packed_only_with_quantization(smollm_oracle_folder, m
                                                          tmp_path):
     """An untied Q8_0 output.weight with --quantization int8 (bf16): the head keeps only its
     int8 copy, used for every batch (prompt logprobs: 40 rows), and agrees with dense bf16."""
-    from octavo.model.quant.packed import Int8Packed
+    from octavo.model.quant.packed import Int8Grouped
 
     path = tmp_path / "tiny-untied.gguf"
     _write_tiny(path, lambda n: Q.Q8_0 if n == "output.weight" else _qtypes(n), tied=False)
     packed, llm = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path,
                             dtype="bfloat16", quantization="int8")
     head = llm.engine.client.core.executor.worker.runner.model.lm_head
-    assert head.weight is None and isinstance(head.decode_weight, Int8Packed)
+    assert head.weight is None and isinstance(head.decode_weight, Int8Grouped)
     dense, _ = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path, dtype="bfloat16",
                          decode_weights="none")
     _top5_agree(packed, dense)

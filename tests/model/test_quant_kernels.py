@@ -93,3 +93,19 @@ def test_unpack_orders():
     assert unpack_rows(words, 4).flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
     neg = torch.tensor([[-1]], dtype=torch.int32)  # all bits set: the sign must not leak
     assert unpack_cols(neg, 8).tolist() == [[255, 255, 255, 255]]
+
+
+def test_int8_restored_from_a_misaligned_buffer_runs_torchs_kernel():
+    """Prepared weights are mapped from a file at any 8-byte offset; torch's int8 kernel needs
+    its codes 64-byte aligned (it crashed on SmolLM2 with --quantization int8 at 64 rows)."""
+    w = torch.randn(96, 128)
+    packed = quantize_int8(w, torch.bfloat16)
+    parts = packed.tensors()
+    buf = torch.empty(parts["q"].numel() + 64, dtype=torch.int8)
+    start = next(i for i in range(64) if (buf.data_ptr() + i) % 64 == 40)
+    view = buf[start:start + parts["q"].numel()].view(parts["q"].shape)
+    view.copy_(parts["q"])
+    restored = Int8Packed.from_tensors({**parts, "q": view})
+    assert restored.q.data_ptr() % 64 == 0
+    x = torch.randn(64, 128).bfloat16()
+    assert torch.equal(restored.matmul(x), packed.matmul(x))

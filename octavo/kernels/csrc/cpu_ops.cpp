@@ -479,6 +479,38 @@ inline void int8_row(const int8_t* w, const float* xf, int64_t k, float* dots) {
     for (int r = 0; r < R; ++r) dots[r] += xf[r * k + i] * static_cast<float>(w[i]);
 }
 
+// The same with a scale per `group` inputs (GGUF's Q8_0: 32): each group's dot products are
+// summed, then scaled into the row's total.
+template <int R>
+inline void int8_row_grouped(const int8_t* w, const float* xf, int64_t k, int64_t group,
+                             const float* scales, float* dots) {
+#if defined(__AVX512F__)
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi) {
+    __m512 part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+    for (int64_t i = g0; i < g0 + group; i += 16) {
+      const __m512 wv = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i))));
+      for (int r = 0; r < R; ++r)
+        part[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + r * k + i), wv, part[r]);
+    }
+    const __m512 s = _mm512_set1_ps(scales[gi]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(part[r], s, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) dots[r] = _mm512_reduce_add_ps(acc[r]);
+#else
+  for (int r = 0; r < R; ++r) dots[r] = 0.f;
+  for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi)
+    for (int r = 0; r < R; ++r) {
+      float part = 0.f;
+      for (int64_t i = g0; i < g0 + group; ++i) part += xf[r * k + i] * static_cast<float>(w[i]);
+      dots[r] += part * scales[gi];
+    }
+#endif
+}
+
 template <typename T, int R>
 void int8_gemv_rows(torch::Tensor& out, const std::vector<float>& xf, const torch::Tensor& q,
                     const torch::Tensor& scale) {
@@ -486,6 +518,17 @@ void int8_gemv_rows(torch::Tensor& out, const std::vector<float>& xf, const torc
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   T* op = out.data_ptr<T>();
+  if (scale.dim() == 2) {  // [N, G]: a scale per group of k / G inputs
+    const int64_t groups = scale.size(1), group = k / groups;
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      float dots[R];
+      for (int64_t o = begin; o < end; ++o) {
+        int8_row_grouped<R>(qp + o * k, xf.data(), k, group, sp + o * groups, dots);
+        for (int r = 0; r < R; ++r) op[r * n + o] = static_cast<T>(dots[r]);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     float dots[R];
     for (int64_t o = begin; o < end; ++o) {
@@ -592,6 +635,10 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && q.is_contiguous() && scale.is_contiguous());
   TORCH_CHECK(q.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat);
   TORCH_CHECK(x.size(1) == q.size(1), "int8_gemv: inner sizes differ");
+  TORCH_CHECK(scale.size(0) == q.size(0) && (scale.dim() == 1 ||
+              (scale.dim() == 2 && q.size(1) % scale.size(1) == 0 &&
+               (q.size(1) / scale.size(1)) % 16 == 0)),
+              "int8_gemv: scale must be [N] or [N, G] with groups of a multiple of 16 inputs");
   TORCH_CHECK(x.size(0) <= 8, "int8_gemv: at most 8 rows");
   auto out = torch::empty({x.size(0), q.size(0)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_gemv", [&] {

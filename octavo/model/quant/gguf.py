@@ -4,12 +4,13 @@ Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m) and Q4_K (per 32 weights w = d * sc
 are 4-bit codes with a scale and an offset per 32 inputs: exactly torch's int4 layout with group
 32, so those codes and scales are copied over, not re-quantized (only scale and torch's zero,
 8 * scale + offset, are rounded to the activation dtype). The other types go to the nearest
-layout the kernels have, re-quantized from the dequantized weights: Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 to
-int8 per output channel (octavo's int8 kernel takes one scale per row, so Q8_0's scale per 32 is
-not kept), Q2_K/Q3_K to int4 min/max per 32. Measured on Qwen2.5-0.5B's Q4_K_M file (relative
-Frobenius error against the GGUF's own weights): to int8 per channel Q8_0 1.8%, Q6_K 1.6%, Q5_0
-1.1%; to int4 min/max Q8_0 10.6%, Q5_0 8.5%, Q6_K 8.2% (Q4_K would be 4.3%; it is copied, 0%).
-Perplexity on that model: int8 +0.9%, int4 +7.9% (tests/model/test_quant_perplexity.py). A packed
+layout the kernels have: Q8_0 (w = d * q, q in -127..127 per 32) to int8 with a scale per 32
+inputs (`Int8Grouped`), which re-quantizing its dequantized weights by absmax per 32 (Q8_0's own
+rule) gives back code for code; Q5_0/Q5_1/Q5_K/Q6_K to the same int8 per 32, re-quantized;
+Q2_K/Q3_K to int4 min/max per 32. Measured on Qwen2.5-0.5B's Q4_K_M file (relative Frobenius
+error against the GGUF's own weights): int8 per 32 Q8_0 0%, and before it existed, int8 per
+channel Q8_0 1.8%, Q6_K 1.6%, Q5_0 1.1%; int4 min/max Q8_0 10.6%, Q5_0 8.5%, Q6_K 8.2% (Q4_K
+would be 4.3%; it is copied, 0%). Perplexity on that model: tests/model/test_quant_perplexity.py. A packed
 layer takes the layout of its widest slot (q/k/v, gate/up). Each choice is logged once per GGML
 type at load.
 
@@ -29,7 +30,8 @@ from torch import nn
 
 from octavo.model.layers.moe import EXPERT_TENSOR
 from octavo.model.quant.base import UNQUANTIZED, QuantMethod, packed_apply
-from octavo.model.quant.packed import Int4Packed, PackedWeight, minmax_int4, quantize_int8
+from octavo.model.quant.packed import (Int4Packed, PackedWeight, minmax_int4, quantize_int8,
+                                      quantize_int8_grouped)
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +89,12 @@ def _how(qtype: Q, target: str, in_features: int) -> str:
         return "int4 group 32, its codes, scales and offsets copied (exact)"
     if target == "int4":
         return "int4 group 32, re-quantized (min/max per 32) from the dequantized weights"
-    reason = "" if in_features % GROUP == 0 else f" (in_features {in_features} is not a " \
-        "multiple of 32, the int4 group)"
-    return f"int8 per output channel, re-quantized from the dequantized weights{reason}"
+    if in_features % GROUP:
+        return (f"int8 per output channel, re-quantized from the dequantized weights "
+                f"(in_features {in_features} is not a multiple of 32)")
+    if qtype == Q.Q8_0:
+        return "int8 group 32, its codes and scales kept (exact)"
+    return "int8 group 32, re-quantized (absmax per 32) from the dequantized weights"
 
 
 class GGUFMethod(QuantMethod):
@@ -133,7 +138,8 @@ class GGUFMethod(QuantMethod):
         parts = [layer.gguf_parts[s] for s in range(len(self.types))]
         if self.target == "int8":
             w = torch.cat([p["weight"].float() for p in parts])
-            self.restore(layer, quantize_int8(w, self.dtype))
+            self.restore(layer, quantize_int8_grouped(w, GROUP, self.dtype) if
+                         w.shape[1] % GROUP == 0 else quantize_int8(w, self.dtype))
             return
         q, scale, low = zip(*[(p["gguf_q4"], p["gguf_q4_scale"], p["gguf_q4_low"])
                               if "gguf_q4" in p else minmax_int4(p["weight"], GROUP)

@@ -50,6 +50,10 @@ class PackedWeight:
             x = x.index_select(-1, self.perm)
         if x.shape[0] <= self.dense_rows:
             return self.kernel_matmul(x)
+        return self.tiled_matmul(x)
+
+    def tiled_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (permuted already) times the weight, dequantized one tile of rows at a time."""
         rows = max(64, _TILE_ELEMS // self.in_features // 64 * 64)
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         for start in range(0, self.out_features, rows):
@@ -179,7 +183,9 @@ class Int8Packed(PackedWeight):
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> Int8Packed:
         self = cls.__new__(cls)
         self.out_features, self.in_features, self.group = t["shape"].tolist()
-        self.q, self.scale = t["q"], t["scale"]
+        # Prepared weights come mapped from a file at any 8-byte offset; torch's int8 kernel
+        # reads its codes with aligned vector loads and crashes on them (SmolLM2 int8, 64 rows).
+        self.q, self.scale = _aligned(t["q"]), t["scale"]
         self.scale_dtype = t.get("scale_dtype", self.scale)
         self.zero_term, self.perm = t.get("zero_term"), t.get("perm")
         return self
@@ -204,6 +210,62 @@ class Int8Packed(PackedWeight):
         if self.zero_term is not None:
             w = w - self.zero_term[:, start:end, None].to(dtype)
         return w.transpose(0, 1).reshape(end - start, self.in_features)
+
+
+class Int8Grouped(PackedWeight):
+    """w = scale * q with a float32 scale per `group` inputs of a row (q in -127..127): GGUF's
+    Q8_0 as it is (group 32). Codes stay row-major [N, K], so octavo's int8 GEMV reads each row
+    once and applies the scales group by group, for up to 8 rows in bf16; larger batches (or no
+    C++ kernels) take dequantized tiles and the dense GEMM."""
+
+    dense_rows = 8  # the GEMV's limit
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        """q: [N, K] codes -127..127; scale: [N, K // group]."""
+        n, k = q.shape
+        if k % scale.shape[1] or (k // scale.shape[1]) % 16:
+            raise ValueError(f"int8 groups must be a multiple of 16 inputs dividing "
+                             f"in_features={k}, got {scale.shape[1]} groups")
+        self.out_features, self.in_features, self.perm = n, k, None
+        self.group = k // scale.shape[1]
+        self.q = q.to(torch.int8).contiguous()
+        self.scale = scale.float().contiguous()
+        self.dtype = dtype
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"q": self.q, "scale": self.scale,
+                "dtype": torch.zeros(1, dtype=self.dtype)}  # the activation dtype, as a tag
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> Int8Grouped:
+        return cls(t["q"], t["scale"], t["dtype"].dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if not (fused.native_active(x) and x.dtype == torch.bfloat16):
+            return self.tiled_matmul(x)
+        return super().matmul(x)
+
+    def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return fused.int8_gemv(x, self.q, self.scale)
+
+    def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        q = self.q[start:end].float().view(end - start, -1, self.group)
+        return (q * self.scale[start:end, :, None]).view(end - start, -1).to(dtype)
+
+
+def quantize_int8_grouped(w: torch.Tensor, group: int, dtype: torch.dtype) -> Int8Grouped:
+    """Symmetric int8 per `group` inputs (absmax / 127): Q8_0's own rule, so a Q8_0 tensor's
+    dequantized weights give back its codes and scales."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    scale = g.abs().amax(-1) / 127
+    q = (g / scale.clamp(min=1e-30)[..., None]).round().clamp(-127, 127).reshape(n, k)
+    return Int8Grouped(q, scale, dtype)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its data starts on a 64-byte boundary, else an aligned copy."""
+    return t if t.data_ptr() % 64 == 0 else t.clone()
 
 
 def quantize_int4(w: torch.Tensor, group: int, dtype: torch.dtype) -> Int4Packed:
@@ -231,7 +293,8 @@ def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int8Packed:
     return Int8Packed(q, scale, None, w.shape[1], dtype, signed=True)
 
 
-PACKED_KINDS: dict[str, type[PackedWeight]] = {"int4": Int4Packed, "int8": Int8Packed}
+PACKED_KINDS: dict[str, type[PackedWeight]] = {"int4": Int4Packed, "int8": Int8Packed,
+                                               "int8g": Int8Grouped}
 
 
 def packed_kind(w: PackedWeight) -> str:
