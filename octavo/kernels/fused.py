@@ -123,6 +123,7 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M <= 8, K] times int8 weights q [N, K] with float32 scales: one per row [N], or one
-    per group of inputs [N, G] (C++ only)."""
+    """x [M, K] times int8 weights q [N, K] with float32 scales: one per row [N], or one per
+    group of inputs [N, G] (C++ only; the weights are read once for up to 8 rows of x at a
+    time, from cache for the next 8)."""
     return _native.int8_gemv(x.contiguous(), q, scale)

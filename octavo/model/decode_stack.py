@@ -93,9 +93,9 @@ def _row_limit(lin: Linear) -> int | None:
     """The most rows the stack computes of `lin` as its Python layer does (None: any)."""
     if lin.weight is not None:
         return None
-    # Packed alone: the Python layer takes dequantized tiles above an int4 weight's dense_rows;
-    # octavo's int8 GEMV takes 1..8 rows.
-    return lin.packed.dense_rows if isinstance(lin.packed, Int4Packed) else 8
+    # Packed alone: the Python layer takes dequantized tiles above an int4 or grouped int8
+    # weight's dense_rows, and torch's int8 kernel for per-channel int8 above 8 rows.
+    return 8 if isinstance(lin.packed, Int8Packed) else lin.packed.dense_rows
 
 
 def _linear(native: Any, lin: Linear) -> Any:

@@ -9,7 +9,7 @@ import torch
 from octavo import LLM, SamplingParams
 from octavo.model import decode_stack
 from octavo.model.quant.decode_weights import make_decode_weight
-from octavo.model.quant.packed import Int4Packed
+from octavo.model.quant.packed import Int4Packed, Int8Grouped
 from tests.parity.test_tiny_models import _build
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
@@ -119,7 +119,7 @@ def test_packed_only_gguf_layers_run_in_the_stack(smollm_gguf, mode):
     assert stack is not None
     prompts = ["The capital of France is", "def add(a, b):"]
     fused_out = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert stack.max_tokens == (Int4Packed.dense_rows if mode == "int4" else 8)
+    assert stack.max_tokens == (Int4Packed if mode == "int4" else Int8Grouped).dense_rows
     model.model.decode_stack = None
     layered = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     for a, b in zip(fused_out, layered):

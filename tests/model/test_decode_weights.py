@@ -52,7 +52,7 @@ def test_int8_kernel_matches_torch_kernel(native_kernels):
     assert torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 32])
 @pytest.mark.parametrize("group", [16, 32, 64])
 def test_grouped_int8_kernel_matches_its_dequantized_weight(native_kernels, rows, group):
     """A scale per group of inputs (GGUF's Q8_0: 32), applied group by group in the GEMV."""

@@ -511,31 +511,21 @@ inline void int8_row_grouped(const int8_t* w, const float* xf, int64_t k, int64_
 #endif
 }
 
+// R rows of x (float) times output rows [begin, end) of the int8 weights; `groups` = 0: one
+// scale per row, else a scale per k / groups inputs.
 template <typename T, int R>
-void int8_gemv_rows(torch::Tensor& out, const std::vector<float>& xf, const torch::Tensor& q,
-                    const torch::Tensor& scale) {
-  const int64_t k = q.size(1), n = q.size(0);
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  T* op = out.data_ptr<T>();
-  if (scale.dim() == 2) {  // [N, G]: a scale per group of k / G inputs
-    const int64_t groups = scale.size(1), group = k / groups;
-    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-      float dots[R];
-      for (int64_t o = begin; o < end; ++o) {
-        int8_row_grouped<R>(qp + o * k, xf.data(), k, group, sp + o * groups, dots);
-        for (int r = 0; r < R; ++r) op[r * n + o] = static_cast<T>(dots[r]);
-      }
-    });
-    return;
-  }
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    float dots[R];
-    for (int64_t o = begin; o < end; ++o) {
-      int8_row<R>(qp + o * k, xf.data(), k, dots);
+void int8_rows_block(T* op, int64_t n, const float* xf, int64_t k, const int8_t* qp,
+                     const float* sp, int64_t groups, int64_t begin, int64_t end) {
+  float dots[R];
+  for (int64_t o = begin; o < end; ++o) {
+    if (groups) {
+      int8_row_grouped<R>(qp + o * k, xf, k, k / groups, sp + o * groups, dots);
+      for (int r = 0; r < R; ++r) op[r * n + o] = static_cast<T>(dots[r]);
+    } else {
+      int8_row<R>(qp + o * k, xf, k, dots);
       for (int r = 0; r < R; ++r) op[r * n + o] = static_cast<T>(dots[r] * sp[o]);
     }
-  });
+  }
 }
 
 // Runs body<R>() for R = rows (1..8): the row count is a template argument so that the
@@ -639,12 +629,24 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
               (scale.dim() == 2 && q.size(1) % scale.size(1) == 0 &&
                (q.size(1) / scale.size(1)) % 16 == 0)),
               "int8_gemv: scale must be [N] or [N, G] with groups of a multiple of 16 inputs");
-  TORCH_CHECK(x.size(0) <= 8, "int8_gemv: at most 8 rows");
-  auto out = torch::empty({x.size(0), q.size(0)}, x.options());
+  const int64_t rows = x.size(0), n = q.size(0), k = q.size(1);
+  const int64_t groups = scale.dim() == 2 ? scale.size(1) : 0;
+  auto out = torch::empty({rows, n}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_gemv", [&] {
     std::vector<float> xf;
     widen_rows<scalar_t>(x, xf);
-    for_rows(x.size(0), [&](auto r) { int8_gemv_rows<scalar_t, decltype(r)::value>(out, xf, q, scale); });
+    scalar_t* op = out.data_ptr<scalar_t>();
+    // Each thread takes a block of 64 weight rows (tens of KB: they stay in L2) and runs every
+    // chunk of up to 8 activation rows over it, so the weights come from memory once.
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t c = 0; c < rows; c += 8) {
+        for_rows(std::min<int64_t>(8, rows - c), [&](auto r) {
+          int8_rows_block<scalar_t, decltype(r)::value>(
+              op + c * n, n, xf.data() + c * k, k, q.data_ptr<int8_t>(), scale.data_ptr<float>(),
+              groups, begin, end);
+        });
+      }
+    });
   });
   return out;
 }

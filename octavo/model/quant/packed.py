@@ -215,10 +215,11 @@ class Int8Packed(PackedWeight):
 class Int8Grouped(PackedWeight):
     """w = scale * q with a float32 scale per `group` inputs of a row (q in -127..127): GGUF's
     Q8_0 as it is (group 32). Codes stay row-major [N, K], so octavo's int8 GEMV reads each row
-    once and applies the scales group by group, for up to 8 rows in bf16; larger batches (or no
-    C++ kernels) take dequantized tiles and the dense GEMM."""
+    once and applies the scales group by group, for up to 64 rows in bf16 (8 at a time over
+    the same cached block of weights); larger batches (or no C++ kernels) take dequantized
+    tiles and the dense GEMM."""
 
-    dense_rows = 8  # the GEMV's limit
+    dense_rows = 64
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         """q: [N, K] codes -127..127; scale: [N, K // group]."""
