@@ -9,9 +9,11 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from octavo.kernels.paged_attention import AttentionPlan
+from octavo.kernels import fused
+from octavo.kernels.paged_attention import AttentionPlan, build_plan
 
 
 @dataclass
@@ -37,3 +39,18 @@ def get_forward_context() -> ForwardContext:
     if not _current:
         raise RuntimeError("attention ran outside a forward_context")
     return _current[-1]
+
+
+def step_context(query_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
+                 block_size: int, kv_caches: list[torch.Tensor], sliding_window: int | None,
+                 device: torch.device) -> ForwardContext:
+    """The context of one forward pass over the requests whose block tables are `tables`:
+    the attention plan, and the sliding-window plan of a model with windowed layers. Whether the
+    C++ kernels take the short queries is decided per step: kernels built in the background
+    take over once they are ready."""
+    native = device.type == "cpu" and fused.native_ready()
+    plan = build_plan(query_lens, seq_lens, tables, block_size, device=device,
+                      native_decode=native)
+    sliding = None if sliding_window is None else build_plan(
+        query_lens, seq_lens, tables, block_size, sliding_window, device, native)
+    return ForwardContext(plan, kv_caches, sliding)

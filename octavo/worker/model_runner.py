@@ -14,9 +14,7 @@ import torch
 from torch import nn
 
 from octavo.core.contract import GrammarBitmask, ModelOutput, SchedulerOutput, TopLogprobs
-from octavo.kernels import fused
-from octavo.kernels.paged_attention import build_plan
-from octavo.model.context import ForwardContext, forward_context
+from octavo.model.context import forward_context, step_context
 from octavo.worker.input_batch import InputBatch
 from octavo.worker.sampler import Sampler, SamplingBatch, gather_logprobs
 from octavo.worker.spec.draft import DraftModel
@@ -67,17 +65,10 @@ class ModelRunner:
         positions = computed[req_of_token] + np.arange(ends[-1]) - starts[req_of_token]
         input_ids = b.token_ids[rows[req_of_token], positions]
 
-        tables = b.block_table[rows]
-        # Checked every step: kernels built in the background take over once they are ready.
-        native = self.device.type == "cpu" and fused.native_ready()
-        plan = build_plan(query_lens, seq_lens, tables, self.block_size, device=self.device,
-                          native_decode=native)
-        sliding = None
-        if self.sliding_window is not None:
-            sliding = build_plan(query_lens, seq_lens, tables, self.block_size,
-                                 self.sliding_window, self.device, native)
         positions_t = torch.from_numpy(positions).to(self.device)
-        with forward_context(ForwardContext(plan, self.kv_caches, sliding)):
+        with forward_context(step_context(query_lens, seq_lens, b.block_table[rows],
+                                          self.block_size, self.kv_caches, self.sliding_window,
+                                          self.device)):
             hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions_t)
         b.num_computed[rows] = seq_lens
 

@@ -19,9 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from octavo.kernels import fused
-from octavo.kernels.paged_attention import build_plan
-from octavo.model.context import ForwardContext, forward_context
+from octavo.model.context import forward_context, step_context
 from octavo.worker.input_batch import InputBatch, _mix
 from octavo.worker.sampler import Sampler, SamplingBatch
 
@@ -54,14 +52,8 @@ class DraftModel:
 
     def _forward(self, input_ids: np.ndarray, positions: np.ndarray, query_lens: np.ndarray,
                  seq_lens: np.ndarray, tables: np.ndarray) -> torch.Tensor:
-        native = self.device.type == "cpu" and fused.native_ready()
-        plan = build_plan(query_lens, seq_lens, tables, self.block_size, device=self.device,
-                          native_decode=native)
-        sliding = None
-        if self.sliding_window is not None:
-            sliding = build_plan(query_lens, seq_lens, tables, self.block_size,
-                                 self.sliding_window, self.device, native)
-        with forward_context(ForwardContext(plan, self.kv_caches, sliding)):
+        with forward_context(step_context(query_lens, seq_lens, tables, self.block_size,
+                                          self.kv_caches, self.sliding_window, self.device)):
             return self.model(torch.from_numpy(input_ids).to(self.device),
                               torch.from_numpy(positions).to(self.device))
 
