@@ -5,8 +5,8 @@ kernel costs as much as the kernel: about a dozen module calls and dispatches a 
 3 ms a step for SmolLM2's 30 layers against roughly 5 ms of arithmetic. The stack runs the same
 kernels in the same order from C++ (the CPU analogue of replaying a captured CUDA graph), so it
 needs exactly what those kernels need: dense weights (with or without a GGUF's int4/int8 copy
-for small batches) or packed int4 / per-channel or per-32 int8 weights alone (--quantization). Anything
-else (mixed prefill steps, sliding windows, softcaps, an fp8 KV cache, act-order or grouped int8
+for small batches) or packed int4 / symmetric int8 weights alone (--quantization). Anything else
+(mixed prefill steps, sliding windows, softcaps, an fp8 KV cache, act-order or asymmetric int8
 weights, partial rotary, MoE layers, kernels not loaded yet) runs the Python layers.
 `--enforce-eager` turns it off.
 """
@@ -69,7 +69,8 @@ def _linears(layer: nn.Module) -> list[Linear]:
 def _weight_reason(lin: Linear, dtype: torch.dtype) -> str | None:
     """What the stack cannot compute of a linear layer: a dense weight (the activation dtype)
     with at most a low-bit copy for small batches beside it, or a packed weight alone (what
-    --quantization int4/int8 and packed checkpoints leave), either int4 or per-channel int8."""
+    --quantization int4/int8 and packed checkpoints leave): int4, or symmetric int8 with a
+    scale per channel or per group (bf16 activations only, as octavo's GEMV takes them)."""
     dense = lin.weight is not None
     if dense and lin.quant_method is not UNQUANTIZED and lin.decode_weight is not None:
         return f"a {type(lin.quant_method).__name__} linear layer"
@@ -80,11 +81,9 @@ def _weight_reason(lin: Linear, dtype: torch.dtype) -> str | None:
         return "a permuted (act-order) packed weight"
     if isinstance(low, Int4Packed):
         return None if low.scales_zeros.dtype == dtype else "int4 scales in another dtype"
-    if isinstance(low, Int8Grouped):
-        return None if dtype == torch.bfloat16 else "int8 weights with float32 activations"
-    if isinstance(low, Int8Packed):
-        if low.q.shape[0] != 1 or low.zero_term is not None:
-            return "a grouped or asymmetric int8 weight"
+    if isinstance(low, Int8Packed) and (low.q.shape[0] != 1 or low.zero_term is not None):
+        return "a grouped or asymmetric int8 weight"
+    if isinstance(low, (Int8Packed, Int8Grouped)):
         return None if dtype == torch.bfloat16 else "int8 weights with float32 activations"
     return f"a {type(low).__name__} weight"
 
@@ -117,6 +116,7 @@ class DecodeStack:
 
     def __init__(self, layers: nn.ModuleList) -> None:
         self.layers = layers
+        self.dtype = layers[0].input_layernorm.weight.dtype  # the activations it computes in
         self._stack: Any = None
         self._caches: list[torch.Tensor] | None = None
         # Tokens a step may have (packed-only layers compute small batches only); None: any.
@@ -127,8 +127,7 @@ class DecodeStack:
     def usable(self, x: torch.Tensor, plan: AttentionPlan, sliding: AttentionPlan | None,
                kv_caches: list[torch.Tensor]) -> bool:
         return (not plan.groups and plan.decode is not None and sliding is None
-                and fused.native_active(x) and kv_caches[0].dtype == x.dtype
-                and x.dtype == self.layers[0].input_layernorm.weight.dtype
+                and fused.native_active(x) and x.dtype == self.dtype == kv_caches[0].dtype
                 and (self.max_tokens is None or x.shape[0] <= self.max_tokens))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
