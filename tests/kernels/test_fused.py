@@ -44,8 +44,9 @@ def test_rotary_in_place_on_qkv_views(native_kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(native_kernels, dtype):
-    x = torch.randn(6, 2 * 1536).to(dtype) * 4
+@pytest.mark.parametrize("rows, width", [(6, 1536), (1, 1536), (3, 37)])  # 37: the scalar tail
+def test_silu_and_mul(native_kernels, dtype, rows, width):
+    x = torch.randn(rows, 2 * width).to(dtype) * 4
     gate, up = x.chunk(2, -1)
     _close(fused.silu_and_mul(x), F.silu(gate) * up, dtype)
 
@@ -70,21 +71,32 @@ def test_kernels_can_be_switched_off(native_kernels):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window, softcap", [(None, None), (20, None), (None, 50.0)])
-def test_decode_attention_matches_padded_path(native_kernels, dtype, window, softcap):
+@pytest.mark.parametrize("seq_lens", [[1, 17, 130, 64], [130], [1], [40, 3, 129]],
+                         ids=["4 requests", "1 long", "1 token", "3 requests"])
+def test_decode_attention_matches_padded_path(native_kernels, dtype, window, softcap, seq_lens):
+    """With fewer requests than threads each context is split into key ranges that are
+    merged afterwards; with more, each request is one work item."""
     import numpy as np
 
     from octavo.kernels.paged_attention import build_plan, paged_attention
 
     heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 40
     cache = torch.randn(2, num_blocks, block_size, kv_heads, dim).to(dtype)
-    seq_lens = np.array([1, 17, 130, 64])
-    table = np.random.default_rng(0).permutation(num_blocks)[:4 * 9].reshape(4, 9)
-    q = torch.randn(4, heads, dim).to(dtype)
-    query_lens = np.ones(4, np.int64)
-    outs = []
-    for native in (False, True):
-        plan = build_plan(query_lens, seq_lens, table, block_size, window, native_decode=native)
-        outs.append(paged_attention(q, cache, plan, dim ** -0.5, softcap))
+    seq_lens = np.array(seq_lens)
+    n = len(seq_lens)
+    table = np.random.default_rng(0).permutation(num_blocks)[:n * 9].reshape(n, 9)
+    q = torch.randn(n, heads, dim).to(dtype)
+    query_lens = np.ones(n, np.int64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outs = []
+        for native in (False, True):
+            plan = build_plan(query_lens, seq_lens, table, block_size, window,
+                              native_decode=native)
+            outs.append(paged_attention(q, cache, plan, dim ** -0.5, softcap))
+    finally:
+        torch.set_num_threads(threads)
     _close(outs[1], outs[0], dtype)
 
 

@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -242,12 +244,14 @@ inline void head_values(const cache_t* values, const int64_t* slots, int64_t n, 
   for (int c = 0; c < DIM / 16; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(even[c], odd[c]));
 }
 
-// One query head over its context, head by head: keys, softmax, values. Returns false when the
-// head size has no specialization here (the caller then takes the generic loops).
+// One query head over the keys at `slots[0..n)`, n >= 1: scores, their exps against the peak
+// score, and the values those weigh, left unnormalized (out, *peak, *total) so that key ranges
+// of one context computed apart can be merged. Returns false when the head size has no
+// specialization here (the caller then takes the generic loops).
 template <typename cache_t>
 inline bool attend_head(const cache_t* keys, const cache_t* values, const int64_t* slots,
                         int64_t n, int64_t row, int64_t dim, const float* qf, float scale,
-                        float cap, float* scores, float* out) {
+                        float cap, float* scores, float* out, float* peak, float* total) {
   if constexpr (std::is_same_v<cache_t, double>) {
     return false;
   } else {
@@ -259,30 +263,30 @@ inline bool attend_head(const cache_t* keys, const cache_t* values, const int64_
     }
     if (cap > 0.f)
       for (int64_t j = 0; j < n; ++j) scores[j] = std::tanh(scores[j] / cap) * cap;
-    const float peak = *std::max_element(scores, scores + n);
-    const float inv = 1.f / exp_shifted(scores, n, peak);
+    *peak = *std::max_element(scores, scores + n);
+    *total = exp_shifted(scores, n, *peak);
     switch (dim) {
       case 64: head_values<64>(values, slots, n, row, scores, out); break;
       case 128: head_values<128>(values, slots, n, row, scores, out); break;
       default: head_values<256>(values, slots, n, row, scores, out); break;
     }
-    for (int64_t d = 0; d < dim; ++d) out[d] *= inv;
     return true;
   }
 }
 #else
 template <typename cache_t>
 inline bool attend_head(const cache_t*, const cache_t*, const int64_t*, int64_t, int64_t, int64_t,
-                        const float*, float, float, float*, float*) {
+                        const float*, float, float, float*, float*, float*, float*) {
   return false;
 }
 #endif
 
-// One query token per request over its paged context. A work item is a request and a range of
-// its KV heads: all of them when there are enough requests to share the threads, so that each
-// slot's keys (all heads, contiguous) are read in one sequential sweep; one head per item
-// otherwise. The query heads sharing a KV head read each key once. Scores are exact (logits,
-// then a max-subtracted softmax), matching the reference up to float rounding.
+// One query token per request over its paged context. A work item is a request, or with fewer
+// requests than threads a range of its keys (flash-decoding: one long request keeps every thread
+// busy, and the ranges' unnormalized sums are merged by their peak scores afterwards). Each item
+// takes all heads; the query heads sharing a KV head read the same keys, from L1 after the
+// first. Scores are exact (logits, then a max-subtracted softmax), matching the reference up to
+// float rounding.
 template <typename q_t, typename cache_t>
 void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kc,
                             const torch::Tensor& vc, const torch::Tensor& token_index,
@@ -304,82 +308,117 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
   const int64_t* tables = block_table.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
-  const int64_t splits = num_req >= at::get_num_threads() ? 1 : kv_heads;
-  const int64_t heads_per_item = kv_heads / splits;
+  const int64_t threads = at::get_num_threads();
+  // Key ranges per request: enough items to be a multiple of the thread count.
+  const int64_t ranges = num_req >= threads ? 1 : threads / std::gcd(num_req, threads);
+  const int64_t items = num_req * ranges;
+  const int64_t width = heads * dim;
+  // Partial results of split requests: unnormalized sums, peaks and exp totals per head.
+  std::vector<float> part_acc(ranges > 1 ? items * width : 0);
+  std::vector<float> part_peak(ranges > 1 ? items * heads : 0), part_total(part_peak.size());
 
-  at::parallel_for(0, num_req * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(heads * dim), acc(heads * dim), row_f(dim), scores;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(width), acc(width), peak(heads), total(heads), row_f(dim), scores;
     std::vector<int64_t> slots;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / splits;
-      const int64_t h0 = (item % splits) * heads_per_item, h1 = h0 + heads_per_item;
-      const int64_t nq = (h1 - h0) * group;  // query heads of this item, from h0 * group on
+      const int64_t r = item / ranges, c = item % ranges;
       const int64_t len = lens[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
+      const int64_t lo = first + (len - first) * c / ranges;
+      const int64_t n = first + (len - first) * (c + 1) / ranges - lo;
       const int64_t* table = tables + r * bt_stride;
-      for (int64_t h = 0; h < nq; ++h) {
-        const q_t* src = qp + tok[r] * qs0 + (h0 * group + h) * qs1;
-        for (int64_t d = 0; d < dim; ++d) qf[h * dim + d] = to_f(src[d]);
-      }
-      // Slots of the context, walked block by block (an integer division per key costs more
-      // than the key's dot products).
-      slots.resize(n);
-      for (int64_t j = 0, pos = first; j < n;) {
-        const int64_t base = table[pos / block_size] * block_size;
-        for (int64_t off = pos % block_size; off < block_size && j < n; ++off, ++j, ++pos)
-          slots[j] = base + off;
-      }
-      scores.resize(nq * n);
-      bool fast = true;
-      for (int64_t h = 0; h < nq && fast; ++h) {
-        const int64_t kvh = h0 + h / group;
-        fast = attend_head(kp + kvh * dim, vp + kvh * dim, slots.data(), n, row, dim,
-                           qf.data() + h * dim, fscale, fcap, scores.data() + h * n,
-                           acc.data() + h * dim);
-      }
-      if (fast) {
-        for (int64_t h = 0; h < nq; ++h) {
-          q_t* dst = op + tok[r] * os0 + (h0 * group + h) * os1;
-          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<q_t>(acc[h * dim + d]);
+      if (n > 0) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const q_t* src = qp + tok[r] * qs0 + h * qs1;
+          for (int64_t d = 0; d < dim; ++d) qf[h * dim + d] = to_f(src[d]);
         }
-        continue;
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const cache_t* keys = kp + slots[j] * row;
-        for (int64_t kvh = h0; kvh < h1; ++kvh) {
-          const int64_t q0 = (kvh - h0) * group;
-          float dots[kMaxGroup];
-          dot_queries(keys + kvh * dim, qf.data() + q0 * dim, group, dim, row_f.data(), dots);
-          for (int64_t g = 0; g < group; ++g) {
-            float s = dots[g] * fscale;
-            if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
-            scores[(q0 + g) * n + j] = s;
+        // Slots of the range, walked block by block (an integer division per key costs more
+        // than the key's dot products).
+        slots.resize(n);
+        for (int64_t j = 0, pos = lo; j < n;) {
+          const int64_t base = table[pos / block_size] * block_size;
+          for (int64_t off = pos % block_size; off < block_size && j < n; ++off, ++j, ++pos)
+            slots[j] = base + off;
+        }
+        scores.resize(heads * n);
+        bool fast = true;
+        for (int64_t h = 0; h < heads && fast; ++h) {
+          const int64_t kvh = h / group;
+          fast = attend_head(kp + kvh * dim, vp + kvh * dim, slots.data(), n, row, dim,
+                             qf.data() + h * dim, fscale, fcap, scores.data() + h * n,
+                             acc.data() + h * dim, &peak[h], &total[h]);
+        }
+        if (!fast) {
+          for (int64_t j = 0; j < n; ++j) {
+            const cache_t* keys = kp + slots[j] * row;
+            for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+              const int64_t q0 = kvh * group;
+              float dots[kMaxGroup];
+              dot_queries(keys + kvh * dim, qf.data() + q0 * dim, group, dim, row_f.data(), dots);
+              for (int64_t g = 0; g < group; ++g) {
+                float s = dots[g] * fscale;
+                if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
+                scores[(q0 + g) * n + j] = s;
+              }
+            }
+          }
+          for (int64_t h = 0; h < heads; ++h) {
+            float* sh = scores.data() + h * n;
+            peak[h] = *std::max_element(sh, sh + n);
+            total[h] = exp_shifted(sh, n, peak[h]);
+          }
+          std::fill(acc.begin(), acc.end(), 0.f);
+          for (int64_t j = 0; j < n; ++j) {
+            const cache_t* values = vp + slots[j] * row;
+            for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+              const int64_t q0 = kvh * group;
+              float probs[kMaxGroup];
+              for (int64_t g = 0; g < group; ++g) probs[g] = scores[(q0 + g) * n + j];
+              add_scaled(values + kvh * dim, probs, group, dim, row_f.data(),
+                         acc.data() + q0 * dim);
+            }
           }
         }
+      } else {  // an empty range (a context shorter than the ranges): weighs nothing
+        std::fill(acc.begin(), acc.end(), 0.f);
+        std::fill(peak.begin(), peak.end(), -std::numeric_limits<float>::infinity());
+        std::fill(total.begin(), total.end(), 0.f);
       }
-      for (int64_t h = 0; h < nq; ++h) {
-        float* sh = scores.data() + h * n;
-        const float peak = *std::max_element(sh, sh + n);
-        const float inv = 1.f / exp_shifted(sh, n, peak);
-        for (int64_t j = 0; j < n; ++j) sh[j] *= inv;
+      if (ranges > 1) {
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + item * width);
+        std::copy(peak.begin(), peak.end(), part_peak.begin() + item * heads);
+        std::copy(total.begin(), total.end(), part_total.begin() + item * heads);
+        continue;
       }
-      std::fill(acc.begin(), acc.begin() + nq * dim, 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const cache_t* values = vp + slots[j] * row;
-        for (int64_t kvh = h0; kvh < h1; ++kvh) {
-          const int64_t q0 = (kvh - h0) * group;
-          float probs[kMaxGroup];
-          for (int64_t g = 0; g < group; ++g) probs[g] = scores[(q0 + g) * n + j];
-          add_scaled(values + kvh * dim, probs, group, dim, row_f.data(), acc.data() + q0 * dim);
-        }
-      }
-      for (int64_t h = 0; h < nq; ++h) {
-        q_t* dst = op + tok[r] * os0 + (h0 * group + h) * os1;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<q_t>(acc[h * dim + d]);
+      for (int64_t h = 0; h < heads; ++h) {
+        q_t* dst = op + tok[r] * os0 + h * os1;
+        const float inv = 1.f / total[h];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<q_t>(acc[h * dim + d] * inv);
       }
     }
   });
+  if (ranges == 1) return;
+  std::vector<float> weights(ranges);
+  for (int64_t r = 0; r < num_req; ++r) {  // fewer requests than threads: a few heads to merge
+    const int64_t item0 = r * ranges;
+    for (int64_t h = 0; h < heads; ++h) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < ranges; ++c) top = std::max(top, part_peak[(item0 + c) * heads + h]);
+      float denom = 0.f;
+      for (int64_t c = 0; c < ranges; ++c) {
+        const int64_t i = (item0 + c) * heads + h;
+        weights[c] = part_total[i] > 0.f ? std::exp(part_peak[i] - top) : 0.f;
+        denom += weights[c] * part_total[i];
+      }
+      q_t* dst = op + tok[r] * os0 + h * os1;
+      for (int64_t d = 0; d < dim; ++d) {
+        float sum = 0.f;
+        for (int64_t c = 0; c < ranges; ++c)
+          sum += weights[c] * part_acc[(item0 + c) * width + h * dim + d];
+        dst[d] = static_cast<q_t>(sum / denom);
+      }
+    }
+  }
 }
 
 template <typename T>
@@ -427,17 +466,50 @@ void rotary_typed(torch::Tensor& x, const int64_t* pos, const float* cos, const 
   });
 }
 
+#if defined(__AVX512F__)
+// float32 to bfloat16, rounded to nearest even, as the bits' upper halves (finite values).
+inline __m512i bf16_round_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_and_si512(_mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)),
+                          _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+}
+
+// silu(gate) * up for 16 lanes, silu rounded to T first; T is float or bfloat16.
+template <typename T>
+inline void silu_mul16(const T* gate, const T* up, T* out) {
+  const __m512 g = load16(gate);
+  __m512 act = _mm512_div_ps(
+      g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(out, _mm512_mul_ps(act, load16(up)));
+  } else {
+    act = _mm512_castsi512_ps(bf16_round_bits(act));
+    const __m512i prod = bf16_round_bits(_mm512_mul_ps(act, load16(up)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(prod, 16)));
+  }
+}
+#endif
+
 template <typename T>
 void silu_and_mul_typed(torch::Tensor& out, const torch::Tensor& x) {
   const int64_t rows = x.size(0), width = out.size(1);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  // A decode step's few rows are a few microseconds of work: one thread, no fork.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = xp + r * 2 * width;
       const T* up = gate + width;
       T* o = op + r * width;
-      for (int64_t i = 0; i < width; ++i) {
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)
+        for (; i + 16 <= width; i += 16) silu_mul16(gate + i, up + i, o + i);
+#endif
+      for (; i < width; ++i) {
         const float g = to_f(gate[i]);
         // silu is rounded to the input dtype before the product, as in F.silu(gate) * up.
         const float act = to_f(static_cast<T>(g / (1.f + std::exp(-g))));
