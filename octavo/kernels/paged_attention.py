@@ -3,7 +3,10 @@
 The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`; token slot
 `s = block_id * block_size + offset`. Requests are grouped into decodes (one query token) and
 prefills (several); each group is padded to its longest query and context and run through one
-`scaled_dot_product_attention` call, so no Python loop runs over requests. With the C++ kernels
+`scaled_dot_product_attention` call. Prefills are bucketed by length first, so that padding
+never costs more than a third of a bucket's work: a lone fresh prompt runs with `is_causal`
+(no mask, and the kernel skips the blocks above the diagonal), and a 32-token prompt is not
+padded to a 512-token one (that padding made attention a quarter of a mixed workload's time). With the C++ kernels
 loaded, decodes skip the padding: one call reads each request's keys in place from its blocks.
 So do short queries (speculative verification, a prompt's last few tokens): the kernel takes
 each of their tokens as a query of its own over the context up to and including it.
@@ -22,6 +25,9 @@ SMALL_GROUP = 4  # requests; below this the matmul path computes in fp32
 # New tokens of a request up to which the in-place kernel takes each token as its own query;
 # longer prefill chunks share their key reads in one padded SDPA call instead.
 KERNEL_QUERY_LEN = 8
+# A prefill bucket's padded work (requests x longest query x longest context) stays within this
+# factor of its real work.
+PADDING_SLACK = 1.5
 
 
 @dataclass
@@ -29,7 +35,8 @@ class AttentionGroup:
     token_index: torch.Tensor  # [R, Qmax] index into the flat query tokens; T = padding
     token_valid: torch.Tensor  # [R, Qmax] bool
     key_slots: torch.Tensor  # [R, Lmax] cache slot of each context position (0 for padding)
-    mask: torch.Tensor  # [R, 1, Qmax, Lmax] bool, True = attend
+    mask: torch.Tensor | None  # [R, 1, Qmax, Lmax] bool, True = attend; None: one request
+    # whose queries are its whole context (a fresh prompt), causal from the top left
 
 
 @dataclass
@@ -67,7 +74,7 @@ def build_plan(query_lens: np.ndarray, seq_lens: np.ndarray, block_table: np.nda
     pos = seq_lens[req_of_token] - query_lens[req_of_token] + (
         np.arange(num_tokens) - starts[req_of_token])
     slots = block_table[req_of_token, pos // block_size] * block_size + pos % block_size
-    groups, decode = [], None
+    decode = None
     decodes = np.flatnonzero(query_lens == 1)
     prefills = np.flatnonzero(query_lens > 1)
     if native_decode:
@@ -83,12 +90,32 @@ def build_plan(query_lens: np.ndarray, seq_lens: np.ndarray, block_table: np.nda
                 torch.from_numpy((pos[in_kernel] + 1).astype(np.int64)).to(device),
                 sliding_window)
             decodes, prefills = decodes[:0], np.flatnonzero(~short)
-    for members in (decodes, prefills):
-        if len(members):
-            groups.append(_group(members, query_lens, seq_lens, starts, block_table, block_size,
-                                 num_tokens, sliding_window, device))
+    buckets = [decodes] if len(decodes) else []
+    buckets += _length_buckets(prefills, query_lens, seq_lens)
+    groups = [_group(members, query_lens, seq_lens, starts, block_table, block_size, num_tokens,
+                     sliding_window, device) for members in buckets]
     return AttentionPlan(num_tokens, torch.from_numpy(slots.astype(np.int64)).to(device), groups,
                          decode)
+
+
+def _length_buckets(members: np.ndarray, query_lens: np.ndarray,
+                    seq_lens: np.ndarray) -> list[np.ndarray]:
+    """Requests sorted by context length, cut into runs whose padded work stays within
+    PADDING_SLACK of the real work (one SDPA call per run)."""
+    order = members[np.argsort(seq_lens[members], kind="stable")]
+    buckets: list[np.ndarray] = []
+    first, work, q_max = 0, 0, 0
+    for i, r in enumerate(order):
+        q, length = int(query_lens[r]), int(seq_lens[r])
+        padded = (i - first + 1) * max(q_max, q) * length  # sorted: this one is the longest
+        if i > first and padded > PADDING_SLACK * (work + q * length):
+            buckets.append(order[first:i])
+            first, work, q_max = i, 0, 0
+        work += q * length
+        q_max = max(q_max, q)
+    if len(order):
+        buckets.append(order[first:])
+    return buckets
 
 
 def _group(members: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, starts: np.ndarray,
@@ -101,16 +128,18 @@ def _group(members: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, st
     token_index = np.where(valid, starts[members][:, None] + i[None, :], num_tokens)
     j = np.arange(l_max)
     key_slots = block_table[members][:, j // block_size] * block_size + j % block_size
-    # Padded query rows get position 0 so they attend to one key and never produce NaN.
-    q_pos = np.where(valid, (slen - qlen)[:, None] + i[None, :], 0)
-    mask = j[None, None, :] <= q_pos[:, :, None]
-    if window is not None:
-        mask &= j[None, None, :] > q_pos[:, :, None] - window
+    mask = None
+    if len(members) > 1 or q_max != l_max or window is not None:
+        # Padded query rows get position 0 so they attend to one key and never produce NaN.
+        q_pos = np.where(valid, (slen - qlen)[:, None] + i[None, :], 0)
+        mask = j[None, None, :] <= q_pos[:, :, None]
+        if window is not None:
+            mask &= j[None, None, :] > q_pos[:, :, None] - window
+        mask = torch.from_numpy(mask[:, None]).to(device)
     return AttentionGroup(
         torch.from_numpy(token_index.astype(np.int64)).to(device),
         torch.from_numpy(valid).to(device),
-        torch.from_numpy(key_slots.astype(np.int64)).to(device),
-        torch.from_numpy(mask[:, None]).to(device))
+        torch.from_numpy(key_slots.astype(np.int64)).to(device), mask)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan,
@@ -141,9 +170,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
             kg, vg = kg * k_scale, vg * v_scale
         if softcap is None and qg.shape[2] > 1:
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+                                                is_causal=g.mask is None,
                                                 enable_gqa=kvh != num_heads)
         else:
-            og = _matmul_attention(qg, kg, vg, g.mask, scale, softcap)
+            mask = g.mask
+            if mask is None:
+                mask = torch.ones(qg.shape[2], kg.shape[2], dtype=torch.bool,
+                                  device=q.device).tril()[None, None]
+            og = _matmul_attention(qg, kg, vg, mask, scale, softcap)
         og = og.transpose(1, 2)  # [R, Qmax, H, D]
         out[g.token_index[g.token_valid]] = og[g.token_valid]
     return out

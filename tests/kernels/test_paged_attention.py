@@ -71,3 +71,15 @@ def test_mixed_batch_matches_dense(block_size, window, softcap, dim, native, nat
     ref = torch.cat([_dense(q, k, v, d, dim ** -0.5, window, softcap)
                      for q, k, v, (d, _) in zip(q_all, full_k, full_v, reqs)])
     assert torch.allclose(out.double(), ref, atol=1e-5)
+
+
+def test_prefills_are_bucketed_by_length():
+    """Short prompts are not padded to long ones; a lone fresh prompt runs causal, unmasked."""
+    query_lens = np.array([32, 500, 40, 480, 1, 1])
+    seq_lens = np.array([32, 500, 40, 480, 70, 90])
+    table = np.arange(6 * 32).reshape(6, 32)
+    plan = build_plan(query_lens, seq_lens, table, 16, native_decode=True)
+    sizes = sorted(tuple(sorted(g.token_valid.sum(1).tolist())) for g in plan.groups)
+    assert sizes == [(32, 40), (480, 500)]
+    alone = build_plan(np.array([100]), np.array([100]), table[:1], 16, native_decode=True)
+    assert len(alone.groups) == 1 and alone.groups[0].mask is None
