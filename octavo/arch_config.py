@@ -227,7 +227,10 @@ def _hf_layer_types(arch: str, text: dict[str, Any], num_layers: int) -> tuple[s
 def _from_gguf(source: ModelSource) -> ArchConfig:
     from gguf import GGUFReader
 
-    reader = GGUFReader(source.path)
+    try:
+        reader = GGUFReader(source.path)
+    except (ValueError, OSError) as exc:  # not a GGUF, or cut short
+        raise ValueError(f"model: {source.path} is not a readable GGUF file ({exc})") from None
     meta = {k: f.contents() for k, f in reader.fields.items()
             if not k.startswith("tokenizer.") or k.endswith("_id")}
     arch = meta.get("general.architecture")

@@ -95,6 +95,12 @@ class EngineCore:
         self.executor.shutdown()
 
 
+def import_model_side() -> None:
+    """Import torch and the executor now: a core process does it while its front end is still
+    loading the tokenizer (torch's import is most of a start)."""
+    import octavo.executor.uniproc  # noqa: F401
+
+
 def create_engine_core(config: EngineConfig, source: ModelSource, arch: ArchConfig,
                        max_model_len: int, eos_token_ids: list[int],
                        grammar_backend: BackendFactory | None = None) -> EngineCore:

@@ -58,7 +58,19 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, max_queued_requests: int | None = None,
                  max_queued_tokens: int | None = None) -> None:
         self.config = config
-        self.setup = ModelSetup.load(config)
+        # The core process starts first and imports torch while this one reads the model's
+        # config and tokenizer; it gets what it needs from them through a pipe.
+        self._start_core()
+        try:
+            self.setup = ModelSetup.load(config)
+        except BaseException:
+            self._setup_pipe.close()
+            self.process.kill()  # it has only been importing
+            self.process.join(5)
+            self._close_sockets()
+            raise
+        self._setup_pipe.send(self.setup.core_args())
+        self._setup_pipe.close()
         self.tokenizer = self.setup.tokenizer
         self.processor = self.setup.processor
         self.max_model_len = self.setup.max_model_len
@@ -74,7 +86,6 @@ class AsyncEngine:
         self._queued_tokens = 0
         self._calls = itertools.count()
         self._pending_calls: dict[int, asyncio.Future] = {}
-        self._start_core()
 
     # -- process and sockets ---------------------------------------------------------------------
 
@@ -90,12 +101,14 @@ class AsyncEngine:
         self._started = time.perf_counter()
         mp = multiprocessing.get_context("spawn")
         self._ready, child_end = mp.Pipe(duplex=False)
+        setup_end, self._setup_pipe = mp.Pipe(duplex=False)
         self.process = mp.Process(
             target=run_engine_core, name="octavo-engine-core", daemon=True,
-            args=(self.config, *self.setup.core_args(), in_addr, out_addr, child_end,
+            args=(self.config, setup_end, in_addr, out_addr, child_end,
                   logging.getLogger().getEffectiveLevel()))
         self.process.start()
         child_end.close()
+        setup_end.close()
         self.num_blocks: int | None = None
         self._reader: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
@@ -296,6 +309,9 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(None, self.process.join, 10)
             if self.process.is_alive():
                 self.process.kill()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         self._to_core.close(linger=0)
         self._from_core.close(linger=0)
         self.ctx.term()

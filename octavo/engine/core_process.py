@@ -12,14 +12,12 @@ from multiprocessing.connection import Connection
 
 import zmq
 
-from octavo.arch_config import ArchConfig
 from octavo.config import EngineConfig
-from octavo.core.engine_core import EngineCore, create_engine_core
+from octavo.core.engine_core import EngineCore, create_engine_core, import_model_side
 from octavo.core.scheduler import EngineCoreOutput
 from octavo.engine.grammar import XgrammarBackend
 from octavo.engine.messages import (
     AbortRequests, AddRequest, CoreOutputs, Shutdown, UtilityCall, encoder, input_decoder)
-from octavo.model_source import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +86,21 @@ class EngineCoreProcess:
         self.ctx.term()
 
 
-def run_engine_core(config: EngineConfig, source: ModelSource, arch: ArchConfig,
-                    max_model_len: int, eos_token_ids: list[int], input_addr: str,
-                    output_addr: str, ready: Connection, log_level: int) -> None:
-    """Entry point of the core process."""
+def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, output_addr: str,
+                    ready: Connection, log_level: int) -> None:
+    """Entry point of the core process. It starts before the front end has read the model's
+    config and tokenizer: it imports torch meanwhile, then takes (source, arch, max_model_len,
+    eos_token_ids) from `setup` (closed unsent: the front end failed, and so the core quits)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     # The front end owns SIGINT/SIGTERM and shuts the core down through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    import_model_side()
+    try:
+        source, arch, max_model_len, eos_token_ids = setup.recv()
+    except EOFError:
+        return
+    setup.close()
 
     def grammar_backend() -> XgrammarBackend:  # on the first constrained request
         from octavo.engine.tokenizer import load_tokenizer

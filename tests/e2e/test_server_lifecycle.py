@@ -180,3 +180,20 @@ def _children(pid: int) -> list[int]:
             except OSError:
                 continue
     return out
+
+
+def test_bad_model_stops_the_early_core_and_names_the_model(tmp_path):
+    """The core process starts before the front end has read the model: when that fails, the
+    core is stopped and the command exits 2 with the reason."""
+    import subprocess
+    import sys
+
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file")
+    start = time.time()
+    done = subprocess.run([sys.executable, "-m", "octavo.entrypoints.cli.main", "serve",
+                           "--model", str(junk), "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "model: " in done.stderr and "junk.gguf is not a readable GGUF" in done.stderr
+    assert time.time() - start < 60
