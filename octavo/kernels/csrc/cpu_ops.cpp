@@ -244,6 +244,110 @@ inline void head_values(const cache_t* values, const int64_t* slots, int64_t n, 
   for (int c = 0; c < DIM / 16; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(even[c], odd[c]));
 }
 
+#if defined(__AVX512BF16__)
+// scores[j] = scale * <q, key j> with q and the keys in bf16: vdpbf16ps multiplies bf16 pairs
+// exactly and sums them in float32, so neither side is widened (a fifth of the instructions of
+// the float32 loop above). q is a bf16 tensor's row already, so the scores are the same sums.
+template <int DIM>
+inline void head_scores_bf16(const c10::BFloat16* keys, const int64_t* slots, int64_t n,
+                             int64_t row, const c10::BFloat16* q, float scale, float* scores) {
+  __m512bh qv[DIM / 32];
+  for (int c = 0; c < DIM / 32; ++c)
+    qv[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(q + 32 * c));
+  __m512 part[16];
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    for (int64_t t = 0; t < 16; ++t) {
+      if (t >= m) {
+        part[t] = _mm512_setzero_ps();
+        continue;
+      }
+      const c10::BFloat16* key = keys + slots[j0 + t] * row;
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < DIM / 32; ++c)
+        acc = _mm512_dpbf16_ps(acc, qv[c],
+                               (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(key + 32 * c)));
+      part[t] = acc;
+    }
+    const __m512 s = _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(scores + j0, static_cast<__mmask16>((1u << m) - 1), s);
+  }
+}
+#endif
+
+// out[g] = sum_j probs[g][j] * value j for G query heads sharing one KV head: each value row is
+// widened once for all of them.
+template <int DIM, int G, typename cache_t>
+inline void group_values(const cache_t* values, const int64_t* slots, int64_t n, int64_t row,
+                         const float* probs, int64_t probs_stride, float* out) {
+  __m512 acc[G][DIM / 16];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DIM / 16; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const cache_t* v = values + slots[j] * row;
+    __m512 vv[DIM / 16];
+    for (int c = 0; c < DIM / 16; ++c) vv[c] = load16(v + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * probs_stride + j]);
+      for (int c = 0; c < DIM / 16; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DIM / 16; ++c) _mm512_storeu_ps(out + g * DIM + 16 * c, acc[g][c]);
+}
+
+// Up to 16 accumulators: 4 heads of 64, 2 of 128, 1 of 256 per pass over the values.
+template <int DIM, typename cache_t>
+inline void heads_values(const cache_t* values, const int64_t* slots, int64_t n, int64_t row,
+                         const float* probs, int64_t probs_stride, int64_t heads, float* out) {
+  constexpr int kAtOnce = 256 / DIM;
+  for (int64_t h = 0; h < heads; h += kAtOnce) {
+    const float* p = probs + h * probs_stride;
+    float* o = out + h * DIM;
+    switch (std::min<int64_t>(kAtOnce, heads - h)) {
+      case 1: group_values<DIM, 1>(values, slots, n, row, p, probs_stride, o); break;
+      case 2: group_values<DIM, (kAtOnce >= 2 ? 2 : 1)>(values, slots, n, row, p, probs_stride, o); break;
+      case 3: group_values<DIM, (kAtOnce >= 3 ? 3 : 1)>(values, slots, n, row, p, probs_stride, o); break;
+      default: group_values<DIM, (kAtOnce >= 4 ? 4 : 1)>(values, slots, n, row, p, probs_stride, o); break;
+    }
+  }
+}
+
+// The query heads of one KV head over the keys at `slots[0..n)`, n >= 1, all in bf16: scores
+// by bf16 dot products, exps against each head's peak, and the values weighed by them (read once
+// for the group), left unnormalized as attend_head leaves them. Returns false where this path
+// does not apply (no AVX-512-BF16, another dtype or head size).
+template <typename q_t, typename cache_t>
+inline bool attend_kv_head(const cache_t* keys, const cache_t* values, const int64_t* slots,
+                           int64_t n, int64_t row, int64_t dim, const q_t* q, int64_t q_stride,
+                           int64_t group, float scale, float cap, float* scores, float* out,
+                           float* peak, float* total) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
+    if (dim != 64 && dim != 128 && dim != 256) return false;
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores + g * n;
+      switch (dim) {
+        case 64: head_scores_bf16<64>(keys, slots, n, row, q + g * q_stride, scale, sg); break;
+        case 128: head_scores_bf16<128>(keys, slots, n, row, q + g * q_stride, scale, sg); break;
+        default: head_scores_bf16<256>(keys, slots, n, row, q + g * q_stride, scale, sg); break;
+      }
+      if (cap > 0.f)
+        for (int64_t j = 0; j < n; ++j) sg[j] = std::tanh(sg[j] / cap) * cap;
+      peak[g] = *std::max_element(sg, sg + n);
+      total[g] = exp_shifted(sg, n, peak[g]);
+    }
+    switch (dim) {
+      case 64: heads_values<64>(values, slots, n, row, scores, n, group, out); break;
+      case 128: heads_values<128>(values, slots, n, row, scores, n, group, out); break;
+      default: heads_values<256>(values, slots, n, row, scores, n, group, out); break;
+    }
+    return true;
+  }
+#endif
+  return false;
+}
+
 // One query head over the keys at `slots[0..n)`, n >= 1: scores, their exps against the peak
 // score, and the values those weigh, left unnormalized (out, *peak, *total) so that key ranges
 // of one context computed apart can be merged. Returns false when the head size has no
@@ -277,6 +381,12 @@ inline bool attend_head(const cache_t* keys, const cache_t* values, const int64_
 template <typename cache_t>
 inline bool attend_head(const cache_t*, const cache_t*, const int64_t*, int64_t, int64_t, int64_t,
                         const float*, float, float, float*, float*, float*, float*) {
+  return false;
+}
+template <typename q_t, typename cache_t>
+inline bool attend_kv_head(const cache_t*, const cache_t*, const int64_t*, int64_t, int64_t,
+                           int64_t, const q_t*, int64_t, int64_t, float, float, float*, float*,
+                           float*, float*) {
   return false;
 }
 #endif
@@ -341,12 +451,24 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
             slots[j] = base + off;
         }
         scores.resize(heads * n);
+        // The bf16 path (whole KV-head groups) where it applies, else float32 head by head,
+        // else the generic loops.
         bool fast = true;
-        for (int64_t h = 0; h < heads && fast; ++h) {
-          const int64_t kvh = h / group;
-          fast = attend_head(kp + kvh * dim, vp + kvh * dim, slots.data(), n, row, dim,
-                             qf.data() + h * dim, fscale, fcap, scores.data() + h * n,
-                             acc.data() + h * dim, &peak[h], &total[h]);
+        for (int64_t kvh = 0; kvh < kv_heads && fast; ++kvh) {
+          const int64_t h0 = kvh * group;
+          fast = attend_kv_head(kp + kvh * dim, vp + kvh * dim, slots.data(), n, row, dim,
+                                qp + tok[r] * qs0 + h0 * qs1, qs1, group, fscale, fcap,
+                                scores.data() + h0 * n, acc.data() + h0 * dim, &peak[h0],
+                                &total[h0]);
+        }
+        if (!fast) {
+          fast = true;
+          for (int64_t h = 0; h < heads && fast; ++h) {
+            const int64_t kvh = h / group;
+            fast = attend_head(kp + kvh * dim, vp + kvh * dim, slots.data(), n, row, dim,
+                               qf.data() + h * dim, fscale, fcap, scores.data() + h * n,
+                               acc.data() + h * dim, &peak[h], &total[h]);
+          }
         }
         if (!fast) {
           for (int64_t j = 0; j < n; ++j) {
@@ -421,6 +543,19 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
   }
 }
 
+// One row of RMSNorm; the residual-add variant below calls it too, so both round alike.
+template <typename T>
+inline void rms_norm_row(const T* xr, const T* wp, T* orow, int64_t width, float eps) {
+  float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+  for (int64_t i = 0; i < width; ++i) sq += to_f(xr[i]) * to_f(xr[i]);
+  const float inv = 1.f / std::sqrt(sq / width + eps);
+  // The normalized value is rounded to the input dtype before the weight is applied, as
+  // the reference implementations do.
+  for (int64_t i = 0; i < width; ++i)
+    orow[i] = static_cast<T>(to_f(static_cast<T>(to_f(xr[i]) * inv)) * to_f(wp[i]));
+}
+
 template <typename T>
 void rms_norm_typed(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
                     double eps) {
@@ -429,19 +564,19 @@ void rms_norm_typed(torch::Tensor& out, const torch::Tensor& x, const torch::Ten
   const T* wp = weight.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = xp + r * width;
-      float sq = 0.f;
-#pragma omp simd reduction(+ : sq)
-      for (int64_t i = 0; i < width; ++i) sq += to_f(xr[i]) * to_f(xr[i]);
-      const float inv = 1.f / std::sqrt(sq / width + static_cast<float>(eps));
-      T* orow = op + r * width;
-      // The normalized value is rounded to the input dtype before the weight is applied, as
-      // the reference implementations do.
-      for (int64_t i = 0; i < width; ++i)
-        orow[i] = static_cast<T>(to_f(static_cast<T>(to_f(xr[i]) * inv)) * to_f(wp[i]));
-    }
+    for (int64_t r = begin; r < end; ++r)
+      rms_norm_row(xp + r * width, wp, op + r * width, width, static_cast<float>(eps));
   });
+}
+
+// Rotate-half RoPE of one head in place.
+template <typename T>
+inline void rotate_half(T* v, const float* c, const float* s, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = to_f(v[i]), b = to_f(v[i + half]);
+    v[i] = static_cast<T>(a * c[i] - b * s[i]);
+    v[i + half] = static_cast<T>(b * c[i] + a * s[i]);
+  }
 }
 
 // Rotate-half RoPE applied in place to x [T, heads, dim] (any strides with a unit last stride).
@@ -454,16 +589,44 @@ void rotary_typed(torch::Tensor& x, const int64_t* pos, const float* cos, const 
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + pos[t] * half;
       const float* s = sin + pos[t] * half;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* v = xp + t * s0 + h * s1;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = to_f(v[i]), b = to_f(v[i + half]);
-          v[i] = static_cast<T>(a * c[i] - b * s[i]);
-          v[i + half] = static_cast<T>(b * c[i] + a * s[i]);
-        }
-      }
+      for (int64_t h = 0; h < heads; ++h) rotate_half(xp + t * s0 + h * s1, c, s, half);
     }
   });
+}
+
+// A decoder layer's residual add and the norm after it in one pass: x += delta (rounded to T, as
+// x + delta is), then out = rms_norm(x) with the rounding of rms_norm_typed. x is [rows, width]
+// contiguous; delta's rows are `delta_stride` apart (a narrowed projection output).
+template <typename T>
+void add_rms_norm_typed(T* x, const T* delta, int64_t delta_stride, const T* weight, T* out,
+                        int64_t rows, int64_t width, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * width;
+      const T* dr = delta + r * delta_stride;
+      for (int64_t i = 0; i < width; ++i) xr[i] = static_cast<T>(to_f(xr[i]) + to_f(dr[i]));
+      rms_norm_row(xr, weight, out + r * width, width, eps);
+    }
+  });
+}
+
+// RoPE on the q and k heads of a fused qkv row, in place, and the rotated k and v rows written
+// to their cache slots: what rotary_typed twice and write_rows twice do, without a tensor view
+// per head group. qkv rows are `stride` apart; the cache is T, like the activations.
+template <typename T>
+void rope_write_kv_typed(T* qkv, int64_t tokens, int64_t stride, int64_t heads, int64_t kv_heads,
+                         int64_t dim, const int64_t* pos, const float* cos, const float* sin,
+                         T* k_cache, T* v_cache, const int64_t* slots) {
+  const int64_t half = dim / 2, kv_width = kv_heads * dim;
+  for (int64_t t = 0; t < tokens; ++t) {
+    T* row = qkv + t * stride;
+    const float* c = cos + pos[t] * half;
+    const float* s = sin + pos[t] * half;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) rotate_half(row + h * dim, c, s, half);
+    std::copy(row + heads * dim, row + heads * dim + kv_width, k_cache + slots[t] * kv_width);
+    std::copy(row + heads * dim + kv_width, row + heads * dim + 2 * kv_width,
+              v_cache + slots[t] * kv_width);
+  }
 }
 
 #if defined(__AVX512F__)
@@ -787,29 +950,59 @@ class DecodeStack {
                         torch::Tensor slot_mapping) const {
     const int64_t t = x.size(0);
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    TORCH_CHECK(x.is_contiguous() && positions.is_contiguous() && slot_mapping.is_contiguous(),
+                "the stack takes contiguous inputs");
+    x = x.clone();  // the residual stream, updated in place
+    torch::Tensor pending;  // the last down projection, added with the next layer's norm
     for (const StackLayer& l : layers_) {
-      auto qkv = l.qkv(rms_norm(x, l.input_norm, eps_), max_low_rows_);
+      auto xn = pending.defined() ? add_rms_norm(x, pending, l.input_norm)
+                                  : rms_norm(x, l.input_norm, eps_);
+      auto qkv = l.qkv(xn, max_low_rows_);
       auto q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
-      auto k = qkv.narrow(1, q_size, kv_size).view({t, kv_heads_, head_dim_});
-      auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, head_dim_});
-      if (l.q_norm.defined()) {
+      if (l.q_norm.defined()) {  // Qwen3: q and k are normed before the rotation
+        auto k = qkv.narrow(1, q_size, kv_size).view({t, kv_heads_, head_dim_});
+        auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, head_dim_});
         q = rms_norm(q.contiguous(), l.q_norm, eps_);
         k = rms_norm(k.contiguous(), l.k_norm, eps_);
+        rotary_inplace(q, positions, cos_, sin_);
+        rotary_inplace(k, positions, cos_, sin_);
+        write_kv(k, v, l.k_cache, l.v_cache, slot_mapping);
+      } else {
+        TORCH_CHECK(qkv.stride(1) == 1, "qkv rows must be contiguous");
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_kv", [&] {
+          rope_write_kv_typed<scalar_t>(
+              qkv.data_ptr<scalar_t>(), t, qkv.stride(0), heads_, kv_heads_, head_dim_,
+              positions.data_ptr<int64_t>(), cos_.data_ptr<float>(), sin_.data_ptr<float>(),
+              l.k_cache.data_ptr<scalar_t>(), l.v_cache.data_ptr<scalar_t>(),
+              slot_mapping.data_ptr<int64_t>());
+        });
       }
-      rotary_inplace(q, positions, cos_, sin_);
-      rotary_inplace(k, positions, cos_, sin_);
-      write_kv(k, v, l.k_cache, l.v_cache, slot_mapping);
       auto attn = torch::empty({t, heads_, head_dim_}, x.options());
       decode_attention(attn, q, l.k_cache, l.v_cache, token_index, block_table, seq_lens, scale_,
                        0.0, 0);
-      x = x + l.o(attn.view({t, q_size}), max_low_rows_);
-      auto h = l.gate_up(rms_norm(x, l.post_norm, eps_), max_low_rows_);
-      x = x + l.down(silu_and_mul(h), max_low_rows_);
+      auto h = l.gate_up(add_rms_norm(x, l.o(attn.view({t, q_size}), max_low_rows_), l.post_norm),
+                         max_low_rows_);
+      pending = l.down(silu_and_mul(h), max_low_rows_);
     }
+    if (pending.defined()) x += pending;
     return x;
   }
 
  private:
+  // x += delta in place; returns rms_norm(x) with `weight`.
+  torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& delta,
+                             const torch::Tensor& weight) const {
+    TORCH_CHECK(delta.stride(1) == 1 && delta.scalar_type() == x.scalar_type());
+    auto out = torch::empty_like(x);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms", [&] {
+      add_rms_norm_typed<scalar_t>(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
+                                   delta.stride(0), weight.data_ptr<scalar_t>(),
+                                   out.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                                   static_cast<float>(eps_));
+    });
+    return out;
+  }
+
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   torch::Tensor cos_, sin_;
