@@ -32,6 +32,8 @@ from octavo.params import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+MIN_QUEUED_TOKENS = 32768  # the default bound on waiting prompt tokens never goes below this
+
 
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone; no request can be served any more."""
@@ -78,7 +80,8 @@ class AsyncEngine:
         self.metrics = EngineMetrics()
         sched = config.scheduler
         self.max_queued_requests = max_queued_requests or 4 * sched.max_num_seqs
-        self.max_queued_tokens = max_queued_tokens or 16 * sched.max_num_batched_tokens
+        self.max_queued_tokens = max_queued_tokens or max(MIN_QUEUED_TOKENS,
+                                                          16 * sched.max_num_batched_tokens)
         self.stats = SchedulerStats(0, 0, 0.0, 0)
         self.dead: str | None = None
         self._streams: dict[str, _Stream] = {}

@@ -121,3 +121,32 @@ def test_config_missing_a_key_is_a_clear_error(tmp_path):
         "hidden_size": 32, "num_hidden_layers": 2, "layer_types": ["sliding_attention"]}))
     with pytest.raises(ValueError, match="layer_types must list"):
         read_arch_config(ModelSource("x", tmp_path))
+
+
+def test_serve_steps_are_smaller_than_offline_ones():
+    """The server's default step budget is 512 tokens (first tokens of a burst come sooner), the
+    offline engine's 2048; a flag still overrides it."""
+    import argparse
+
+    from octavo.config import EngineConfig
+    from octavo.entrypoints.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    budget = lambda *a: EngineConfig.from_cli(  # noqa: E731
+        parser.parse_args(["serve", *a])).scheduler.max_num_batched_tokens
+    assert budget() == 512
+    assert budget("--max-num-batched-tokens", "4096") == 4096
+    assert EngineConfig().scheduler.max_num_batched_tokens == 2048
+
+
+def test_the_command_imports_only_the_chosen_subcommand():
+    """`octavo serve` does not import the bench tools (their numpy and peers cost start-up time,
+    twice: the core process imports the command's module as its main)."""
+    code = ("import sys; from octavo.entrypoints.cli.main import _chosen_command as c; "
+            "assert c(['--log-level', 'debug', 'serve', 'x']) == 'serve'; "
+            "assert c(['chat']) == 'generate' and c(['--help']) is None and c(['foo']) is None; "
+            "import octavo.entrypoints.cli.main; "
+            "assert 'octavo.entrypoints.cli.bench' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from octavo.config import DEFAULT_MODEL, EngineConfig, add_engine_args
 
+SERVE_MAX_NUM_BATCHED_TOKENS = 512
+
 logger = logging.getLogger(__name__)
 
 
@@ -30,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests waiting for their first token before 429 (default 4 x "
                         "max-num-seqs)")
     s.add_argument("--max-queued-tokens", type=int, default=None,
-                   help="prompt tokens waiting before 429 (default 16 x max-num-batched-tokens)")
+                   help="prompt tokens waiting before 429 (default 16 x max-num-batched-tokens, "
+                        "at least 32768)")
     s.add_argument("--max-request-bytes", type=int, default=8 << 20,
                    help="largest request body (413 beyond)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -45,8 +48,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="split <think> reasoning from the answer (reasoning_content, thinking "
                         "blocks): deepseek_r1, qwen3")
     add_engine_args(s)
-    # A server answers at once and lets the C++ kernels build behind it on a first start.
-    s.set_defaults(run=run, native_kernels="background")
+    # A server answers at once and lets the C++ kernels build behind it on a first start. Its
+    # steps take at most 512 tokens (offline: 2048): a burst of prompts is prefilled a few at a
+    # time, so the first of them stream sooner (32 clients x 150 tokens, 64 out: TTFT p50 3.7 s
+    # -> 2.8 s, output tokens/s 224 -> 235 on SmolLM2 here; offline throughput is 2-4% better
+    # with 2048).
+    s.set_defaults(run=run, native_kernels="background",
+                   max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)
 
 
 def run(args: argparse.Namespace) -> int:
