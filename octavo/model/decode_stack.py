@@ -1,12 +1,15 @@
-"""A decode step of a Llama-family decoder as one C++ call (octavo/kernels/csrc: DecodeStack).
+"""A step of a Llama-family decoder as one C++ call (octavo/kernels/csrc: DecodeStack).
 
-In a decode step every request brings one token, and for a small model the Python around each
-kernel costs as much as the kernel: about a dozen module calls and dispatches a layer, about
-3 ms a step for SmolLM2's 30 layers against roughly 5 ms of arithmetic. The stack runs the same
+It takes the steps whose attention the in-place kernel computes whole: decodes, speculative
+verification, and prompts of up to paged_attention.KERNEL_CONTEXT_LEN tokens (a step with a
+padded SDPA group runs the Python layers). In a decode step every request brings one token, and
+for a small model the Python around each kernel costs as much as the kernel: about a dozen module
+calls and dispatches a layer, about 3 ms a step for SmolLM2's 30 layers against roughly 5 ms of
+arithmetic. The stack runs the same
 kernels in the same order from C++ (the CPU analogue of replaying a captured CUDA graph), so it
 needs exactly what those kernels need: dense weights (with or without a GGUF's int4/int8 copy
 for small batches) or packed int4 / symmetric int8 weights alone (--quantization). Anything else
-(mixed prefill steps, sliding windows, softcaps, an fp8 KV cache, act-order or asymmetric int8
+(steps with long prefills, sliding windows, softcaps, an fp8 KV cache, act-order or asymmetric int8
 weights, partial rotary, MoE layers, kernels not loaded yet) runs the Python layers.
 `--enforce-eager` turns it off.
 """

@@ -54,7 +54,7 @@ def test_stack_matches_the_python_layers(tmp_path, smollm_oracle_folder, name, b
         fused = _generate(llm)
     finally:
         stack.__class__.__call__ = forward
-    assert calls[0] >= 11  # every step after the prefill of all three prompts
+    assert calls[0] >= 12  # every step: the prompts' prefill too (the kernel takes them)
     model.model.decode_stack = None
     layered = _generate(llm)
     for a, b in zip(fused, layered):
@@ -64,8 +64,13 @@ def test_stack_matches_the_python_layers(tmp_path, smollm_oracle_folder, name, b
         assert diff < 2e-2, diff  # the same kernels in the same order; bf16 rounding at most
 
 
-def test_mixed_prefill_and_decode_steps_run_the_layers(tmp_path, smollm_oracle_folder):
-    """A step with a prefill chunk is not a decode step: the stack must not be used for it."""
+def test_steps_with_padded_prefills_run_the_layers(tmp_path, smollm_oracle_folder,
+                                                   monkeypatch):
+    """A step whose attention plan has a padded SDPA group (a prefill chunk over a long context)
+    runs the Python layers; steps the in-place kernel takes whole run the stack."""
+    from octavo.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "KERNEL_CONTEXT_LEN", 0)  # every chunk > 8 to SDPA
     folder, _ = _build(tmp_path, smollm_oracle_folder, "llama-default")
     llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
               max_num_batched_tokens=16)  # the later prompts prefill while the first decodes
@@ -82,6 +87,7 @@ def test_mixed_prefill_and_decode_steps_run_the_layers(tmp_path, smollm_oracle_f
 
     stack.usable = spy
     outs = _generate(llm)
+    assert any(has_prefill for has_prefill, _ in seen)
     assert all(not ok for has_prefill, ok in seen if has_prefill)
     assert any(ok for _, ok in seen)
     stack.usable = usable

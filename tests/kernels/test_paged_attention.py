@@ -78,8 +78,15 @@ def test_prefills_are_bucketed_by_length():
     query_lens = np.array([32, 500, 40, 480, 1, 1])
     seq_lens = np.array([32, 500, 40, 480, 70, 90])
     table = np.arange(6 * 32).reshape(6, 32)
-    plan = build_plan(query_lens, seq_lens, table, 16, native_decode=True)
+    plan = build_plan(query_lens, seq_lens, table, 16)  # without the kernel: SDPA for all
     sizes = sorted(tuple(sorted(g.token_valid.sum(1).tolist())) for g in plan.groups)
-    assert sizes == [(32, 40), (480, 500)]
-    alone = build_plan(np.array([100]), np.array([100]), table[:1], 16, native_decode=True)
+    assert sizes == [(1, 1), (32, 40), (480, 500)]
+    alone = build_plan(np.array([100]), np.array([100]), table[:1], 16)
     assert len(alone.groups) == 1 and alone.groups[0].mask is None
+    # With the kernel, prompts up to KERNEL_CONTEXT_LEN tokens of context go to it; longer
+    # ones to SDPA.
+    long_table = np.arange(2 * 80).reshape(2, 80)
+    mixed = build_plan(np.array([1200, 300]), np.array([1200, 300]), long_table, 16,
+                       native_decode=True)
+    assert len(mixed.decode.token_index) == 300
+    assert [g.token_valid.sum().item() for g in mixed.groups] == [1200]

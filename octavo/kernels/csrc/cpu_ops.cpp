@@ -886,7 +886,8 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
   return out;
 }
 
-// The decoder stack of a Llama-family model for a decode step (one query token per request), as
+// The decoder stack of a Llama-family model for a step whose attention the in-place kernel
+// takes whole (decodes, short queries, short prompts: one attention entry per query token), as
 // one call: the same kernels the Python layers call, without a Python frame and a dozen
 // dispatches per layer around each of them (about 3 ms a step for a 30-layer model, a third of
 // a batch-1 decode step). octavo/model/decode_stack.py builds it and checks what it supports.
@@ -908,7 +909,9 @@ struct StackLinear {
       if (y.size(1) != out) y = y.narrow(1, 0, out);
       return bias.defined() ? y + bias : y;
     }
-    return bias.defined() ? at::linear(x, dense, bias) : at::linear(x, dense);
+    // The bias is added after the product, as the Python layer adds it (one rounding each).
+    auto y = at::linear(x, dense);
+    return bias.defined() ? y + bias : y;
   }
 };
 
@@ -943,8 +946,8 @@ class DecodeStack {
     layers_.push_back(std::move(l));
   }
 
-  // x: [T, hidden] embeddings of the step's tokens, one per request -> hidden states before the
-  // final norm.
+  // x: [T, hidden] embeddings of the step's tokens (token_index maps attention entries to them)
+  // -> hidden states before the final norm.
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor token_index,
                         torch::Tensor block_table, torch::Tensor seq_lens,
                         torch::Tensor slot_mapping) const {
