@@ -195,28 +195,31 @@ inline __m512 sum_lanes16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
 }
 
-// scores[j] = scale * <q, key j> for one query head: q stays in registers, keys stream by, and
-// 16 keys' products are summed together.
-template <int DIM, typename cache_t>
-inline void head_scores(const cache_t* keys, const int64_t* slots, int64_t n, int64_t row,
-                        const float* qf, float scale, float* scores) {
-  __m512 q[DIM / 16], part[16];
-  for (int c = 0; c < DIM / 16; ++c) q[c] = _mm512_loadu_ps(qf + 16 * c);
+// scores[j] = scale * (the lanes of key_dot(j) summed) for j < n: 16 keys' partial products are
+// summed together by one transpose-and-add tree.
+template <typename KeyDot>
+inline void scores_by16(int64_t n, float scale, float* scores, KeyDot&& key_dot) {
+  __m512 part[16];
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t m = std::min<int64_t>(16, n - j0);
-    for (int64_t t = 0; t < 16; ++t) {
-      if (t >= m) {
-        part[t] = _mm512_setzero_ps();
-        continue;
-      }
-      const cache_t* key = keys + slots[j0 + t] * row;
-      __m512 acc = _mm512_mul_ps(q[0], load16(key));
-      for (int c = 1; c < DIM / 16; ++c) acc = _mm512_fmadd_ps(q[c], load16(key + 16 * c), acc);
-      part[t] = acc;
-    }
+    for (int64_t t = 0; t < 16; ++t) part[t] = t < m ? key_dot(j0 + t) : _mm512_setzero_ps();
     const __m512 s = _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale));
     _mm512_mask_storeu_ps(scores + j0, static_cast<__mmask16>((1u << m) - 1), s);
   }
+}
+
+// scores[j] = scale * <q, key j> for one query head: q stays in registers, keys stream by.
+template <int DIM, typename cache_t>
+inline void head_scores(const cache_t* keys, const int64_t* slots, int64_t n, int64_t row,
+                        const float* qf, float scale, float* scores) {
+  __m512 q[DIM / 16];
+  for (int c = 0; c < DIM / 16; ++c) q[c] = _mm512_loadu_ps(qf + 16 * c);
+  scores_by16(n, scale, scores, [&](int64_t j) {
+    const cache_t* key = keys + slots[j] * row;
+    __m512 acc = _mm512_mul_ps(q[0], load16(key));
+    for (int c = 1; c < DIM / 16; ++c) acc = _mm512_fmadd_ps(q[c], load16(key + 16 * c), acc);
+    return acc;
+  });
 }
 
 // out = sum_j probs[j] * value j for one query head, accumulated in registers (two sets, so
@@ -254,24 +257,14 @@ inline void head_scores_bf16(const c10::BFloat16* keys, const int64_t* slots, in
   __m512bh qv[DIM / 32];
   for (int c = 0; c < DIM / 32; ++c)
     qv[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(q + 32 * c));
-  __m512 part[16];
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t m = std::min<int64_t>(16, n - j0);
-    for (int64_t t = 0; t < 16; ++t) {
-      if (t >= m) {
-        part[t] = _mm512_setzero_ps();
-        continue;
-      }
-      const c10::BFloat16* key = keys + slots[j0 + t] * row;
-      __m512 acc = _mm512_setzero_ps();
-      for (int c = 0; c < DIM / 32; ++c)
-        acc = _mm512_dpbf16_ps(acc, qv[c],
-                               (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(key + 32 * c)));
-      part[t] = acc;
-    }
-    const __m512 s = _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale));
-    _mm512_mask_storeu_ps(scores + j0, static_cast<__mmask16>((1u << m) - 1), s);
-  }
+  scores_by16(n, scale, scores, [&](int64_t j) {
+    const c10::BFloat16* key = keys + slots[j] * row;
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < DIM / 32; ++c)
+      acc = _mm512_dpbf16_ps(
+          acc, qv[c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(key + 32 * c)));
+    return acc;
+  });
 }
 #endif
 
