@@ -6,8 +6,9 @@ prefills (several); each group is padded to its longest query and context and ru
 `scaled_dot_product_attention` call. Prefills are bucketed by length first, so that padding
 never costs more than a third of a bucket's work: a lone fresh prompt runs with `is_causal`
 (no mask, and the kernel skips the blocks above the diagonal), and a 32-token prompt is not
-padded to a 512-token one (that padding made attention a quarter of a mixed workload's time). With the C++ kernels
-loaded, decodes skip the padding: one call reads each request's keys in place from its blocks.
+padded to a 512-token one (that padding made attention a quarter of a mixed workload's time).
+With the C++ kernels loaded, decodes skip the padding: one call reads each request's keys in
+place from its blocks.
 So do short queries (speculative verification, a prompt's last few tokens) and prompts of up to
 KERNEL_CONTEXT_LEN tokens: the kernel takes each of their tokens as a query of its own over the
 context up to and including it.
