@@ -297,11 +297,20 @@ inline void heads_values(const cache_t* values, const int64_t* slots, int64_t n,
   for (int64_t h = 0; h < heads; h += kAtOnce) {
     const float* p = probs + h * probs_stride;
     float* o = out + h * DIM;
+    // (kAtOnce >= G ? G : 1): only the counts that fit this head size are instantiated.
     switch (std::min<int64_t>(kAtOnce, heads - h)) {
-      case 1: group_values<DIM, 1>(values, slots, n, row, p, probs_stride, o); break;
-      case 2: group_values<DIM, (kAtOnce >= 2 ? 2 : 1)>(values, slots, n, row, p, probs_stride, o); break;
-      case 3: group_values<DIM, (kAtOnce >= 3 ? 3 : 1)>(values, slots, n, row, p, probs_stride, o); break;
-      default: group_values<DIM, (kAtOnce >= 4 ? 4 : 1)>(values, slots, n, row, p, probs_stride, o); break;
+      case 1:
+        group_values<DIM, 1>(values, slots, n, row, p, probs_stride, o);
+        break;
+      case 2:
+        group_values<DIM, (kAtOnce >= 2 ? 2 : 1)>(values, slots, n, row, p, probs_stride, o);
+        break;
+      case 3:
+        group_values<DIM, (kAtOnce >= 3 ? 3 : 1)>(values, slots, n, row, p, probs_stride, o);
+        break;
+      default:
+        group_values<DIM, (kAtOnce >= 4 ? 4 : 1)>(values, slots, n, row, p, probs_stride, o);
+        break;
     }
   }
 }
