@@ -440,10 +440,6 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
       const int64_t n = first + (len - first) * (c + 1) / ranges - lo;
       const int64_t* table = tables + r * bt_stride;
       if (n > 0) {
-        for (int64_t h = 0; h < heads; ++h) {
-          const q_t* src = qp + tok[r] * qs0 + h * qs1;
-          for (int64_t d = 0; d < dim; ++d) qf[h * dim + d] = to_f(src[d]);
-        }
         // Slots of the range, walked block by block (an integer division per key costs more
         // than the key's dot products).
         slots.resize(n);
@@ -463,7 +459,11 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
                                 scores.data() + h0 * n, acc.data() + h0 * dim, &peak[h0],
                                 &total[h0]);
         }
-        if (!fast) {
+        if (!fast) {  // the float32 paths take q widened
+          for (int64_t h = 0; h < heads; ++h) {
+            const q_t* src = qp + tok[r] * qs0 + h * qs1;
+            for (int64_t d = 0; d < dim; ++d) qf[h * dim + d] = to_f(src[d]);
+          }
           fast = true;
           for (int64_t h = 0; h < heads && fast; ++h) {
             const int64_t kvh = h / group;
@@ -612,19 +612,26 @@ void add_rms_norm_typed(T* x, const T* delta, int64_t delta_stride, const T* wei
   });
 }
 
-// RoPE on the q and k heads of a fused qkv row, in place, and the rotated k and v rows written
-// to their cache slots: what rotary_typed twice and write_rows twice do, without a tensor view
-// per head group. qkv rows are `stride` apart; the cache is T, like the activations.
+// The q and k heads of a fused qkv row normed (Qwen3's q_norm / k_norm, when given) and rotated
+// in place, and the k and v rows written to their cache slots: what rms_norm, rotary_typed and
+// write_rows do, without a tensor view per head group. qkv rows are `stride` apart; the cache is
+// T, like the activations.
 template <typename T>
 void rope_write_kv_typed(T* qkv, int64_t tokens, int64_t stride, int64_t heads, int64_t kv_heads,
                          int64_t dim, const int64_t* pos, const float* cos, const float* sin,
-                         T* k_cache, T* v_cache, const int64_t* slots) {
+                         const T* q_norm, const T* k_norm, float eps, T* k_cache, T* v_cache,
+                         const int64_t* slots) {
   const int64_t half = dim / 2, kv_width = kv_heads * dim;
   for (int64_t t = 0; t < tokens; ++t) {
     T* row = qkv + t * stride;
     const float* c = cos + pos[t] * half;
     const float* s = sin + pos[t] * half;
-    for (int64_t h = 0; h < heads + kv_heads; ++h) rotate_half(row + h * dim, c, s, half);
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      T* head = row + h * dim;
+      const T* norm = h < heads ? q_norm : k_norm;
+      if (norm != nullptr) rms_norm_row(head, norm, head, dim, eps);
+      rotate_half(head, c, s, half);
+    }
     std::copy(row + heads * dim, row + heads * dim + kv_width, k_cache + slots[t] * kv_width);
     std::copy(row + heads * dim + kv_width, row + heads * dim + 2 * kv_width,
               v_cache + slots[t] * kv_width);
@@ -964,24 +971,17 @@ class DecodeStack {
                                   : rms_norm(x, l.input_norm, eps_);
       auto qkv = l.qkv(xn, max_low_rows_);
       auto q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
-      if (l.q_norm.defined()) {  // Qwen3: q and k are normed before the rotation
-        auto k = qkv.narrow(1, q_size, kv_size).view({t, kv_heads_, head_dim_});
-        auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, head_dim_});
-        q = rms_norm(q.contiguous(), l.q_norm, eps_);
-        k = rms_norm(k.contiguous(), l.k_norm, eps_);
-        rotary_inplace(q, positions, cos_, sin_);
-        rotary_inplace(k, positions, cos_, sin_);
-        write_kv(k, v, l.k_cache, l.v_cache, slot_mapping);
-      } else {
-        TORCH_CHECK(qkv.stride(1) == 1, "qkv rows must be contiguous");
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_kv", [&] {
-          rope_write_kv_typed<scalar_t>(
-              qkv.data_ptr<scalar_t>(), t, qkv.stride(0), heads_, kv_heads_, head_dim_,
-              positions.data_ptr<int64_t>(), cos_.data_ptr<float>(), sin_.data_ptr<float>(),
-              l.k_cache.data_ptr<scalar_t>(), l.v_cache.data_ptr<scalar_t>(),
-              slot_mapping.data_ptr<int64_t>());
-        });
-      }
+      TORCH_CHECK(qkv.stride(1) == 1, "qkv rows must be contiguous");
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_kv", [&] {
+        const bool normed = l.q_norm.defined();  // Qwen3: q and k normed before the rotation
+        rope_write_kv_typed<scalar_t>(
+            qkv.data_ptr<scalar_t>(), t, qkv.stride(0), heads_, kv_heads_, head_dim_,
+            positions.data_ptr<int64_t>(), cos_.data_ptr<float>(), sin_.data_ptr<float>(),
+            normed ? l.q_norm.data_ptr<scalar_t>() : nullptr,
+            normed ? l.k_norm.data_ptr<scalar_t>() : nullptr, static_cast<float>(eps_),
+            l.k_cache.data_ptr<scalar_t>(), l.v_cache.data_ptr<scalar_t>(),
+            slot_mapping.data_ptr<int64_t>());
+      });
       auto attn = torch::empty({t, heads_, head_dim_}, x.options());
       decode_attention(attn, q, l.k_cache, l.v_cache, token_index, block_table, seq_lens, scale_,
                        0.0, 0);
