@@ -62,9 +62,15 @@ def weights_mb(llm) -> float | None:
 
     def add(t: torch.Tensor | None) -> None:
         nonlocal total
-        if t is not None and t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.untyped_storage().nbytes()
+        if t is None:
+            return
+        if t.is_mkldnn:  # a oneDNN-packed weight: opaque, no storage to share
+            key, nbytes = id(t), t.numel() * t.element_size()
+        else:
+            key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        if key not in seen:
+            seen.add(key)
+            total += nbytes
 
     for p in model.parameters():
         add(p)

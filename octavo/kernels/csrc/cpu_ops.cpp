@@ -919,8 +919,18 @@ struct StackLinear {
       return bias.defined() ? y + bias : y;
     }
     // The bias is added after the product, as the Python layer adds it (one rounding each).
-    auto y = at::linear(x, dense);
+    auto y = dense.is_mkldnn() ? packed_linear(x, dense) : at::linear(x, dense);
     return bias.defined() ? y + bias : y;
+  }
+
+  // A weight packed by octavo/kernels/onednn.py: oneDNN's linear op, as its Python side calls it.
+  static torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+    static const c10::OperatorHandle op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack{x, weight, c10::IValue(), std::string("none"),
+                            c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
   }
 };
 

@@ -43,7 +43,7 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
         from octavo.model.loader.prepared_cache import load_prepared, prepared_path
         prepared = prepared_path(source, dtype, decode_weights, quantization)
         if load_prepared(model, prepared):
-            return _finish(model, plan)
+            return _finish(model, plan, device, quantization)
     bits: dict[str, int] = {}
     if source.is_gguf:
         from octavo.model.loader.gguf_weights import iterate_gguf_weights
@@ -62,17 +62,36 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
     if prepared is not None:
         from octavo.model.loader.prepared_cache import save_prepared
         save_prepared(model, prepared)
-    return _finish(model, plan)
+    return _finish(model, plan, device, quantization)
 
 
-def _finish(model: nn.Module, plan) -> nn.Module:
+def _finish(model: nn.Module, plan, device: torch.device, quantization: str | None) -> nn.Module:
     """With a GGUF's packed weights only (--quantization int4|int8, whatever decode_weights
     says), an untied LM head keeps its packed copy alone too (after the prepared weights were
-    saved with it dense, as the model is built)."""
+    saved with it dense, as the model is built). On the CPU, dense bf16 weights of linear layers
+    and the LM head are then packed for oneDNN's GEMM (kernels/onednn.py)."""
     head = getattr(model, "lm_head", None)
     if getattr(plan, "keep_dense", True) is False and hasattr(head, "packed_only"):
         head.packed_only()
+    if device.type == "cpu":
+        _pack_for_gemm(model, tied_head=quantization is None)
     return model.eval()
+
+
+def _pack_for_gemm(model: nn.Module, tied_head: bool) -> None:
+    """Replace each dense bf16 weight of a Linear or LMHead by its oneDNN-packed form. A tied
+    LM head would need a packed copy of its own (the embedding indexes the plain table): made
+    only with `tied_head`, not when --quantization asked for smaller weights."""
+    from octavo.kernels import onednn
+    from octavo.model.layers.embedding import LMHead
+    from octavo.model.layers.linear import Linear
+    for module in model.modules():
+        if isinstance(module, (Linear, LMHead)):
+            weight = getattr(module, "weight", None)
+            if getattr(module, "tied", False) and not tied_head:
+                continue
+            if weight is not None and onednn.packable(weight):
+                module.weight = nn.Parameter(onednn.pack(weight.data), requires_grad=False)
 
 
 def _set_decode_bits(model: nn.Module, bits: dict[str, int]) -> None:

@@ -11,8 +11,8 @@ head's copy here, from its dense weight at the source's granularity.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from octavo.kernels import onednn
 from octavo.model.quant.packed import PackedWeight, quantize_int4, quantize_int8_grouped
 
 MAX_ROWS = 4  # above this, bf16 GEMM wins (measured: int4 103 µs vs bf16 139 µs at 4 rows)
@@ -28,6 +28,7 @@ def make_decode_weight(weight: torch.Tensor, bits: int) -> PackedWeight | None:
     """The low-bit copy of a weight whose source had `bits` bits per weight, if one helps:
     int4 min/max per 32 inputs for 4 bits or fewer, int8 absmax per 32 up to 8 (Q8_0's rule,
     so a Q8_0 source comes back code for code)."""
+    weight = onednn.dense(weight)
     if not supported(weight) or bits > 8:
         return None
     if bits <= 4:
@@ -40,4 +41,4 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if decode is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16:
         y = decode.matmul(x)
         return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
+    return onednn.linear(x, weight, bias)

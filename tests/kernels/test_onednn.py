@@ -1,0 +1,54 @@
+"""Weights packed for oneDNN's GEMM (octavo/kernels/onednn.py): the same products as F.linear,
+bit for bit, for every row count; packed at load for bf16 models on the CPU only."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from octavo.kernels import onednn
+
+pytestmark = pytest.mark.skipif(not onednn.packable(torch.zeros(2, 2, dtype=torch.bfloat16)),
+                                reason="this torch has no oneDNN linear packing")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 17, 64, 300])
+def test_packed_linear_is_f_linear_bit_for_bit(rows):
+    torch.manual_seed(rows)
+    weight = torch.randn(200, 96).bfloat16()
+    bias = torch.randn(200).bfloat16()
+    packed = onednn.pack(weight)
+    assert packed.is_mkldnn and packed.shape == weight.shape
+    x = torch.randn(rows, 96).bfloat16()
+    assert torch.equal(onednn.linear(x, packed), F.linear(x, weight))
+    assert torch.equal(onednn.linear(x, packed, bias), F.linear(x, weight, bias))
+    x3 = torch.randn(2, rows, 96).bfloat16()  # leading dims pass through
+    assert torch.equal(onednn.linear(x3, packed), F.linear(x3, weight))
+    assert torch.equal(onednn.dense(packed), weight)
+
+
+def test_packing_rules_and_dtype_mismatch():
+    assert not onednn.packable(torch.zeros(4, 4))  # float32 keeps F.linear's summation order
+    assert not onednn.packable(torch.zeros(4, dtype=torch.bfloat16))
+    packed = onednn.pack(torch.randn(8, 16).bfloat16())
+    assert not onednn.packable(packed)
+    with pytest.raises(TypeError, match="bfloat16 activations"):
+        onednn.linear(torch.randn(2, 16), packed)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_cpu_model_loads_packed_in_bf16_only(tmp_path, smollm_oracle_folder, dtype):
+    from octavo import LLM, SamplingParams
+    from octavo.model.layers.embedding import LMHead
+    from octavo.model.layers.linear import Linear
+    from tests.parity.test_tiny_models import _build
+
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "llama-default")
+    llm = LLM(str(folder), dtype=dtype, max_model_len=128, kv_cache_memory=8 << 20)
+    model = llm.engine.client.core.executor.worker.runner.model
+    weights = [m.weight for m in model.modules() if isinstance(m, (Linear, LMHead))]
+    assert weights and all(w.is_mkldnn == (dtype == "bfloat16") for w in weights)
+    assert not model.model.embed_tokens.weight.is_mkldnn  # the table the embedding indexes
+    out = llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=4, temperature=0),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
