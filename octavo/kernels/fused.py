@@ -122,6 +122,21 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
                              seq_lens, scale, softcap or 0.0, window or 0)
 
 
+def int4_gemm_ready() -> bool:
+    """Whether octavo's int4 kernel can run: C++ loaded, on a CPU with AVX-512-BF16."""
+    return _native is not None and _native.int4_gemm_supported()
+
+
+def int4_gemm_active(x: torch.Tensor) -> bool:
+    return int4_gemm_ready() and x.device.type == "cpu" and x.dtype == torch.bfloat16
+
+
+def int4_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 times int4 weights in octavo's layout (Int4Packed.native_layout) ->
+    [M, N padded to 16] (C++ only; torch's int4 kernel is the reference)."""
+    return _native.int4_gemm(x.contiguous(), codes, scales)
+
+
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] times int8 weights q [N, K] with float32 scales: one per row [N], or one per
     group of inputs [N, G] (C++ only; the weights are read once for up to 8 rows of x at a

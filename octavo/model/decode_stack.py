@@ -28,7 +28,7 @@ from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
 from octavo.model.models.llama import LlamaDecoderLayer, LlamaMLP
 from octavo.model.quant.base import UNQUANTIZED
-from octavo.model.quant.decode_weights import MAX_ROWS
+from octavo.model.quant.decode_weights import max_rows
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def _weight_reason(lin: Linear, dtype: torch.dtype) -> str | None:
     if low.perm is not None:
         return "a permuted (act-order) packed weight"
     if isinstance(low, Int4Packed):
-        return None if low.scales_zeros.dtype == dtype else "int4 scales in another dtype"
+        return None if low.dtype == dtype else "int4 scales in another dtype"
     if isinstance(low, Int8Packed) and (low.q.shape[0] != 1 or low.zero_term is not None):
         return "a grouped or asymmetric int8 weight"
     if isinstance(low, (Int8Packed, Int8Grouped)):
@@ -102,8 +102,11 @@ def _row_limit(lin: Linear) -> int | None:
 
 def _linear(native: Any, lin: Linear) -> Any:
     low = lin.decode_weight if lin.weight is not None else lin.packed
-    if isinstance(low, Int4Packed):
-        kind, a, b, group = 4, low.packed, low.scales_zeros, low.group
+    if (isinstance(low, Int4Packed) and low.dtype == torch.bfloat16
+            and native.int4_gemm_supported()):  # octavo's int4 kernel (bf16 activations)
+        kind, a, b, group = 5, *low.native_layout(), 32
+    elif isinstance(low, Int4Packed):
+        kind, a, b, group = 4, *low.torch_layout(), 32
     elif isinstance(low, Int8Packed):
         kind, a, b, group = 8, low.q[0], low.scale[0], 0
     elif isinstance(low, Int8Grouped):  # scales [N, G]: the GEMV applies them per group
@@ -111,7 +114,8 @@ def _linear(native: Any, lin: Linear) -> Any:
     else:
         kind, a, b, group = 0, None, None, 0
     out = lin.weight.shape[0] if lin.weight is not None else low.out_features
-    return native.StackLinear(lin.weight, lin.bias, kind, a, b, group, out)
+    rows = max_rows(low) if low is not None else 0
+    return native.StackLinear(lin.weight, lin.bias, kind, a, b, group, out, rows)
 
 
 class DecodeStack:
@@ -147,7 +151,7 @@ class DecodeStack:
         rotary = first.rotary
         stack = native.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim,
                                    self.layers[0].input_layernorm.eps, first.attn.scale,
-                                   rotary.cos, rotary.sin, MAX_ROWS)
+                                   rotary.cos, rotary.sin)
         for layer in self.layers:
             attn = layer.self_attn
             stack.add_layer(

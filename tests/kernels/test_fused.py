@@ -52,6 +52,17 @@ def test_silu_and_mul(native_kernels, dtype, rows, width):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_at_extreme_gates(native_kernels, dtype):
+    """Gates far below zero (e^-g beyond float's range) give silu's tiny values, not NaN."""
+    gate = torch.tensor([-300., -120., -90., -80., -20., -1e-3, 0., 1e-3, 20., 90., 300., 1e30,
+                         -3e38, 5., -5., 1.]).to(dtype)
+    x = torch.cat([gate, torch.full_like(gate, 1.5)]).view(1, -1)
+    out = fused.silu_and_mul(x)
+    assert torch.isfinite(out).all()
+    _close(out, F.silu(gate.view(1, -1)) * 1.5, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_scatters_rows(native_kernels, dtype):
     cache = torch.zeros(2, 8, 4, 3, 16, dtype=dtype)
     want = cache.clone()

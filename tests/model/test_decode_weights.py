@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from octavo import LLM, SamplingParams
-from octavo.model.quant.decode_weights import MAX_ROWS, make_decode_weight, small_batch_linear
+from octavo.model.quant.decode_weights import (INT4_ROWS, MAX_ROWS, make_decode_weight, max_rows,
+                                               small_batch_linear)
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, quantize_int8
 
 
@@ -52,6 +53,34 @@ def test_int8_kernel_matches_torch_kernel(native_kernels):
     assert torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 20])
+@pytest.mark.parametrize("n, k, group", [(200, 96, 32), (64, 576, 32), (48, 256, 128)])
+def test_int4_kernel_matches_torch_kernel(native_kernels, rows, n, k, group):
+    """octavo's int4 kernel (its own layout, float32 scales) against the exact product and
+    against torch's kernel (bf16 scales) on the same codes; N not a multiple of 16 is padded."""
+    from octavo.kernels import fused
+    from octavo.model.quant.packed import Int4Packed, minmax_int4
+
+    if not fused.int4_gemm_active(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("octavo's int4 kernel needs AVX-512-BF16")
+    g = torch.Generator().manual_seed(rows * n)
+    q, scale, low = minmax_int4(torch.randn(n, k, generator=g), group)
+    weight = Int4Packed.from_affine(q, scale, low, group, torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    ours = fused.int4_gemm(x, *weight.native_layout())[:, :n]
+    theirs = torch._weight_int4pack_mm_for_cpu(x, *weight.torch_layout()[:1], 32,
+                                               weight.torch_layout()[1])[:, :n]
+    assert ours.shape == (rows, n) and ours.dtype == torch.bfloat16
+    exact = (q.view(n, -1, group) * scale[..., None] + low[..., None]).view(n, k)
+    ref = x.float() @ exact.t()
+    assert (ours.float() - ref).norm() / ref.norm() < 3e-3  # bf16 output rounding only
+    assert (ours.float() - ref).norm() <= (theirs.float() - ref).norm()  # bf16 scales cost
+    assert (ours.float() - theirs.float()).norm() / ref.norm() < 1e-2
+    assert torch.equal(weight.kernel_matmul(x), ours)  # the Python layer takes it
+    with pytest.raises(RuntimeError, match="bf16"):
+        fused.int4_gemm(x.float(), *weight.native_layout())
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 32])
 @pytest.mark.parametrize("group", [16, 32, 64])
 def test_grouped_int8_kernel_matches_its_dequantized_weight(native_kernels, rows, group):
@@ -70,11 +99,18 @@ def test_grouped_int8_kernel_matches_its_dequantized_weight(native_kernels, rows
         fused.int8_gemv(x, q, torch.rand(200, 192 // 8))
 
 
-def test_only_small_bf16_batches_take_the_low_bit_path():
+@pytest.mark.parametrize("native", [False, True])
+def test_only_small_bf16_batches_take_the_low_bit_path(native_kernels, native):
+    """Up to max_rows rows: INT4_ROWS for octavo's int4 kernel, MAX_ROWS for torch's."""
+    from octavo.kernels import fused
+
+    fused.enable_native(native)
     w = _q4_weight(64, 128)
     decode = make_decode_weight(w, 4)
-    small = torch.randn(MAX_ROWS, 128).bfloat16()
-    large = torch.randn(MAX_ROWS + 1, 128).bfloat16()
+    limit = max_rows(decode)
+    assert limit == (INT4_ROWS if native and fused.int4_gemm_ready() else MAX_ROWS)
+    small = torch.randn(limit, 128).bfloat16()
+    large = torch.randn(limit + 1, 128).bfloat16()
     assert torch.equal(small_batch_linear(small, w, None, decode), decode.matmul(small))
     assert torch.equal(small_batch_linear(large, w, None, decode),
                        torch.nn.functional.linear(large, w))
@@ -98,16 +134,6 @@ def test_decode_copies_exist_only_when_asked(bf16_pair):
     assert dense_model.model.layers[0].mlp.gate_up_proj.decode_weight is None
 
 
-def _agreement(outs, ref) -> int:
-    total = 0
-    for a, b in zip(outs, ref):
-        for x, y in zip(a.outputs[0].token_ids, b.outputs[0].token_ids):
-            if x != y:
-                break
-            total += 1
-    return total
-
-
 def test_greedy_output_matches_dense_bf16(bf16_pair, smollm_llm):
     fast, dense = bf16_pair
     prompts = ["The capital of France is", "def fib(n):", "List three colors: red,",
@@ -121,10 +147,28 @@ def test_greedy_output_matches_dense_bf16(bf16_pair, smollm_llm):
             if p != q:
                 assert p in y.outputs[0].logprobs[j] and q in x.outputs[0].logprobs[j]
                 break
-    # ... and as close to float32 as dense bf16 is: tokens agreeing before the first divergence.
-    ref = smollm_llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0),
-                              use_tqdm=False)
-    assert _agreement(a, ref) >= 0.9 * _agreement(b, ref)
+    # ... and as close to float32 as dense bf16 is, measured robustly: the logprob of each next
+    # token of a text fed in prompts of 24 tokens (each prompt's prefill takes the low-bit path,
+    # as a decode step does; greedy runs' first divergences are too few to compare).
+    text = ("The capital of France is Paris. It is known for the Eiffel Tower, built in 1889 for "
+            "the World's Fair. def fib(n):\n    if n < 2:\n        return n\n    return "
+            "fib(n - 1) + fib(n - 2)\nMany tourists visit the city every year to see its museums.")
+    ids = fast.tokenizer.encode(text)
+    chunks = [ids[i:i + 24] for i in range(0, len(ids) - 12, 12)]
+    errors = [_prompt_logprob_error(llm, smollm_llm, chunks) for llm in (fast, dense)]
+    assert errors[0] <= 1.1 * errors[1], errors
+
+
+def _prompt_logprob_error(llm, ref, chunks: list[list[int]]) -> float:
+    """Mean |logprob - reference logprob| of each chunk's tokens after its first."""
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    total, count = 0.0, 0
+    for chunk in chunks:  # one at a time: each prefill is a small batch of its own
+        a, b = (x.generate([chunk], params, use_tqdm=False)[0] for x in (llm, ref))
+        for pa, pb, t in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], chunk[1:]):
+            total += abs(pa[t].logprob - pb[t].logprob)
+            count += 1
+    return total / count
 
 
 def test_prepared_weights_reload_identically(smollm_gguf, tmp_path, monkeypatch):

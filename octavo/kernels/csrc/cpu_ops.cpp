@@ -83,6 +83,35 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// float32 to bfloat16, rounded to nearest even, as the bits' upper halves (finite values).
+inline __m512i bf16_round_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_and_si512(_mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)),
+                          _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+}
+
+// v rounded to T and widened back: what static_cast<T> then to_f do, for 16 lanes.
+template <typename T>
+inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return _mm512_castsi512_ps(bf16_round_bits(v));
+  else return v;
+}
+
+template <typename T>
+inline void store16(T* p, __m512 v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_bits(v), 16)));
+  } else {
+    _mm512_storeu_ps(p, v);
+  }
+}
+
+// Whether the 16-lane row routines below take T (float and bf16 rows with 16 | width).
+template <typename T>
+constexpr bool kVec16 = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
 // exp of 16 floats: 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor
 // polynomial (relative error about 2e-7, below bf16 and close to float rounding).
 inline __m512 exp16(__m512 x) {
@@ -548,6 +577,22 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
 // One row of RMSNorm; the residual-add variant below calls it too, so both round alike.
 template <typename T>
 inline void rms_norm_row(const T* xr, const T* wp, T* orow, int64_t width, float eps) {
+#if defined(__AVX512F__)
+  if constexpr (kVec16<T>) {
+    if (width % 16 == 0) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < width; i += 16) {
+        const __m512 v = load16(xr + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / width + eps));
+      for (int64_t i = 0; i < width; i += 16)
+        store16(orow + i, _mm512_mul_ps(round16<T>(_mm512_mul_ps(load16(xr + i), inv)),
+                                        load16(wp + i)));
+      return;
+    }
+  }
+#endif
   float sq = 0.f;
 #pragma omp simd reduction(+ : sq)
   for (int64_t i = 0; i < width; ++i) sq += to_f(xr[i]) * to_f(xr[i]);
@@ -574,7 +619,18 @@ void rms_norm_typed(torch::Tensor& out, const torch::Tensor& x, const torch::Ten
 // Rotate-half RoPE of one head in place.
 template <typename T>
 inline void rotate_half(T* v, const float* c, const float* s, int64_t half) {
-  for (int64_t i = 0; i < half; ++i) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (kVec16<T>) {
+    for (; i + 16 <= half; i += 16) {
+      const __m512 a = load16(v + i), b = load16(v + i + half);
+      const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
+      store16(v + i, _mm512_fmsub_ps(a, cv, _mm512_mul_ps(b, sv)));
+      store16(v + i + half, _mm512_fmadd_ps(b, cv, _mm512_mul_ps(a, sv)));
+    }
+  }
+#endif
+  for (; i < half; ++i) {
     const float a = to_f(v[i]), b = to_f(v[i + half]);
     v[i] = static_cast<T>(a * c[i] - b * s[i]);
     v[i + half] = static_cast<T>(b * c[i] + a * s[i]);
@@ -606,7 +662,12 @@ void add_rms_norm_typed(T* x, const T* delta, int64_t delta_stride, const T* wei
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * width;
       const T* dr = delta + r * delta_stride;
-      for (int64_t i = 0; i < width; ++i) xr[i] = static_cast<T>(to_f(xr[i]) + to_f(dr[i]));
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      if constexpr (kVec16<T>)
+        for (; i + 16 <= width; i += 16) store16(xr + i, _mm512_add_ps(load16(xr + i), load16(dr + i)));
+#endif
+      for (; i < width; ++i) xr[i] = static_cast<T>(to_f(xr[i]) + to_f(dr[i]));
       rms_norm_row(xr, weight, out + r * width, width, eps);
     }
   });
@@ -639,20 +700,21 @@ void rope_write_kv_typed(T* qkv, int64_t tokens, int64_t stride, int64_t heads, 
 }
 
 #if defined(__AVX512F__)
-// float32 to bfloat16, rounded to nearest even, as the bits' upper halves (finite values).
-inline __m512i bf16_round_bits(__m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  return _mm512_and_si512(_mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)),
-                          _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-}
 
 // silu(gate) * up for 16 lanes, silu rounded to T first; T is float or bfloat16.
 template <typename T>
 inline void silu_mul16(const T* gate, const T* up, T* out) {
   const __m512 g = load16(gate);
-  __m512 act = _mm512_div_ps(
-      g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  // g / (1 + e^-g) with a refined reciprocal (about 2^-28 relative) instead of a division,
+  // whose 512-bit form is slow on this class of CPU. Below g = -80 silu is below 1e-33: 0 here
+  // (e^-g is capped so that the reciprocal stays finite).
+  const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), g);
+  const __mmask16 live = _mm512_cmp_ps_mask(neg, _mm512_set1_ps(80.f), _CMP_LE_OQ);
+  const __m512 den =
+      _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_min_ps(neg, _mm512_set1_ps(80.f))));
+  __m512 inv = _mm512_rcp14_ps(den);
+  inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
+  __m512 act = _mm512_maskz_mul_ps(live, g, inv);
   if constexpr (std::is_same_v<T, float>) {
     _mm512_storeu_ps(out, _mm512_mul_ps(act, load16(up)));
   } else {
@@ -693,8 +755,7 @@ void silu_and_mul_typed(torch::Tensor& out, const torch::Tensor& x) {
 
 // Int8 weights ([N, K], a float scale per output row) times a few rows of activations
 // (decode). Reading the weights is the whole cost, so each weight row is read once for all rows
-// of x and widened to float in registers. (For int4, torch's packed kernel was as fast as a
-// plain AVX-512 one here, so octavo uses torch's.)
+// of x and widened to float in registers. (int4: int4_block below.)
 
 template <typename T>
 void widen_rows(const torch::Tensor& x, std::vector<float>& xf) {
@@ -788,6 +849,58 @@ void for_rows(int64_t rows, F&& body) {
     default: TORCH_CHECK(false, "low-bit GEMV takes 1 to 8 rows, got ", rows);
   }
 }
+
+// Int4 weights times a few rows of bf16 activations (decode), in octavo's own layout
+// (octavo/model/quant/packed.py, Int4Packed.native_layout) so that unpacking costs less than
+// the multiply and a step reads the weights at memory speed:
+//   q4 [N / 16, K / 4, 32] bytes: byte 2r + j of (row block b, quad c) holds the codes of row
+//      16b + r at inputs 4c + j (low nibble) and 4c + 2 + j (high nibble);
+//   sz [N / 16, K / 32, 2, 16] float32: per row and 32 inputs, scale and zero
+//      (w = (q - 8) * scale + zero, torch's form).
+// A 32-bit lane is one output row, so products accumulate per row with no horizontal sums:
+// code q becomes the bf16 number 128 + q by or-ing in an exponent (no conversion), vdpbf16ps
+// multiplies pairs of inputs exactly into float32, and per group
+//   sum x * w = scale * sum x * (128 + q) + (zero - 136 * scale) * sum x.
+#if defined(__AVX512BF16__)
+// Output rows 16b..16b+15 for R activation rows; acc[r] gets row r's 16 sums.
+template <int R>
+inline void int4_block(const uint8_t* q4, const float* sz, const c10::BFloat16* x,
+                       int64_t k, const float* xsum, __m512* acc) {
+  constexpr int P = R == 1 ? 2 : 1;  // one row alone: two chains per half, to hide latency
+  const int64_t groups = k / 32;
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F), exponent = _mm512_set1_epi16(0x4300);
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[R][2 * P];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 2 * P; ++i) part[r][i] = _mm512_setzero_ps();
+    const uint8_t* qg = q4 + g * 256;
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i w = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + c * 32)));
+      const __m512i lo = _mm512_ternarylogic_epi32(w, low_nibble, exponent, 0xEA);  // a&b | c
+      const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(w, 4), exponent);
+      const int p = (c % P) * 2;
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * k + g * 32 + c * 4);
+        part[r][p] = _mm512_dpbf16_ps(part[r][p], (__m512bh)lo, (__m512bh)_mm512_set1_epi32(xr[0]));
+        part[r][p + 1] =
+            _mm512_dpbf16_ps(part[r][p + 1], (__m512bh)hi, (__m512bh)_mm512_set1_epi32(xr[1]));
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(sz + g * 32);
+    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), scale,
+                                           _mm512_loadu_ps(sz + g * 32 + 16));
+    for (int r = 0; r < R; ++r) {
+      __m512 dot = _mm512_add_ps(part[r][0], part[r][1]);
+      if constexpr (P == 2) dot = _mm512_add_ps(dot, _mm512_add_ps(part[r][2], part[r][3]));
+      acc[r] = _mm512_fmadd_ps(dot, scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
+    }
+  }
+}
+#endif
 
 void check_cache(const torch::Tensor& kc, const torch::Tensor& vc) {
   TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous(),
@@ -895,6 +1008,60 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
   return out;
 }
 
+bool int4_gemm_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] bf16 times int4 weights in octavo's layout (see int4_block) -> [M, N] bf16, with N
+// the padded row count (a multiple of 16).
+torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor q4, torch::Tensor sz) {
+  TORCH_CHECK(int4_gemm_supported(), "int4_gemm needs AVX-512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "int4_gemm: x must be a contiguous [M, K] bf16 tensor");
+  TORCH_CHECK(q4.dim() == 3 && q4.size(2) == 32 && q4.scalar_type() == at::kByte &&
+              q4.is_contiguous(), "int4_gemm: codes must be [N / 16, K / 4, 32] uint8");
+  const int64_t rows = x.size(0), k = x.size(1), blocks = q4.size(0), n = blocks * 16;
+  TORCH_CHECK(k % 32 == 0 && q4.size(1) * 4 == k, "int4_gemm: K must match, a multiple of 32");
+  TORCH_CHECK(sz.scalar_type() == at::kFloat && sz.is_contiguous() &&
+              sz.numel() == blocks * (k / 32) * 32, "int4_gemm: scales must be [N/16, K/32, 2, 16]");
+  auto out = torch::empty({rows, n}, x.options());
+#if defined(__AVX512BF16__)
+  const int64_t groups = k / 32;
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  std::vector<float> xsum(rows * groups);  // each row's sum over each group of 32 inputs
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < 32; ++i) s += static_cast<float>(xp[r * k + g * 32 + i]);
+      xsum[r * groups + g] = s;
+    }
+  const uint8_t* qp = q4.data_ptr<uint8_t>();
+  const float* sp = sz.data_ptr<float>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  // A row block is k / 2 bytes (a few KB): it stays in L1 for every chunk of 8 rows of x.
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    __m512 acc[8];
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t c = 0; c < rows; c += 8) {
+        const int64_t m = std::min<int64_t>(8, rows - c);
+        for_rows(m, [&](auto r) {
+          int4_block<decltype(r)::value>(qp + b * k * 8, sp + b * groups * 32, xp + c * k, k,
+                                         xsum.data() + c * groups, acc);
+        });
+        for (int64_t r = 0; r < m; ++r)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + (c + r) * n + b * 16),
+                              _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_bits(acc[r]), 16)));
+      }
+    }
+  });
+#endif
+  return out;
+}
+
 // The decoder stack of a Llama-family model for a step whose attention the in-place kernel
 // takes whole (decodes, short queries, short prompts: one attention entry per query token), as
 // one call: the same kernels the Python layers call, without a Python frame and a dozen
@@ -903,18 +1070,21 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
 struct StackLinear {
   torch::Tensor dense;  // [N, K], the weight every batch size can use; undefined: packed only
   torch::Tensor bias;   // [N] or undefined
-  int64_t kind = 0;     // packed weight: 0 none, 4 int4, 8 int8
-  torch::Tensor low_a;  // int4: packed weight (N padded to 16); int8: codes [N, K]
-  torch::Tensor low_b;  // int4: scales and zeros [K / group, N, 2]; int8: float scale per row
+  int64_t kind = 0;     // packed weight: 0 none, 4 int4 (torch's layout), 5 int4 (octavo's
+                        // layout, see int4_block), 8 int8
+  torch::Tensor low_a;  // int4: packed codes (N padded to 16); int8: codes [N, K]
+  torch::Tensor low_b;  // int4: scales and zeros (torch: [K / group, N, 2]); int8: float scale per row
   int64_t group = 32;   // int4 group size
   int64_t out = 0;      // N
+  int64_t max_rows = 0;  // with a dense weight: the most rows the packed one serves (decode)
 
-  // With a dense weight the packed one serves at most `max_low_rows` rows (decode); alone it
-  // serves every batch the stack is given (DecodeStack.max_tokens keeps those small).
-  torch::Tensor operator()(const torch::Tensor& x, int64_t max_low_rows) const {
-    if (kind != 0 && (!dense.defined() || x.size(0) <= max_low_rows)) {
-      auto y = kind == 4 ? at::_weight_int4pack_mm_for_cpu(x, low_a, group, low_b)
-                         : int8_gemv(x, low_a, low_b);
+  // Alone, the packed weight serves every batch the stack is given (DecodeStack.max_tokens
+  // keeps those small).
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind != 0 && (!dense.defined() || x.size(0) <= max_rows)) {
+      auto y = kind == 5   ? int4_gemm(x, low_a, low_b)
+               : kind == 4 ? at::_weight_int4pack_mm_for_cpu(x, low_a, group, low_b)
+                           : int8_gemv(x, low_a, low_b);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
       return bias.defined() ? y + bias : y;
     }
@@ -943,9 +1113,9 @@ struct StackLayer {
 class DecodeStack {
  public:
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
-              torch::Tensor cos, torch::Tensor sin, int64_t max_low_rows)
+              torch::Tensor cos, torch::Tensor sin)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        cos_(std::move(cos)), sin_(std::move(sin)), max_low_rows_(max_low_rows) {}
+        cos_(std::move(cos)), sin_(std::move(sin)) {}
 
   // Linears are (dense, bias or None, kind, low_a or None, low_b or None) tuples.
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm,
@@ -979,7 +1149,7 @@ class DecodeStack {
     for (const StackLayer& l : layers_) {
       auto xn = pending.defined() ? add_rms_norm(x, pending, l.input_norm)
                                   : rms_norm(x, l.input_norm, eps_);
-      auto qkv = l.qkv(xn, max_low_rows_);
+      auto qkv = l.qkv(xn);
       auto q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
       TORCH_CHECK(qkv.stride(1) == 1, "qkv rows must be contiguous");
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_kv", [&] {
@@ -995,9 +1165,8 @@ class DecodeStack {
       auto attn = torch::empty({t, heads_, head_dim_}, x.options());
       decode_attention(attn, q, l.k_cache, l.v_cache, token_index, block_table, seq_lens, scale_,
                        0.0, 0);
-      auto h = l.gate_up(add_rms_norm(x, l.o(attn.view({t, q_size}), max_low_rows_), l.post_norm),
-                         max_low_rows_);
-      pending = l.down(silu_and_mul(h), max_low_rows_);
+      auto h = l.gate_up(add_rms_norm(x, l.o(attn.view({t, q_size})), l.post_norm));
+      pending = l.down(silu_and_mul(h));
     }
     if (pending.defined()) x += pending;
     return x;
@@ -1021,12 +1190,13 @@ class DecodeStack {
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   torch::Tensor cos_, sin_;
-  int64_t max_low_rows_;
   std::vector<StackLayer> layers_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv);
+  m.def("int4_gemm", &int4_gemm);
+  m.def("int4_gemm_supported", &int4_gemm_supported);
   m.def("write_kv", &write_kv);
   m.def("decode_attention", &decode_attention);
   m.def("rms_norm", &rms_norm);
@@ -1035,8 +1205,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<StackLinear>(m, "StackLinear")
       .def(py::init([](c10::optional<torch::Tensor> dense, c10::optional<torch::Tensor> bias,
                        int64_t kind, c10::optional<torch::Tensor> low_a,
-                       c10::optional<torch::Tensor> low_b, int64_t group, int64_t out) {
-        TORCH_CHECK(kind == 0 || kind == 4 || kind == 8, "kind must be 0, 4 or 8");
+                       c10::optional<torch::Tensor> low_b, int64_t group, int64_t out,
+                       int64_t max_rows) {
+        TORCH_CHECK(kind == 0 || kind == 4 || kind == 5 || kind == 8, "kind must be 0, 4, 5 or 8");
         TORCH_CHECK(kind == 0 || (low_a && low_b), "a low-bit kind needs its tensors");
         TORCH_CHECK(dense || kind != 0, "a linear needs a dense or a packed weight");
         StackLinear lin;
@@ -1047,11 +1218,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         if (low_a) lin.low_a = *low_a;
         if (low_b) lin.low_b = *low_b;
         lin.group = group;
+        lin.max_rows = max_rows;
         return lin;
       }));
   py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor,
-                    int64_t>())
+      .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
 }

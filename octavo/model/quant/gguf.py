@@ -15,7 +15,7 @@ layer takes the layout of its widest slot (q/k/v, gate/up). Each choice is logge
 type at load.
 
 Modes (`GGUFPlan`): "auto" (the default in bf16 on the CPU) keeps the dense weight for prefill
-and the packed copy for batches of up to MAX_ROWS rows (decode_weights.py); "int4" / "int8"
+and the packed copy for batches of up to max_rows rows (decode_weights.py); "int4" / "int8"
 (--quantization) keep only packed weights of that layout, so memory drops, and run every batch on
 them (PackedWeight.matmul: packed kernels for small batches, dequantized tiles for large ones).
 """
@@ -99,7 +99,7 @@ def _how(qtype: Q, target: str, in_features: int) -> str:
 
 class GGUFMethod(QuantMethod):
     """A linear layer from GGUF tensors of `types` (one per slot): packed `target` weights, and
-    with `keep_dense` the dense weight too (used above MAX_ROWS rows)."""
+    with `keep_dense` the dense weight too (used above max_rows rows)."""
 
     def __init__(self, types: list[Q], target: str, keep_dense: bool,
                  dtype: torch.dtype) -> None:

@@ -70,9 +70,14 @@ class PackedWeight:
 
 
 class Int4Packed(PackedWeight):
-    """torch's CPU int4 layout: per block of 64 output rows a [K, 32] byte array whose byte j
-    holds rows j (low nibble) and j + 32 (high); the last N % 64 rows form one block of adjacent
-    row pairs. torch computes (q - 8) * scale + zero, so zero = (8 - zero_point) * scale."""
+    """4-bit codes with a float32 scale and zero per 32 inputs, w = (q - 8) * scale + zero
+    (torch's form), held in the layout of octavo's int4 kernel (cpu_ops.cpp, int4_block):
+    codes [N / 16, K / 4, 32] bytes, byte 2r + j of (row block b, quad c) holding row 16b + r's
+    inputs 4c + j (low nibble) and 4c + 2 + j (high nibble); scale and zero
+    [N / 16, K / 32, 2, 16]. N is padded to a multiple of 16 with zero rows, sliced off after.
+    The scales stay float32 as the checkpoint gave them: rounded to bf16 they would shift every
+    weight of a group alike. torch's int4 layout (its kernel serves CPUs without AVX-512-BF16
+    and runs with the C++ kernels off; bf16 scales there) is built from this on first use."""
 
     dense_rows = 256
 
@@ -95,57 +100,65 @@ class Int4Packed(PackedWeight):
     def _pack(self, q: torch.Tensor, scale: torch.Tensor, tzero: torch.Tensor, group: int,
               dtype: torch.dtype, perm: torch.Tensor | None) -> None:
         n, k = q.shape
-        self.out_features, self.in_features, self.perm = n, k, perm
-        self.group = kernel_group(group, k)
-        rep = group // self.group
-        scale, tzero = scale.repeat_interleave(rep, 1), tzero.repeat_interleave(rep, 1)
-        pad = -n % 16  # the kernel takes N in multiples of 16: zero rows, sliced off after
+        kernel_group(group, k)  # group: a multiple of 32 that divides K
+        self.out_features, self.in_features, self.perm, self.dtype = n, k, perm, dtype
+        pad = -n % 16
         self.padded_n = n + pad
-        q = F.pad(q.to(torch.int32), (0, 0, 0, pad))
-        scale, tzero = F.pad(scale, (0, 0, 0, pad)), F.pad(tzero, (0, 0, 0, pad))
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        # [K / group, N, 2]: scale and torch's zero, in the activation dtype the kernel wants
-        self.scales_zeros = torch.stack([scale, tzero], -1).transpose(0, 1).to(dtype).contiguous()
+        q = F.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(-1, 16, k // 4, 2, 2)  # [b, r, c, h, j]
+        codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(1, 2)
+        self.native_codes = codes.reshape(-1, k // 4, 32).contiguous()
+        sz = torch.stack([scale, tzero]).repeat_interleave(group // 32, 2)  # [2, N, K / 32]
+        sz = F.pad(sz, (0, 0, 0, pad)).view(2, -1, 16, k // 32)
+        self.native_scales = sz.permute(1, 3, 0, 2).contiguous()
+        self._torch_layout: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        shape = torch.tensor([self.out_features, self.in_features, self.group, self.padded_n])
-        out = {"packed": self.packed, "scales_zeros": self.scales_zeros, "shape": shape}
+        shape = torch.tensor([self.out_features, self.in_features, self.padded_n])
+        out = {"native_codes": self.native_codes, "native_scales": self.native_scales,
+               "shape": shape, "dtype": torch.empty(0, dtype=self.dtype)}
         return out if self.perm is None else {**out, "perm": self.perm}
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> Int4Packed:
         self = cls.__new__(cls)
-        self.out_features, self.in_features, self.group, self.padded_n = t["shape"].tolist()
-        self.packed, self.scales_zeros, self.perm = t["packed"], t["scales_zeros"], t.get("perm")
+        self.out_features, self.in_features, self.padded_n = t["shape"].tolist()
+        self.native_codes, self.native_scales = t["native_codes"], t["native_scales"]
+        self.dtype, self.perm, self._torch_layout = t["dtype"].dtype, t.get("perm"), None
         return self
 
+    def native_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.native_codes, self.native_scales
+
+    def torch_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed codes, scales and zeros [K / 32, N, 2] in the activation dtype) as torch's
+        int4 kernel takes them with groups of 32 inputs; built on first use."""
+        if self._torch_layout is None:
+            packed = torch._convert_weight_to_int4pack_for_cpu(
+                self.codes(0, self.padded_n).to(torch.int32), 1)
+            sz = self.native_scales.permute(1, 0, 3, 2).reshape(self.in_features // 32, -1, 2)
+            self._torch_layout = packed, sz.to(self.dtype).contiguous()
+        return self._torch_layout
+
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.scales_zeros.dtype)
-        y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group,
-                                              self.scales_zeros)
+        x = x.to(self.dtype)
+        if fused.int4_gemm_active(x):
+            y = fused.int4_gemm(x, self.native_codes, self.native_scales)
+        else:
+            packed, scales_zeros = self.torch_layout()
+            y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, 32, scales_zeros)
         return y[:, :self.out_features] if self.padded_n != self.out_features else y
 
     def codes(self, start: int, end: int) -> torch.Tensor:
-        """Rows start:end (start a multiple of 64) of the 4-bit codes, [end - start, K] uint8."""
-        k, full = self.in_features, self.padded_n // 64 * 64
-        flat = self.packed.reshape(-1)
-        parts = []
-        if start < full:
-            hi = min(end, full)
-            b = flat[start * k // 2:hi * k // 2].reshape(-1, k, 32)
-            parts.append(torch.cat([b & 15, b >> 4], 2).transpose(1, 2).reshape(-1, k))
-            start = hi
-        if start < end:  # the tail block: byte (k, j) holds rows 2j and 2j + 1
-            tail = self.padded_n - full
-            b = flat[full * k // 2:].reshape(k, tail // 2)
-            rows = torch.stack([b & 15, b >> 4], 2).reshape(k, tail).t()
-            parts.append(rows[start - full:end - full])
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        """Rows start:end of the 4-bit codes, [end - start, K] uint8."""
+        k, first = self.in_features, start // 16
+        b = self.native_codes[first:(end + 15) // 16].view(-1, k // 4, 16, 2)  # [b, c, r, j]
+        q = torch.stack([b & 15, b >> 4], 3).permute(0, 2, 1, 3, 4).reshape(-1, k)
+        return q[start - 16 * first:end - 16 * first]
 
     def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        q = self.codes(start, end).to(dtype).reshape(end - start, -1, self.group) - 8
-        sz = self.scales_zeros[:, start:end].to(dtype).transpose(0, 1)  # [rows, G, 2]
-        return (q * sz[..., :1] + sz[..., 1:]).reshape(end - start, self.in_features)
+        q = self.codes(start, end).float().view(end - start, -1, 32) - 8
+        sz = self.native_scales.permute(0, 3, 1, 2).reshape(self.padded_n, -1, 2)[start:end]
+        return (q * sz[..., :1] + sz[..., 1:]).reshape(end - start, self.in_features).to(dtype)
 
 
 class Int8Packed(PackedWeight):
