@@ -683,20 +683,24 @@ void rope_write_kv_typed(T* qkv, int64_t tokens, int64_t stride, int64_t heads, 
                          const T* q_norm, const T* k_norm, float eps, T* k_cache, T* v_cache,
                          const int64_t* slots) {
   const int64_t half = dim / 2, kv_width = kv_heads * dim;
-  for (int64_t t = 0; t < tokens; ++t) {
-    T* row = qkv + t * stride;
-    const float* c = cos + pos[t] * half;
-    const float* s = sin + pos[t] * half;
-    for (int64_t h = 0; h < heads + kv_heads; ++h) {
-      T* head = row + h * dim;
-      const T* norm = h < heads ? q_norm : k_norm;
-      if (norm != nullptr) rms_norm_row(head, norm, head, dim, eps);
-      rotate_half(head, c, s, half);
+  // A prefill's thousands of tokens are split between the threads; a decode step's few run
+  // inline (no fork).
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = qkv + t * stride;
+      const float* c = cos + pos[t] * half;
+      const float* s = sin + pos[t] * half;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        T* head = row + h * dim;
+        const T* norm = h < heads ? q_norm : k_norm;
+        if (norm != nullptr) rms_norm_row(head, norm, head, dim, eps);
+        rotate_half(head, c, s, half);
+      }
+      std::copy(row + heads * dim, row + heads * dim + kv_width, k_cache + slots[t] * kv_width);
+      std::copy(row + heads * dim + kv_width, row + heads * dim + 2 * kv_width,
+                v_cache + slots[t] * kv_width);
     }
-    std::copy(row + heads * dim, row + heads * dim + kv_width, k_cache + slots[t] * kv_width);
-    std::copy(row + heads * dim + kv_width, row + heads * dim + 2 * kv_width,
-              v_cache + slots[t] * kv_width);
-  }
+  });
 }
 
 #if defined(__AVX512F__)

@@ -19,10 +19,11 @@ from octavo.model.quant.packed import (Int4Packed, PackedWeight, quantize_int4,
 # The most rows a low-bit copy takes before the (oneDNN-packed) bf16 GEMM wins. octavo's int4
 # kernel reads 4-bit codes at memory speed and reuses each unpacked code for every row: for
 # SmolLM2's linear layers (cold weights, 2 threads) 2.6 ms at 1 row against torch's int4
-# kernel's 3.8 and bf16's 13.0; 11.9 vs 16.5 ms at 16 rows, 22.8 vs 26.0 at 32. torch's int4
-# kernel and the int8 GEMV stop winning at about 4 rows (the LM head in int8: 1.95 vs 2.19 ms at
-# 4 rows, 3.9 vs 2.8 at 8).
-INT4_ROWS = 32
+# kernel's 3.8 and bf16's 13.0; 11.9 vs 16.5 ms at 16 rows, 22.6 vs 26.1 at 32, 35.7 vs 37.9 at
+# 48, 45.4 vs 46.9 at 64 (where both are bound by the multiplies). torch's int4 kernel and the
+# int8 GEMV stop winning at about 4 rows (the LM head in int8: 1.95 vs 2.19 ms at 4 rows, 3.9
+# vs 2.8 at 8).
+INT4_ROWS = 64
 MAX_ROWS = 4
 GROUP = 32
 
