@@ -124,7 +124,7 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
 
 def int4_gemm_ready() -> bool:
     """Whether octavo's int4 kernel can run: C++ loaded, on a CPU with AVX-512-BF16."""
-    return _native is not None and _native.int4_gemm_supported()
+    return _native is not None and _native.has_int4_gemm
 
 
 def int4_gemm_active(x: torch.Tensor) -> bool:

@@ -103,19 +103,19 @@ def _row_limit(lin: Linear) -> int | None:
 def _linear(native: Any, lin: Linear) -> Any:
     low = lin.decode_weight if lin.weight is not None else lin.packed
     if (isinstance(low, Int4Packed) and low.dtype == torch.bfloat16
-            and native.int4_gemm_supported()):  # octavo's int4 kernel (bf16 activations)
-        kind, a, b, group = 5, *low.native_layout(), 32
-    elif isinstance(low, Int4Packed):
-        kind, a, b, group = 4, *low.torch_layout(), 32
+            and fused.int4_gemm_ready()):  # octavo's int4 kernel (bf16 activations)
+        kind, a, b = 5, *low.native_layout()
+    elif isinstance(low, Int4Packed):  # torch's kernel, groups of 32
+        kind, a, b = 4, *low.torch_layout()
     elif isinstance(low, Int8Packed):
-        kind, a, b, group = 8, low.q[0], low.scale[0], 0
+        kind, a, b = 8, low.q[0], low.scale[0]
     elif isinstance(low, Int8Grouped):  # scales [N, G]: the GEMV applies them per group
-        kind, a, b, group = 8, low.q, low.scale, 0
+        kind, a, b = 8, low.q, low.scale
     else:
-        kind, a, b, group = 0, None, None, 0
+        kind, a, b = 0, None, None
     out = lin.weight.shape[0] if lin.weight is not None else low.out_features
     rows = max_rows(low) if low is not None else 0
-    return native.StackLinear(lin.weight, lin.bias, kind, a, b, group, out, rows)
+    return native.StackLinear(lin.weight, lin.bias, kind, a, b, out, rows)
 
 
 class DecodeStack:

@@ -1077,8 +1077,7 @@ struct StackLinear {
   int64_t kind = 0;     // packed weight: 0 none, 4 int4 (torch's layout), 5 int4 (octavo's
                         // layout, see int4_block), 8 int8
   torch::Tensor low_a;  // int4: packed codes (N padded to 16); int8: codes [N, K]
-  torch::Tensor low_b;  // int4: scales and zeros (torch: [K / group, N, 2]); int8: float scale per row
-  int64_t group = 32;   // int4 group size
+  torch::Tensor low_b;  // int4: scales and zeros (torch: [K / 32, N, 2]); int8: float scale per row
   int64_t out = 0;      // N
   int64_t max_rows = 0;  // with a dense weight: the most rows the packed one serves (decode)
 
@@ -1087,7 +1086,7 @@ struct StackLinear {
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind != 0 && (!dense.defined() || x.size(0) <= max_rows)) {
       auto y = kind == 5   ? int4_gemm(x, low_a, low_b)
-               : kind == 4 ? at::_weight_int4pack_mm_for_cpu(x, low_a, group, low_b)
+               : kind == 4 ? at::_weight_int4pack_mm_for_cpu(x, low_a, 32, low_b)
                            : int8_gemv(x, low_a, low_b);
       if (y.size(1) != out) y = y.narrow(1, 0, out);
       return bias.defined() ? y + bias : y;
@@ -1200,7 +1199,7 @@ class DecodeStack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv);
   m.def("int4_gemm", &int4_gemm);
-  m.def("int4_gemm_supported", &int4_gemm_supported);
+  m.attr("has_int4_gemm") = int4_gemm_supported();  // a constant of the build: no call per use
   m.def("write_kv", &write_kv);
   m.def("decode_attention", &decode_attention);
   m.def("rms_norm", &rms_norm);
@@ -1209,8 +1208,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<StackLinear>(m, "StackLinear")
       .def(py::init([](c10::optional<torch::Tensor> dense, c10::optional<torch::Tensor> bias,
                        int64_t kind, c10::optional<torch::Tensor> low_a,
-                       c10::optional<torch::Tensor> low_b, int64_t group, int64_t out,
-                       int64_t max_rows) {
+                       c10::optional<torch::Tensor> low_b, int64_t out, int64_t max_rows) {
         TORCH_CHECK(kind == 0 || kind == 4 || kind == 5 || kind == 8, "kind must be 0, 4, 5 or 8");
         TORCH_CHECK(kind == 0 || (low_a && low_b), "a low-bit kind needs its tensors");
         TORCH_CHECK(dense || kind != 0, "a linear needs a dense or a packed weight");
@@ -1221,7 +1219,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         lin.kind = kind;
         if (low_a) lin.low_a = *low_a;
         if (low_b) lin.low_b = *low_b;
-        lin.group = group;
         lin.max_rows = max_rows;
         return lin;
       }));

@@ -23,16 +23,6 @@ import torch.nn.functional as F
 from octavo.kernels import fused
 
 _TILE_ELEMS = 1 << 20  # weights dequantized per tile (2 MiB of bf16: stays in L2)
-INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # what torch's int4 kernel takes
-
-
-def kernel_group(group: int, k: int) -> int:
-    """The largest int4-kernel group size that divides `group` (scales repeat per sub-group)."""
-    for g in INT4_KERNEL_GROUPS:
-        if group % g == 0 and k % g == 0:
-            return g
-    raise ValueError(f"group_size must be a multiple of 32 that divides in_features={k} "
-                     f"for the int4 kernel, got {group}")
 
 
 class PackedWeight:
@@ -100,7 +90,9 @@ class Int4Packed(PackedWeight):
     def _pack(self, q: torch.Tensor, scale: torch.Tensor, tzero: torch.Tensor, group: int,
               dtype: torch.dtype, perm: torch.Tensor | None) -> None:
         n, k = q.shape
-        kernel_group(group, k)  # group: a multiple of 32 that divides K
+        if group % 32 or k % 32:  # the kernels' scales are per 32 inputs
+            raise ValueError(f"group_size must be a multiple of 32 that divides in_features={k} "
+                             f"for the int4 kernel, got {group}")
         self.out_features, self.in_features, self.perm, self.dtype = n, k, perm, dtype
         pad = -n % 16
         self.padded_n = n + pad
