@@ -68,8 +68,8 @@ def test_int4_kernel_matches_torch_kernel(native_kernels, rows, n, k, group):
     weight = Int4Packed.from_affine(q, scale, low, group, torch.bfloat16)
     x = torch.randn(rows, k, generator=g).bfloat16()
     ours = fused.int4_gemm(x, *weight.native_layout())[:, :n]
-    theirs = torch._weight_int4pack_mm_for_cpu(x, *weight.torch_layout()[:1], 32,
-                                               weight.torch_layout()[1])[:, :n]
+    packed, scales_zeros = weight.torch_layout()
+    theirs = torch._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)[:, :n]
     assert ours.shape == (rows, n) and ours.dtype == torch.bfloat16
     exact = (q.view(n, -1, group) * scale[..., None] + low[..., None]).view(n, k)
     ref = x.float() @ exact.t()

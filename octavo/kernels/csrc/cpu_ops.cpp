@@ -718,15 +718,8 @@ inline void silu_mul16(const T* gate, const T* up, T* out) {
       _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_min_ps(neg, _mm512_set1_ps(80.f))));
   __m512 inv = _mm512_rcp14_ps(den);
   inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
-  __m512 act = _mm512_maskz_mul_ps(live, g, inv);
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_storeu_ps(out, _mm512_mul_ps(act, load16(up)));
-  } else {
-    act = _mm512_castsi512_ps(bf16_round_bits(act));
-    const __m512i prod = bf16_round_bits(_mm512_mul_ps(act, load16(up)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(prod, 16)));
-  }
+  const __m512 act = _mm512_maskz_mul_ps(live, g, inv);
+  store16(out, _mm512_mul_ps(round16<T>(act), load16(up)));
 }
 #endif
 
@@ -1056,9 +1049,7 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor q4, torch::Tensor sz) {
           int4_block<decltype(r)::value>(qp + b * k * 8, sp + b * groups * 32, xp + c * k, k,
                                          xsum.data() + c * groups, acc);
         });
-        for (int64_t r = 0; r < m; ++r)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + (c + r) * n + b * 16),
-                              _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_bits(acc[r]), 16)));
+        for (int64_t r = 0; r < m; ++r) store16(op + (c + r) * n + b * 16, acc[r]);
       }
     }
   });
