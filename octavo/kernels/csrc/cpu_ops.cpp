@@ -206,6 +206,53 @@ inline void add_scaled(const cache_t* value, const float* probs, int64_t group, 
     for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += probs[g] * scratch[d];
 }
 
+// Prefetches for decode attention, whose keys lie in blocks anywhere in the cache. Loaded on
+// demand, a batch's attention ran at a third of DRAM's bandwidth: the first pass over a
+// request's keys waited on memory with little to compute, and the later passes (the other heads,
+// the values) computed from cache with nothing in flight. So while one work item computes,
+// burst() brings the next item's K and V rows into L2 a line of each per key visited; the first
+// pass over a thread's first item fetches its rows kPrefetchKeys ahead.
+struct KvPrefetch {
+  const char* keys;
+  const char* values;
+  int64_t row_bytes;  // one slot's row: every KV head
+  const int64_t* next = nullptr;  // the next item's slots
+  int64_t next_n = 0, idx = 0, off = 0;
+  const char* k_row = nullptr;
+  const char* v_row = nullptr;
+
+  void start(const int64_t* slots, int64_t n) {
+    next = slots;
+    next_n = n;
+    idx = 0;
+    off = row_bytes;
+  }
+  // A line of K and one of V per key visited, issued 16 at a time (a check per key costs
+  // as much as a key's dot products in the scores passes).
+  __attribute__((always_inline)) void burst() {
+    if (idx == next_n && off >= row_bytes) return;
+    for (int i = 0; i < 16; ++i) {
+      if (off >= row_bytes) {
+        if (idx == next_n) return;
+        k_row = keys + next[idx] * row_bytes;
+        v_row = values + next[idx] * row_bytes;
+        ++idx;
+        off = 0;
+      }
+      __builtin_prefetch(k_row + off, 0, 2);
+      __builtin_prefetch(v_row + off, 0, 2);
+      off += 64;
+    }
+  }
+  __attribute__((always_inline)) void fetch_row(int64_t slot) const {
+    for (int64_t o = 0; o < row_bytes; o += 64) {
+      __builtin_prefetch(keys + slot * row_bytes + o, 0, 3);
+      __builtin_prefetch(values + slot * row_bytes + o, 0, 2);  // used after a head's scores
+    }
+  }
+};
+constexpr int64_t kPrefetchKeys = 24;
+
 #if defined(__AVX512F__)
 // Lane i of the result is the sum of v[i]'s 16 lanes: a transpose-and-add tree, about 3
 // instructions per vector where a reduction per vector costs 8 on one dependency chain.
@@ -280,20 +327,32 @@ inline void head_values(const cache_t* values, const int64_t* slots, int64_t n, 
 // scores[j] = scale * <q, key j> with q and the keys in bf16: vdpbf16ps multiplies bf16 pairs
 // exactly and sums them in float32, so neither side is widened (a fifth of the instructions of
 // the float32 loop above). q is a bf16 tensor's row already, so the scores are the same sums.
+// `ahead`: this is the first pass over the item's keys (see KvPrefetch).
 template <int DIM>
 inline void head_scores_bf16(const c10::BFloat16* keys, const int64_t* slots, int64_t n,
-                             int64_t row, const c10::BFloat16* q, float scale, float* scores) {
+                             int64_t row, const c10::BFloat16* q, float scale, float* scores,
+                             KvPrefetch* pf, bool ahead) {
   __m512bh qv[DIM / 32];
   for (int c = 0; c < DIM / 32; ++c)
     qv[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(q + 32 * c));
-  scores_by16(n, scale, scores, [&](int64_t j) {
-    const c10::BFloat16* key = keys + slots[j] * row;
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < DIM / 32; ++c)
-      acc = _mm512_dpbf16_ps(
-          acc, qv[c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(key + 32 * c)));
-    return acc;
-  });
+  if (ahead)
+    for (int64_t j = 0; j < std::min<int64_t>(n, kPrefetchKeys); ++j) pf->fetch_row(slots[j]);
+  // 16 keys at a time, the prefetches between them (kept out of the unrolled loop, whose 16
+  // partial sums fill the registers).
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    if (ahead)
+      for (int64_t j = j0 + kPrefetchKeys; j < std::min(n, j0 + 16 + kPrefetchKeys); ++j)
+        pf->fetch_row(slots[j]);
+    if (pf != nullptr) pf->burst();
+    scores_by16(std::min<int64_t>(16, n - j0), scale, scores + j0, [&](int64_t j) {
+      const c10::BFloat16* key = keys + slots[j0 + j] * row;
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < DIM / 32; ++c)
+        acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(
+                                               reinterpret_cast<const void*>(key + 32 * c)));
+      return acc;
+    });
+  }
 }
 #endif
 
@@ -301,11 +360,12 @@ inline void head_scores_bf16(const c10::BFloat16* keys, const int64_t* slots, in
 // widened once for all of them.
 template <int DIM, int G, typename cache_t>
 inline void group_values(const cache_t* values, const int64_t* slots, int64_t n, int64_t row,
-                         const float* probs, int64_t probs_stride, float* out) {
+                         const float* probs, int64_t probs_stride, float* out, KvPrefetch* pf) {
   __m512 acc[G][DIM / 16];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < DIM / 16; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
+    if ((j & 15) == 0 && pf != nullptr) pf->burst();
     const cache_t* v = values + slots[j] * row;
     __m512 vv[DIM / 16];
     for (int c = 0; c < DIM / 16; ++c) vv[c] = load16(v + 16 * c);
@@ -321,7 +381,8 @@ inline void group_values(const cache_t* values, const int64_t* slots, int64_t n,
 // Up to 16 accumulators: 4 heads of 64, 2 of 128, 1 of 256 per pass over the values.
 template <int DIM, typename cache_t>
 inline void heads_values(const cache_t* values, const int64_t* slots, int64_t n, int64_t row,
-                         const float* probs, int64_t probs_stride, int64_t heads, float* out) {
+                         const float* probs, int64_t probs_stride, int64_t heads, float* out,
+                         KvPrefetch* pf = nullptr) {
   constexpr int kAtOnce = 256 / DIM;
   for (int64_t h = 0; h < heads; h += kAtOnce) {
     const float* p = probs + h * probs_stride;
@@ -329,16 +390,16 @@ inline void heads_values(const cache_t* values, const int64_t* slots, int64_t n,
     // (kAtOnce >= G ? G : 1): only the counts that fit this head size are instantiated.
     switch (std::min<int64_t>(kAtOnce, heads - h)) {
       case 1:
-        group_values<DIM, 1>(values, slots, n, row, p, probs_stride, o);
+        group_values<DIM, 1>(values, slots, n, row, p, probs_stride, o, pf);
         break;
       case 2:
-        group_values<DIM, (kAtOnce >= 2 ? 2 : 1)>(values, slots, n, row, p, probs_stride, o);
+        group_values<DIM, (kAtOnce >= 2 ? 2 : 1)>(values, slots, n, row, p, probs_stride, o, pf);
         break;
       case 3:
-        group_values<DIM, (kAtOnce >= 3 ? 3 : 1)>(values, slots, n, row, p, probs_stride, o);
+        group_values<DIM, (kAtOnce >= 3 ? 3 : 1)>(values, slots, n, row, p, probs_stride, o, pf);
         break;
       default:
-        group_values<DIM, (kAtOnce >= 4 ? 4 : 1)>(values, slots, n, row, p, probs_stride, o);
+        group_values<DIM, (kAtOnce >= 4 ? 4 : 1)>(values, slots, n, row, p, probs_stride, o, pf);
         break;
     }
   }
@@ -352,16 +413,18 @@ template <typename q_t, typename cache_t>
 inline bool attend_kv_head(const cache_t* keys, const cache_t* values, const int64_t* slots,
                            int64_t n, int64_t row, int64_t dim, const q_t* q, int64_t q_stride,
                            int64_t group, float scale, float cap, float* scores, float* out,
-                           float* peak, float* total) {
+                           float* peak, float* total, KvPrefetch* pf, bool first) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
     if (dim != 64 && dim != 128 && dim != 256) return false;
     for (int64_t g = 0; g < group; ++g) {
       float* sg = scores + g * n;
+      const c10::BFloat16* qg = q + g * q_stride;
+      const bool ahead = first && g == 0;
       switch (dim) {
-        case 64: head_scores_bf16<64>(keys, slots, n, row, q + g * q_stride, scale, sg); break;
-        case 128: head_scores_bf16<128>(keys, slots, n, row, q + g * q_stride, scale, sg); break;
-        default: head_scores_bf16<256>(keys, slots, n, row, q + g * q_stride, scale, sg); break;
+        case 64: head_scores_bf16<64>(keys, slots, n, row, qg, scale, sg, pf, ahead); break;
+        case 128: head_scores_bf16<128>(keys, slots, n, row, qg, scale, sg, pf, ahead); break;
+        default: head_scores_bf16<256>(keys, slots, n, row, qg, scale, sg, pf, ahead); break;
       }
       if (cap > 0.f)
         for (int64_t j = 0; j < n; ++j) sg[j] = std::tanh(sg[j] / cap) * cap;
@@ -369,9 +432,9 @@ inline bool attend_kv_head(const cache_t* keys, const cache_t* values, const int
       total[g] = exp_shifted(sg, n, peak[g]);
     }
     switch (dim) {
-      case 64: heads_values<64>(values, slots, n, row, scores, n, group, out); break;
-      case 128: heads_values<128>(values, slots, n, row, scores, n, group, out); break;
-      default: heads_values<256>(values, slots, n, row, scores, n, group, out); break;
+      case 64: heads_values<64>(values, slots, n, row, scores, n, group, out, pf); break;
+      case 128: heads_values<128>(values, slots, n, row, scores, n, group, out, pf); break;
+      default: heads_values<256>(values, slots, n, row, scores, n, group, out, pf); break;
     }
     return true;
   }
@@ -417,7 +480,7 @@ inline bool attend_head(const cache_t*, const cache_t*, const int64_t*, int64_t,
 template <typename q_t, typename cache_t>
 inline bool attend_kv_head(const cache_t*, const cache_t*, const int64_t*, int64_t, int64_t,
                            int64_t, const q_t*, int64_t, int64_t, float, float, float*, float*,
-                           float*, float*) {
+                           float*, float*, KvPrefetch*, bool) {
   return false;
 }
 #endif
@@ -458,25 +521,48 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
   std::vector<float> part_acc(ranges > 1 ? items * width : 0);
   std::vector<float> part_peak(ranges > 1 ? items * heads : 0), part_total(part_peak.size());
 
+  // Item i's keys: a range [lo, lo + n) of request i / ranges's context.
+  auto key_range = [&](int64_t item) {
+    const int64_t r = item / ranges, c = item % ranges, len = lens[r];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t lo = first + (len - first) * c / ranges;
+    return std::make_pair(lo, first + (len - first) * (c + 1) / ranges - lo);
+  };
+  // Its slots, walked block by block (an integer division per key costs more than the key's
+  // dot products).
+  auto item_slots = [&](int64_t item, std::vector<int64_t>& out) {
+    const auto [lo, n] = key_range(item);
+    const int64_t* table = tables + (item / ranges) * bt_stride;
+    out.resize(n);
+    for (int64_t j = 0, pos = lo; j < n;) {
+      const int64_t base = table[pos / block_size] * block_size;
+      for (int64_t off = pos % block_size; off < block_size && j < n; ++off, ++j, ++pos)
+        out[j] = base + off;
+    }
+  };
+
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(width), acc(width), peak(heads), total(heads), row_f(dim), scores;
-    std::vector<int64_t> slots;
+    std::vector<int64_t> slots, next_slots;
+    KvPrefetch pf{reinterpret_cast<const char*>(kp), reinterpret_cast<const char*>(vp),
+                  static_cast<int64_t>(row * sizeof(cache_t))};
+    item_slots(begin, next_slots);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / ranges, c = item % ranges;
-      const int64_t len = lens[r];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t lo = first + (len - first) * c / ranges;
-      const int64_t n = first + (len - first) * (c + 1) / ranges - lo;
-      const int64_t* table = tables + r * bt_stride;
+      const int64_t r = item / ranges;
+      const int64_t n = key_range(item).second;
+      slots.swap(next_slots);
+      next_slots.clear();
+      // The next item's rows stream in while this one computes, unless it reads the same keys
+      // (a prompt's next token).
+      if (item + 1 < end) {
+        item_slots(item + 1, next_slots);
+        const bool same = !slots.empty() && !next_slots.empty() && slots[0] == next_slots[0];
+        pf.start(next_slots.data(), same ? 0 : static_cast<int64_t>(next_slots.size()));
+      } else {
+        pf.start(nullptr, 0);
+      }
+      KvPrefetch* stream = pf.next_n > 0 ? &pf : nullptr;
       if (n > 0) {
-        // Slots of the range, walked block by block (an integer division per key costs more
-        // than the key's dot products).
-        slots.resize(n);
-        for (int64_t j = 0, pos = lo; j < n;) {
-          const int64_t base = table[pos / block_size] * block_size;
-          for (int64_t off = pos % block_size; off < block_size && j < n; ++off, ++j, ++pos)
-            slots[j] = base + off;
-        }
         scores.resize(heads * n);
         // The bf16 path (whole KV-head groups) where it applies, else float32 head by head,
         // else the generic loops.
@@ -486,7 +572,8 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
           fast = attend_kv_head(kp + kvh * dim, vp + kvh * dim, slots.data(), n, row, dim,
                                 qp + tok[r] * qs0 + h0 * qs1, qs1, group, fscale, fcap,
                                 scores.data() + h0 * n, acc.data() + h0 * dim, &peak[h0],
-                                &total[h0]);
+                                &total[h0], item == begin || stream != nullptr ? &pf : nullptr,
+                                kvh == 0 && item == begin);
         }
         if (!fast) {  // the float32 paths take q widened
           for (int64_t h = 0; h < heads; ++h) {
