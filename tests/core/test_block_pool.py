@@ -101,18 +101,32 @@ def test_fresh_pool_allocates_in_id_order():
     assert pool.allocate(3) == [2, 3, 4]
 
 
-def test_least_recently_freed_block_is_reused_first():
+def test_most_recently_freed_plain_block_is_reused_first():
+    """Blocks without cached content go out warm: their pages are mapped and may be in cache."""
     pool = BlockPool(6)
     blocks = pool.allocate(6)
     assert blocks == [0, 1, 2, 3, 4, 5]
     pool.free([4])
     pool.free([1, 5])
     pool.free([0])
-    assert pool.allocate(4) == [4, 1, 5, 0]
+    assert pool.allocate(4) == [0, 5, 1, 4]
 
 
-def test_never_used_blocks_come_before_freed_ones():
+def test_freed_blocks_come_before_never_used_ones():
     pool = BlockPool(4)
     assert pool.allocate(1) == [0]
     pool.free([0])
-    assert pool.allocate(4) == [1, 2, 3, 0]
+    assert pool.allocate(4) == [0, 1, 2, 3]
+
+
+def test_cached_blocks_go_out_last_least_recently_freed_first():
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(3)
+    pool.cache(a, ("h", 0), (1,))
+    pool.cache(b, ("h", 1), (2,))
+    pool.free([b])
+    pool.free([a, c])
+    assert pool.allocate(2) == [c, 3]  # plain ones first
+    assert pool.lookup(("h", 0), (1,)) == a and pool.lookup(("h", 1), (2,)) == b
+    assert pool.allocate(1) == [b]  # then the LRU of cached ones, evicting its content
+    assert pool.lookup(("h", 1), (2,)) is None and pool.lookup(("h", 0), (1,)) == a

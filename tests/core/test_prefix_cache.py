@@ -162,7 +162,11 @@ def cached_pool(num_blocks: int, count: int) -> tuple[BlockPool, list[int]]:
 
 
 def check_pool(pool: BlockPool) -> None:
-    assert set(pool._free) == {b for b in range(pool.num_blocks) if pool.ref_counts[b] == 0}
+    plain, cached = set(pool._plain), set(pool._cached_free)
+    assert len(plain) == len(pool._plain) and not plain & cached
+    assert plain | cached == {b for b in range(pool.num_blocks) if pool.ref_counts[b] == 0}
+    assert all(pool.block_hash[b] is None for b in plain)
+    assert all(pool.block_hash[b] is not None for b in cached)
     for h, b in pool.cached.items():
         assert pool.block_hash[b] == h and pool.block_tokens[b] is not None
     for b in range(pool.num_blocks):
@@ -277,12 +281,13 @@ def test_first_writer_wins():
     assert pool.lookup(H[0], T[0]) == a
     assert pool.block_hash[b] is None
     pool.free([a, b])
-    # Evicting the uncached duplicate does not disturb the cached copy.
-    assert pool.allocate(1) == [2]
-    assert pool.allocate(1) == [3]
+    # The uncached duplicate goes out first (the most recently freed plain block, then the
+    # never-used ones) and does not disturb the cached copy, which goes last.
+    assert pool.allocate(1) == [b]
+    assert pool.lookup(H[0], T[0]) == a
+    assert pool.allocate(2) == [2, 3]
     assert pool.allocate(1) == [a]
     assert pool.lookup(H[0], T[0]) is None
-    assert pool.allocate(1) == [b]
     check_pool(pool)
 
 
@@ -326,13 +331,15 @@ def test_reset_cache_is_refused_while_a_block_is_in_use():
 def test_reset_cache_forgets_everything_once_all_blocks_are_free():
     pool, blocks = cached_pool(3, 2)
     pool.free(blocks)
-    free_order = list(pool._free)
     assert pool.reset_cache() is True
     assert pool.cached == {}
     assert pool.block_hash == [None] * 3 and pool.block_tokens == [None] * 3
     assert pool.lookup(H[0], T[0]) is None and pool.lookup(H[1], T[1]) is None
-    assert pool.num_free_blocks == 3 and list(pool._free) == free_order
+    assert pool.num_free_blocks == 3
     check_pool(pool)
+    # Now plain, the formerly cached blocks go out before the never-used one, the most recently
+    # freed first (warm memory).
+    assert pool.allocate(3) == [blocks[1], blocks[0], 2]
 
 
 # -- KVCacheManager.get_computed_blocks ------------------------------------------------------------
@@ -354,7 +361,7 @@ def test_shares_the_full_blocks_of_a_common_prefix(shared_blocks):
     # Taking the hits: shared blocks get a reference and leave the free queue.
     new = kv.allocate_slots(second, second.num_tokens - num_hit, hits)
     assert kv.blocks_of("second") == hits + new
-    assert not set(new) & set(first)
+    assert not set(new) & set(first[:5])  # no cached block is evicted while plain ones are free
     for b in hits:
         assert kv.pool.ref_counts[b] == 1 and not kv.pool.is_free(b)
     assert len(new) == cdiv(second.num_tokens, BS) - shared_blocks
@@ -714,8 +721,9 @@ def check_cache_invariants(s) -> None:
     counts = Counter(b for t in tables.values() for b in t)
     for b in range(n):
         assert pool.ref_counts[b] == counts[b], b
-    assert set(pool._free) == {b for b in range(n) if pool.ref_counts[b] == 0}
-    assert len(pool._free) == pool.num_free_blocks
+    assert set(pool._plain) | set(pool._cached_free) == {b for b in range(n)
+                                                         if pool.ref_counts[b] == 0}
+    assert len(pool._plain) + len(pool._cached_free) == pool.num_free_blocks
     for h, b in pool.cached.items():
         assert pool.block_hash[b] == h
         assert pool.block_tokens[b] is not None and len(pool.block_tokens[b]) == bs
