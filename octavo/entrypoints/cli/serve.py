@@ -58,6 +58,27 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from octavo.engine.async_engine import AsyncEngine
+
+    if args.model_tag:
+        args.model = args.model_tag
+    for name in ("max_queued_requests", "max_queued_tokens", "max_request_bytes"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    config = EngineConfig.from_cli(args)
+    template = args.chat_template
+    if template and Path(template).is_file():
+        template = Path(template).read_text()
+    from octavo.serving.chat_output import ChatParsers
+
+    # Checked before the model loads: an unknown parser name lists the choices.
+    parsers = ChatParsers.from_flags(args.tool_call_parser, args.enable_auto_tool_choice,
+                                     args.reasoning_parser)
+    engine = AsyncEngine(config, args.max_queued_requests, args.max_queued_tokens)
+    # The core process starts now; the web stack imports while it loads the model.
+    from octavo.entrypoints.http import ServerState, build_app
+
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -79,26 +100,6 @@ def run(args: argparse.Namespace) -> int:
                 self.force_exit = True
             self.should_exit = True
 
-    from octavo.engine.async_engine import AsyncEngine
-
-    if args.model_tag:
-        args.model = args.model_tag
-    for name in ("max_queued_requests", "max_queued_tokens", "max_request_bytes"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    config = EngineConfig.from_cli(args)
-    template = args.chat_template
-    if template and Path(template).is_file():
-        template = Path(template).read_text()
-    from octavo.serving.chat_output import ChatParsers
-
-    # Checked before the model loads: an unknown parser name lists the choices.
-    parsers = ChatParsers.from_flags(args.tool_call_parser, args.enable_auto_tool_choice,
-                                     args.reasoning_parser)
-    engine = AsyncEngine(config, args.max_queued_requests, args.max_queued_tokens)
-    # The core process starts now; the web stack imports while it loads the model.
-    from octavo.entrypoints.http import ServerState, build_app
 
     parsers = parsers.for_vocab(engine.tokenizer.get_vocab())
     if parsers.reasoning_parser is not None and parsers.reasoning_end is None:
