@@ -552,11 +552,13 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
       const int64_t n = key_range(item).second;
       slots.swap(next_slots);
       next_slots.clear();
-      // The next item's rows stream in while this one computes, unless it reads the same keys
-      // (a prompt's next token).
+      // The next item's rows stream in while this one computes, unless it reads this item's
+      // keys again (a prompt's next token: same first and last slot of this range; requests
+      // that share only a cached prefix block differ in the last).
       if (item + 1 < end) {
         item_slots(item + 1, next_slots);
-        const bool same = !slots.empty() && !next_slots.empty() && slots[0] == next_slots[0];
+        const bool same = !slots.empty() && next_slots.size() >= slots.size() &&
+                          slots[0] == next_slots[0] && slots.back() == next_slots[slots.size() - 1];
         pf.start(next_slots.data(), same ? 0 : static_cast<int64_t>(next_slots.size()));
       } else {
         pf.start(nullptr, 0);
