@@ -382,7 +382,7 @@ inline void group_values(const cache_t* values, const int64_t* slots, int64_t n,
 template <int DIM, typename cache_t>
 inline void heads_values(const cache_t* values, const int64_t* slots, int64_t n, int64_t row,
                          const float* probs, int64_t probs_stride, int64_t heads, float* out,
-                         KvPrefetch* pf = nullptr) {
+                         KvPrefetch* pf) {
   constexpr int kAtOnce = 256 / DIM;
   for (int64_t h = 0; h < heads; h += kAtOnce) {
     const float* p = probs + h * probs_stride;
@@ -549,9 +549,9 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
     item_slots(begin, next_slots);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / ranges;
-      const int64_t n = key_range(item).second;
       slots.swap(next_slots);
       next_slots.clear();
+      const int64_t n = static_cast<int64_t>(slots.size());
       // The next item's rows stream in while this one computes, unless it reads this item's
       // keys again (a prompt's next token: same first and last slot of this range; requests
       // that share only a cached prefix block differ in the last).
