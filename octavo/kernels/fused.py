@@ -122,6 +122,13 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
                              seq_lens, scale, softcap or 0.0, window or 0)
 
 
+def prompt_runs_ready(kv_cache: torch.Tensor) -> bool:
+    """Whether decode_attention computes prompts 16 query tokens at a time over this cache
+    (bf16, head size 64, 128 or 256, AVX-512-BF16): then it beats SDPA at every length."""
+    return (_native is not None and _native.has_prompt_runs and kv_cache.device.type == "cpu"
+            and kv_cache.dtype == torch.bfloat16 and kv_cache.shape[-1] in (64, 128, 256))
+
+
 def int4_gemm_ready() -> bool:
     """Whether octavo's int4 kernel can run: C++ loaded, on a CPU with AVX-512-BF16."""
     return _native is not None and _native.has_int4_gemm

@@ -49,8 +49,9 @@ def step_context(query_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarra
     C++ kernels take the short queries is decided per step: kernels built in the background
     take over once they are ready."""
     native = device.type == "cpu" and fused.native_ready()
+    runs = native and fused.prompt_runs_ready(kv_caches[0])
     plan = build_plan(query_lens, seq_lens, tables, block_size, device=device,
-                      native_decode=native)
+                      native_decode=native, prompt_runs=runs)
     sliding = None if sliding_window is None else build_plan(
-        query_lens, seq_lens, tables, block_size, sliding_window, device, native)
+        query_lens, seq_lens, tables, block_size, sliding_window, device, native, runs)
     return ForwardContext(plan, kv_caches, sliding)

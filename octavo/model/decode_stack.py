@@ -1,8 +1,8 @@
 """A step of a Llama-family decoder as one C++ call (octavo/kernels/csrc: DecodeStack).
 
 It takes the steps whose attention the in-place kernel computes whole: decodes, speculative
-verification, and prompts of up to paged_attention.KERNEL_CONTEXT_LEN tokens (a step with a
-padded SDPA group runs the Python layers). In a decode step every request brings one token, and
+verification, and prompts (of any length in bf16, else up to paged_attention.KERNEL_CONTEXT_LEN
+tokens; a step with a padded SDPA group runs the Python layers). In a decode step every request brings one token, and
 for a small model the Python around each kernel costs as much as the kernel: about a dozen module
 calls and dispatches a layer, about 3 ms a step for SmolLM2's 30 layers against roughly 5 ms of
 arithmetic. The stack runs the same

@@ -90,3 +90,61 @@ def test_prefills_are_bucketed_by_length():
                        native_decode=True)
     assert len(mixed.decode.token_index) == 300
     assert [g.token_valid.sum().item() for g in mixed.groups] == [1200]
+    # Where the kernel computes prompts 16 tokens at a time, it takes them all.
+    runs = build_plan(np.array([1200, 300]), np.array([1200, 300]), long_table, 16,
+                      native_decode=True, prompt_runs=True)
+    assert len(runs.decode.token_index) == 1500 and not runs.groups
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 64), (4, 1, 256), (2, 2, 128)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (21, None), (None, 30.0)])
+def test_prompt_runs_match_dense_bf16(block_size, heads, kv_heads, dim, window, softcap,
+                                      native_kernels):
+    """bf16 prompts through the C++ kernel, whose runs of 16+ tokens of one request are computed
+    16 queries at a time: fresh prompts with partial tiles, a later chunk, a run just short of
+    16, decodes between them, a request whose positions follow the previous request's in
+    blocks of its own (two runs), and one that shares its first blocks with the one before it
+    (its tokens continue that run: the same blocks)."""
+    fused.enable_native(True)
+    torch.manual_seed(block_size + dim)
+    shared = 2 * block_size if block_size > 1 else 32  # positions in full blocks
+    # (already computed, computed now, shares the previous request's blocks)
+    reqs = [(0, 20), (20, 20), (40, 1), (0, 17), (37, 33), (0, 15), (5, 100), (0, shared),
+            (shared, 20, True), (3, 1), (0, 70)]
+    num_blocks = 160 if block_size > 1 else 600
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, dim, dtype=torch.bfloat16)
+    perm = np.random.default_rng(dim).permutation(num_blocks)
+    tables, used, full_k, full_v = [], 0, [], []
+    for i, (done, new, *share) in enumerate(reqs):
+        own = list(tables[i - 1][:shared // block_size]) if share else []
+        need = -(-(done + new) // block_size) - len(own)
+        tables.append(np.array(own + list(perm[used:used + need])))
+        used += need
+        assert used <= num_blocks
+        k = torch.randn(done + new, kv_heads, dim).bfloat16()
+        v = torch.randn(done + new, kv_heads, dim).bfloat16()
+        if share:  # the shared positions hold the previous request's K and V
+            k[:shared], v[:shared] = full_k[-1][:shared], full_v[-1][:shared]
+        full_k.append(k)
+        full_v.append(v)
+    table = np.zeros((len(reqs), max(len(t) for t in tables)), np.int64)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = t
+    for i, (done, *_rest) in enumerate(reqs):
+        if done and not _rest[1:]:
+            ctx = build_plan(np.array([done]), np.array([done]), table[i:i + 1], block_size)
+            write_kv(cache, full_k[i][:done], full_v[i][:done], ctx.slot_mapping)
+    query_lens = np.array([r[1] for r in reqs])
+    seq_lens = np.array([r[0] + r[1] for r in reqs])
+    plan = build_plan(query_lens, seq_lens, table, block_size, window, native_decode=True,
+                      prompt_runs=True)
+    assert not plan.groups  # every token in the kernel
+    write_kv(cache, torch.cat([k[r[0]:] for k, r in zip(full_k, reqs)]),
+             torch.cat([v[r[0]:] for v, r in zip(full_v, reqs)]), plan.slot_mapping)
+    q_all = [torch.randn(r[1], heads, dim).bfloat16() * 2 for r in reqs]
+    out = paged_attention(torch.cat(q_all), cache, plan, dim ** -0.5, softcap)
+    ref = torch.cat([_dense(q, k, v, r[0], dim ** -0.5, window, softcap)
+                     for q, k, v, r in zip(q_all, full_k, full_v, reqs)])
+    err = (out.double() - ref).abs()
+    assert err.max() < 2e-2 and err.mean() < 2e-3  # bf16 outputs: half an ulp at |x| < 4

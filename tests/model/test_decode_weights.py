@@ -148,13 +148,27 @@ def test_greedy_output_matches_dense_bf16(bf16_pair, smollm_llm):
                 assert p in y.outputs[0].logprobs[j] and q in x.outputs[0].logprobs[j]
                 break
     # ... and as close to float32 as dense bf16 is, measured robustly: the logprob of each next
-    # token of a text fed in prompts of 24 tokens (each prompt's prefill takes the low-bit path,
-    # as a decode step does; greedy runs' first divergences are too few to compare).
-    text = ("The capital of France is Paris. It is known for the Eiffel Tower, built in 1889 for "
-            "the World's Fair. def fib(n):\n    if n < 2:\n        return n\n    return "
-            "fib(n - 1) + fib(n - 2)\nMany tourists visit the city every year to see its museums.")
-    ids = fast.tokenizer.encode(text)
-    chunks = [ids[i:i + 24] for i in range(0, len(ids) - 12, 12)]
+    # token of texts fed in prompts of 24 tokens (each prompt's prefill takes the low-bit path,
+    # as a decode step does; greedy runs' first divergences are too few to compare). Both errors
+    # are bf16 rounding noise: over one text (128 tokens) either mean moved by 15% when the
+    # attention kernel's rounding changed in the last bit; over these four (380) by 2 and 7%.
+    texts = [
+        "The capital of France is Paris. It is known for the Eiffel Tower, built in 1889 for "
+        "the World's Fair. def fib(n):\n    if n < 2:\n        return n\n    return "
+        "fib(n - 1) + fib(n - 2)\nMany tourists visit the city every year to see its museums.",
+        "Photosynthesis is the process by which green plants use sunlight, water and carbon "
+        "dioxide to make glucose and oxygen. It takes place mainly in the leaves, inside small "
+        "structures called chloroplasts, which contain the green pigment chlorophyll.",
+        "import json\n\ndef load(path):\n    with open(path) as f:\n        return json.load(f)"
+        "\n\ndef save(path, data):\n    with open(path, 'w') as f:\n        json.dump(data, f, "
+        "indent=2)\n",
+        "Dear Sam, thank you for your letter. The weather here has been cold and rainy, but we "
+        "spent the weekend at the lake anyway. The children learned to fish, and we cooked dinner "
+        "over a fire. I hope to see you in the spring."]
+    chunks = []
+    for text in texts:
+        ids = fast.tokenizer.encode(text)
+        chunks += [ids[i:i + 24] for i in range(0, len(ids) - 12, 12)]
     errors = [_prompt_logprob_error(llm, smollm_llm, chunks) for llm in (fast, dense)]
     assert errors[0] <= 1.1 * errors[1], errors
 
