@@ -7,6 +7,7 @@ runs the PyTorch ops and says so in its log.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -94,15 +95,37 @@ def _build() -> ModuleType | None:
     key = _build_key()
     build_dir = _cache_root() / key
     build_dir.mkdir(parents=True, exist_ok=True)
-    cached = (build_dir / _READY).is_file()
-    start = time.perf_counter()
     library = build_dir / f"octavo_cpu_ops_{key}.so"
-    if cached and library.is_file():
-        # The key already covers source, torch and CPU: import the library itself rather than
-        # let cpp_extension import its build machinery and run ninja (0.2 s of a start).
-        module = _import_library(f"octavo_cpu_ops_{key}", library)
-        logger.info("native CPU kernels loaded in %.2f s", time.perf_counter() - start)
-        return module
+    if (build_dir / _READY).is_file() and library.is_file():
+        return _load_built(key, library)
+    # One build per key at a time, under a lock the OS drops when its holder dies: a process
+    # killed mid-build (a server stopped while its kernels built in the background) leaves
+    # cpp_extension's own lock file behind, on which every later build would wait forever.
+    try:
+        guard = open(build_dir / "octavo.lock", "w")
+    except OSError as exc:  # a read-only cache without this build
+        logger.warning("native CPU kernels unavailable (cannot build in %s: %s); using PyTorch "
+                       "ops, decode is slower", build_dir, exc)
+        return None
+    with guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        if (build_dir / _READY).is_file() and library.is_file():  # built while we waited
+            return _load_built(key, library)
+        (build_dir / "lock").unlink(missing_ok=True)  # no live build holds it now
+        return _compile(key, build_dir)
+
+
+def _load_built(key: str, library: Path) -> ModuleType:
+    # The key already covers source, torch and CPU: import the library itself rather than let
+    # cpp_extension import its build machinery and run ninja (0.2 s of a start).
+    start = time.perf_counter()
+    module = _import_library(f"octavo_cpu_ops_{key}", library)
+    logger.info("native CPU kernels loaded in %.2f s", time.perf_counter() - start)
+    return module
+
+
+def _compile(key: str, build_dir: Path) -> ModuleType | None:
+    start = time.perf_counter()
     from torch.utils import cpp_extension
 
     try:
@@ -115,11 +138,9 @@ def _build() -> ModuleType | None:
         logger.warning("native CPU kernels unavailable (%s: %s); using PyTorch ops, decode is "
                        "slower", type(exc).__name__, " | ".join(errors[:3])[:600])
         return None
-    logger.info("native CPU kernels %s in %.1f s", "loaded" if cached else "built",
-                time.perf_counter() - start)
-    if not cached:
-        try:
-            (build_dir / _READY).touch()
-        except OSError:  # a read-only cache: the next start checks the build again
-            pass
+    logger.info("native CPU kernels built in %.1f s", time.perf_counter() - start)
+    try:
+        (build_dir / _READY).touch()
+    except OSError:  # a read-only cache: the next start checks the build again
+        pass
     return module

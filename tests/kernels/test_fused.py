@@ -1,6 +1,8 @@
 """Each C++ kernel against its PyTorch reference, in float32 and bfloat16."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -142,3 +144,26 @@ def test_bad_device_options_name_the_field(option, value):
 
     with pytest.raises(ValueError, match=option):
         EngineConfig.from_kwargs(**{option: value})
+
+
+def test_build_clears_a_lock_left_by_a_killed_build(tmp_path, monkeypatch):
+    """A server stopped while its kernels built leaves cpp_extension's lock file behind; the next
+    build must not wait on it forever (it did: every later start served with PyTorch ops)."""
+    from torch.utils import cpp_extension
+
+    from octavo.kernels import native
+
+    monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_build_key", lambda: "k")
+    build_dir = tmp_path / "kernels" / "k"
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").touch()
+    built = object()
+
+    def fake_load(name, sources, build_directory, **kwargs):
+        assert not (Path(build_directory) / "lock").exists()  # cpp_extension would wait on it
+        return built
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert native._build() is built
+    assert (build_dir / "ready").is_file()
