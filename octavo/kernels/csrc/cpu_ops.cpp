@@ -504,7 +504,7 @@ inline bool attend_kv_head(const cache_t*, const cache_t*, const int64_t*, int64
 // of them.
 struct QueryRun {
   int64_t entry;  // the run's first entry of token_index / block_table / seq_lens
-  int64_t count;  // its query tokens (consecutive positions of one request)
+  int64_t count;  // its query tokens: consecutive positions over the same blocks
 };
 constexpr int64_t kRunLanes = 16;
 // Runs shorter than this stay with the per-query path, which splits one request's keys between
@@ -1396,7 +1396,7 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor q4, torch::Tensor sz) {
 }
 
 // The decoder stack of a Llama-family model for a step whose attention the in-place kernel
-// takes whole (decodes, short queries, short prompts: one attention entry per query token), as
+// takes whole (decodes, short queries, prompts: one attention entry per query token), as
 // one call: the same kernels the Python layers call, without a Python frame and a dozen
 // dispatches per layer around each of them (about 3 ms a step for a 30-layer model, a third of
 // a batch-1 decode step). octavo/model/decode_stack.py builds it and checks what it supports.
