@@ -124,17 +124,16 @@ def test_prompt_runs_match_dense_bf16(block_size, heads, kv_heads, dim, window, 
         assert used <= num_blocks
         k = torch.randn(done + new, kv_heads, dim).bfloat16()
         v = torch.randn(done + new, kv_heads, dim).bfloat16()
-        if share:  # the shared positions hold the previous request's K and V
+        if share:  # the shared positions hold the previous request's K and V, written already
             k[:shared], v[:shared] = full_k[-1][:shared], full_v[-1][:shared]
+        elif done:
+            ctx = build_plan(np.array([done]), np.array([done]), tables[i][None], block_size)
+            write_kv(cache, k[:done], v[:done], ctx.slot_mapping)
         full_k.append(k)
         full_v.append(v)
     table = np.zeros((len(reqs), max(len(t) for t in tables)), np.int64)
     for i, t in enumerate(tables):
         table[i, :len(t)] = t
-    for i, (done, *_rest) in enumerate(reqs):
-        if done and not _rest[1:]:
-            ctx = build_plan(np.array([done]), np.array([done]), table[i:i + 1], block_size)
-            write_kv(cache, full_k[i][:done], full_v[i][:done], ctx.slot_mapping)
     query_lens = np.array([r[1] for r in reqs])
     seq_lens = np.array([r[0] + r[1] for r in reqs])
     plan = build_plan(query_lens, seq_lens, table, block_size, window, native_decode=True,
