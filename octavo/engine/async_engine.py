@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
-import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +19,7 @@ import zmq.asyncio
 
 from octavo.config import EngineConfig
 from octavo.core.scheduler import SchedulerStats
-from octavo.engine.core_process import run_engine_core
+from octavo.engine.core_launch import CoreLaunch, launch_core
 from octavo.engine.llm_engine import ModelSetup
 from octavo.engine.messages import (
     AbortRequests, AddRequest, CoreOutputs, Shutdown, UtilityCall, encoder, output_decoder)
@@ -58,21 +56,23 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, max_queued_requests: int | None = None,
-                 max_queued_tokens: int | None = None) -> None:
+                 max_queued_tokens: int | None = None, core: CoreLaunch | None = None) -> None:
+        """`core`: a core process already launched for `config` (`octavo serve` starts it
+        before importing this module); by default one starts here. It imports torch while this
+        process reads the model's config and tokenizer, then gets what it needs from them
+        through its setup pipe."""
         self.config = config
-        # The core process starts first and imports torch while this one reads the model's
-        # config and tokenizer; it gets what it needs from them through a pipe.
-        self._start_core()
+        self.core = core or launch_core(config)
+        self.process = self.core.process
+        self._bind_sockets()
         try:
             self.setup = ModelSetup.load(config)
         except BaseException:
-            self._setup_pipe.close()
-            self.process.kill()  # it has only been importing
-            self.process.join(5)
+            self.core.abandon()
             self._close_sockets()
             raise
-        self._setup_pipe.send(self.setup.core_args())
-        self._setup_pipe.close()
+        self.core.setup.send(self.setup.core_args())
+        self.core.setup.close()
         self.tokenizer = self.setup.tokenizer
         self.processor = self.setup.processor
         self.max_model_len = self.setup.max_model_len
@@ -92,26 +92,12 @@ class AsyncEngine:
 
     # -- process and sockets ---------------------------------------------------------------------
 
-    def _start_core(self) -> None:
-        self._ipc_dir = tempfile.mkdtemp(prefix="octavo-")
-        in_addr = f"ipc://{self._ipc_dir}/in"
-        out_addr = f"ipc://{self._ipc_dir}/out"
+    def _bind_sockets(self) -> None:
         self.ctx = zmq.asyncio.Context()
         self._to_core = self.ctx.socket(zmq.PUSH)
-        self._to_core.bind(in_addr)
+        self._to_core.bind(self.core.input_addr)
         self._from_core = self.ctx.socket(zmq.PULL)
-        self._from_core.bind(out_addr)
-        self._started = time.perf_counter()
-        mp = multiprocessing.get_context("spawn")
-        self._ready, child_end = mp.Pipe(duplex=False)
-        setup_end, self._setup_pipe = mp.Pipe(duplex=False)
-        self.process = mp.Process(
-            target=run_engine_core, name="octavo-engine-core", daemon=True,
-            args=(self.config, setup_end, in_addr, out_addr, child_end,
-                  logging.getLogger().getEffectiveLevel()))
-        self.process.start()
-        child_end.close()
-        setup_end.close()
+        self._from_core.bind(self.core.output_addr)
         self.num_blocks: int | None = None
         self._reader: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
@@ -121,17 +107,17 @@ class AsyncEngine:
         meanwhile: the core imports torch and loads weights on its own cores)."""
         if self.num_blocks is not None:
             return
-        while not self._ready.poll(1.0):
+        while not self.core.ready.poll(1.0):
             if not self.process.is_alive():
                 raise RuntimeError(f"engine core exited during start-up "
                                    f"(code {self.process.exitcode})")
-        kind, info = self._ready.recv()
+        kind, info = self.core.ready.recv()
         if kind != "ready":
             self.process.join(5)
             raise RuntimeError(f"engine core failed to start: {info}")
         self.num_blocks = info["num_blocks"]
         logger.info("start-up: engine core process ready in %.1f s (imports, weights, KV cache)",
-                    time.perf_counter() - self._started)
+                    time.perf_counter() - self.core.started)
 
     def start_background(self) -> None:
         """Start the output reader and the process watchdog on the running event loop."""
@@ -318,3 +304,4 @@ class AsyncEngine:
         self._to_core.close(linger=0)
         self._from_core.close(linger=0)
         self.ctx.term()
+        self.core.remove_ipc_dir()

@@ -58,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octavo.engine.async_engine import AsyncEngine
+    from octavo.engine.core_launch import launch_core
 
     if args.model_tag:
         args.model = args.model_tag
@@ -67,16 +67,23 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     config = EngineConfig.from_cli(args)
-    template = args.chat_template
-    if template and Path(template).is_file():
-        template = Path(template).read_text()
-    from octavo.serving.chat_output import ChatParsers
+    # The core process starts first: its torch import is most of a start, and the front end's
+    # own imports and set-up below run beside it.
+    core = launch_core(config)
+    try:
+        template = args.chat_template
+        if template and Path(template).is_file():
+            template = Path(template).read_text()
+        from octavo.serving.chat_output import ChatParsers
 
-    # Checked before the model loads: an unknown parser name lists the choices.
-    parsers = ChatParsers.from_flags(args.tool_call_parser, args.enable_auto_tool_choice,
-                                     args.reasoning_parser)
-    engine = AsyncEngine(config, args.max_queued_requests, args.max_queued_tokens)
-    # The core process starts now; the web stack imports while it loads the model.
+        # Checked before the model loads: an unknown parser name lists the choices.
+        parsers = ChatParsers.from_flags(args.tool_call_parser, args.enable_auto_tool_choice,
+                                         args.reasoning_parser)
+        from octavo.engine.async_engine import AsyncEngine
+    except BaseException:
+        core.abandon()
+        raise
+    engine = AsyncEngine(config, args.max_queued_requests, args.max_queued_tokens, core)
     from octavo.entrypoints.http import ServerState, build_app
 
     import uvicorn

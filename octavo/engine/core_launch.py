@@ -1,0 +1,69 @@
+"""Start the engine core's process as early as a start allows.
+
+The core's start is mostly `import torch` (about 1 s here) and the weights; the front end's
+(its web stack, the tokenizer) runs beside it on another core. So `octavo serve` launches the
+core right after parsing its arguments, before it imports the front end's own modules (0.15 s),
+and this module imports nothing beyond the standard library: the child imports the core's code
+itself. The front end hands the model's setup over later, through `setup`.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+from octavo.config import EngineConfig
+
+
+@dataclass
+class CoreLaunch:
+    """A started core process and the ends the front end keeps: `ready` (the core's one
+    ("ready" | "error", info) message), `setup` (the front end sends the model's setup, or closes
+    it unsent to make the core quit) and the ZeroMQ addresses the front end binds."""
+    process: BaseProcess
+    ready: Connection
+    setup: Connection
+    input_addr: str
+    output_addr: str
+    ipc_dir: str
+    started: float
+
+    def abandon(self) -> None:
+        """The front end failed before handing the setup over: stop the core (it has only been
+        importing) and remove the socket folder."""
+        self.setup.close()
+        self.process.kill()
+        self.process.join(5)
+        self.remove_ipc_dir()
+
+    def remove_ipc_dir(self) -> None:
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def launch_core(config: EngineConfig) -> CoreLaunch:
+    ipc_dir = tempfile.mkdtemp(prefix="octavo-")
+    input_addr, output_addr = f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
+    mp = multiprocessing.get_context("spawn")
+    ready, ready_child = mp.Pipe(duplex=False)
+    setup_child, setup = mp.Pipe(duplex=False)
+    started = time.perf_counter()
+    process = mp.Process(
+        target=_core_main, name="octavo-engine-core", daemon=True,
+        args=(config, setup_child, input_addr, output_addr, ready_child,
+              logging.getLogger().getEffectiveLevel()))
+    process.start()
+    ready_child.close()
+    setup_child.close()
+    return CoreLaunch(process, ready, setup, input_addr, output_addr, ipc_dir, started)
+
+
+def _core_main(*args) -> None:
+    """The child's entry: the core's modules load here, not in the front end."""
+    from octavo.engine.core_process import run_engine_core
+
+    run_engine_core(*args)
