@@ -2,6 +2,11 @@
 codes they are made of: test_gguf_packed.py)."""
 from __future__ import annotations
 
+import os
+import pickle
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -189,15 +194,26 @@ def test_prepared_weights_reload_identically(smollm_gguf, tmp_path, monkeypatch)
     """The second start reads the prepared file: same parameters, same decode copies."""
     from octavo.arch_config import read_arch_config
     from octavo.kernels import onednn
-    from octavo.model.loader import load_model, prepared_cache
+    from octavo.model.loader import load_model
     from octavo.model_source import resolve_model
 
-    monkeypatch.setattr(prepared_cache, "cache_dir", lambda: tmp_path)
+    monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path))  # prepared weights and GGUF types
     source = resolve_model(str(smollm_gguf))
     cfg = read_arch_config(source)
     args = (source, cfg, torch.bfloat16, torch.device("cpu"), 256)
     fresh = load_model(*args)
     (prepared,) = (tmp_path / "prepared").glob("*.safetensors")
+    # A start from the prepared file needs no `gguf` import (0.14 s of a start): the core
+    # process gets the config from its front end, so only load_model runs there.
+    (tmp_path / "args.pkl").write_bytes(pickle.dumps((source, cfg)))
+    probe = ("import pickle, sys, torch; from octavo.model.loader import load_model; "
+             f"source, cfg = pickle.load(open({str(tmp_path / 'args.pkl')!r}, 'rb')); "
+             "load_model(source, cfg, torch.bfloat16, torch.device('cpu'), 256); "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('gguf', 'yaml')))")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=dict(os.environ, OCTAVO_CACHE=str(tmp_path)), timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]"
     reloaded = load_model(*args)
     for (name, a), (_, b) in zip(fresh.named_parameters(), reloaded.named_parameters()):
         assert torch.equal(onednn.dense(a), onednn.dense(b)), name

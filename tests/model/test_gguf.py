@@ -105,5 +105,14 @@ def test_tensor_types_are_parsed_once_per_file(smollm_gguf, tmp_path, monkeypatc
     cfg = read_arch_config(ModelSource(smollm_gguf.name, smollm_gguf))
     first = gguf_weights.gguf_tensor_types(smollm_gguf, cfg)
     assert first["model.layers.0.self_attn.q_proj.weight"] == Q.Q4_1
-    monkeypatch.setattr(gguf_weights, "GGUFReader", lambda *a: pytest.fail("parsed again"))
+    monkeypatch.setattr("gguf.GGUFReader", lambda *a: pytest.fail("parsed again"))
     assert gguf_weights.gguf_tensor_types(smollm_gguf, cfg) == first
+
+
+def test_ggml_types_match_the_gguf_package():
+    """octavo's own GGML type numbers (imported without the gguf package) are the format's."""
+    from octavo.model.quant.ggml_types import GGMLType
+
+    for t in GGMLType:
+        assert Q[t.name] == t
+        assert hash(Q[t.name]) == hash(t)

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
 
 from octavo.arch_config import ArchConfig
+from octavo.model.quant.ggml_types import GGMLType
 from octavo.model_source import cache_dir
 
 _LLAMA = {
@@ -124,7 +123,7 @@ def _to_hf_layout(name: str, w: np.ndarray, cfg: ArchConfig) -> np.ndarray:
     return w
 
 
-def source_bits(tensor_type: GGMLQuantizationType) -> int:
+def source_bits(tensor_type: GGMLType) -> int:
     """Bits per weight of a GGML type, before its block scales (Q4_1 -> 4, Q8_0 -> 8, F16 -> 16)."""
     m = re.search(r"Q(\d)", tensor_type.name)
     if m:
@@ -132,7 +131,7 @@ def source_bits(tensor_type: GGMLQuantizationType) -> int:
     return 32 if tensor_type.name == "F32" else 16
 
 
-def gguf_tensor_types(path: Path, cfg: ArchConfig) -> dict[str, GGMLQuantizationType]:
+def gguf_tensor_types(path: Path, cfg: ArchConfig) -> dict[str, GGMLType]:
     """Hugging Face name (stacked experts with {}) -> GGML type of each weight in the file.
     Cached on disk per file (path, size, mtime): GGUFReader parses the whole vocabulary first,
     about 2 s of a start that otherwise reads prepared weights in 0.1 s."""
@@ -141,9 +140,11 @@ def gguf_tensor_types(path: Path, cfg: ArchConfig) -> dict[str, GGMLQuantization
                          f"{cfg.architecture}".encode()).hexdigest()[:16]
     cached = cache_dir() / "gguf-types" / f"{path.stem}-{key}.json"
     try:
-        return {k: GGMLQuantizationType(v) for k, v in json.loads(cached.read_text()).items()}
+        return {k: GGMLType(v) for k, v in json.loads(cached.read_text()).items()}
     except (OSError, ValueError):
         pass
+    from gguf import GGUFReader
+
     types = {hf_name(t.name, cfg.architecture): t.tensor_type for t in GGUFReader(path).tensors
              if t.name not in _ROPE_TENSORS and t.name.endswith(".weight")}
     try:
@@ -174,6 +175,9 @@ def iterate_gguf_weights(path: Path, cfg: ArchConfig, bits: dict[str, int] | Non
     `codes` (Q4_0/Q4_1/Q4_K weights; stacked experts with {}), the 4-bit codes, scales and
     offsets come too, as `<module>.gguf_q4`, `.gguf_q4_scale`, `.gguf_q4_low` (quant/gguf.py),
     and without `dense_too` instead of the dequantized weight."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
     from octavo.model.quant.gguf import CODE_KINDS, int4_codes
 
     reader = GGUFReader(path)
@@ -189,7 +193,7 @@ def iterate_gguf_weights(path: Path, cfg: ArchConfig, bits: dict[str, int] | Non
                 out[name.removesuffix("weight") + kind] = _code_layout(
                     name, a.reshape(*shape[:-1], -1), cfg)
         if name not in codes or dense_too:
-            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            if t.tensor_type in (GGMLType.F32, GGMLType.F16):
                 w = np.array(t.data).reshape(shape)  # a copy: the mmap is read-only
             else:
                 w = dequantize(t.data, t.tensor_type).reshape(shape)

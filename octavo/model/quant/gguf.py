@@ -25,10 +25,10 @@ import logging
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as Q
 from torch import nn
 
 from octavo.model.layers.moe import EXPERT_TENSOR
+from octavo.model.quant.ggml_types import GGMLType as Q
 from octavo.model.quant.base import UNQUANTIZED, QuantMethod, packed_apply
 from octavo.model.quant.packed import (Int4Packed, PackedWeight, minmax_int4, quantize_int8,
                                       quantize_int8_grouped)

@@ -1,0 +1,45 @@
+"""GGML tensor types by their numbers in the GGUF format.
+
+The `gguf` package has this enum too, but importing it loads the whole package (its metadata
+module pulls in yaml): 0.14 s of a start that reads prepared weights and never opens the GGUF's
+tensors (model/loader/prepared_cache.py). The values are the format's, so members compare and
+hash equal to `gguf.GGMLQuantizationType`'s, which GGUFReader hands out.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class GGMLType(IntEnum):
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q8_1 = 9
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    Q8_K = 15
+    IQ2_XXS = 16
+    IQ2_XS = 17
+    IQ3_XXS = 18
+    IQ1_S = 19
+    IQ4_NL = 20
+    IQ3_S = 21
+    IQ2_S = 22
+    IQ4_XS = 23
+    I8 = 24
+    I16 = 25
+    I32 = 26
+    I64 = 27
+    F64 = 28
+    IQ1_M = 29
+    BF16 = 30
+    TQ1_0 = 34
+    TQ2_0 = 35
+    MXFP4 = 39
