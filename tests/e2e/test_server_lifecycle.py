@@ -197,3 +197,19 @@ def test_bad_model_stops_the_early_core_and_names_the_model(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert "model: " in done.stderr and "junk.gguf is not a readable GGUF" in done.stderr
     assert time.time() - start < 60
+
+
+def test_bad_flag_after_the_core_started_stops_it(tmp_path):
+    """`octavo serve` launches the core right after parsing its arguments; a flag checked later
+    (an unknown tool-call parser) stops the core, removes its socket folder and exits 2."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "octavo.entrypoints.cli.main", "serve",
+                           "--port", "0", "--enable-auto-tool-choice",
+                           "--tool-call-parser", "no-such-parser"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "no-such-parser" in done.stderr
+    assert not list(tmp_path.glob("octavo-*")), "the core's socket folder was left behind"

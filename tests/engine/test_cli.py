@@ -150,3 +150,20 @@ def test_the_command_imports_only_the_chosen_subcommand():
             "assert 'octavo.entrypoints.cli.bench' not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_core_forks_only_from_a_process_without_torch_or_threads():
+    """`octavo serve` launches the core before anything imports torch or starts a thread, and
+    then forks it; a process with torch (this one) or a second thread spawns instead."""
+    import torch  # noqa: F401
+
+    from octavo.engine.core_launch import _start_method
+
+    assert _start_method() == "spawn"
+    code = ("import sys, threading; from octavo.engine.core_launch import _start_method as m; "
+            "first = m(); t = threading.Thread(target=threading.Event().wait, args=(5,), "
+            "daemon=True); t.start(); print(first, m())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == (["fork", "spawn"] if sys.platform == "linux"
+                                   else ["spawn", "spawn"])
