@@ -137,6 +137,11 @@ class DecodeStack:
                 and fused.native_active(x) and x.dtype == self.dtype == kv_caches[0].dtype
                 and (self.max_tokens is None or x.shape[0] <= self.max_tokens))
 
+    def rebuild(self) -> None:
+        """Build the C++ stack anew at the next step: its layers hold the weights they were
+        built with, and the model's weights were replaced (model/loader/gemm_packing.py)."""
+        self._stack, self._caches = None, None
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
                  kv_caches: list[torch.Tensor]) -> torch.Tensor:
         if self._caches is not kv_caches:

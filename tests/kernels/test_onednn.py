@@ -45,10 +45,53 @@ def test_a_cpu_model_loads_packed_in_bf16_only(tmp_path, smollm_oracle_folder, d
 
     folder, _ = _build(tmp_path, smollm_oracle_folder, "llama-default")
     llm = LLM(str(folder), dtype=dtype, max_model_len=128, kv_cache_memory=8 << 20)
-    model = llm.engine.client.core.executor.worker.runner.model
+    worker = llm.engine.client.core.executor.worker
+    worker.packing.install_if_done(wait=True)  # packed in the background (gemm_packing)
+    model = worker.runner.model
     weights = [m.weight for m in model.modules() if isinstance(m, (Linear, LMHead))]
     assert weights and all(w.is_mkldnn == (dtype == "bfloat16") for w in weights)
     assert not model.model.embed_tokens.weight.is_mkldnn  # the table the embedding indexes
     out = llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=4, temperature=0),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_weights_packed_in_the_background_change_no_output(tmp_path, smollm_oracle_folder,
+                                                           monkeypatch):
+    """The engine serves with plain weights while they are packed; the first step after the
+    packing finished swaps them in (and rebuilds the C++ decode stack). Outputs are the same bit
+    for bit before and after."""
+    import threading
+
+    from octavo import LLM, SamplingParams
+    from octavo.model.layers.linear import Linear
+    from octavo.model.loader.gemm_packing import PackingThread
+    from tests.parity.test_tiny_models import _build
+
+    gate = threading.Event()
+    pack = PackingThread._pack
+    monkeypatch.setattr(PackingThread, "_pack", lambda self: (gate.wait(), pack(self)))
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "llama-default")
+    llm = LLM(str(folder), dtype="bfloat16", max_model_len=128, kv_cache_memory=8 << 20)
+    worker = llm.engine.client.core.executor.worker
+    model = worker.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    prompts = [list(range(5, 45)), [7, 8, 9]]  # a prefill of 43 rows and, later, decodes
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=3)
+
+    def run():
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()}
+                                          for d in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    plain = run()
+    assert not any(m.weight.is_mkldnn for m in linears)
+    stack = model.model.decode_stack
+    built_plain = stack._stack
+    assert built_plain is not None  # its C++ layers hold the plain weights
+    gate.set()
+    worker.packing.thread.join()
+    packed = run()
+    assert worker.packing is None and all(m.weight.is_mkldnn for m in linears)
+    assert stack._stack is not None and stack._stack is not built_plain
+    assert packed == plain

@@ -11,13 +11,16 @@ from octavo.model_source import ModelSource
 
 def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
-               decode_weights: str = "auto", quantization: str | None = None) -> nn.Module:
+               decode_weights: str = "auto", quantization: str | None = None,
+               pack_gemm: bool = True) -> nn.Module:
     """Build the model and fill it. A GGUF's linear layers keep packed int4/int8 weights made
     from its codes (model/quant/gguf.py): beside the dense ones for small (decode) batches with
     decode_weights="auto" in bf16, alone with `quantization` int4 or int8. A GGUF's prepared
     weights are cached on disk (see prepared_cache) for the next start. A quantized checkpoint
     (config.json's quantization_config) or `quantization` (int8, int4, fp8: quantize at load)
-    hands linear layers their quant methods before the tensors stream in (see model/quant)."""
+    hands linear layers their quant methods before the tensors stream in (see model/quant).
+    On the CPU, dense bf16 weights are packed for oneDNN's GEMM unless `pack_gemm` is False: the
+    caller then packs them itself, e.g. in the background (gemm_packing.PackingThread)."""
     from octavo.model.quant.config import plan_quantization
     plan = plan_quantization(source, quantization, dtype, decode_weights)
     if plan is not None and device.type != "cpu":
@@ -43,7 +46,7 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
         from octavo.model.loader.prepared_cache import load_prepared, prepared_path
         prepared = prepared_path(source, dtype, decode_weights, quantization)
         if load_prepared(model, prepared):
-            return _finish(model, plan, device, quantization)
+            return _finish(model, plan, device, quantization, pack_gemm)
     bits: dict[str, int] = {}
     if source.is_gguf:
         from octavo.model.loader.gguf_weights import iterate_gguf_weights
@@ -62,36 +65,22 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
     if prepared is not None:
         from octavo.model.loader.prepared_cache import save_prepared
         save_prepared(model, prepared)
-    return _finish(model, plan, device, quantization)
+    return _finish(model, plan, device, quantization, pack_gemm)
 
 
-def _finish(model: nn.Module, plan, device: torch.device, quantization: str | None) -> nn.Module:
+def _finish(model: nn.Module, plan, device: torch.device, quantization: str | None,
+            pack_gemm: bool) -> nn.Module:
     """With a GGUF's packed weights only (--quantization int4|int8, whatever decode_weights
     says), an untied LM head keeps its packed copy alone too (after the prepared weights were
-    saved with it dense, as the model is built). On the CPU, dense bf16 weights of linear layers
-    and the LM head are then packed for oneDNN's GEMM (kernels/onednn.py)."""
+    saved with it dense, as the model is built). On the CPU, with `pack_gemm`, dense bf16
+    weights of linear layers and the LM head are then packed for oneDNN's GEMM (gemm_packing)."""
     head = getattr(model, "lm_head", None)
     if getattr(plan, "keep_dense", True) is False and hasattr(head, "packed_only"):
         head.packed_only()
-    if device.type == "cpu":
-        _pack_for_gemm(model, tied_head=quantization is None)
+    if device.type == "cpu" and pack_gemm:
+        from octavo.model.loader.gemm_packing import pack_now
+        pack_now(model, tied_head=quantization is None)
     return model.eval()
-
-
-def _pack_for_gemm(model: nn.Module, tied_head: bool) -> None:
-    """Replace each dense bf16 weight of a Linear or LMHead by its oneDNN-packed form. A tied
-    LM head would need a packed copy of its own (the embedding indexes the plain table): made
-    only with `tied_head`, not when --quantization asked for smaller weights."""
-    from octavo.kernels import onednn
-    from octavo.model.layers.embedding import LMHead
-    from octavo.model.layers.linear import Linear
-    for module in model.modules():
-        if isinstance(module, (Linear, LMHead)):
-            weight = getattr(module, "weight", None)
-            if getattr(module, "tied", False) and not tied_head:
-                continue
-            if weight is not None and onednn.packable(weight):
-                module.weight = nn.Parameter(onednn.pack(weight.data), requires_grad=False)
 
 
 def _set_decode_bits(model: nn.Module, bits: dict[str, int]) -> None:
