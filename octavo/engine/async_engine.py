@@ -116,8 +116,8 @@ class AsyncEngine:
             self.process.join(5)
             raise RuntimeError(f"engine core failed to start: {info}")
         self.num_blocks = info["num_blocks"]
-        logger.info("start-up: engine core process ready in %.1f s (imports, weights, KV cache)",
-                    time.perf_counter() - self.core.started)
+        logger.info("start-up: engine core process (pid %d) ready in %.1f s (imports, weights, "
+                    "KV cache)", info["pid"], time.perf_counter() - self.core.started)
 
     def start_background(self) -> None:
         """Start the output reader and the process watchdog on the running event loop."""
