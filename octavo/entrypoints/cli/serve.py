@@ -130,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     state.on_engine_death = on_engine_death
+    server.config.load()  # uvicorn's protocol imports, while the core still loads
     engine.wait_until_ready()
     logger.info("serving %s as %s on http://%s:%d", args.model,
                 ", ".join(state.served_model_names), args.host, args.port)

@@ -790,22 +790,36 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
     }
   };
 
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // Items go longest first to whichever thread is free: a static split gave one thread the
+  // longer contexts. A thread claims its next item before computing the current one, so that
+  // item's rows can stream in meanwhile.
+  std::vector<int64_t> order(items);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  if (ranges == 1)
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return lens[single[a]] > lens[single[b]];
+    });
+  std::atomic<int64_t> claimed{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(width), acc(width), peak(heads), total(heads), row_f(dim), scores;
     std::vector<int64_t> slots, next_slots;
     KvPrefetch pf{reinterpret_cast<const char*>(kp), reinterpret_cast<const char*>(vp),
                   static_cast<int64_t>(row * sizeof(cache_t))};
-    item_slots(begin, next_slots);
-    for (int64_t item = begin; item < end; ++item) {
+    int64_t at = claimed.fetch_add(1);
+    if (at >= items) return;
+    item_slots(order[at], next_slots);
+    for (bool first = true; at < items; first = false) {
+      const int64_t item = order[at];
       const int64_t r = single[item / ranges];
+      at = claimed.fetch_add(1);
       slots.swap(next_slots);
       next_slots.clear();
       const int64_t n = static_cast<int64_t>(slots.size());
       // The next item's rows stream in while this one computes, unless it reads this item's
       // keys again (a prompt's next token: same first and last slot of this range; requests
       // that share only a cached prefix block differ in the last).
-      if (item + 1 < end) {
-        item_slots(item + 1, next_slots);
+      if (at < items) {
+        item_slots(order[at], next_slots);
         const bool same = !slots.empty() && next_slots.size() >= slots.size() &&
                           slots[0] == next_slots[0] && slots.back() == next_slots[slots.size() - 1];
         pf.start(next_slots.data(), same ? 0 : static_cast<int64_t>(next_slots.size()));
@@ -823,8 +837,8 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
           fast = attend_kv_head(kp + kvh * dim, vp + kvh * dim, slots.data(), n, row, dim,
                                 qp + tok[r] * qs0 + h0 * qs1, qs1, group, fscale, fcap,
                                 scores.data() + h0 * n, acc.data() + h0 * dim, &peak[h0],
-                                &total[h0], item == begin || stream != nullptr ? &pf : nullptr,
-                                kvh == 0 && item == begin);
+                                &total[h0], first || stream != nullptr ? &pf : nullptr,
+                                kvh == 0 && first);
         }
         if (!fast) {  // the float32 paths take q widened
           for (int64_t h = 0; h < heads; ++h) {
