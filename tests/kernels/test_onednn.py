@@ -2,6 +2,9 @@
 bit for bit, for every row count; packed at load for bf16 models on the CPU only."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -71,6 +74,10 @@ def test_weights_packed_in_the_background_change_no_output(tmp_path, smollm_orac
     gate = threading.Event()
     pack = PackingThread._pack
     monkeypatch.setattr(PackingThread, "_pack", lambda self: (gate.wait(), pack(self)))
+    nice = []  # the packing thread's, weight by weight: it must not slow the engine's steps
+    pack_one = onednn.pack
+    monkeypatch.setattr(onednn, "pack", lambda w: (nice.append(
+        os.getpriority(os.PRIO_PROCESS, threading.get_native_id())), pack_one(w))[1])
     folder, _ = _build(tmp_path, smollm_oracle_folder, "llama-default")
     llm = LLM(str(folder), dtype="bfloat16", max_model_len=128, kv_cache_memory=8 << 20)
     worker = llm.engine.client.core.executor.worker
@@ -95,3 +102,6 @@ def test_weights_packed_in_the_background_change_no_output(tmp_path, smollm_orac
     assert worker.packing is None and all(m.weight.is_mkldnn for m in linears)
     assert stack._stack is not None and stack._stack is not built_plain
     assert packed == plain
+    assert len(nice) == len(linears) + 1  # and the LM head
+    if sys.platform == "linux":
+        assert set(nice) == {19}

@@ -9,6 +9,8 @@ touch the dense weights at all.
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import torch
@@ -60,6 +62,11 @@ class PackingThread:
         self.thread.start()
 
     def _pack(self) -> None:
+        if sys.platform == "linux":
+            # Niced (Linux nices threads one by one; the OpenMP workers this thread starts
+            # inherit it): the packing takes the CPU time the engine leaves, instead of four
+            # threads on two cores slowing the first requests' steps.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             self.packed = [onednn.pack(m.weight.data) for m in self.modules]
         except BaseException as exc:  # re-raised by install_if_done, in the engine's thread
