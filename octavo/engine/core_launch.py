@@ -3,8 +3,8 @@
 The core's start is mostly `import torch` (about 1 s here) and the weights; the front end's
 (its web stack, the tokenizer) runs beside it on another core. So `octavo serve` launches the
 core right after parsing its arguments, before it imports the front end's own modules (0.15 s),
-and this module imports nothing beyond the standard library: the child imports the core's code
-itself. The front end hands the model's setup over later, through `setup`.
+and this module imports only the standard library and `octavo.config`: the child imports the
+core's code itself. The front end hands the model's setup over later, through `setup`.
 """
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ class Worker:
         if self.device.type == "cpu" and not self.config.device.enforce_eager:
             decode_stack.attach(model)
         if self.device.type == "cpu":
-            self.packing = PackingThread(model, tied_head=quantization is None)
+            self.packing = PackingThread(model, quantization)
         sched = self.config.scheduler
         self.runner = ModelRunner(
             model, self.device, sched.max_num_seqs, self.max_model_len,

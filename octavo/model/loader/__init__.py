@@ -79,7 +79,7 @@ def _finish(model: nn.Module, plan, device: torch.device, quantization: str | No
         head.packed_only()
     if device.type == "cpu" and pack_gemm:
         from octavo.model.loader.gemm_packing import pack_now
-        pack_now(model, tied_head=quantization is None)
+        pack_now(model, quantization)
     return model.eval()
 
 

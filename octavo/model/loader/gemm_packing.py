@@ -19,10 +19,10 @@ from torch import nn
 from octavo.kernels import onednn
 
 
-def packable_modules(model: nn.Module, tied_head: bool) -> list[nn.Module]:
+def packable_modules(model: nn.Module, quantization: str | None) -> list[nn.Module]:
     """The Linear and LMHead modules whose dense weight oneDNN packs. A tied LM head would need a
-    packed copy of its own (the embedding indexes the plain table): included only with
-    `tied_head`, not when --quantization asked for smaller weights."""
+    packed copy of its own (the embedding indexes the plain table): included unless
+    --quantization asked for smaller weights."""
     from octavo.model.layers.embedding import LMHead
     from octavo.model.layers.linear import Linear
 
@@ -30,7 +30,7 @@ def packable_modules(model: nn.Module, tied_head: bool) -> list[nn.Module]:
     for module in model.modules():
         if isinstance(module, (Linear, LMHead)):
             weight = getattr(module, "weight", None)
-            if getattr(module, "tied", False) and not tied_head:
+            if getattr(module, "tied", False) and quantization is not None:
                 continue
             if weight is not None and onednn.packable(weight):
                 found.append(module)
@@ -41,8 +41,8 @@ def install(module: nn.Module, packed: torch.Tensor) -> None:
     module.weight = nn.Parameter(packed, requires_grad=False)
 
 
-def pack_now(model: nn.Module, tied_head: bool) -> None:
-    for module in packable_modules(model, tied_head):
+def pack_now(model: nn.Module, quantization: str | None) -> None:
+    for module in packable_modules(model, quantization):
         install(module, onednn.pack(module.weight.data))
 
 
@@ -52,9 +52,9 @@ class PackingThread:
     swaps every weight in and rebuilds the model's decode stack (whose C++ layers hold the
     weights they were built with)."""
 
-    def __init__(self, model: nn.Module, tied_head: bool) -> None:
+    def __init__(self, model: nn.Module, quantization: str | None) -> None:
         self.model = model
-        self.modules = packable_modules(model, tied_head)
+        self.modules = packable_modules(model, quantization)
         self.packed: list[torch.Tensor] = []
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._pack, name="octavo-gemm-packing",
