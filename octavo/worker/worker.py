@@ -15,7 +15,7 @@ from octavo.core.contract import ModelOutput, SchedulerOutput
 from octavo.kernels import fused
 from octavo.model import decode_stack
 from octavo.model.loader import load_model
-from octavo.model.loader.gemm_packing import PackingThread
+from octavo.model.loader.gemm_packing import StepwisePacking
 from octavo.model_source import ModelSource, resolve_model
 from octavo.worker.model_runner import ModelRunner
 from octavo.worker.spec.draft import DraftModel
@@ -58,7 +58,7 @@ class Worker:
                          "fp8_e4m3": torch.float8_e4m3fn}[config.cache.kv_cache_dtype]
         self.arch = arch
         self.runner: ModelRunner | None = None
-        self.packing: PackingThread | None = None  # the dense weights' oneDNN packing, if running
+        self.packing: StepwisePacking | None = None  # the dense weights' packing, until done
         self.draft_arch: ArchConfig | None = None  # speculative decoding's draft model
 
     def load_model(self) -> None:
@@ -66,8 +66,8 @@ class Worker:
                             else "off")
         start = time.perf_counter()
         quantization = self.config.model.quantization
-        # On the CPU the dense weights are packed for oneDNN's GEMM in the background (the
-        # engine is ready 0.15 s sooner); execute() puts them in place between steps.
+        # On the CPU the dense weights are packed for oneDNN's GEMM a few before each step (the
+        # engine is ready 0.15 s sooner).
         model = load_model(self.source, self.arch, self.dtype, self.device, self.max_model_len,
                            self.config.model.decode_weights, quantization, pack_gemm=False)
         logger.info("loaded %s (%s, %s) in %.1f s", self.source.name, self.arch.architecture,
@@ -75,7 +75,7 @@ class Worker:
         if self.device.type == "cpu" and not self.config.device.enforce_eager:
             decode_stack.attach(model)
         if self.device.type == "cpu":
-            self.packing = PackingThread(model, quantization)
+            self.packing = StepwisePacking(model, quantization)
         sched = self.config.scheduler
         self.runner = ModelRunner(
             model, self.device, sched.max_num_seqs, self.max_model_len,
@@ -133,7 +133,7 @@ class Worker:
         return num_blocks
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        if self.packing is not None and self.packing.install_if_done():
+        if self.packing is not None and self.packing.pack_some():
             self.packing = None
         return self.runner.execute(sched)
 

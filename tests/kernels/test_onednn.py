@@ -2,9 +2,6 @@
 bit for bit, for every row count; packed at load for bf16 models on the CPU only."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,7 +46,8 @@ def test_a_cpu_model_loads_packed_in_bf16_only(tmp_path, smollm_oracle_folder, d
     folder, _ = _build(tmp_path, smollm_oracle_folder, "llama-default")
     llm = LLM(str(folder), dtype=dtype, max_model_len=128, kv_cache_memory=8 << 20)
     worker = llm.engine.client.core.executor.worker
-    worker.packing.install_if_done(wait=True)  # packed in the background (gemm_packing)
+    while not worker.packing.pack_some():  # a few weights before each step (gemm_packing): all
+        pass
     model = worker.runner.model
     weights = [m.weight for m in model.modules() if isinstance(m, (Linear, LMHead))]
     assert weights and all(w.is_mkldnn == (dtype == "bfloat16") for w in weights)
@@ -59,25 +57,14 @@ def test_a_cpu_model_loads_packed_in_bf16_only(tmp_path, smollm_oracle_folder, d
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_weights_packed_in_the_background_change_no_output(tmp_path, smollm_oracle_folder,
-                                                           monkeypatch):
-    """The engine serves with plain weights while they are packed; the first step after the
-    packing finished swaps them in (and rebuilds the C++ decode stack). Outputs are the same bit
-    for bit before and after."""
-    import threading
-
+def test_weights_packed_step_by_step_change_no_output(tmp_path, smollm_oracle_folder):
+    """The engine serves with plain weights and packs a few before each step; once the last is
+    packed the C++ decode stack is rebuilt. Outputs are the same bit for bit with plain, partly
+    packed and packed weights."""
     from octavo import LLM, SamplingParams
     from octavo.model.layers.linear import Linear
-    from octavo.model.loader.gemm_packing import PackingThread
     from tests.parity.test_tiny_models import _build
 
-    gate = threading.Event()
-    pack = PackingThread._pack
-    monkeypatch.setattr(PackingThread, "_pack", lambda self: (gate.wait(), pack(self)))
-    nice = []  # the packing thread's, weight by weight: it must not slow the engine's steps
-    pack_one = onednn.pack
-    monkeypatch.setattr(onednn, "pack", lambda w: (nice.append(
-        os.getpriority(os.PRIO_PROCESS, threading.get_native_id())), pack_one(w))[1])
     folder, _ = _build(tmp_path, smollm_oracle_folder, "llama-default")
     llm = LLM(str(folder), dtype="bfloat16", max_model_len=128, kv_cache_memory=8 << 20)
     worker = llm.engine.client.core.executor.worker
@@ -91,17 +78,19 @@ def test_weights_packed_in_the_background_change_no_output(tmp_path, smollm_orac
                                           for d in o.outputs[0].logprobs])
                 for o in llm.generate(prompts, params, use_tqdm=False)]
 
+    packing, worker.packing = worker.packing, None  # held back: plain weights only
     plain = run()
     assert not any(m.weight.is_mkldnn for m in linears)
     stack = model.model.decode_stack
     built_plain = stack._stack
     assert built_plain is not None  # its C++ layers hold the plain weights
-    gate.set()
-    worker.packing.thread.join()
-    packed = run()
-    assert worker.packing is None and all(m.weight.is_mkldnn for m in linears)
+    worker.packing = packing
+    packing.per_step = 1  # this model has 9 weights: one before each of the next steps
+    partly = run()
+    packed_now = sum(m.weight.is_mkldnn for m in linears)
+    assert 0 < packed_now < len(linears) and worker.packing is not None
+    while worker.packing is not None:
+        packed = run()
+    assert all(m.weight.is_mkldnn for m in linears) and model.lm_head.weight.is_mkldnn
     assert stack._stack is not None and stack._stack is not built_plain
-    assert packed == plain
-    assert len(nice) == len(linears) + 1  # and the LM head
-    if sys.platform == "linux":
-        assert set(nice) == {19}
+    assert plain == partly == packed

@@ -20,7 +20,7 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
     (config.json's quantization_config) or `quantization` (int8, int4, fp8: quantize at load)
     hands linear layers their quant methods before the tensors stream in (see model/quant).
     On the CPU, dense bf16 weights are packed for oneDNN's GEMM unless `pack_gemm` is False: the
-    caller then packs them itself, e.g. in the background (gemm_packing.PackingThread)."""
+    caller then packs them itself, e.g. step by step (gemm_packing.StepwisePacking)."""
     from octavo.model.quant.config import plan_quantization
     plan = plan_quantization(source, quantization, dtype, decode_weights)
     if plan is not None and device.type != "cpu":
