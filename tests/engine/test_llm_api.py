@@ -184,3 +184,19 @@ def test_numpy_token_ids_are_token_ids(smollm_llm):
     from_numpy = smollm_llm.generate([list(np.array(ids, np.int64))], params, use_tqdm=False)[0]
     assert from_numpy.outputs[0].token_ids == plain.outputs[0].token_ids
     assert all(type(t) is int for t in from_numpy.prompt_token_ids)
+
+
+def test_a_process_that_exits_right_after_loading_exits_cleanly(smollm_gguf):
+    """Work the worker defers past loading (packing weights for oneDNN: model/loader/
+    gemm_packing.py) must not outlive it: a process that loads a model, generates one token and
+    exits at once exits 0 (a packing thread still running at exit made it abort, code 134)."""
+    import subprocess
+    import sys
+
+    code = ("from octavo import LLM, SamplingParams; "
+            f"llm = LLM({str(smollm_gguf)!r}); "
+            "llm.generate(['Hi'], SamplingParams(max_tokens=1), use_tqdm=False)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
