@@ -63,7 +63,6 @@ class AsyncEngine:
         through its setup pipe."""
         self.config = config
         self.core = core or launch_core(config)
-        self.process = self.core.process
         self._bind_sockets()
         try:
             self.setup = ModelSetup.load(config)
@@ -108,12 +107,12 @@ class AsyncEngine:
         if self.num_blocks is not None:
             return
         while not self.core.ready.poll(1.0):
-            if not self.process.is_alive():
+            if not self.core.process.is_alive():
                 raise RuntimeError(f"engine core exited during start-up "
-                                   f"(code {self.process.exitcode})")
+                                   f"(code {self.core.process.exitcode})")
         kind, info = self.core.ready.recv()
         if kind != "ready":
-            self.process.join(5)
+            self.core.process.join(5)
             raise RuntimeError(f"engine core failed to start: {info}")
         self.num_blocks = info["num_blocks"]
         logger.info("start-up: engine core process (pid %d) ready in %.1f s (imports, weights, "
@@ -132,10 +131,10 @@ class AsyncEngine:
         await self._to_core.send(encoder.encode(msg))
 
     async def _watch_process(self) -> None:
-        while self.process.is_alive():
+        while self.core.process.is_alive():
             await asyncio.sleep(0.2)
         if self.dead is None:
-            self._die(f"engine core process exited (code {self.process.exitcode})")
+            self._die(f"engine core process exited (code {self.core.process.exitcode})")
 
     def _die(self, reason: str) -> None:
         logger.error("%s", reason)
@@ -290,14 +289,14 @@ class AsyncEngine:
         for task in (self._reader, self._watchdog):
             if task:
                 task.cancel()
-        if self.process.is_alive():
+        if self.core.process.is_alive():
             try:
                 await self._to_core.send(encoder.encode(Shutdown()))
             except zmq.ZMQError:
                 pass
-            await asyncio.get_running_loop().run_in_executor(None, self.process.join, 10)
-            if self.process.is_alive():
-                self.process.kill()
+            await asyncio.get_running_loop().run_in_executor(None, self.core.process.join, 10)
+            if self.core.process.is_alive():
+                self.core.process.kill()
         self._close_sockets()
 
     def _close_sockets(self) -> None:
