@@ -13,6 +13,7 @@ from octavo.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from octavo.core.structured import BackendFactory, StructuredOutputManager
 from octavo.executor.base import Executor
 from octavo.model_source import ModelSource
+from octavo.startup_gc import collector_paused
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +106,9 @@ def create_engine_core(config: EngineConfig, source: ModelSource, arch: ArchConf
                        max_model_len: int, eos_token_ids: list[int],
                        grammar_backend: BackendFactory | None = None) -> EngineCore:
     """Build the executor (loading the model) and the core around it."""
-    from octavo.executor.uniproc import UniprocExecutor  # the torch side loads only here
+    with collector_paused():  # torch's import and the load are a start (see startup_gc)
+        from octavo.executor.uniproc import UniprocExecutor  # the torch side loads only here
 
-    executor = UniprocExecutor(config, source, arch, max_model_len, eos_token_ids)
+        executor = UniprocExecutor(config, source, arch, max_model_len, eos_token_ids)
     window = arch.sliding_window if arch.all_layers_sliding else None
     return EngineCore(config, executor, max_model_len, window, grammar_backend)

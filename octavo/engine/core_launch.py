@@ -78,6 +78,9 @@ def _start_method() -> str:
 
 def _core_main(*args) -> None:
     """The child's entry: the core's modules load here, not in the front end."""
+    from octavo import startup_gc
+
+    startup_gc.pause()
     from octavo.engine.core_process import run_engine_core
 
     run_engine_core(*args)

@@ -12,6 +12,7 @@ from multiprocessing.connection import Connection
 
 import zmq
 
+from octavo import startup_gc
 from octavo.config import EngineConfig
 from octavo.core.engine_core import EngineCore, create_engine_core, import_model_side
 from octavo.core.scheduler import EngineCoreOutput
@@ -91,6 +92,7 @@ def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, ou
     """Entry point of the core process. It starts before the front end has read the model's
     config and tokenizer: it imports torch meanwhile, then takes (source, arch, max_model_len,
     eos_token_ids) from `setup` (closed unsent: the front end failed, and so the core quits)."""
+    startup_gc.pause()  # until the core is ready (a forked core inherits its parent's pause)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     # The front end owns SIGINT/SIGTERM and shuts the core down through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -115,6 +117,7 @@ def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, ou
         ready.send(("error", f"{type(exc).__name__}: {exc}"))
         raise
     proc = EngineCoreProcess(core, input_addr, output_addr)
+    startup_gc.settle()
     ready.send(("ready", {"num_blocks": core.num_blocks, "pid": os.getpid()}))
     try:
         proc.run()

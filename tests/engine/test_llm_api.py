@@ -193,8 +193,10 @@ def test_a_process_that_exits_right_after_loading_exits_cleanly(smollm_gguf):
     import subprocess
     import sys
 
-    code = ("from octavo import LLM, SamplingParams; "
+    code = ("import gc; from octavo import LLM, SamplingParams; "
             f"llm = LLM({str(smollm_gguf)!r}); "
+            # the load paused the collector (startup_gc) and gave this process its setting back
+            "assert gc.isenabled() and gc.get_freeze_count() == 0; "
             "llm.generate(['Hi'], SamplingParams(max_tokens=1), use_tqdm=False)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)

@@ -9,6 +9,7 @@ import os
 import signal
 from pathlib import Path
 
+from octavo import startup_gc
 from octavo.config import DEFAULT_MODEL, EngineConfig, add_engine_args
 
 SERVE_MAX_NUM_BATCHED_TOKENS = 512
@@ -58,6 +59,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Paused until serving (see startup_gc); the core forked in _serve inherits the pause. The
+    # collector comes back on however _serve ends: main() may run in a caller's process.
+    with startup_gc.collector_paused():
+        return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
     from octavo.engine.core_launch import launch_core
 
     if args.model_tag:
@@ -132,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     state.on_engine_death = on_engine_death
     server.config.load()  # uvicorn's protocol imports, while the core still loads
     engine.wait_until_ready()
+    startup_gc.settle()
     logger.info("serving %s as %s on http://%s:%d", args.model,
                 ", ".join(state.served_model_names), args.host, args.port)
     asyncio.run(server.serve())
