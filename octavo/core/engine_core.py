@@ -82,6 +82,10 @@ class EngineCore:
         out = self.executor.execute(sched)
         return failed + self.scheduler.update_from_output(sched, out)
 
+    def do_idle_work(self) -> bool:
+        """See Executor.do_idle_work: call only with no unfinished request."""
+        return self.executor.do_idle_work()
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache; refused (False) while any request is unfinished."""
         if self.scheduler.has_unfinished_requests():

@@ -38,8 +38,14 @@ class EngineCoreProcess:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inputs, zmq.POLLIN)
+        idle_work = True  # until the executor says it has none left
         while self.running:
-            timeout = 0 if self.core.has_unfinished_requests() else IDLE_POLL_MS
+            busy = self.core.has_unfinished_requests()
+            if not busy and idle_work:
+                # Deferred set-up (packing weights) in slices of a few ms between polls: a
+                # server started ahead of its traffic meets the first requests fully set up.
+                idle_work = self.core.do_idle_work()
+            timeout = 0 if busy or idle_work else IDLE_POLL_MS
             changed = False
             while poller.poll(timeout):
                 self._handle(input_decoder.decode(self.inputs.recv()))

@@ -14,5 +14,10 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput: ...
 
+    def do_idle_work(self) -> bool:
+        """A few milliseconds of deferred set-up, while the engine has no request; whether any
+        is left. The engine calls it only when idle, so no step waits on it."""
+        return False
+
     def shutdown(self) -> None:
         pass

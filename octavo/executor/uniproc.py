@@ -20,3 +20,6 @@ class UniprocExecutor(Executor):
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         return self.worker.execute(scheduler_output)
+
+    def do_idle_work(self) -> bool:
+        return self.worker.do_idle_work()

@@ -46,8 +46,9 @@ def test_a_cpu_model_loads_packed_in_bf16_only(tmp_path, smollm_oracle_folder, d
     folder, _ = _build(tmp_path, smollm_oracle_folder, "llama-default")
     llm = LLM(str(folder), dtype=dtype, max_model_len=128, kv_cache_memory=8 << 20)
     worker = llm.engine.client.core.executor.worker
-    while not worker.packing.pack_some():  # a few weights before each step (gemm_packing): all
+    while worker.do_idle_work():  # a few weights each time (gemm_packing) until all are packed
         pass
+    assert worker.packing is None and not worker.do_idle_work()
     model = worker.runner.model
     weights = [m.weight for m in model.modules() if isinstance(m, (Linear, LMHead))]
     assert weights and all(w.is_mkldnn == (dtype == "bfloat16") for w in weights)

@@ -2,9 +2,12 @@
 
 Packing SmolLM2-135M's 121 weights takes 0.13-0.18 s on 2 cores: a tenth of a server's start.
 Packed and plain weights give the same products bit for bit (only the time differs), so the
-worker reports ready with plain weights and packs a few of them before each step
-(`StepwisePacking`): about 5 ms a step for the first 31 steps. Small batches of a GGUF model run
-on its int4/int8 copies anyway, so a first short request hardly touches the dense weights.
+worker reports ready with plain weights and packs a few of them at a time (`StepwisePacking`,
+about 5 ms each time): while the engine has no request (the core process's loop calls
+`Executor.do_idle_work`), else before each step. A server is ready sooner, and one started ahead
+of its traffic is fully packed when the traffic comes (a burst of prompts on plain weights ran
+its first steps slower). Small batches of a GGUF model run on its int4/int8 copies anyway, so a
+first short request hardly touches the dense weights.
 
 A thread packing beside the steps was tried first. A first one-token request that ran while it
 packed took 24-170 ms instead of about 15, niced or not, and a process that exited while it
@@ -46,8 +49,8 @@ def pack_now(model: nn.Module, quantization: str | None) -> None:
 
 
 class StepwisePacking:
-    """Packs a loaded model's dense weights `per_step` at a time, called by the worker before
-    each step. Each packed weight goes in at once; once the last is in, the model's decode stack
+    """Packs a loaded model's dense weights `per_step` at a time, called by the worker while
+    the engine is idle and before each step. Each packed weight goes in at once; once the last is in, the model's decode stack
     is rebuilt (its C++ layers hold the weights they were built with)."""
 
     def __init__(self, model: nn.Module, quantization: str | None, per_step: int = 4) -> None:
