@@ -167,3 +167,14 @@ def test_the_core_forks_only_from_a_process_without_torch_or_threads():
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == (["fork", "spawn"] if sys.platform == "linux"
                                    else ["spawn", "spawn"])
+
+
+def test_serve_launches_the_core_before_its_heavy_imports():
+    """What `octavo serve` imports before it forks the core is on every start's critical path:
+    no torch, numpy, asyncio (0.025 s) or web stack."""
+    code = ("import sys; import octavo.entrypoints.cli.main, octavo.entrypoints.cli.serve, "
+            "octavo.engine.core_launch; print(sorted(m for m in ('asyncio', 'torch', 'numpy', "
+            "'uvicorn', 'fastapi', 'zmq') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import os
@@ -143,5 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
     startup_gc.settle()
     logger.info("serving %s as %s on http://%s:%d", args.model,
                 ", ".join(state.served_model_names), args.host, args.port)
+    import asyncio  # not at the top: 0.025 s that the core's launch would wait for
+
     asyncio.run(server.serve())
     return exit_code
