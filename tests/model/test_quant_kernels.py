@@ -54,6 +54,32 @@ def test_int4_codes_round_trip_through_torch_layout():
         assert torch.equal(packed.codes(64, n).long(), q[64:]) if n > 64 else True
 
 
+@pytest.mark.parametrize("rows", [1, 5, 8, 17, 64])
+def test_int4_float16_scales_give_the_float32_products_bit_for_bit(native_kernels, rows):
+    """Affine scales and minimums that float16 holds exactly (a GGUF's Q4_0/Q4_1) are stored in
+    float16, half the bytes; the kernel makes the zero from them as the packing does in
+    float32, so products and dequantized weights are the same bit for bit. Others stay float32."""
+    from octavo.kernels import fused
+
+    n, k = 100, 256
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+    low = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+    half = Int4Packed.from_affine(q, scale, low, 32, torch.bfloat16)
+    full = Int4Packed.__new__(Int4Packed)
+    full._pack(q, scale, 8 * scale + low, 32, torch.bfloat16, None)  # the float32 layout
+    assert half.native_scales.dtype == torch.float16 and full.native_scales.dtype == torch.float32
+    assert half.native_scales.nbytes * 2 == full.native_scales.nbytes
+    assert torch.equal(half.dequantize(0, n, torch.float32), full.dequantize(0, n, torch.float32))
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    assert fused.int4_gemm_active(x)
+    assert torch.equal(half.matmul(x), full.matmul(x))
+    assert torch.equal(half.torch_layout()[1], full.torch_layout()[1])
+    inexact = Int4Packed.from_affine(q, scale + 1e-5, low, 32, torch.bfloat16)
+    assert inexact.native_scales.dtype == torch.float32
+
+
 @pytest.mark.parametrize("rows", [1, 4, 67])
 @pytest.mark.parametrize("group,asym", [(160, False), (32, True), (64, False)])
 def test_int8_grouped_matches_reference(rows, group, asym):

@@ -1204,16 +1204,20 @@ void for_rows(int64_t rows, F&& body) {
 // the multiply and a step reads the weights at memory speed:
 //   q4 [N / 16, K / 4, 32] bytes: byte 2r + j of (row block b, quad c) holds the codes of row
 //      16b + r at inputs 4c + j (low nibble) and 4c + 2 + j (high nibble);
-//   sz [N / 16, K / 32, 2, 16] float32: per row and 32 inputs, scale and zero
-//      (w = (q - 8) * scale + zero, torch's form).
+//   sz [N / 16, K / 32, 2, 16]: per row and 32 inputs, either float32 scale and zero
+//      (w = (q - 8) * scale + zero, torch's form) or, where a GGUF's Q4_0/Q4_1 gave them,
+//      float16 scale and low (w = scale * q + low) exactly as the file stores them: zero is then
+//      8 * scale + low, computed here with the float32 operations the packing would have run,
+//      so the products are the same and a step reads 5/6 of the bytes (the float32 pair was a
+//      third of them).
 // A 32-bit lane is one output row, so products accumulate per row with no horizontal sums:
 // code q becomes the bf16 number 128 + q by or-ing in an exponent (no conversion), vdpbf16ps
 // multiplies pairs of inputs exactly into float32, and per group
 //   sum x * w = scale * sum x * (128 + q) + (zero - 136 * scale) * sum x.
 #if defined(__AVX512BF16__)
 // Output rows 16b..16b+15 for R activation rows; acc[r] gets row r's 16 sums.
-template <int R>
-inline void int4_block(const uint8_t* q4, const float* sz, const c10::BFloat16* x,
+template <int R, typename S>
+inline void int4_block(const uint8_t* q4, const S* sz, const c10::BFloat16* x,
                        int64_t k, const float* xsum, __m512* acc) {
   constexpr int P = R == 1 ? 2 : 1;  // one row alone: two chains per half, to hide latency
   const int64_t groups = k / 32;
@@ -1238,9 +1242,17 @@ inline void int4_block(const uint8_t* q4, const float* sz, const c10::BFloat16* 
             _mm512_dpbf16_ps(part[r][p + 1], (__m512bh)hi, (__m512bh)_mm512_set1_epi32(xr[1]));
       }
     }
-    const __m512 scale = _mm512_loadu_ps(sz + g * 32);
-    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), scale,
-                                           _mm512_loadu_ps(sz + g * 32 + 16));
+    __m512 scale, zero;
+    if constexpr (std::is_same_v<S, float>) {
+      scale = _mm512_loadu_ps(sz + g * 32);
+      zero = _mm512_loadu_ps(sz + g * 32 + 16);
+    } else {
+      scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + g * 32)));
+      const __m512 low = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + g * 32 + 16)));
+      zero = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(8.f), scale), low);
+    }
+    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), scale, zero);
     for (int r = 0; r < R; ++r) {
       __m512 dot = _mm512_add_ps(part[r][0], part[r][1]);
       if constexpr (P == 2) dot = _mm512_add_ps(dot, _mm512_add_ps(part[r][2], part[r][3]));
@@ -1375,8 +1387,10 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor q4, torch::Tensor sz) {
               q4.is_contiguous(), "int4_gemm: codes must be [N / 16, K / 4, 32] uint8");
   const int64_t rows = x.size(0), k = x.size(1), blocks = q4.size(0), n = blocks * 16;
   TORCH_CHECK(k % 32 == 0 && q4.size(1) * 4 == k, "int4_gemm: K must match, a multiple of 32");
-  TORCH_CHECK(sz.scalar_type() == at::kFloat && sz.is_contiguous() &&
-              sz.numel() == blocks * (k / 32) * 32, "int4_gemm: scales must be [N/16, K/32, 2, 16]");
+  const bool half_scales = sz.scalar_type() == at::kHalf;
+  TORCH_CHECK((half_scales || sz.scalar_type() == at::kFloat) && sz.is_contiguous() &&
+              sz.numel() == blocks * (k / 32) * 32,
+              "int4_gemm: scales must be [N/16, K/32, 2, 16] float32 or float16");
   auto out = torch::empty({rows, n}, x.options());
 #if defined(__AVX512BF16__)
   const int64_t groups = k / 32;
@@ -1389,22 +1403,27 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor q4, torch::Tensor sz) {
       xsum[r * groups + g] = s;
     }
   const uint8_t* qp = q4.data_ptr<uint8_t>();
-  const float* sp = sz.data_ptr<float>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  // A row block is k / 2 bytes (a few KB): it stays in L1 for every chunk of 8 rows of x.
-  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    __m512 acc[8];
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t c = 0; c < rows; c += 8) {
-        const int64_t m = std::min<int64_t>(8, rows - c);
-        for_rows(m, [&](auto r) {
-          int4_block<decltype(r)::value>(qp + b * k * 8, sp + b * groups * 32, xp + c * k, k,
-                                         xsum.data() + c * groups, acc);
-        });
-        for (int64_t r = 0; r < m; ++r) store16(op + (c + r) * n + b * 16, acc[r]);
+  auto run = [&](const auto* sp) {
+    // A row block is k / 2 bytes (a few KB): it stays in L1 for every chunk of 8 rows of x.
+    at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+      __m512 acc[8];
+      for (int64_t b = begin; b < end; ++b) {
+        for (int64_t c = 0; c < rows; c += 8) {
+          const int64_t m = std::min<int64_t>(8, rows - c);
+          for_rows(m, [&](auto r) {
+            int4_block<decltype(r)::value>(qp + b * k * 8, sp + b * groups * 32, xp + c * k, k,
+                                           xsum.data() + c * groups, acc);
+          });
+          for (int64_t r = 0; r < m; ++r) store16(op + (c + r) * n + b * 16, acc[r]);
+        }
       }
-    }
-  });
+    });
+  };
+  if (half_scales)
+    run(sz.data_ptr<at::Half>());
+  else
+    run(sz.data_ptr<float>());
 #endif
   return out;
 }

@@ -65,8 +65,11 @@ class Int4Packed(PackedWeight):
     codes [N / 16, K / 4, 32] bytes, byte 2r + j of (row block b, quad c) holding row 16b + r's
     inputs 4c + j (low nibble) and 4c + 2 + j (high nibble); scale and zero
     [N / 16, K / 32, 2, 16]. N is padded to a multiple of 16 with zero rows, sliced off after.
-    The scales stay float32 as the checkpoint gave them: rounded to bf16 they would shift every
-    weight of a group alike. torch's int4 layout (its kernel serves CPUs without AVX-512-BF16
+    The scales stay as exact as the checkpoint gave them: rounded to bf16 they would shift every
+    weight of a group alike. Affine ones that float16 holds exactly (a GGUF's Q4_0/Q4_1 scales
+    and minimums are float16) are kept as float16 scale and low, and the kernel makes the zero
+    from them with the same float32 operations: the same products from 5/6 of the bytes, and a
+    decode step reads the weights at memory speed. Others keep float32 scale and zero. torch's int4 layout (its kernel serves CPUs without AVX-512-BF16
     and runs with the C++ kernels off; bf16 scales there) is built from this on first use."""
 
     dense_rows = 256
@@ -83,12 +86,16 @@ class Int4Packed(PackedWeight):
         """w = scale * q + low per group (GGUF's Q4_0/Q4_1/Q4_K form, and min/max quantizing):
         torch's zero is 8 * scale + low, with no division, so a zero scale is fine."""
         self = cls.__new__(cls)
-        scale = scale.float()
-        self._pack(q, scale, 8 * scale + low.float(), group, dtype, None)
+        scale, low = scale.float(), low.float()
+        if torch.equal(scale.half().float(), scale) and torch.equal(low.half().float(), low):
+            self._pack(q, scale.half(), low.half(), group, dtype, None)
+        else:
+            self._pack(q, scale, 8 * scale + low, group, dtype, None)
         return self
 
-    def _pack(self, q: torch.Tensor, scale: torch.Tensor, tzero: torch.Tensor, group: int,
+    def _pack(self, q: torch.Tensor, scale: torch.Tensor, zero_or_low: torch.Tensor, group: int,
               dtype: torch.dtype, perm: torch.Tensor | None) -> None:
+        """float32 scale and zero, or float16 scale and low (see the class)."""
         n, k = q.shape
         if group % 32 or k % 32:  # the kernels' scales are per 32 inputs
             raise ValueError(f"group_size must be a multiple of 32 that divides in_features={k} "
@@ -99,7 +106,7 @@ class Int4Packed(PackedWeight):
         q = F.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(-1, 16, k // 4, 2, 2)  # [b, r, c, h, j]
         codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(1, 2)
         self.native_codes = codes.reshape(-1, k // 4, 32).contiguous()
-        sz = torch.stack([scale, tzero]).repeat_interleave(group // 32, 2)  # [2, N, K / 32]
+        sz = torch.stack([scale, zero_or_low]).repeat_interleave(group // 32, 2)  # [2, N, K/32]
         sz = F.pad(sz, (0, 0, 0, pad)).view(2, -1, 16, k // 32)
         self.native_scales = sz.permute(1, 3, 0, 2).contiguous()
         self._torch_layout: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -127,9 +134,16 @@ class Int4Packed(PackedWeight):
         if self._torch_layout is None:
             packed = torch._convert_weight_to_int4pack_for_cpu(
                 self.codes(0, self.padded_n).to(torch.int32), 1)
-            sz = self.native_scales.permute(1, 0, 3, 2).reshape(self.in_features // 32, -1, 2)
+            sz = self._scale_zero().permute(1, 0, 3, 2).reshape(self.in_features // 32, -1, 2)
             self._torch_layout = packed, sz.to(self.dtype).contiguous()
         return self._torch_layout
+
+    def _scale_zero(self) -> torch.Tensor:
+        """float32 scale and zero [N / 16, K / 32, 2, 16], made as the kernel makes them."""
+        if self.native_scales.dtype == torch.float32:
+            return self.native_scales
+        scale, low = self.native_scales.float().unbind(2)
+        return torch.stack([scale, 8 * scale + low], 2)
 
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
@@ -149,7 +163,7 @@ class Int4Packed(PackedWeight):
 
     def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         q = self.codes(start, end).float().view(end - start, -1, 32) - 8
-        sz = self.native_scales.permute(0, 3, 1, 2).reshape(self.padded_n, -1, 2)[start:end]
+        sz = self._scale_zero().permute(0, 3, 1, 2).reshape(self.padded_n, -1, 2)[start:end]
         return (q * sz[..., :1] + sz[..., 1:]).reshape(end - start, self.in_features).to(dtype)
 
 
