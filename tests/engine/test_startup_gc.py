@@ -1,4 +1,4 @@
-"""The garbage collector is paused through a start and comes back after it (octavo/startup_gc.py)."""
+"""The garbage collector is paused through a start and back on after it (octavo/startup_gc.py)."""
 from __future__ import annotations
 
 import gc

@@ -50,8 +50,9 @@ def pack_now(model: nn.Module, quantization: str | None) -> None:
 
 class StepwisePacking:
     """Packs a loaded model's dense weights `per_step` at a time, called by the worker while
-    the engine is idle and before each step. Each packed weight goes in at once; once the last is in, the model's decode stack
-    is rebuilt (its C++ layers hold the weights they were built with)."""
+    the engine is idle and before each step. Each packed weight goes in at once; once the last
+    is in, the model's decode stack is rebuilt (its C++ layers hold the weights they were built
+    with)."""
 
     def __init__(self, model: nn.Module, quantization: str | None, per_step: int = 4) -> None:
         self.model = model

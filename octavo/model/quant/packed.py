@@ -69,8 +69,9 @@ class Int4Packed(PackedWeight):
     weight of a group alike. Affine ones that float16 holds exactly (a GGUF's Q4_0/Q4_1 scales
     and minimums are float16) are kept as float16 scale and low, and the kernel makes the zero
     from them with the same float32 operations: the same products from 5/6 of the bytes, and a
-    decode step reads the weights at memory speed. Others keep float32 scale and zero. torch's int4 layout (its kernel serves CPUs without AVX-512-BF16
-    and runs with the C++ kernels off; bf16 scales there) is built from this on first use."""
+    decode step reads the weights at memory speed. Others keep float32 scale and zero. torch's
+    int4 layout (its kernel serves CPUs without AVX-512-BF16 and runs with the C++ kernels off;
+    bf16 scales there) is built from this on first use."""
 
     dense_rows = 256
 
