@@ -79,6 +79,35 @@ def test_llama_cpp_batcher_decodes_like_single_sequences(smollm_gguf):
         assert got[:2] == want
 
 
+def test_llama_cpp_calls_share_one_thread_of_their_own():
+    import threading
+
+    from octavo.entrypoints.cli.bench_peers import on_llama_thread
+
+    seen = {on_llama_thread(threading.get_ident) for _ in range(3)}
+    assert len(seen) == 1 and threading.get_ident() not in seen
+    assert on_llama_thread(divmod, 7, 2) == (3, 1)
+    with pytest.raises(ZeroDivisionError):
+        on_llama_thread(divmod, 7, 0)
+
+
+def test_latency_beside_llama_cpp_alternates_without_a_crash(smollm_gguf, tmp_path):
+    """octavo's bf16 prompts (oneDNN, AMX where the CPU has it) and llama.cpp's (its own AMX
+    kernels) alternate in one process: on an AMX CPU, llama.cpp on the same thread died of SIGILL
+    at its second prompt."""
+    pytest.importorskip("llama_cpp")
+    out = tmp_path / "latency.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "octavo.entrypoints.cli.main", "--log-level", "warning", "bench",
+         "latency", "--model", str(smollm_gguf), "--dtype", "bfloat16", "--max-model-len", "256",
+         "--kv-cache-memory", "64MiB", "--input-len", "96", "--output-len", "3", "--num-iters",
+         "2", "--backends", "octavo,llama.cpp", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert results["llama.cpp"]["decode_tokens_per_s"] > 0 < results["octavo"]["decode_tokens_per_s"]
+
+
 def test_throughput_sweep_writes_json_and_plot(smollm_gguf, tmp_path):
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"

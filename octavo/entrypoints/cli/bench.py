@@ -22,7 +22,7 @@ from octavo.entrypoints.cli import bench_latency, bench_serve, bench_startup, be
 from octavo.entrypoints.cli.bench_data import Workload, add_dataset_args, build_workload
 from octavo.entrypoints.cli.bench_memory import memory_line, memory_report
 from octavo.entrypoints.cli.bench_peers import (LlamaCppBatcher, Run, load_transformers,
-                                                time_transformers)
+                                                on_llama_thread, time_transformers)
 
 BACKENDS = ("octavo", "octavo-no-prefix-cache", "octavo-structured", "transformers", "llama.cpp")
 
@@ -151,9 +151,10 @@ def _runners(args: argparse.Namespace, config: EngineConfig, llm, backends: list
             runners[b] = lambda ps: time_transformers(hf, ps, size)
         else:
             longest = max(len(p) + n for p, n in prompts)
-            cpp = LlamaCppBatcher(str(llm.engine.source.path), config.device.num_threads,
-                                  level or args.llama_cpp_seqs, longest + 1)
-            runners[b] = cpp.run
+            cpp = on_llama_thread(LlamaCppBatcher, str(llm.engine.source.path),
+                                  config.device.num_threads, level or args.llama_cpp_seqs,
+                                  longest + 1)
+            runners[b] = lambda ps, cpp=cpp: on_llama_thread(cpp.run, ps)
             engines[b] = cpp
     return engines, runners
 
@@ -172,7 +173,7 @@ def _measure(args: argparse.Namespace, config: EngineConfig, llm, backends: list
                       _kv_accounting(engines[b]) if b.startswith("octavo") else None)
                for b in backends]
     if "llama.cpp" in engines:
-        engines["llama.cpp"].close()  # each level builds its own context
+        on_llama_thread(engines["llama.cpp"].close)  # each level builds its own context
     return results
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from octavo.config import EngineConfig, add_engine_args
 from octavo.entrypoints.cli.bench_memory import memory_line, memory_report
+from octavo.entrypoints.cli.bench_peers import on_llama_thread
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -97,9 +98,11 @@ def run(args: argparse.Namespace) -> int:
         if not llm.engine.source.is_gguf:
             raise ValueError("--backends llama.cpp needs a GGUF model")
         threads = llm.engine.config.device.num_threads or __import__("os").cpu_count()
-        cpp = Llama(str(llm.engine.source.path), n_ctx=args.input_len + args.output_len + 8,
-                    n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
-        runners["llama.cpp"] = lambda: _llama_cpp_once(cpp, prompt, args.output_len)
+        cpp = on_llama_thread(Llama, str(llm.engine.source.path),
+                              n_ctx=args.input_len + args.output_len + 8, n_threads=threads,
+                              n_threads_batch=threads, n_batch=512, verbose=False)
+        runners["llama.cpp"] = lambda: on_llama_thread(_llama_cpp_once, cpp, prompt,
+                                                       args.output_len)
     samples: dict[str, list] = {b: [] for b in backends}
     for b in backends:
         runners[b]()  # warm-up

@@ -7,6 +7,9 @@
   tokens of new sequences up to the batch size; a finished sequence's cells are freed and the
   next request takes its place.
 Both decode greedily and generate exactly the requested number of tokens (EOS ignored).
+
+Every llama.cpp call runs on one thread of its own (`on_llama_thread`), never on a thread where
+torch computes.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import ctypes
 import os
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +69,22 @@ def time_transformers(model, work: Workload, batch_size: int) -> Run:
                            min_new_tokens=longest, pad_token_id=0)
             produced += sum(n for _, n in chunk)
     return Run(time.perf_counter() - start, produced)
+
+
+_llama_thread: ThreadPoolExecutor | None = None
+
+
+def on_llama_thread(fn, *args, **kwargs):
+    """fn(*args, **kwargs), run on the one thread that makes every llama.cpp call of a bench.
+
+    llama.cpp's AMX kernels configure the tile registers once per thread and count on them staying
+    configured. oneDNN (torch's matmuls: octavo's and transformers' prompts) releases them after
+    each of its AMX kernels, so on a shared thread llama.cpp's next matmul dies of SIGILL. On a
+    thread where torch never computes, both stay right; the calling thread just waits."""
+    global _llama_thread
+    if _llama_thread is None:
+        _llama_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama.cpp")
+    return _llama_thread.submit(fn, *args, **kwargs).result()
 
 
 class LlamaCppBatcher:
