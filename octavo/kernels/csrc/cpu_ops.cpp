@@ -1106,6 +1106,20 @@ void silu_and_mul_typed(torch::Tensor& out, const torch::Tensor& x) {
 // (decode). Reading the weights is the whole cost, so each weight row is read once for all rows
 // of x and widened to float in registers. (int4: int4_block below.)
 
+// How far ahead of its reads a decode GEMV asks for the weights it streams. A row block of
+// int4 weights (16 rows: 4.6 KB for K = 576) or a few int8 rows cross a 4 KB page, where the
+// hardware's stream prefetcher stops; on an Intel Xeon (KVM, 2 cores) one core then drew 8 GB/s
+// from DRAM. With software prefetches this far ahead, 2 threads stream int4 weights at 17.7 GB/s
+// against 11.3 and the int8 LM head at 21.5 against 13.5, and a batch-1 decode step of
+// SmolLM2-135M fell from 10.4 to 6.8 ms. 2-6 KB measured alike; 1 KB was slower.
+constexpr int64_t kPrefetchBytes = 3072;
+
+inline void prefetch_lines(const void* p, int64_t bytes) {
+#if defined(__AVX512F__)
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
+#endif
+}
+
 template <typename T>
 void widen_rows(const torch::Tensor& x, std::vector<float>& xf) {
   const int64_t n = x.numel();
@@ -1172,7 +1186,9 @@ void int8_rows_block(T* op, int64_t n, const float* xf, int64_t k, const int8_t*
                      const float* sp, int64_t groups, int64_t begin, int64_t end) {
   float dots[R];
   for (int64_t o = begin; o < end; ++o) {
+    prefetch_lines(qp + o * k + kPrefetchBytes, k);  // the row kPrefetchBytes on, its scales
     if (groups) {
+      prefetch_lines(sp + o * groups + kPrefetchBytes / (k / groups), groups * 4);
       int8_row_grouped<R>(qp + o * k, xf, k, k / groups, sp + o * groups, dots);
       for (int r = 0; r < R; ++r) op[r * n + o] = static_cast<T>(dots[r]);
     } else {
@@ -1228,6 +1244,9 @@ inline void int4_block(const uint8_t* q4, const S* sz, const c10::BFloat16* x,
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < 2 * P; ++i) part[r][i] = _mm512_setzero_ps();
     const uint8_t* qg = q4 + g * 256;
+    // The group kPrefetchBytes of codes on (in this block or a later one) and its scales.
+    prefetch_lines(qg + kPrefetchBytes, 256);
+    prefetch_lines(sz + g * 32 + kPrefetchBytes / 8, 32 * sizeof(S));
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
       const __m512i w = _mm512_cvtepu8_epi16(
