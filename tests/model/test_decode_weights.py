@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from octavo import LLM, SamplingParams
-from octavo.model.quant.decode_weights import (INT4_ROWS, MAX_ROWS, make_decode_weight, max_rows,
-                                               small_batch_linear)
+from octavo.model.quant.decode_weights import (INT4_ROWS, INT4_ROWS_AMX, MAX_ROWS,
+                                               make_decode_weight, max_rows, small_batch_linear)
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, quantize_int8
 
 
@@ -104,16 +104,21 @@ def test_grouped_int8_kernel_matches_its_dequantized_weight(native_kernels, rows
         fused.int8_gemv(x, q, torch.rand(200, 192 // 8))
 
 
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("native", [False, True])
-def test_only_small_bf16_batches_take_the_low_bit_path(native_kernels, native):
-    """Up to max_rows rows: INT4_ROWS for octavo's int4 kernel, MAX_ROWS for torch's."""
+def test_only_small_bf16_batches_take_the_low_bit_path(native_kernels, native, amx, monkeypatch):
+    """Up to max_rows rows: for octavo's int4 kernel INT4_ROWS, or INT4_ROWS_AMX where the bf16
+    GEMM runs on AMX tiles; MAX_ROWS for torch's."""
     from octavo.kernels import fused
+    from octavo.model.quant import decode_weights
 
+    monkeypatch.setattr(decode_weights, "_bf16_gemm_on_amx", lambda: amx)
     fused.enable_native(native)
     w = _q4_weight(64, 128)
     decode = make_decode_weight(w, 4)
     limit = max_rows(decode)
-    assert limit == (INT4_ROWS if native and fused.int4_gemm_ready() else MAX_ROWS)
+    int4_limit = INT4_ROWS_AMX if amx else INT4_ROWS
+    assert limit == (int4_limit if native and fused.int4_gemm_ready() else MAX_ROWS)
     small = torch.randn(limit, 128).bfloat16()
     large = torch.randn(limit + 1, 128).bfloat16()
     assert torch.equal(small_batch_linear(small, w, None, decode), decode.matmul(small))

@@ -10,6 +10,8 @@ GEMM. A linear layer's copy is built from the GGUF's own codes where the layouts
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from octavo.kernels import fused, onednn
@@ -24,8 +26,24 @@ from octavo.model.quant.packed import (Int4Packed, PackedWeight, quantize_int4,
 # int8 GEMV stop winning at about 4 rows (the LM head in int8: 1.95 vs 2.19 ms at 4 rows, 3.9
 # vs 2.8 at 8).
 INT4_ROWS = 64
+# With AMX, oneDNN's bf16 GEMM runs on the tile units and costs little more than reading its
+# weights well past 64 rows, so the int4 copy wins only for a few. Intel Xeon with AMX (KVM,
+# 2 threads), the same layers: int4 11.3 vs bf16 15.0 ms at 8 rows, 16.1 vs 14.9 at 12, 39.5 vs
+# 17.4 at 32, 78.3 vs 20.7 at 64. (The int8 LM head's crossover stays at 4 rows: 2.06 vs 2.08 ms.)
+INT4_ROWS_AMX = 10
 MAX_ROWS = 4
 GROUP = 32
+
+
+@functools.cache
+def _bf16_gemm_on_amx() -> bool:
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
+
+
+def int4_rows() -> int:
+    """The most rows octavo's int4 kernel takes before the bf16 GEMM wins, on this CPU."""
+    return INT4_ROWS_AMX if _bf16_gemm_on_amx() else INT4_ROWS
 
 
 def supported(weight: torch.Tensor) -> bool:
@@ -46,8 +64,10 @@ def make_decode_weight(weight: torch.Tensor, bits: int) -> PackedWeight | None:
 
 
 def max_rows(decode: PackedWeight) -> int:
-    """The most rows `decode` (a dense layer's low-bit copy) computes (see INT4_ROWS)."""
-    return INT4_ROWS if isinstance(decode, Int4Packed) and fused.int4_gemm_ready() else MAX_ROWS
+    """The most rows `decode` (a dense layer's low-bit copy) computes (see int4_rows)."""
+    if isinstance(decode, Int4Packed) and fused.int4_gemm_ready():
+        return int4_rows()
+    return MAX_ROWS
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
