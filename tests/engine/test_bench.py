@@ -79,16 +79,32 @@ def test_llama_cpp_batcher_decodes_like_single_sequences(smollm_gguf):
         assert got[:2] == want
 
 
-def test_llama_cpp_calls_share_one_thread_of_their_own():
+def test_llama_cpp_calls_take_one_thread_of_their_own_only_where_asked():
     import threading
 
-    from octavo.entrypoints.cli.bench_peers import on_llama_thread
+    from octavo.entrypoints.cli.bench_peers import LlamaCaller
 
-    seen = {on_llama_thread(threading.get_ident) for _ in range(3)}
+    own = LlamaCaller(own_thread=True)
+    seen = {own(threading.get_ident) for _ in range(3)}
     assert len(seen) == 1 and threading.get_ident() not in seen
-    assert on_llama_thread(divmod, 7, 2) == (3, 1)
+    assert own(divmod, 7, 2) == (3, 1)
     with pytest.raises(ZeroDivisionError):
-        on_llama_thread(divmod, 7, 0)
+        own(divmod, 7, 0)
+    assert LlamaCaller(own_thread=False)(threading.get_ident) == threading.get_ident()
+
+
+def test_llama_cpp_no_repack_turns_extra_buffers_off_while_open():
+    pytest.importorskip("llama_cpp")
+    import llama_cpp.llama as high_level
+
+    from octavo.entrypoints.cli.bench_peers import llama_model_params
+
+    assert high_level.llama_cpp.llama_model_default_params().use_extra_bufts
+    with llama_model_params(no_repack=True):
+        assert not high_level.llama_cpp.llama_model_default_params().use_extra_bufts
+    assert high_level.llama_cpp.llama_model_default_params().use_extra_bufts
+    with llama_model_params(no_repack=False):
+        assert high_level.llama_cpp.llama_model_default_params().use_extra_bufts
 
 
 def test_latency_beside_llama_cpp_alternates_without_a_crash(smollm_gguf, tmp_path):

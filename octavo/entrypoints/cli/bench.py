@@ -22,7 +22,7 @@ from octavo.entrypoints.cli import bench_latency, bench_serve, bench_startup, be
 from octavo.entrypoints.cli.bench_data import Workload, add_dataset_args, build_workload
 from octavo.entrypoints.cli.bench_memory import memory_line, memory_report
 from octavo.entrypoints.cli.bench_peers import (LlamaCppBatcher, Run, load_transformers,
-                                                on_llama_thread, time_transformers)
+                                                NO_REPACK_HELP, time_transformers)
 
 BACKENDS = ("octavo", "octavo-no-prefix-cache", "octavo-structured", "transformers", "llama.cpp")
 
@@ -66,6 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--hf-batch-size", type=int, default=16, help="batch size of transformers")
     t.add_argument("--llama-cpp-seqs", type=int, default=16,
                    help="sequences llama.cpp batches continuously in one KV cache")
+    t.add_argument("--llama-cpp-no-repack", action="store_true", help=NO_REPACK_HELP)
     t.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     t.add_argument("--concurrency", default=None,
                    help="comma-separated levels to sweep (octavo's max running requests, "
@@ -151,10 +152,10 @@ def _runners(args: argparse.Namespace, config: EngineConfig, llm, backends: list
             runners[b] = lambda ps: time_transformers(hf, ps, size)
         else:
             longest = max(len(p) + n for p, n in prompts)
-            cpp = on_llama_thread(LlamaCppBatcher, str(llm.engine.source.path),
-                                  config.device.num_threads, level or args.llama_cpp_seqs,
-                                  longest + 1)
-            runners[b] = lambda ps, cpp=cpp: on_llama_thread(cpp.run, ps)
+            cpp = LlamaCppBatcher(str(llm.engine.source.path), config.device.num_threads,
+                                  level or args.llama_cpp_seqs, longest + 1,
+                                  no_repack=args.llama_cpp_no_repack)
+            runners[b] = cpp.run
             engines[b] = cpp
     return engines, runners
 
@@ -173,7 +174,7 @@ def _measure(args: argparse.Namespace, config: EngineConfig, llm, backends: list
                       _kv_accounting(engines[b]) if b.startswith("octavo") else None)
                for b in backends]
     if "llama.cpp" in engines:
-        on_llama_thread(engines["llama.cpp"].close)  # each level builds its own context
+        engines["llama.cpp"].close()  # each level builds its own context
     return results
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from octavo.config import EngineConfig, add_engine_args
 from octavo.entrypoints.cli.bench_memory import memory_line, memory_report
-from octavo.entrypoints.cli.bench_peers import on_llama_thread
+from octavo.entrypoints.cli.bench_peers import NO_REPACK_HELP, LlamaCaller, llama_model_params
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -26,6 +26,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
                         "(where n-gram speculation finds its drafts); 0: all random")
     t.add_argument("--backends", default="octavo",
                    help="comma-separated: octavo, llama.cpp (needs llama-cpp-python and a GGUF)")
+    t.add_argument("--llama-cpp-no-repack", action="store_true", help=NO_REPACK_HELP)
     t.add_argument("--json", default=None)
     add_engine_args(t)
     t.set_defaults(run=run)
@@ -98,11 +99,12 @@ def run(args: argparse.Namespace) -> int:
         if not llm.engine.source.is_gguf:
             raise ValueError("--backends llama.cpp needs a GGUF model")
         threads = llm.engine.config.device.num_threads or __import__("os").cpu_count()
-        cpp = on_llama_thread(Llama, str(llm.engine.source.path),
-                              n_ctx=args.input_len + args.output_len + 8, n_threads=threads,
-                              n_threads_batch=threads, n_batch=512, verbose=False)
-        runners["llama.cpp"] = lambda: on_llama_thread(_llama_cpp_once, cpp, prompt,
-                                                       args.output_len)
+        call = LlamaCaller(own_thread=not args.llama_cpp_no_repack)
+        with llama_model_params(args.llama_cpp_no_repack):
+            cpp = call(Llama, str(llm.engine.source.path),
+                                  n_ctx=args.input_len + args.output_len + 8, n_threads=threads,
+                                  n_threads_batch=threads, n_batch=512, verbose=False)
+        runners["llama.cpp"] = lambda: call(_llama_cpp_once, cpp, prompt, args.output_len)
     samples: dict[str, list] = {b: [] for b in backends}
     for b in backends:
         runners[b]()  # warm-up

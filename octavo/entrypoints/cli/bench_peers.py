@@ -8,11 +8,11 @@
   next request takes its place.
 Both decode greedily and generate exactly the requested number of tokens (EOS ignored).
 
-Every llama.cpp call runs on one thread of its own (`on_llama_thread`), never on a thread where
-torch computes.
+llama.cpp's calls run on one thread of its own where it may use AMX (`LlamaCaller`).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import time
@@ -71,27 +71,65 @@ def time_transformers(model, work: Workload, batch_size: int) -> Run:
     return Run(time.perf_counter() - start, produced)
 
 
-_llama_thread: ThreadPoolExecutor | None = None
+class LlamaCaller:
+    """Makes every llama.cpp call of a bench: on one thread of its own while llama.cpp may use
+    AMX (its extra buffer types), else on the calling thread.
+
+    llama.cpp's AMX kernels configure the tile registers once per thread and count on them
+    staying configured. oneDNN (torch's matmuls: octavo's and transformers' prompts) releases
+    them after each of its AMX kernels, so on a shared thread llama.cpp's next matmul dies of
+    SIGILL. Without its extra buffers (`--llama-cpp-no-repack`) llama.cpp runs no AMX code, and a
+    thread of its own would hurt: a GCC build's OpenMP is torch's libgomp (the same soname), and
+    two threads leading OpenMP teams on 2 cores made both engines about 3x slower (batch-1
+    decode: octavo 198 -> 64 tok/s, llama.cpp 92 -> 32)."""
+
+    def __init__(self, own_thread: bool) -> None:
+        self._thread = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama.cpp")
+                        if own_thread else None)
+
+    def __call__(self, fn, *args, **kwargs):
+        if self._thread is None:
+            return fn(*args, **kwargs)
+        return self._thread.submit(fn, *args, **kwargs).result()
 
 
-def on_llama_thread(fn, *args, **kwargs):
-    """fn(*args, **kwargs), run on the one thread that makes every llama.cpp call of a bench.
+NO_REPACK_HELP = ("llama.cpp without its extra buffer types (its --no-repack: "
+                  "use_extra_bufts=False, no AMX or repacked weights); a llama-cpp-python built "
+                  "by GCC 12 needs it on an AMX CPU, whose AMX code that compiler breaks")
 
-    llama.cpp's AMX kernels configure the tile registers once per thread and count on them staying
-    configured. oneDNN (torch's matmuls: octavo's and transformers' prompts) releases them after
-    each of its AMX kernels, so on a shared thread llama.cpp's next matmul dies of SIGILL. On a
-    thread where torch never computes, both stay right; the calling thread just waits."""
-    global _llama_thread
-    if _llama_thread is None:
-        _llama_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama.cpp")
-    return _llama_thread.submit(fn, *args, **kwargs).result()
+
+@contextlib.contextmanager
+def llama_model_params(no_repack: bool):
+    """While open, the model parameters llama-cpp-python's `Llama` loads with have
+    use_extra_bufts off where `no_repack` asks for it (`Llama` takes no such argument)."""
+    import llama_cpp.llama as high_level
+
+    module = high_level.llama_cpp
+    original = module.llama_model_default_params
+
+    def params():
+        p = original()
+        p.use_extra_bufts = False
+        return p
+
+    if no_repack:
+        module.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        module.llama_model_default_params = original
 
 
 class LlamaCppBatcher:
     """One llama.cpp context with `num_seqs` sequences in a unified KV cache."""
 
     def __init__(self, gguf_path: str, threads: int | None, num_seqs: int, max_seq_len: int,
-                 batch_size: int = 512) -> None:
+                 batch_size: int = 512, no_repack: bool = False) -> None:
+        self.call = LlamaCaller(own_thread=not no_repack)
+        self.call(self._open, gguf_path, threads, num_seqs, max_seq_len, batch_size, no_repack)
+
+    def _open(self, gguf_path: str, threads: int | None, num_seqs: int, max_seq_len: int,
+              batch_size: int, no_repack: bool) -> None:
         try:
             import llama_cpp as lc
         except ImportError:
@@ -99,8 +137,9 @@ class LlamaCppBatcher:
         self.lc = lc
         lc.llama_backend_init()
         _silence(lc)
-        self.model = lc.llama_model_load_from_file(str(gguf_path).encode(),
-                                                   lc.llama_model_default_params())
+        model_params = lc.llama_model_default_params()
+        model_params.use_extra_bufts = not no_repack
+        self.model = lc.llama_model_load_from_file(str(gguf_path).encode(), model_params)
         if not self.model:
             raise ValueError(f"llama.cpp could not load {gguf_path}")
         threads = threads or os.cpu_count() or 1
@@ -119,12 +158,18 @@ class LlamaCppBatcher:
         self.batch = lc.llama_batch_init(batch_size, 0, 1)
 
     def close(self) -> None:
+        self.call(self._close)
+
+    def _close(self) -> None:
         lc = self.lc
         lc.llama_batch_free(self.batch)
         lc.llama_free(self.ctx)
         lc.llama_model_free(self.model)
 
     def run(self, work: Workload) -> Run:
+        return self.call(self._run, work)
+
+    def _run(self, work: Workload) -> Run:
         lc = self.lc
         lc.llama_memory_clear(self.memory, True)
         queue = deque(range(len(work)))
