@@ -102,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
         call = LlamaCaller(own_thread=not args.llama_cpp_no_repack)
         with llama_model_params(args.llama_cpp_no_repack):
             cpp = call(Llama, str(llm.engine.source.path),
-                                  n_ctx=args.input_len + args.output_len + 8, n_threads=threads,
-                                  n_threads_batch=threads, n_batch=512, verbose=False)
+                       n_ctx=args.input_len + args.output_len + 8, n_threads=threads,
+                       n_threads_batch=threads, n_batch=512, verbose=False)
         runners["llama.cpp"] = lambda: call(_llama_cpp_once, cpp, prompt, args.output_len)
     samples: dict[str, list] = {b: [] for b in backends}
     for b in backends:

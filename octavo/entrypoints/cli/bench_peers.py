@@ -92,6 +92,10 @@ class LlamaCaller:
             return fn(*args, **kwargs)
         return self._thread.submit(fn, *args, **kwargs).result()
 
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown()
+
 
 NO_REPACK_HELP = ("llama.cpp without its extra buffer types (its --no-repack: "
                   "use_extra_bufts=False, no AMX or repacked weights); a llama-cpp-python built "
@@ -159,6 +163,7 @@ class LlamaCppBatcher:
 
     def close(self) -> None:
         self.call(self._close)
+        self.call.shutdown()
 
     def _close(self) -> None:
         lc = self.lc
