@@ -159,7 +159,27 @@ inline float exp_shifted(float* x, int64_t n, float shift) {
   total = _mm512_reduce_add_ps(sum);
   return total;
 }
+
+// The largest of x[0..n), n >= 1. std::max_element compiles to one scalar max a score, each
+// waiting on the last (4 cycles): 21% of batch-1 decode attention's samples.
+inline float peak_of(const float* x, int64_t n) {
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 top2 = top;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    top = _mm512_max_ps(top, _mm512_loadu_ps(x + i));
+    top2 = _mm512_max_ps(top2, _mm512_loadu_ps(x + i + 16));
+  }
+  for (; i + 16 <= n; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(x + i));
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+    top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, x + i));
+  }
+  return _mm512_reduce_max_ps(_mm512_max_ps(top, top2));
+}
 #else
+inline float peak_of(const float* x, int64_t n) { return *std::max_element(x, x + n); }
+
 inline float exp_shifted(float* x, int64_t n, float shift) {
   float total = 0.f;
   for (int64_t i = 0; i < n; ++i) {
@@ -438,7 +458,7 @@ inline bool attend_kv_head(const cache_t* keys, const cache_t* values, const int
       }
       if (cap > 0.f)
         for (int64_t j = 0; j < n; ++j) sg[j] = std::tanh(sg[j] / cap) * cap;
-      peak[g] = *std::max_element(sg, sg + n);
+      peak[g] = peak_of(sg, n);
       total[g] = exp_shifted(sg, n, peak[g]);
     }
     switch (dim) {
@@ -471,7 +491,7 @@ inline bool attend_head(const cache_t* keys, const cache_t* values, const int64_
     }
     if (cap > 0.f)
       for (int64_t j = 0; j < n; ++j) scores[j] = std::tanh(scores[j] / cap) * cap;
-    *peak = *std::max_element(scores, scores + n);
+    *peak = peak_of(scores, n);
     *total = exp_shifted(scores, n, *peak);
     switch (dim) {
       case 64: head_values<64>(values, slots, n, row, scores, out); break;
@@ -869,7 +889,7 @@ void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const to
           }
           for (int64_t h = 0; h < heads; ++h) {
             float* sh = scores.data() + h * n;
-            peak[h] = *std::max_element(sh, sh + n);
+            peak[h] = peak_of(sh, n);
             total[h] = exp_shifted(sh, n, peak[h]);
           }
           std::fill(acc.begin(), acc.end(), 0.f);
