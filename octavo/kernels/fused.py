@@ -129,18 +129,24 @@ def prompt_runs_ready(kv_cache: torch.Tensor) -> bool:
             and kv_cache.dtype == torch.bfloat16 and kv_cache.shape[-1] in (64, 128, 256))
 
 
-def int4_gemm_ready() -> bool:
-    """Whether octavo's int4 kernel can run: C++ loaded, on a CPU with AVX-512-BF16."""
-    return _native is not None and _native.has_int4_gemm
+def int4_gemm_ready(dtype: torch.dtype) -> bool:
+    """Whether octavo's int4 kernel can run with activations of `dtype`: C++ loaded, on a CPU
+    with AVX-512-BF16 for bf16, with AVX2 and FMA for float32."""
+    if _native is None:
+        return False
+    if dtype == torch.bfloat16:
+        return _native.has_int4_gemm
+    return dtype == torch.float32 and _native.has_int4_gemm_f32
 
 
 def int4_gemm_active(x: torch.Tensor) -> bool:
-    return int4_gemm_ready() and x.device.type == "cpu" and x.dtype == torch.bfloat16
+    return x.device.type == "cpu" and int4_gemm_ready(x.dtype)
 
 
 def int4_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bf16 times int4 weights in octavo's layout (Int4Packed.native_layout) ->
-    [M, N padded to 16] (C++ only; torch's int4 kernel is the reference)."""
+    """x [M, K] bf16 or float32 times int4 weights in octavo's layout
+    (Int4Packed.native_layout) -> [M, N padded to 16] in x's dtype (C++ only; torch's int4
+    kernel is the reference)."""
     return _native.int4_gemm(x.contiguous(), codes, scales)
 
 

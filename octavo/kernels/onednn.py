@@ -14,8 +14,13 @@ float32 weights stay plain: their packed GEMM is faster too but sums in another 
 """
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 # The row count oneDNN picks its weight layout for; every row count computes correctly with
 # it, and 1..2,048 rows measured within a few percent of each other's best layout.
@@ -24,8 +29,23 @@ LAYOUT_ROWS = 64
 
 def packable(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and weight.dim() == 2 and not weight.is_mkldnn and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and weight.dim() == 2 and not weight.is_mkldnn and bf16_packing_available())
+
+
+@functools.cache
+def bf16_packing_available() -> bool:
+    """Whether this torch and CPU pack bf16 weights: oneDNN's bf16 reorder needs AVX-512BW/VL/DQ
+    or AVX-NE-CONVERT, and raises elsewhere (an AMD EPYC with AVX2 only), where bf16 weights
+    stay plain for F.linear."""
+    if not (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        pack(torch.zeros(16, 32, dtype=torch.bfloat16))
+    except RuntimeError as exc:
+        logger.info("bf16 weights stay unpacked: %s", str(exc).splitlines()[0])
+        return False
+    return True
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

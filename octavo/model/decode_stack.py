@@ -73,7 +73,7 @@ def _weight_reason(lin: Linear, dtype: torch.dtype) -> str | None:
     """What the stack cannot compute of a linear layer: a dense weight (the activation dtype)
     with at most a low-bit copy for small batches beside it, or a packed weight alone (what
     --quantization int4/int8 and packed checkpoints leave): int4, or symmetric int8 with a
-    scale per channel or per group (bf16 activations only, as octavo's GEMV takes them)."""
+    scale per channel or per group."""
     dense = lin.weight is not None
     if dense and lin.quant_method is not UNQUANTIZED and lin.decode_weight is not None:
         return f"a {type(lin.quant_method).__name__} linear layer"
@@ -87,7 +87,7 @@ def _weight_reason(lin: Linear, dtype: torch.dtype) -> str | None:
     if isinstance(low, Int8Packed) and (low.q.shape[0] != 1 or low.zero_term is not None):
         return "a grouped or asymmetric int8 weight"
     if isinstance(low, (Int8Packed, Int8Grouped)):
-        return None if dtype == torch.bfloat16 else "int8 weights with float32 activations"
+        return None
     return f"a {type(low).__name__} weight"
 
 
@@ -102,8 +102,7 @@ def _row_limit(lin: Linear) -> int | None:
 
 def _linear(native: Any, lin: Linear) -> Any:
     low = lin.decode_weight if lin.weight is not None else lin.packed
-    if (isinstance(low, Int4Packed) and low.dtype == torch.bfloat16
-            and fused.int4_gemm_ready()):  # octavo's int4 kernel (bf16 activations)
+    if isinstance(low, Int4Packed) and fused.int4_gemm_ready(low.dtype):  # octavo's int4 kernel
         kind, a, b = 5, *low.native_layout()
     elif isinstance(low, Int4Packed):  # torch's kernel, groups of 32
         kind, a, b = 4, *low.torch_layout()

@@ -8,10 +8,11 @@ import torch.nn.functional as F
 
 from octavo.kernels import onednn
 
-pytestmark = pytest.mark.skipif(not onednn.packable(torch.zeros(2, 2, dtype=torch.bfloat16)),
-                                reason="this torch has no oneDNN linear packing")
+needs_packing = pytest.mark.skipif(not onednn.bf16_packing_available(),
+                                   reason="this torch or CPU packs no bf16 weights for oneDNN")
 
 
+@needs_packing
 @pytest.mark.parametrize("rows", [1, 3, 5, 17, 64, 300])
 def test_packed_linear_is_f_linear_bit_for_bit(rows):
     torch.manual_seed(rows)
@@ -27,6 +28,7 @@ def test_packed_linear_is_f_linear_bit_for_bit(rows):
     assert torch.equal(onednn.dense(packed), weight)
 
 
+@needs_packing
 def test_packing_rules_and_dtype_mismatch():
     assert not onednn.packable(torch.zeros(4, 4))  # float32 keeps F.linear's summation order
     assert not onednn.packable(torch.zeros(4, dtype=torch.bfloat16))
@@ -51,13 +53,15 @@ def test_a_cpu_model_loads_packed_in_bf16_only(tmp_path, smollm_oracle_folder, d
     assert worker.packing is None and not worker.do_idle_work()
     model = worker.runner.model
     weights = [m.weight for m in model.modules() if isinstance(m, (Linear, LMHead))]
-    assert weights and all(w.is_mkldnn == (dtype == "bfloat16") for w in weights)
+    packs = dtype == "bfloat16" and onednn.bf16_packing_available()
+    assert weights and all(w.is_mkldnn == packs for w in weights)
     assert not model.model.embed_tokens.weight.is_mkldnn  # the table the embedding indexes
     out = llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=4, temperature=0),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+@needs_packing
 def test_weights_packed_step_by_step_change_no_output(tmp_path, smollm_oracle_folder):
     """The engine serves with plain weights and packs a few before each step; once the last is
     packed the C++ decode stack is rebuilt. Outputs are the same bit for bit with plain, partly
@@ -95,3 +99,18 @@ def test_weights_packed_step_by_step_change_no_output(tmp_path, smollm_oracle_fo
     assert all(m.weight.is_mkldnn for m in linears) and model.lm_head.weight.is_mkldnn
     assert stack._stack is not None and stack._stack is not built_plain
     assert plain == partly == packed
+
+
+def test_a_cpu_whose_onednn_cannot_pack_bf16_keeps_plain_weights(monkeypatch):
+    """oneDNN's bf16 reorder raises on CPUs with AVX2 only: bf16 weights then stay plain."""
+    def refuse(weight):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support ...")
+
+    monkeypatch.setattr(onednn, "pack", refuse)
+    onednn.bf16_packing_available.cache_clear()
+    try:
+        assert not onednn.bf16_packing_available()
+        assert not onednn.packable(torch.zeros(4, 4, dtype=torch.bfloat16))
+    finally:
+        monkeypatch.undo()
+        onednn.bf16_packing_available.cache_clear()

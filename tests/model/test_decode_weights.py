@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from octavo import LLM, SamplingParams
-from octavo.model.quant.decode_weights import (INT4_ROWS, INT4_ROWS_AMX, MAX_ROWS,
-                                               make_decode_weight, max_rows, small_batch_linear)
+from octavo.model.quant.decode_weights import (INT4_ROWS, INT4_ROWS_AMX, INT4_ROWS_F32,
+                                               INT8_ROWS_F32, MAX_ROWS, make_decode_weight,
+                                               max_rows, small_batch_linear)
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, quantize_int8
 
 
@@ -66,8 +67,8 @@ def test_int4_kernel_matches_torch_kernel(native_kernels, rows, n, k, group):
     from octavo.kernels import fused
     from octavo.model.quant.packed import Int4Packed, minmax_int4
 
-    if not fused.int4_gemm_active(torch.zeros(1, dtype=torch.bfloat16)):
-        pytest.skip("octavo's int4 kernel needs AVX-512-BF16")
+    if not fused.int4_gemm_ready(torch.bfloat16):
+        pytest.skip("octavo's int4 kernel takes bf16 activations only with AVX-512-BF16")
     g = torch.Generator().manual_seed(rows * n)
     q, scale, low = minmax_int4(torch.randn(n, k, generator=g), group)
     weight = Int4Packed.from_affine(q, scale, low, group, torch.bfloat16)
@@ -82,8 +83,8 @@ def test_int4_kernel_matches_torch_kernel(native_kernels, rows, n, k, group):
     assert (ours.float() - ref).norm() <= (theirs.float() - ref).norm()  # bf16 scales cost
     assert (ours.float() - theirs.float()).norm() / ref.norm() < 1e-2
     assert torch.equal(weight.kernel_matmul(x), ours)  # the Python layer takes it
-    with pytest.raises(RuntimeError, match="bf16"):
-        fused.int4_gemm(x.float(), *weight.native_layout())
+    with pytest.raises(RuntimeError, match="bf16 or float32"):
+        fused.int4_gemm(x.half(), *weight.native_layout())
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 32])
@@ -118,14 +119,37 @@ def test_only_small_bf16_batches_take_the_low_bit_path(native_kernels, native, a
     decode = make_decode_weight(w, 4)
     limit = max_rows(decode)
     int4_limit = INT4_ROWS_AMX if amx else INT4_ROWS
-    assert limit == (int4_limit if native and fused.int4_gemm_ready() else MAX_ROWS)
+    assert limit == (int4_limit if native and fused.int4_gemm_ready(torch.bfloat16) else MAX_ROWS)
     small = torch.randn(limit, 128).bfloat16()
     large = torch.randn(limit + 1, 128).bfloat16()
     assert torch.equal(small_batch_linear(small, w, None, decode), decode.matmul(small))
     assert torch.equal(small_batch_linear(large, w, None, decode),
                        torch.nn.functional.linear(large, w))
-    assert make_decode_weight(w.float(), 4) is None  # fp32 runs stay dense
-    assert make_decode_weight(w, 16) is None  # so do wide sources
+    assert make_decode_weight(w, 16) is None  # wide sources stay dense
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_float32_runs_take_the_low_bit_path_up_to_their_own_limits(native_kernels, native):
+    """CPUs without native bf16 run in float32: a GGUF's int4 copies serve up to INT4_ROWS_F32
+    rows there and the int8 ones (the LM head) up to INT8_ROWS_F32 with octavo's kernels; with
+    torch's kernels MAX_ROWS."""
+    from octavo.kernels import fused
+
+    fused.enable_native(native)
+    w = _q4_weight(64, 128).float()
+    for bits, fast in ((4, INT4_ROWS_F32), (8, INT8_ROWS_F32)):
+        decode = make_decode_weight(w, bits)
+        assert decode is not None and decode.dtype == torch.float32
+        on = native and (bits == 8 or fused.int4_gemm_ready(torch.float32))
+        limit = max_rows(decode)
+        assert limit == (fast if on else MAX_ROWS)
+        small, large = torch.randn(limit, 128), torch.randn(limit + 1, 128)
+        out = small_batch_linear(small, w, None, decode)
+        assert torch.equal(out, decode.matmul(small))
+        ref = torch.nn.functional.linear(small, w)
+        assert (out - ref).norm() / ref.norm() < 1e-2  # w re-quantized (test_quant_kernels)
+        assert torch.equal(small_batch_linear(large, w, None, decode),
+                           torch.nn.functional.linear(large, w))
 
 
 @pytest.fixture(scope="module")

@@ -261,7 +261,8 @@ def test_fp8_on_a_gguf_is_refused(tiny_gguf):
     with pytest.raises(ValueError, match="must be int4 or int8"):
         GGUFPlan("int2", torch.bfloat16)
     assert gguf_plan(None, "none", torch.bfloat16) is None
-    assert gguf_plan(None, "auto", torch.float32) is None  # float32: dense only
+    assert gguf_plan(None, "auto", torch.float32).keep_dense  # copies for decode in float32 too
+    assert gguf_plan(None, "auto", torch.float16) is None
 
 
 @pytest.mark.parametrize("name", ["gpt2", "gptneox-sequential", "phi3-longrope-partial",

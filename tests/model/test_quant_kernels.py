@@ -61,6 +61,8 @@ def test_int4_float16_scales_give_the_float32_products_bit_for_bit(native_kernel
     float32, so products and dequantized weights are the same bit for bit. Others stay float32."""
     from octavo.kernels import fused
 
+    if not fused.int4_gemm_ready(torch.bfloat16):
+        pytest.skip("octavo's int4 kernel takes bf16 activations only with AVX-512-BF16")
     n, k = 100, 256
     g = torch.Generator().manual_seed(3)
     q = torch.randint(0, 16, (n, k), generator=g)
@@ -78,6 +80,34 @@ def test_int4_float16_scales_give_the_float32_products_bit_for_bit(native_kernel
     assert torch.equal(half.torch_layout()[1], full.torch_layout()[1])
     inexact = Int4Packed.from_affine(q, scale + 1e-5, low, 32, torch.bfloat16)
     assert inexact.native_scales.dtype == torch.float32
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 130])
+@pytest.mark.parametrize("exact_in_half", [True, False])
+def test_int4_kernel_with_float32_activations(native_kernels, rows, exact_in_half):
+    """The float32 form of octavo's int4 kernel (CPUs without AVX-512-BF16 run models in
+    float32) against the dequantized weight, both scale layouts, rows in chunks of 4 and a
+    tail; N = 100 pads to 112."""
+    from octavo.kernels import fused
+
+    if not fused.int4_gemm_ready(torch.float32):
+        pytest.skip("the float32 int4 kernel needs AVX2 and FMA")
+    n, k = 100, 320
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+    low = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+    if not exact_in_half:
+        scale = scale + 1e-5
+    packed = Int4Packed.from_affine(q, scale, low, 32, torch.float32)
+    assert (packed.native_scales.dtype == torch.float16) == exact_in_half
+    x = torch.randn(rows, k, generator=g) * 3
+    exact = (q.view(n, -1, 32) * scale[..., None] + low[..., None]).view(n, k)
+    ref = x.double() @ exact.double().t()
+    out = fused.int4_gemm(x, *packed.native_layout())
+    assert out.shape == (rows, 112) and out.dtype == torch.float32
+    assert ((out[:, :n].double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    assert torch.equal(packed.kernel_matmul(x), out[:, :n])  # the Python layer takes it
 
 
 @pytest.mark.parametrize("rows", [1, 4, 67])

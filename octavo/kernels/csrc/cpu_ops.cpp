@@ -5,7 +5,7 @@
 
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -176,6 +176,71 @@ inline float peak_of(const float* x, int64_t n) {
     top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, x + i));
   }
   return _mm512_reduce_max_ps(_mm512_max_ps(top, top2));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// The 8-lane versions of the routines above, for CPUs with AVX2 but not AVX-512 (AMD Zen 3 and
+// older, Intel client cores).
+
+inline float sum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 d = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
+
+inline float max8(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 d = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(d, _mm_movehdup_ps(d)));
+}
+
+// exp of 8 floats as exp16 computes it; 2^k goes into the exponent bits, so below x = -87.3
+// (where float's normal range ends) the result is 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693147180559945309f), x);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i two_k = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(two_k)));
+}
+
+inline float exp_shifted(float* x, int64_t n, float shift) {
+  const __m256 m = _mm256_set1_ps(shift);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
+    _mm256_storeu_ps(x + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = sum8(sum);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    total += x[i];
+  }
+  return total;
+}
+
+inline float peak_of(const float* x, int64_t n) {
+  __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 top2 = top;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    top = _mm256_max_ps(top, _mm256_loadu_ps(x + i));
+    top2 = _mm256_max_ps(top2, _mm256_loadu_ps(x + i + 8));
+  }
+  float best = max8(_mm256_max_ps(top, top2));
+  for (; i < n; ++i) best = std::max(best, x[i]);
+  return best;
 }
 #else
 inline float peak_of(const float* x, int64_t n) { return *std::max_element(x, x + n); }
@@ -500,6 +565,104 @@ inline bool attend_head(const cache_t* keys, const cache_t* values, const int64_
     }
     return true;
   }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Lane i of the result is the sum of v[i]'s 8 lanes (three rounds of pairwise adds).
+inline __m256 sum_lanes8(const __m256* v) {
+  const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+// attend_head below with 8 lanes: scores 8 keys at a time, summed by one tree; values weighed
+// 64 columns at a time (8 accumulators: AVX2 has 16 registers).
+template <int DIM, typename cache_t>
+inline void head_scores8(const cache_t* keys, const int64_t* slots, int64_t n, int64_t row,
+                         const float* qf, float scale, float* scores) {
+  __m256 part[8];
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int64_t m = std::min<int64_t>(8, n - j0);
+    for (int64_t t = 0; t < 8; ++t) {
+      if (t >= m) {
+        part[t] = _mm256_setzero_ps();
+        continue;
+      }
+      const cache_t* key = keys + slots[j0 + t] * row;
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qf), load8(key));
+      __m256 b = _mm256_mul_ps(_mm256_loadu_ps(qf + 8), load8(key + 8));
+      for (int c = 16; c < DIM; c += 16) {
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + c), load8(key + c), a);
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(qf + c + 8), load8(key + c + 8), b);
+      }
+      part[t] = _mm256_add_ps(a, b);
+    }
+    const __m256 s = _mm256_mul_ps(sum_lanes8(part), _mm256_set1_ps(scale));
+    if (m == 8) {
+      _mm256_storeu_ps(scores + j0, s);
+    } else {
+      float tmp[8];
+      _mm256_storeu_ps(tmp, s);
+      std::copy(tmp, tmp + m, scores + j0);
+    }
+  }
+}
+
+template <int DIM, typename cache_t>
+inline void head_values8(const cache_t* values, const int64_t* slots, int64_t n, int64_t row,
+                         const float* probs, float* out) {
+  for (int c0 = 0; c0 < DIM; c0 += 64) {
+    __m256 acc[8];
+    for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const cache_t* v = values + slots[j] * row + c0;
+      const __m256 p = _mm256_set1_ps(probs[j]);
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + c0 + 8 * c, acc[c]);
+  }
+}
+
+template <typename cache_t>
+inline bool attend_head(const cache_t* keys, const cache_t* values, const int64_t* slots,
+                        int64_t n, int64_t row, int64_t dim, const float* qf, float scale,
+                        float cap, float* scores, float* out, float* peak, float* total) {
+  if constexpr (!std::is_same_v<cache_t, float> && !std::is_same_v<cache_t, c10::BFloat16> &&
+                !std::is_same_v<cache_t, c10::Half>) {
+    return false;
+  } else {
+    switch (dim) {
+      case 64: head_scores8<64>(keys, slots, n, row, qf, scale, scores); break;
+      case 128: head_scores8<128>(keys, slots, n, row, qf, scale, scores); break;
+      case 256: head_scores8<256>(keys, slots, n, row, qf, scale, scores); break;
+      default: return false;
+    }
+    if (cap > 0.f)
+      for (int64_t j = 0; j < n; ++j) scores[j] = std::tanh(scores[j] / cap) * cap;
+    *peak = peak_of(scores, n);
+    *total = exp_shifted(scores, n, *peak);
+    switch (dim) {
+      case 64: head_values8<64>(values, slots, n, row, scores, out); break;
+      case 128: head_values8<128>(values, slots, n, row, scores, out); break;
+      default: head_values8<256>(values, slots, n, row, scores, out); break;
+    }
+    return true;
+  }
+}
+template <typename q_t, typename cache_t>
+inline bool attend_kv_head(const cache_t*, const cache_t*, const int64_t*, int64_t, int64_t,
+                           int64_t, const q_t*, int64_t, int64_t, float, float, float*, float*,
+                           float*, float*, KvPrefetch*, bool) {
+  return false;
 }
 #else
 template <typename cache_t>
@@ -1135,7 +1298,7 @@ void silu_and_mul_typed(torch::Tensor& out, const torch::Tensor& x) {
 constexpr int64_t kPrefetchBytes = 3072;
 
 inline void prefetch_lines(const void* p, int64_t bytes) {
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
 #endif
 }
@@ -1160,6 +1323,15 @@ inline void int8_row(const int8_t* w, const float* xf, int64_t k, float* dots) {
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + r * k + i), wv, acc[r]);
   }
   for (int r = 0; r < R; ++r) dots[r] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (; i + 8 <= k; i += 8) {
+    const __m256 wv = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i))));
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + r * k + i), wv, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) dots[r] = sum8(acc[r]);
 #else
   for (int r = 0; r < R; ++r) dots[r] = 0.f;
 #endif
@@ -1188,6 +1360,25 @@ inline void int8_row_grouped(const int8_t* w, const float* xf, int64_t k, int64_
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(part[r], s, acc[r]);
   }
   for (int r = 0; r < R; ++r) dots[r] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // Two accumulators a row (even and odd 8 inputs): one chain of FMAs per row waited on itself.
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi) {
+    const __m256 s = _mm256_set1_ps(scales[gi]);
+    for (int64_t i = g0; i < g0 + group; i += 16) {
+      // Each weight scaled first, as the dense weight w = d * q is, then multiplied.
+      const __m256 w0 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i)))));
+      const __m256 w1 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i + 8)))));
+      for (int r = 0; r < R; ++r) {
+        acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + r * k + i), w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + r * k + i + 8), w1, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) dots[r] = sum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 #else
   for (int r = 0; r < R; ++r) dots[r] = 0.f;
   for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi)
@@ -1299,6 +1490,73 @@ inline void int4_block(const uint8_t* q4, const S* sz, const c10::BFloat16* x,
       acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
     }
   }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The same layout times a few rows of float32 activations, for CPUs without AVX-512-BF16 (where
+// the model computes in float32). A 32-bit lane is one output row again: a row's two bytes of a
+// quad, widened to 32 bits, hold its codes for inputs 4c, 4c + 2, 4c + 1, 4c + 3 at bits 0, 4,
+// 8 and 12. Each code is masked in place, not shifted down, and converts to q * 16^i; the
+// activations come prescaled by 16^-i (a power of two: exact) and in that order (xs, see
+// int4_gemm), so one AND, one conversion and one FMA make a lane's product. Per group,
+//   sum x * w = scale * sum x * q + offset * sum x,
+// with offset = low (w = scale * q + low, a GGUF's form) or zero - 8 * scale (torch's form).
+// Output rows 16b..16b+15 of R activation rows go to out + r * out_stride.
+template <int R, typename S>
+inline void int4_block_f32(const uint8_t* q4, const S* sz, const float* xs, int64_t k,
+                           const float* xsum, float* out, int64_t out_stride) {
+  constexpr int P = R == 1 ? 2 : 1;  // one row alone: two chains per half, to hide latency
+  const int64_t groups = k / 32;
+  const __m256i mask[4] = {_mm256_set1_epi32(0xF), _mm256_set1_epi32(0xF0),
+                           _mm256_set1_epi32(0xF00), _mm256_set1_epi32(0xF000)};
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 part[R][2][P];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h)
+        for (int p = 0; p < P; ++p) part[r][h][p] = _mm256_setzero_ps();
+    const uint8_t* qg = q4 + g * 256;
+    prefetch_lines(qg + kPrefetchBytes, 256);
+    prefetch_lines(sz + g * 32 + kPrefetchBytes / 8, 32 * sizeof(S));
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      __m256i v[2];
+      for (int h = 0; h < 2; ++h)
+        v[h] = _mm256_cvtepu16_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + c * 32 + h * 16)));
+      for (int i = 0; i < 4; ++i) {
+        const int p = i % P;
+        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v[0], mask[i]));
+        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(v[1], mask[i]));
+        for (int r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(xs + r * k + g * 32 + c * 4 + i);
+          part[r][0][p] = _mm256_fmadd_ps(q0, xv, part[r][0][p]);
+          part[r][1][p] = _mm256_fmadd_ps(q1, xv, part[r][1][p]);
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256 scale, offset;
+      if constexpr (std::is_same_v<S, float>) {
+        scale = _mm256_loadu_ps(sz + g * 32 + 8 * h);
+        offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scale, _mm256_loadu_ps(sz + g * 32 + 16 + 8 * h));
+      } else {
+        scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sz + g * 32 + 8 * h)));
+        offset = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(sz + g * 32 + 16 + 8 * h)));
+      }
+      for (int r = 0; r < R; ++r) {
+        __m256 dot = part[r][h][0];
+        if constexpr (P == 2) dot = _mm256_add_ps(dot, part[r][h][1]);
+        acc[r][h] = _mm256_fmadd_ps(dot, scale, acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[r * groups + g]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * out_stride + 8 * h, acc[r][h]);
 }
 #endif
 
@@ -1416,12 +1674,68 @@ bool built_with_avx512_bf16() {
 #endif
 }
 
-// x [M, K] bf16 times int4 weights in octavo's layout (see int4_block) -> [M, N] bf16, with N
-// the padded row count (a multiple of 16).
+bool built_with_avx2() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] float32 times int4 weights in octavo's layout -> [M, N] float32 (int4_block_f32).
+torch::Tensor int4_gemm_f32(const torch::Tensor& x, const torch::Tensor& q4, const torch::Tensor& sz,
+                            bool half_scales) {
+  TORCH_CHECK(built_with_avx2(), "int4_gemm with float32 activations needs AVX2 and FMA");
+  const int64_t rows = x.size(0), k = x.size(1), blocks = q4.size(0), n = blocks * 16;
+  auto out = torch::empty({rows, n}, x.options());
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t groups = k / 32;
+  const float* xp = x.data_ptr<float>();
+  // Each row's inputs in the kernel's order (4c, 4c + 2, 4c + 1, 4c + 3), scaled by 16^-i, and
+  // its sum over each group of 32.
+  std::vector<float> xs(rows * k), xsum(rows * groups);
+  constexpr int kOrder[4] = {0, 2, 1, 3};
+  constexpr float kScale[4] = {1.f, 1.f / 16, 1.f / 256, 1.f / 4096};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < k; c += 4)
+      for (int i = 0; i < 4; ++i) xs[r * k + c + i] = xp[r * k + c + kOrder[i]] * kScale[i];
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < 32; ++i) s += xp[r * k + g * 32 + i];
+      xsum[r * groups + g] = s;
+    }
+  }
+  const uint8_t* qp = q4.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  auto run = [&](const auto* sp) {
+    // A row block (k / 2 bytes) stays in L1 for every chunk of 4 rows of x.
+    at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b)
+        for (int64_t c = 0; c < rows; c += 4) {
+          const int64_t m = std::min<int64_t>(4, rows - c);
+          for_rows(m, [&](auto r) {
+            if constexpr (decltype(r)::value <= 4)
+              int4_block_f32<decltype(r)::value>(qp + b * k * 8, sp + b * groups * 32,
+                                                 xs.data() + c * k, k, xsum.data() + c * groups,
+                                                 op + c * n + b * 16, n);
+          });
+        }
+    });
+  };
+  if (half_scales)
+    run(sz.data_ptr<at::Half>());
+  else
+    run(sz.data_ptr<float>());
+#endif
+  return out;
+}
+
+// x [M, K] bf16 or float32 times int4 weights in octavo's layout (see int4_block) -> [M, N] in
+// x's dtype, with N the padded row count (a multiple of 16).
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor q4, torch::Tensor sz) {
-  TORCH_CHECK(built_with_avx512_bf16(), "int4_gemm needs AVX-512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "int4_gemm: x must be a contiguous [M, K] bf16 tensor");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+              (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "int4_gemm: x must be a contiguous [M, K] bf16 or float32 tensor");
   TORCH_CHECK(q4.dim() == 3 && q4.size(2) == 32 && q4.scalar_type() == at::kByte &&
               q4.is_contiguous(), "int4_gemm: codes must be [N / 16, K / 4, 32] uint8");
   const int64_t rows = x.size(0), k = x.size(1), blocks = q4.size(0), n = blocks * 16;
@@ -1430,6 +1744,8 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor q4, torch::Tensor sz) {
   TORCH_CHECK((half_scales || sz.scalar_type() == at::kFloat) && sz.is_contiguous() &&
               sz.numel() == blocks * (k / 32) * 32,
               "int4_gemm: scales must be [N/16, K/32, 2, 16] float32 or float16");
+  if (x.scalar_type() == at::kFloat) return int4_gemm_f32(x, q4, sz, half_scales);
+  TORCH_CHECK(built_with_avx512_bf16(), "int4_gemm with bf16 activations needs AVX-512-BF16");
   auto out = torch::empty({rows, n}, x.options());
 #if defined(__AVX512BF16__)
   const int64_t groups = k / 32;
@@ -1601,6 +1917,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv);
   m.def("int4_gemm", &int4_gemm);
   m.attr("has_int4_gemm") = built_with_avx512_bf16();  // a constant of the build: no call per use
+  m.attr("has_int4_gemm_f32") = built_with_avx2();
   m.attr("has_prompt_runs") = built_with_avx512_bf16();
   m.def("write_kv", &write_kv);
   m.def("decode_attention", &decode_attention);

@@ -15,7 +15,7 @@ import functools
 import torch
 
 from octavo.kernels import fused, onednn
-from octavo.model.quant.packed import (Int4Packed, PackedWeight, quantize_int4,
+from octavo.model.quant.packed import (Int4Packed, Int8Grouped, PackedWeight, quantize_int4,
                                         quantize_int8_grouped)
 
 # The most rows a low-bit copy takes before the (oneDNN-packed) bf16 GEMM wins. octavo's int4
@@ -31,6 +31,13 @@ INT4_ROWS = 64
 # 2 threads), the same layers: int4 11.3 vs bf16 15.0 ms at 8 rows, 16.1 vs 14.9 at 12, 39.5 vs
 # 17.4 at 32, 78.3 vs 20.7 at 64. (The int8 LM head's crossover stays at 4 rows: 2.06 vs 2.08 ms.)
 INT4_ROWS_AMX = 10
+# With float32 activations (CPUs without AVX-512-BF16; cpu_ops.cpp, int4_block_f32) the kernel
+# stays ahead of the float32 GEMM far longer: on an AMD EPYC with AVX2 only (2 threads), the
+# same layers took 3.1 ms at 1 row against 31.2, 46.5 vs 78.5 at 32, 93.5 vs 120.1 at 64, 187.1
+# vs 206.1 at 128 and 393.3 vs 373.4 at 256. The int8 LM head there: 1.8 vs 9.4 ms at 1 row,
+# 22.8 vs 37.7 at 32, 45.1 vs 43.2 at 64.
+INT4_ROWS_F32 = 128
+INT8_ROWS_F32 = 32
 MAX_ROWS = 4
 GROUP = 32
 
@@ -41,13 +48,16 @@ def _bf16_gemm_on_amx() -> bool:
     return bool(probe and probe())
 
 
-def int4_rows() -> int:
-    """The most rows octavo's int4 kernel takes before the bf16 GEMM wins, on this CPU."""
+def int4_rows(dtype: torch.dtype) -> int:
+    """The most rows octavo's int4 kernel takes, with activations of `dtype`, before the dense
+    GEMM wins on this CPU."""
+    if dtype == torch.float32:
+        return INT4_ROWS_F32
     return INT4_ROWS_AMX if _bf16_gemm_on_amx() else INT4_ROWS
 
 
 def supported(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
             and weight.dim() == 2 and weight.shape[1] % GROUP == 0)
 
 
@@ -65,14 +75,16 @@ def make_decode_weight(weight: torch.Tensor, bits: int) -> PackedWeight | None:
 
 def max_rows(decode: PackedWeight) -> int:
     """The most rows `decode` (a dense layer's low-bit copy) computes (see int4_rows)."""
-    if isinstance(decode, Int4Packed) and fused.int4_gemm_ready():
-        return int4_rows()
+    if isinstance(decode, Int4Packed) and fused.int4_gemm_ready(decode.dtype):
+        return int4_rows(decode.dtype)
+    if isinstance(decode, Int8Grouped) and decode.dtype == torch.float32 and fused.native_ready():
+        return INT8_ROWS_F32
     return MAX_ROWS
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        decode: PackedWeight | None) -> torch.Tensor:
-    if (decode is not None and x.dim() == 2 and x.dtype == torch.bfloat16
+    if (decode is not None and x.dim() == 2 and x.dtype == decode.dtype
             and x.shape[0] <= max_rows(decode)):
         y = decode.matmul(x)
         return y if bias is None else y + bias

@@ -259,7 +259,7 @@ def gguf_plan(requested: str | None, decode_weights: str, dtype: torch.dtype) ->
                              "weights are integer codes): use int4 or int8, or omit it for the "
                              "dense weights with low-bit copies for decode")
         return GGUFPlan(requested, dtype)
-    if decode_weights == "auto" and dtype == torch.bfloat16:
+    if decode_weights == "auto" and dtype in (torch.bfloat16, torch.float32):
         return GGUFPlan("auto", dtype)
     return None
 

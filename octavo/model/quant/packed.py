@@ -262,7 +262,7 @@ class Int8Grouped(PackedWeight):
         return cls(t["q"], t["scale"], t["dtype"].dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if not (fused.native_active(x) and x.dtype == torch.bfloat16):
+        if not (fused.native_active(x) and x.dtype in (torch.bfloat16, torch.float32)):
             return self.tiled_matmul(x)
         return super().matmul(x)
 
