@@ -194,10 +194,10 @@ inline float max8(__m256 v) {
 }
 
 // exp of 8 floats as exp16 computes it; 2^k goes into the exponent bits, so below x = -87.3
-// (where float's normal range ends) the result is 0.
+// (where float's normal range ends) the result is 0, and above 88 it stays exp(88).
 inline __m256 exp8(__m256 x) {
   const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.f));
   const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693147180559945309f), x);
@@ -1274,6 +1274,17 @@ void silu_and_mul_typed(torch::Tensor& out, const torch::Tensor& x) {
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)
         for (; i + 16 <= width; i += 16) silu_mul16(gate + i, up + i, o + i);
+#elif defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, float>)  // std::exp a lane cost 0.9 ms a SmolLM2 step
+        for (; i + 8 <= width; i += 8) {
+          // As silu_mul16: below g = -80 silu is below 1e-33, 0 here.
+          const __m256 g = _mm256_loadu_ps(gate + i);
+          const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), g);
+          const __m256 live = _mm256_cmp_ps(neg, _mm256_set1_ps(80.f), _CMP_LE_OQ);
+          const __m256 act = _mm256_and_ps(
+              live, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(neg))));
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(act, _mm256_loadu_ps(up + i)));
+        }
 #endif
       for (; i < width; ++i) {
         const float g = to_f(gate[i]);
