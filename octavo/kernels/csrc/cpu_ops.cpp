@@ -537,35 +537,9 @@ inline bool attend_kv_head(const cache_t* keys, const cache_t* values, const int
   return false;
 }
 
-// One query head over the keys at `slots[0..n)`, n >= 1: scores, their exps against the peak
-// score, and the values those weigh, left unnormalized (out, *peak, *total) so that key ranges
-// of one context computed apart can be merged. Returns false when the head size has no
-// specialization here (the caller then takes the generic loops).
+// The cache dtypes whose rows head_scores / head_values read (load16 or load8).
 template <typename cache_t>
-inline bool attend_head(const cache_t* keys, const cache_t* values, const int64_t* slots,
-                        int64_t n, int64_t row, int64_t dim, const float* qf, float scale,
-                        float cap, float* scores, float* out, float* peak, float* total) {
-  if constexpr (std::is_same_v<cache_t, double>) {
-    return false;
-  } else {
-    switch (dim) {
-      case 64: head_scores<64>(keys, slots, n, row, qf, scale, scores); break;
-      case 128: head_scores<128>(keys, slots, n, row, qf, scale, scores); break;
-      case 256: head_scores<256>(keys, slots, n, row, qf, scale, scores); break;
-      default: return false;
-    }
-    if (cap > 0.f)
-      for (int64_t j = 0; j < n; ++j) scores[j] = std::tanh(scores[j] / cap) * cap;
-    *peak = peak_of(scores, n);
-    *total = exp_shifted(scores, n, *peak);
-    switch (dim) {
-      case 64: head_values<64>(values, slots, n, row, scores, out); break;
-      case 128: head_values<128>(values, slots, n, row, scores, out); break;
-      default: head_values<256>(values, slots, n, row, scores, out); break;
-    }
-    return true;
-  }
-}
+constexpr bool kHeadRows = !std::is_same_v<cache_t, double>;
 #elif defined(__AVX2__) && defined(__FMA__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
@@ -584,10 +558,10 @@ inline __m256 sum_lanes8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
-// attend_head below with 8 lanes: scores 8 keys at a time, summed by one tree; values weighed
-// 64 columns at a time (8 accumulators: AVX2 has 16 registers).
+// head_scores and head_values with 8 lanes: scores 8 keys at a time, summed by one tree; values
+// weighed 64 columns at a time (8 accumulators: AVX2 has 16 registers).
 template <int DIM, typename cache_t>
-inline void head_scores8(const cache_t* keys, const int64_t* slots, int64_t n, int64_t row,
+inline void head_scores(const cache_t* keys, const int64_t* slots, int64_t n, int64_t row,
                          const float* qf, float scale, float* scores) {
   __m256 part[8];
   for (int64_t j0 = 0; j0 < n; j0 += 8) {
@@ -618,7 +592,7 @@ inline void head_scores8(const cache_t* keys, const int64_t* slots, int64_t n, i
 }
 
 template <int DIM, typename cache_t>
-inline void head_values8(const cache_t* values, const int64_t* slots, int64_t n, int64_t row,
+inline void head_values(const cache_t* values, const int64_t* slots, int64_t n, int64_t row,
                          const float* probs, float* out) {
   for (int c0 = 0; c0 < DIM; c0 += 64) {
     __m256 acc[8];
@@ -633,31 +607,8 @@ inline void head_values8(const cache_t* values, const int64_t* slots, int64_t n,
 }
 
 template <typename cache_t>
-inline bool attend_head(const cache_t* keys, const cache_t* values, const int64_t* slots,
-                        int64_t n, int64_t row, int64_t dim, const float* qf, float scale,
-                        float cap, float* scores, float* out, float* peak, float* total) {
-  if constexpr (!std::is_same_v<cache_t, float> && !std::is_same_v<cache_t, c10::BFloat16> &&
-                !std::is_same_v<cache_t, c10::Half>) {
-    return false;
-  } else {
-    switch (dim) {
-      case 64: head_scores8<64>(keys, slots, n, row, qf, scale, scores); break;
-      case 128: head_scores8<128>(keys, slots, n, row, qf, scale, scores); break;
-      case 256: head_scores8<256>(keys, slots, n, row, qf, scale, scores); break;
-      default: return false;
-    }
-    if (cap > 0.f)
-      for (int64_t j = 0; j < n; ++j) scores[j] = std::tanh(scores[j] / cap) * cap;
-    *peak = peak_of(scores, n);
-    *total = exp_shifted(scores, n, *peak);
-    switch (dim) {
-      case 64: head_values8<64>(values, slots, n, row, scores, out); break;
-      case 128: head_values8<128>(values, slots, n, row, scores, out); break;
-      default: head_values8<256>(values, slots, n, row, scores, out); break;
-    }
-    return true;
-  }
-}
+constexpr bool kHeadRows = std::is_same_v<cache_t, float> ||
+                           std::is_same_v<cache_t, c10::BFloat16> || std::is_same_v<cache_t, c10::Half>;
 template <typename q_t, typename cache_t>
 inline bool attend_kv_head(const cache_t*, const cache_t*, const int64_t*, int64_t, int64_t,
                            int64_t, const q_t*, int64_t, int64_t, float, float, float*, float*,
@@ -675,6 +626,38 @@ inline bool attend_kv_head(const cache_t*, const cache_t*, const int64_t*, int64
                            int64_t, const q_t*, int64_t, int64_t, float, float, float*, float*,
                            float*, float*, KvPrefetch*, bool) {
   return false;
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// One query head over the keys at `slots[0..n)`, n >= 1: scores, their exps against the peak
+// score, and the values those weigh, left unnormalized (out, *peak, *total) so that key ranges
+// of one context computed apart can be merged. Returns false when the head size has no
+// specialization here (the caller then takes the generic loops).
+template <typename cache_t>
+inline bool attend_head(const cache_t* keys, const cache_t* values, const int64_t* slots,
+                        int64_t n, int64_t row, int64_t dim, const float* qf, float scale,
+                        float cap, float* scores, float* out, float* peak, float* total) {
+  if constexpr (!kHeadRows<cache_t>) {
+    return false;
+  } else {
+    switch (dim) {
+      case 64: head_scores<64>(keys, slots, n, row, qf, scale, scores); break;
+      case 128: head_scores<128>(keys, slots, n, row, qf, scale, scores); break;
+      case 256: head_scores<256>(keys, slots, n, row, qf, scale, scores); break;
+      default: return false;
+    }
+    if (cap > 0.f)
+      for (int64_t j = 0; j < n; ++j) scores[j] = std::tanh(scores[j] / cap) * cap;
+    *peak = peak_of(scores, n);
+    *total = exp_shifted(scores, n, *peak);
+    switch (dim) {
+      case 64: head_values<64>(values, slots, n, row, scores, out); break;
+      case 128: head_values<128>(values, slots, n, row, scores, out); break;
+      default: head_values<256>(values, slots, n, row, scores, out); break;
+    }
+    return true;
+  }
 }
 #endif
 
