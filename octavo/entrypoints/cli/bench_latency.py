@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         if not llm.engine.source.is_gguf:
             raise ValueError("--backends llama.cpp needs a GGUF model")
         threads = llm.engine.config.device.num_threads or __import__("os").cpu_count()
-        call = LlamaCaller(own_thread=not args.llama_cpp_no_repack)
+        call = LlamaCaller.for_llama(args.llama_cpp_no_repack)
         with llama_model_params(args.llama_cpp_no_repack):
             cpp = call(Llama, str(llm.engine.source.path),
                        n_ctx=args.input_len + args.output_len + 8, n_threads=threads,
