@@ -23,13 +23,18 @@ from octavo.worker.spec.draft import DraftModel
 logger = logging.getLogger(__name__)
 
 
-def cpu_has_native_bf16() -> bool:
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags as the kernel lists them (empty where it cannot be read)."""
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
+        with open(cpuinfo) as f:
+            line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_has_native_bf16() -> bool:
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -106,11 +106,9 @@ class LlamaCaller:
 
 
 def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    try:
-        with open(cpuinfo) as f:
-            return any(line.startswith("flags") and "amx_tile" in line.split() for line in f)
-    except OSError:
-        return False
+    from octavo.worker.worker import cpu_flags
+
+    return "amx_tile" in cpu_flags(cpuinfo)
 
 
 NO_REPACK_HELP = ("llama.cpp without its extra buffer types (its --no-repack: "

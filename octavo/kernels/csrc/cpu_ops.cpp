@@ -348,10 +348,12 @@ struct KvPrefetch {
 };
 constexpr int64_t kPrefetchKeys = 24;
 // A thread's first item asks for all of its K and V rows at once where they fit this easily in
-// L2 (a batch-1 decode's half context: 384 B a token a layer for SmolLM2, K and V). Fetched
-// kPrefetchKeys ahead of the first pass, with the rows cold (a decode step's 96 MB of weights
-// had streamed through the cache since), 30 layers took 33-37 us a layer at 192 tokens of
-// context and 53-63 us at 448; all at once, 22-28 and 40-48 us (AMD EPYC, 2 threads).
+// L2 (a batch-1 decode's half context: 384 B a token a layer for SmolLM2, K and V). The first
+// pass still fetches kPrefetchKeys ahead: that much does not fit L1, and those prefetches bring
+// the rows back from L2 just before use (without them the burst measured slower). Fetched only
+// kPrefetchKeys ahead, with the rows cold (a decode step's 96 MB of weights had streamed through
+// the cache since), 30 layers took 30-37 us a layer at 192 tokens of context and 50-63 us at
+// 448; all at once, 21-28 and 39-48 us (AMD EPYC, 2 threads).
 constexpr int64_t kBurstBytes = 256 * 1024;
 
 #if defined(__AVX512F__)
