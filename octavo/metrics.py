@@ -25,9 +25,21 @@ class EngineMetrics:
         self.request_success = Counter("octavo:request_success", "Finished requests",
                                        ["finished_reason"], registry=r)
         self.rejections = Counter("octavo:requests_rejected",
-                                  "Requests refused by admission control (HTTP 429)", registry=r)
+                                  "Requests refused at admission (429; 400 for one that could never fit)", registry=r)
         self.aborts = Counter("octavo:requests_aborted",
                               "Requests aborted before they finished (client gone)", registry=r)
+        # received = finished + aborted + rejected, once nothing is in flight
+        self.received = Counter("octavo:requests_received",
+                                "Requests handed to the engine for admission", registry=r)
+        self.finished_requests = Counter("octavo:requests_finished",
+                                         "Requests that finished (all their samples)",
+                                         registry=r)
+        self.in_flight = Gauge("octavo:frontend_requests_in_flight",
+                               "Requests admitted and not yet finished or aborted", registry=r)
+        self.queued_sequences = Gauge("octavo:frontend_queued_sequences",
+                                      "Sequences admitted that have no token yet", registry=r)
+        self.queued_tokens = Gauge("octavo:frontend_queued_prompt_tokens",
+                                   "Prompt tokens of those sequences", registry=r)
         self.preemptions = Counter("octavo:num_preemptions", "Preempted requests", registry=r)
         self.prefix_queries = Counter("octavo:prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache", registry=r)
@@ -94,11 +106,18 @@ class EngineMetrics:
 
     def finished(self, reasons: list[str | None], output_tokens: int, e2e: float,
                  decode_time: float | None) -> None:
+        self.finished_requests.inc()
         for reason in reasons:
             self.request_success.labels(finished_reason=reason or "abort").inc()
         self.e2e.observe(e2e)
         if decode_time is not None and output_tokens > len(reasons):
             self.tpot.observe(decode_time / (output_tokens - len(reasons)))
+
+    def watch_frontend(self, in_flight, queued_sequences, queued_tokens) -> None:
+        """Gauges read from the front end's own counters (callables) at each scrape."""
+        self.in_flight.set_function(in_flight)
+        self.queued_sequences.set_function(queued_sequences)
+        self.queued_tokens.set_function(queued_tokens)
 
     def rejected(self) -> None:
         self.rejections.inc()

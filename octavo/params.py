@@ -3,6 +3,7 @@ BeamSearchParams in, RequestOutput / CompletionOutput / Logprob out."""
 from __future__ import annotations
 
 import json as _json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -189,7 +190,7 @@ class SamplingParams:
             self.top_k = 0
         _check_float("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, -(2**63))
+            _check_int("seed", self.seed, -(2**63))  # int64, as vLLM and numpy take it
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, None)
@@ -282,16 +283,29 @@ class BeamSearchParams:
                              f"got {self.early_stopping!r}")
 
 
-def _check_int(name: str, value: object, low: int) -> None:
+INT64_MAX = 2**63 - 1  # every integer crosses to the core as msgpack's int64
+
+
+def _check_int(name: str, value: object, low: int, high: int = INT64_MAX) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ValueError(f"{name} must be an integer, got {value!r:.80}")
     if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
+        raise ValueError(f"{name} must be >= {low}, got {value!r:.80}")
+    if value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value!r:.80}")
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past float's range
+        return False
 
 
 def _check_float(name: str, value: object, low: float | None, high: float | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not _finite(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r:.80}")
     if low is not None and value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
     if high is not None and value > high:

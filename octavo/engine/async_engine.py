@@ -2,8 +2,10 @@
 
 The engine core runs in its own process. Requests go to it over ZeroMQ; one message per engine
 step comes back with every request's new tokens, which a single reader task detokenizes and
-hands to the per-request streams. Admission control bounds the queue of requests that have not
-produced a token yet, in requests and in prompt tokens.
+hands to the per-request streams. Admission control bounds the queue of sequences (a request's
+n > 1 samples count one each) that have not produced a token yet, in sequences and in prompt
+tokens. A stream whose client reads slowly holds one merged output, never a growing backlog.
+A core that has work but has not answered for `engine_timeout_s` makes the engine unhealthy.
 """
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ from octavo.engine.core_launch import CoreLaunch, launch_core
 from octavo.engine.llm_engine import ModelSetup
 from octavo.engine.messages import (
     AbortRequests, AddRequest, CoreOutputs, Shutdown, UtilityCall, encoder, output_decoder)
+from octavo.engine.offload import Offload
 from octavo.engine.outputs import OutputProcessor, ParentState
-from octavo.engine.processor import MAX_LOGPROBS, PreparedRequest
+from octavo.engine.processor import PreparedRequest, RequestLimits
 from octavo.metrics import EngineMetrics
-from octavo.params import RequestOutput, SamplingParams
+from octavo.params import CompletionOutput, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -45,27 +48,77 @@ class QueueFullError(RuntimeError):
         self.retry_after = retry_after
 
 
+@dataclass(frozen=True)
+class ServingLimits:
+    """The server's bounds on its front end (`octavo serve` flags of the same names)."""
+
+    max_queued_requests: int | None = None  # sequences without a token yet; default 4 x seqs
+    max_queued_tokens: int | None = None  # their prompt tokens; default 16 x step budget
+    request: RequestLimits = field(default_factory=RequestLimits)
+    preprocess_timeout_s: float = 30.0  # tokenizing, rendering, grammar checks of one request
+    engine_timeout_s: float = 60.0  # a core with work silent this long is hung: /health 503
+
+
 @dataclass
 class _Stream:
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    """One request's outputs on their way to its handler. Deltas that arrive while the handler
+    has not taken the last one are merged into it, so a lagging client costs one output."""
+
+    sequences: int = 1  # core requests (n > 1 fans out): each counts for admission
     prompt_tokens: int = 0
     queued: bool = True  # no output yet: counts against the admission bounds
     arrival: float = field(default_factory=time.time)
     first_token: float | None = None
+    pending: RequestOutput | Exception | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        if isinstance(self.pending, RequestOutput) and isinstance(item, RequestOutput):
+            item = _merge(self.pending, item)
+        elif isinstance(self.pending, Exception):
+            return  # the error stands
+        self.pending = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | Exception:
+        await self.ready.wait()
+        item, self.pending = self.pending, None
+        self.ready.clear()
+        return item
+
+
+def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive delta outputs of one request as one."""
+    outs = {c.index: c for c in first.outputs}
+    for c in then.outputs:
+        was = outs.get(c.index)
+        if was is None:
+            outs[c.index] = c
+            continue
+        logprobs = None if was.logprobs is None and c.logprobs is None else \
+            (was.logprobs or []) + (c.logprobs or [])
+        outs[c.index] = CompletionOutput(c.index, was.text + c.text,
+                                         was.token_ids + c.token_ids, c.cumulative_logprob,
+                                         logprobs, c.finish_reason, c.stop_reason)
+    prompt_lp = first.prompt_logprobs if then.prompt_logprobs is None else \
+        (first.prompt_logprobs or []) + then.prompt_logprobs
+    return RequestOutput(then.request_id, then.prompt, then.prompt_token_ids, prompt_lp,
+                         [outs[i] for i in sorted(outs)], then.finished, then.num_cached_tokens)
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, max_queued_requests: int | None = None,
-                 max_queued_tokens: int | None = None, core: CoreLaunch | None = None) -> None:
+    def __init__(self, config: EngineConfig, limits: ServingLimits | None = None,
+                 core: CoreLaunch | None = None) -> None:
         """`core`: a core process already launched for `config` (`octavo serve` starts it
         before importing this module); by default one starts here. It imports torch while this
         process reads the model's config and tokenizer, then gets what it needs from them
         through its setup pipe."""
         self.config = config
+        self.limits = limits = limits or ServingLimits()
         self.core = core or launch_core(config)
         self._bind_sockets()
         try:
-            self.setup = ModelSetup.load(config)
+            self.setup = ModelSetup.load(config, limits.request)
         except BaseException:
             self.core.abandon()
             self._close_sockets()
@@ -78,9 +131,10 @@ class AsyncEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
         sched = config.scheduler
-        self.max_queued_requests = max_queued_requests or 4 * sched.max_num_seqs
-        self.max_queued_tokens = max_queued_tokens or max(MIN_QUEUED_TOKENS,
-                                                          16 * sched.max_num_batched_tokens)
+        self.max_queued_requests = limits.max_queued_requests or 4 * sched.max_num_seqs
+        self.max_queued_tokens = limits.max_queued_tokens or max(
+            MIN_QUEUED_TOKENS, 16 * sched.max_num_batched_tokens)
+        self.offload = Offload(limits.preprocess_timeout_s)
         self.stats = SchedulerStats(0, 0, 0.0, 0)
         self.dead: str | None = None
         self._streams: dict[str, _Stream] = {}
@@ -88,6 +142,9 @@ class AsyncEngine:
         self._queued_tokens = 0
         self._calls = itertools.count()
         self._pending_calls: dict[int, asyncio.Future] = {}
+        self._last_heard = time.monotonic()  # the core's last message
+        self.metrics.watch_frontend(lambda: len(self._streams), lambda: self._queued_requests,
+                                    lambda: self._queued_tokens)
 
     # -- process and sockets ---------------------------------------------------------------------
 
@@ -140,7 +197,7 @@ class AsyncEngine:
         logger.error("%s", reason)
         self.dead = reason
         for stream in self._streams.values():
-            stream.queue.put_nowait(EngineDeadError(reason))
+            stream.put(EngineDeadError(reason))
         for fut in self._pending_calls.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
@@ -149,6 +206,7 @@ class AsyncEngine:
         try:
             while True:
                 msg: CoreOutputs = output_decoder.decode(await self._from_core.recv())
+                self._last_heard = time.monotonic()
                 self._on_outputs(msg)
         except asyncio.CancelledError:
             raise
@@ -189,7 +247,7 @@ class AsyncEngine:
             if out.finished:
                 self._finish_metrics(parent, stream, now)
                 del self._streams[parent.request_id]
-            stream.queue.put_nowait(out)
+            stream.put(out)
 
     def _finish_metrics(self, parent: ParentState, stream: _Stream, now: float) -> None:
         outs = parent.children.values()
@@ -199,17 +257,43 @@ class AsyncEngine:
 
     def _dequeue(self, stream: _Stream) -> None:
         stream.queued = False
-        self._queued_requests -= 1
+        self._queued_requests -= stream.sequences
         self._queued_tokens -= stream.prompt_tokens
+
+    @property
+    def queued(self) -> tuple[int, int]:
+        """(sequences, prompt tokens) admitted and waiting for their first token."""
+        return self._queued_requests, self._queued_tokens
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    def hung(self) -> str | None:
+        """Why the core counts as hung (it has work and has said nothing for
+        engine_timeout_s), else None."""
+        silent = time.monotonic() - self._last_heard
+        if self._streams and silent > self.limits.engine_timeout_s:
+            return (f"the engine core has not answered for {silent:.0f} s with "
+                    f"{len(self._streams)} requests in flight")
+        return None
 
     # -- requests --------------------------------------------------------------------------------
 
     def prepare(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                 priority: int = 0, cache_salt: str | None = None,
-                max_logprobs: int = MAX_LOGPROBS) -> PreparedRequest:
-        """Validate and tokenize (raises ValueError on bad input)."""
+                max_logprobs: int | None = None) -> PreparedRequest:
+        """Validate and tokenize here (raises ValueError on bad input): for prompts that are
+        token ids already; text goes through `prepare_async`."""
         return self.processor.build(request_id, prompt, params, priority, cache_salt,
                                     max_logprobs)
+
+    async def prepare_async(self, request_id: str, prompt: str | Sequence[int],
+                            params: SamplingParams, priority: int = 0,
+                            cache_salt: str | None = None) -> PreparedRequest:
+        """`prepare` off the event loop, within the preprocess budget."""
+        return await self.offload.run("tokenizing and checking the request", self.prepare,
+                                      request_id, prompt, params, priority, cache_salt)
 
     def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Admit the request (or raise QueueFullError / EngineDeadError now, before any
@@ -218,23 +302,52 @@ class AsyncEngine:
         aborts the request."""
         if self.dead:
             raise EngineDeadError(self.dead)
-        tokens = len(prepared.prompt_token_ids) * len(prepared.core_requests)
-        if self._queued_requests >= self.max_queued_requests:
+        self.metrics.received.inc()
+        try:
+            messages = self._admit(prepared)
+        except BaseException:
             self.metrics.rejected()
-            raise QueueFullError(f"server busy: {self._queued_requests} requests are queued "
+            raise
+        sequences = len(prepared.core_requests)
+        tokens = len(prepared.prompt_token_ids) * sequences
+        stream = _Stream(sequences=sequences, prompt_tokens=tokens)
+        self._streams[prepared.request_id] = stream
+        self._queued_requests += sequences
+        self._queued_tokens += tokens
+        try:
+            self.outputs.add_request(prepared)
+            for msg in messages:
+                self._to_core.send(msg)  # queued, not awaited
+        except BaseException:
+            self.abort(prepared.request_id)
+            raise
+        return self._iterate(prepared.request_id, stream)
+
+    def _admit(self, prepared: PreparedRequest) -> list[bytes]:
+        """The admission checks, then the request's messages to the core: encoded before
+        anything is registered, so a request that cannot cross to the core is refused here and
+        leaves no stream, counter or output state behind."""
+        if prepared.request_id in self._streams:
+            raise ValueError(f"request id {prepared.request_id!r} is already in use")
+        sequences = len(prepared.core_requests)
+        tokens = len(prepared.prompt_token_ids) * sequences
+        self.check_admissible(sequences)
+        if self._queued_requests + sequences > self.max_queued_requests:
+            raise QueueFullError(f"server busy: {self._queued_requests} sequences are queued "
                                  f"(max_queued_requests={self.max_queued_requests})")
         if self._queued_requests and self._queued_tokens + tokens > self.max_queued_tokens:
-            self.metrics.rejected()
             raise QueueFullError(f"server busy: {self._queued_tokens} prompt tokens are queued "
                                  f"(max_queued_tokens={self.max_queued_tokens})")
-        stream = _Stream(prompt_tokens=tokens)
-        self._streams[prepared.request_id] = stream
-        self._queued_requests += 1
-        self._queued_tokens += tokens
-        self.outputs.add_request(prepared)
-        for req in prepared.core_requests:
-            self._to_core.send(encoder.encode(AddRequest.of(req, req.arrival_time)))
-        return self._iterate(prepared.request_id, stream)
+        return [encoder.encode(AddRequest.of(req, req.arrival_time))
+                for req in prepared.core_requests]
+
+    def check_admissible(self, sequences: int) -> None:
+        """Refuse (ValueError: a 400, not a 429 to retry) a request of more sequences than the
+        queue may ever hold."""
+        if sequences > self.max_queued_requests:
+            raise ValueError(f"the request asks for {sequences} sequences (prompts x n); at "
+                             f"most {self.max_queued_requests} can be queued at once "
+                             f"(max_queued_requests)")
 
     def generate_all(self, prepared: list[PreparedRequest]) -> list[AsyncIterator[RequestOutput]]:
         """Admit every request or none."""
@@ -252,7 +365,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
@@ -267,13 +380,15 @@ class AsyncEngine:
         """Drop a request (client gone); its blocks are freed at the core's next step. Sync, so
         that it also runs inside a cancelled task."""
         stream = self._streams.pop(request_id, None)
-        if stream is not None and stream.queued:
+        if stream is None:
+            return  # finished, or aborted already
+        if stream.queued:
             self._dequeue(stream)
         children = self.outputs.child_ids(request_id)
         self.outputs.abort(request_id)
+        self.metrics.aborted()
         if children and not self.dead:
             self._to_core.send(encoder.encode(AbortRequests(children)))  # queued, not awaited
-            self.metrics.aborted()
 
     async def call_utility(self, method: str):
         call_id = next(self._calls)
@@ -286,6 +401,7 @@ class AsyncEngine:
             self._pending_calls.pop(call_id, None)
 
     async def shutdown(self) -> None:
+        self.offload.shutdown()
         for task in (self._reader, self._watchdog):
             if task:
                 task.cancel()

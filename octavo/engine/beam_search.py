@@ -106,8 +106,13 @@ def start(engine, request_id: str, prompt: str | Sequence[int],
     """Tokenize and check one prompt (`engine`: LLMEngine or AsyncEngine)."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-    text, ids = engine.processor.tokenize(prompt)
-    engine.processor.validate(ids, SamplingParams(max_tokens=params.max_tokens))
+    processor = engine.processor
+    processor.limits.check_width("beam width (n, or best_of)", params.beam_width)
+    if 2 * params.beam_width > processor.vocab_size:  # each step ranks 2 x width candidates
+        raise ValueError(f"beam_width must be <= half the vocabulary "
+                         f"({processor.vocab_size // 2}), got {params.beam_width}")
+    text, ids = processor.tokenize(prompt)
+    processor.validate(ids, SamplingParams(max_tokens=params.max_tokens))
     return BeamSearch(request_id, text, ids, params, engine.processor.eos_token_ids)
 
 

@@ -2,12 +2,16 @@
 
 It never waits on HTTP, tokenization or detokenization: the front end sends ready-made requests
 and gets one message per step with every request's new tokens (outputs are coalesced per step).
+It dies with its front end: the kernel sends it SIGKILL when the parent exits (Linux's
+PR_SET_PDEATHSIG), and the loop also checks its parent at least once a second.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
+import sys
 from multiprocessing.connection import Connection
 
 import zmq
@@ -34,12 +38,17 @@ class EngineCoreProcess:
         self.outputs = self.ctx.socket(zmq.PUSH)
         self.outputs.connect(output_addr)
         self.running = True
+        self.parent = os.getppid()
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inputs, zmq.POLLIN)
         idle_work = True  # until the executor says it has none left
         while self.running:
+            if os.getppid() != self.parent:  # the front end is gone (and PDEATHSIG missed it)
+                logger.error("the front end (pid %d) is gone; the engine core exits",
+                             self.parent)
+                return
             busy = self.core.has_unfinished_requests()
             if not busy and idle_work:
                 # Deferred set-up (packing weights) in slices of a few ms between polls: a
@@ -99,6 +108,7 @@ def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, ou
     config and tokenizer: it imports torch meanwhile, then takes (source, arch, max_model_len,
     eos_token_ids) from `setup` (closed unsent: the front end failed, and so the core quits)."""
     startup_gc.pause()  # until the core is ready (a forked core inherits its parent's pause)
+    _die_with_parent()
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     # The front end owns SIGINT/SIGTERM and shuts the core down through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -129,3 +139,19 @@ def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, ou
         proc.run()
     finally:
         proc.close()
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent exits, however the parent dies (SIGKILL and the
+    OOM killer included); a parent that died before this call is caught by the loop's check."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        logger.warning("PR_SET_PDEATHSIG unavailable: the engine core checks its parent in its "
+                       "loop instead")

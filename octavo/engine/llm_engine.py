@@ -13,7 +13,7 @@ from octavo.config import EngineConfig
 from octavo.engine.client import InprocClient
 from octavo.engine.grammar import XgrammarBackend
 from octavo.engine.outputs import OutputProcessor
-from octavo.engine.processor import MAX_LOGPROBS, Processor
+from octavo.engine.processor import Processor, RequestLimits
 from octavo.engine.tokenizer import load_tokenizer
 from octavo.model_source import ModelSource, resolve_model
 from octavo.params import RequestOutput, SamplingParams
@@ -33,7 +33,7 @@ class ModelSetup:
     processor: Processor
 
     @classmethod
-    def load(cls, config: EngineConfig) -> ModelSetup:
+    def load(cls, config: EngineConfig, limits: RequestLimits | None = None) -> ModelSetup:
         start = time.perf_counter()
         source = resolve_model(config.model.model, config.model.revision)
         arch = read_arch_config(source)
@@ -49,7 +49,7 @@ class ModelSetup:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         eos_ids = frozenset(eos)
-        processor = Processor(tokenizer, max_model_len, arch.vocab_size, eos_ids)
+        processor = Processor(tokenizer, max_model_len, arch.vocab_size, eos_ids, limits)
         return cls(source, arch, tokenizer, max_model_len, eos_ids, processor)
 
     def core_args(self) -> tuple:
@@ -99,7 +99,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None,
-                    max_logprobs: int = MAX_LOGPROBS) -> None:
+                    max_logprobs: int | None = None) -> None:
         """Validate, tokenize and queue one request (n > 1 fans out into n core requests)."""
         if request_id in self.outputs.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")

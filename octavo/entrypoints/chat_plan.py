@@ -1,18 +1,19 @@
-"""What both chat APIs share about tools: the rule for function names, and the request-time
+"""What both chat APIs share: rendering the conversation off the event loop (a request's own
+template only where the server trusts them), the rule for function names, and the request-time
 step that checks the tools' schemas (when a grammar will be built from them) and plans the
 output (octavo/serving/chat_output.py), with 400s naming the field."""
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Callable, Sequence
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import AfterValidator
 
 from octavo.entrypoints.http import APIError, ServerState
 from octavo.params import StructuredOutputsParams
 from octavo.serving.chat_output import ChatPlan, ToolRequest, check_tool_schemas, plan_chat_output
+from octavo.serving.chat_template import render_chat
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
@@ -24,6 +25,22 @@ def _check_function_name(name: str) -> str:
 
 
 FunctionName = Annotated[str, AfterValidator(_check_function_name)]
+
+
+async def render_prompt(state: ServerState, messages: list[dict[str, Any]],
+                        request_template: str | None, add_generation_prompt: bool,
+                        continue_final_message: bool = False,
+                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Prompt ids of a conversation, rendered in the front end's pool within its budget (a
+    400 past it). A template in the request is Jinja code from the client: refused unless the
+    server was started with --trust-request-chat-template."""
+    if request_template is not None and not state.trust_request_chat_template:
+        raise APIError(400, "a chat_template in the request needs a server started with "
+                       "--trust-request-chat-template", "chat_template")
+    return await state.engine.offload.run(
+        "rendering the chat template", render_chat, state.engine.tokenizer, messages,
+        request_template or state.chat_template, add_generation_prompt, continue_final_message,
+        template_kwargs, state.render_limits)
 
 
 async def plan_output(state: ServerState, tools: ToolRequest | None,
@@ -39,7 +56,8 @@ async def plan_output(state: ServerState, tools: ToolRequest | None,
             functions = tuple(functions[i] for i in at)
             schema_fields = [schema_fields[i] for i in at]
         try:
-            await asyncio.to_thread(check_tool_schemas, functions, schema_fields)
+            await state.engine.offload.run("checking the tools' schemas", check_tool_schemas,
+                                           functions, schema_fields)
         except ValueError as exc:
             raise APIError(400, str(exc), "tools") from None
     try:

@@ -1,4 +1,5 @@
-"""The HTTP app: state, authentication, body limits, CORS, errors, /health, /metrics, /version.
+"""The HTTP app: state, CORS, errors, /health, /metrics, /version, request timeouts; keys,
+hosts and body limits are checked by `guard.Guard` in front of it.
 
 The OpenAI and Anthropic routers are mounted on it. Errors always have OpenAI's body
 `{"error": {"message", "type", "param", "code"}}` (Anthropic's shape on its own routes).
@@ -6,7 +7,6 @@ The OpenAI and Anthropic routers are mounted on it. Errors always have OpenAI's 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -20,7 +20,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import octavo
 from octavo.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from octavo.entrypoints.guard import Guard, GuardPolicy
 from octavo.serving.chat_output import ChatParsers
+from octavo.serving.chat_template import RenderLimits
 
 logger = logging.getLogger(__name__)
 
@@ -36,39 +38,71 @@ class ServerState:
     chat_template: str | None = None
     parsers: ChatParsers = field(default_factory=ChatParsers)  # tool-call and reasoning parsers
     max_request_bytes: int = 8 << 20
+    admin_api_key: str | None = None  # guards the admin routes (else api_key does)
+    metrics_require_key: bool = False
+    allowed_hosts: frozenset[str] | None = None  # Host header allow-list; None: any
+    trust_request_chat_template: bool = False  # may a request bring its own chat template
+    request_timeout_s: float | None = None  # a request still running after this is aborted
     on_engine_death: Callable[[], None] = lambda: None
     tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def render_limits(self) -> RenderLimits:
+        """A chat render's budget: the preprocess timeout, and a few times the largest body
+        in characters (a template wraps the messages; it does not multiply them)."""
+        return RenderLimits(self.engine.limits.preprocess_timeout_s,
+                            4 * self.max_request_bytes + (64 << 10))
+
+    def guard_policy(self) -> GuardPolicy:
+        return GuardPolicy(self.api_key, self.admin_api_key, self.max_request_bytes,
+                           self.allowed_hosts, self.metrics_require_key)
 
 
 class APIError(Exception):
     """An error answered with an HTTP status and a message that names the problem."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str | None = None) -> None:
+                 kind: str | None = None, usage: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.kind = kind or _ERROR_TYPES.get(status, "BadRequestError")
+        self.usage = usage  # a timed-out request's partial usage
 
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
-                503: "ServiceUnavailableError"}
+                413: "RequestTooLargeError", 429: "RateLimitError", 431: "HeadersTooLargeError",
+                500: "InternalServerError", 503: "ServiceUnavailableError",
+                504: "TimeoutError"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                    500: "api_error", 503: "overloaded_error"}
+                    500: "api_error", 503: "overloaded_error", 504: "timeout_error"}
 
 
-def error_response(request: Request, status: int, message: str, param: str | None = None,
-                   kind: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    if request.url.path.startswith("/v1/messages"):
+def error_body(path: str, status: int, message: str, param: str | None = None,
+               kind: str | None = None, usage: dict | None = None) -> dict:
+    if path.startswith("/v1/messages"):
         body = {"type": "error", "error": {
             "type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
     else:
         body = {"error": {"message": message, "type": kind or _ERROR_TYPES.get(status, "Error"),
                           "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def error_response(request: Request, status: int, message: str, param: str | None = None,
+                   kind: str | None = None, headers: dict[str, str] | None = None,
+                   usage: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(request.url.path, status, message, param, kind, usage),
+                        status_code=status, headers=headers)
+
+
+async def _send_error(scope, receive, send, status: int, message: str) -> None:
+    await JSONResponse(error_body(scope["path"], status, message),
+                       status_code=status)(scope, receive, send)
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -99,9 +133,6 @@ def check_model(state: ServerState, model: str | None) -> str:
                         f"{', '.join(state.served_model_names)}", "model")
 
 
-_OPEN_PATHS = {"/health", "/version", "/metrics"}
-
-
 def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> FastAPI:
     from octavo.entrypoints.anthropic.api import router as anthropic_router
     from octavo.entrypoints.openai.api import router as openai_router
@@ -119,24 +150,19 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
 
     app = FastAPI(title="octavo", version=octavo.__version__, lifespan=lifespan)
     app.state.server = state
+    # Added first, so it runs inside CORS: a browser's preflight is answered before any key
+    # check, and the guard's own errors still carry CORS headers.
+    app.add_middleware(Guard, policy=state.guard_policy(), send_error=_send_error)
     if allowed_origins:
+        # Credentials are never allowed for any origin ('*'): a page anywhere could then act
+        # with the user's cookies or auth headers.
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
-                           allow_headers=["*"], allow_credentials=True)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > state.max_request_bytes:
-            return error_response(request, 413, f"request body of {length} bytes exceeds "
-                                  f"max_request_bytes ({state.max_request_bytes})")
-        if state.api_key and request.url.path not in _OPEN_PATHS and request.method != "OPTIONS":
-            if not _authorized(request, state.api_key):
-                return error_response(request, 401, "missing or wrong API key")
-        return await call_next(request)
+                           allow_headers=["*"], allow_credentials="*" not in allowed_origins)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return error_response(request, exc.status, exc.message, exc.param, exc.kind)
+        return error_response(request, exc.status, exc.message, exc.param, exc.kind,
+                              usage=exc.usage)
 
     @app.exception_handler(ValueError)
     async def value_error(request: Request, exc: ValueError):
@@ -162,7 +188,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
 
     @app.get("/health")
     async def health() -> Response:
-        if state.engine.dead:
+        if state.engine.dead or state.engine.hung():
             return Response(status_code=503)
         return Response(status_code=200)
 
@@ -185,14 +211,6 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     app.include_router(openai_router)
     app.include_router(anthropic_router)
     return app
-
-
-def _authorized(request: Request, key: str) -> bool:
-    given = request.headers.get("x-api-key")
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        given = auth[7:].strip()
-    return given is not None and hmac.compare_digest(given.encode(), key.encode())
 
 
 async def _log_stats(state: ServerState) -> None:
@@ -218,12 +236,16 @@ async def until_disconnected(request: Request) -> None:
             return
 
 
-async def unless_disconnected(request: Request, work: Awaitable):
-    """Run `work`; if the client disconnects first, cancel it (which aborts its requests)."""
+async def unless_disconnected(request: Request, work: Awaitable,
+                              partial_usage: Callable[[], dict] | None = None):
+    """Run `work`; if the client disconnects first, or the server's request timeout passes,
+    cancel it (which aborts its requests). A timeout is a 504 with `partial_usage()`."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(until_disconnected(request))
+    timeout = state_of(request).request_timeout_s
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             return task.result()
         task.cancel()
@@ -231,8 +253,42 @@ async def unless_disconnected(request: Request, work: Awaitable):
             await task
         except (asyncio.CancelledError, Exception):
             pass
-        raise APIError(499, "client disconnected")
+        if watcher in done:
+            raise APIError(499, "client disconnected")
+        raise APIError(504, f"the request ran past --request-timeout ({timeout:g} s) and was "
+                       f"aborted", usage=partial_usage() if partial_usage else None)
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
+
+
+class RequestTimedOut(Exception):
+    """A streamed request ran past --request-timeout; its stream ends with an error event."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"the request ran past --request-timeout ({timeout_s:g} s) and was "
+                         f"aborted")
+
+
+async def timed(state: ServerState, stream: AsyncIterator):
+    """`stream`'s items until the request timeout passes (then RequestTimedOut; closing the
+    stream aborts its request)."""
+    timeout = state.request_timeout_s
+    if timeout is None:
+        async for item in stream:
+            yield item
+        return
+    deadline = asyncio.get_running_loop().time() + timeout
+    try:
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                item = await asyncio.wait_for(stream.__anext__(), max(left, 0))
+            except StopAsyncIteration:
+                return
+            except (asyncio.TimeoutError, TimeoutError):
+                raise RequestTimedOut(timeout) from None
+            yield item
+    finally:
+        await stream.aclose()

@@ -2,14 +2,20 @@
 
 Templates are untrusted Jinja2 code shipped with a model, so they run in Jinja2's immutable
 sandbox, with what real templates call: `raise_exception`, `strftime_now`, a `tojson` that keeps
-non-ASCII text, loop controls, and `{% generation %}` blocks (rendered as their body).
+non-ASCII text, loop controls, and `{% generation %}` blocks (rendered as their body). A render
+may be given `RenderLimits`: a deadline, checked on every line the template runs (a trace
+function on the template's own frames, so that a loop that writes nothing is stopped too), and a
+cap on the characters it writes.
 """
 from __future__ import annotations
 
 import datetime
 import functools
 import json
+import sys
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -35,6 +41,47 @@ class _GenerationBlocks(Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+class RenderLimitExceeded(ValueError):
+    """A render ran past its deadline or wrote more than its character cap."""
+
+
+@dataclass(frozen=True)
+class RenderLimits:
+    timeout_s: float
+    max_chars: int
+
+
+_TEMPLATE_FILE = "<template>"  # the code Jinja compiles a template to carries this name
+
+
+def _render_limited(template: jinja2.Template, context: dict[str, Any],
+                    limits: RenderLimits) -> str:
+    deadline = time.monotonic() + limits.timeout_s
+
+    def on_line(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise RenderLimitExceeded(f"chat template rendering took longer than "
+                                      f"{limits.timeout_s:g} s")
+        return on_line
+
+    def on_call(frame, event, arg):  # trace only the template's lines: a third of the cost
+        return on_line if frame.f_code.co_filename == _TEMPLATE_FILE else None
+
+    parts, size = [], 0
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        for part in template.generate(**context):
+            size += len(part)
+            if size > limits.max_chars:
+                raise RenderLimitExceeded(f"the chat template wrote more than "
+                                          f"{limits.max_chars} characters")
+            parts.append(part)
+    finally:
+        sys.settrace(previous)
+    return "".join(parts)
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateRaised(message)
 
@@ -49,9 +96,29 @@ def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] |
                       ensure_ascii=ensure_ascii)
 
 
+MAX_REPEAT = 1 << 20  # the longest string or list `*` may build (one C call: no deadline sees it)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox, with `*` and `**` bounded."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if (isinstance(seq, (str, list, tuple)) and isinstance(count, int)
+                        and len(seq) * count > MAX_REPEAT):
+                    raise RenderLimitExceeded(f"the chat template repeats a value past "
+                                              f"{MAX_REPEAT} items")
+        elif isinstance(right, int) and abs(right) > 1024:
+            raise RenderLimitExceeded("the chat template raises a number to a power past 1024")
+        return super().call_binop(context, operator, left, right)
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols", _GenerationBlocks])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -62,8 +129,10 @@ def _compile(template: str) -> jinja2.Template:
 def render_chat_text(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
                      template: str | None = None, add_generation_prompt: bool = True,
                      continue_final_message: bool = False,
-                     template_kwargs: dict[str, Any] | None = None) -> str:
-    """The prompt text of `messages` rendered by `template` (default: the model's own).
+                     template_kwargs: dict[str, Any] | None = None,
+                     limits: RenderLimits | None = None) -> str:
+    """The prompt text of `messages` rendered by `template` (default: the model's own), within
+    `limits` if given (else RenderLimitExceeded, a ValueError).
 
     Message content may be a string or a list of text parts; other part types raise ValueError.
     """
@@ -77,7 +146,11 @@ def render_chat_text(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
                                **(template_kwargs or {})}
     context.update(messages=conversation, add_generation_prompt=add_generation_prompt)
     try:
-        text = _compile(template).render(**context)
+        compiled = _compile(template)
+        text = (compiled.render(**context) if limits is None
+                else _render_limited(compiled, context, limits))
+    except RenderLimitExceeded:
+        raise
     except TemplateRaised as exc:
         raise ValueError(f"chat template failed: {exc}") from None
     except Exception as exc:  # a template error is the request's fault (bad roles, kwargs)
@@ -90,10 +163,11 @@ def render_chat_text(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
 def render_chat(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
                 template: str | None = None, add_generation_prompt: bool = True,
                 continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                template_kwargs: dict[str, Any] | None = None,
+                limits: RenderLimits | None = None) -> list[int]:
     """Token ids of `messages` rendered by `template`; the template writes any BOS itself."""
     text = render_chat_text(tokenizer, messages, template, add_generation_prompt,
-                            continue_final_message, template_kwargs)
+                            continue_final_message, template_kwargs, limits)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

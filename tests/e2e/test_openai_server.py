@@ -26,7 +26,8 @@ def _post(server, path, body, **kw):
 
 def test_health_version_models(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/version").status_code == 401  # only /health, /metrics open
+    assert httpx.get(server.url + "/version", headers=AUTH).json()["version"]
     ids = [m.id for m in client.models.list().data]
     assert ids == [SERVED_NAME, "smollm2"]
 

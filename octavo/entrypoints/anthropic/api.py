@@ -14,11 +14,12 @@ from octavo.engine.processor import PreparedRequest
 from octavo.entrypoints.anthropic.tools import (
     BlockStream, Tool, ToolChoice, content_blocks, new_id_for, schema_fields, template_messages,
     template_tools, tool_request)
-from octavo.entrypoints.chat_plan import plan_output
-from octavo.entrypoints.http import APIError, ServerState, check_model, state_of, unless_disconnected
+from octavo.entrypoints.chat_plan import plan_output, render_prompt
+from octavo.entrypoints.http import (
+    APIError, RequestTimedOut, ServerState, check_model, error_body, state_of, timed,
+    unless_disconnected)
 from octavo.params import RequestOutput, SamplingParams
 from octavo.serving.chat_output import ChatPlan
-from octavo.serving.chat_template import render_chat
 
 router = APIRouter()
 
@@ -98,14 +99,14 @@ def _conversation(body: MessagesRequest | CountTokensRequest) -> list[dict[str, 
     return conv
 
 
-def _prompt_ids(state: ServerState, body: MessagesRequest | CountTokensRequest) -> list[int]:
+async def _prompt_ids(state: ServerState,
+                      body: MessagesRequest | CountTokensRequest) -> list[int]:
     conv = _conversation(body)
     # A final assistant turn is a prefill the reply continues, as Anthropic's API defines.
     prefill = conv[-1]["role"] == "assistant"
     kwargs = {"tools": template_tools(body.tools)} if body.tools else None
-    return render_chat(state.engine.tokenizer, conv, state.chat_template,
-                       add_generation_prompt=not prefill, continue_final_message=prefill,
-                       template_kwargs=kwargs)
+    return await render_prompt(state, conv, None, add_generation_prompt=not prefill,
+                               continue_final_message=prefill, template_kwargs=kwargs)
 
 
 def _stop_reason(finish: str | None, stop: int | str | None,
@@ -121,7 +122,7 @@ def _stop_reason(finish: str | None, stop: int | str | None,
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     state = state_of(request)
     check_model(state, body.model)
-    return {"input_tokens": len(_prompt_ids(state, body))}
+    return {"input_tokens": len(await _prompt_ids(state, body))}
 
 
 @router.post("/v1/messages")
@@ -129,7 +130,7 @@ async def messages(body: MessagesRequest, request: Request):
     state = state_of(request)
     model = check_model(state, body.model)
     tools = tool_request(body.tools, body.tool_choice)
-    ids = _prompt_ids(state, body)
+    ids = await _prompt_ids(state, body)
     if body.max_tokens < 1:
         raise APIError(400, f"max_tokens must be >= 1, got {body.max_tokens}", "max_tokens")
     plan = await plan_output(state, tools, schema_fields(body.tools or []), None, ids,
@@ -146,21 +147,23 @@ async def messages(body: MessagesRequest, request: Request):
         raise APIError(400, f"temperature must be in [0, 1], got {body.temperature}",
                        "temperature")
     msg_id = f"msg_{uuid.uuid4().hex}"
-    prepared = state.engine.prepare(msg_id, ids, params)
+    prepared = await state.engine.prepare_async(msg_id, ids, params)
     stream = state.engine.generate(prepared)
     if body.stream:
-        return StreamingResponse(_stream(plan, prepared, stream, model),
+        return StreamingResponse(_stream(state, plan, prepared, stream, model),
                                  media_type="text/event-stream")
+    got = {"output_tokens": 0}
 
     async def run() -> tuple[str, int, Any]:
-        text, n_out, last = "", 0, None
+        text, last = "", None
         async for out in stream:
             last = out.outputs[0]
             text += last.text
-            n_out += len(last.token_ids)
-        return text, n_out, last
+            got["output_tokens"] += len(last.token_ids)
+        return text, got["output_tokens"], last
 
-    text, n_out, last = await unless_disconnected(request, run())
+    text, n_out, last = await unless_disconnected(
+        request, run(), lambda: {"input_tokens": len(ids), **got})
     parsed = plan.parse(text)
     reason, sequence = _stop_reason(last.finish_reason, last.stop_reason, bool(parsed.tool_calls))
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
@@ -172,7 +175,7 @@ def _event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _stream(plan: ChatPlan, prepared: PreparedRequest,
+async def _stream(state: ServerState, plan: ChatPlan, prepared: PreparedRequest,
                   stream: AsyncIterator[RequestOutput], model: str) -> AsyncIterator[str]:
     n_in = len(prepared.prompt_token_ids)
     yield _event("message_start", {"type": "message_start", "message": {
@@ -185,15 +188,19 @@ async def _stream(plan: ChatPlan, prepared: PreparedRequest,
             yield _event(e["type"], e)
     yield _event("ping", {"type": "ping"})
     n_out, last = 0, None
-    async for out in stream:
-        c = out.outputs[0]
-        n_out += len(c.token_ids)
-        last = c
-        events = reader.feed(c.text) if c.text else []
-        if c.finish_reason is not None:
-            events += reader.finish()
-        for e in blocks.events(events):
-            yield _event(e["type"], e)
+    try:
+        async for out in timed(state, stream):
+            c = out.outputs[0]
+            n_out += len(c.token_ids)
+            last = c
+            events = reader.feed(c.text) if c.text else []
+            if c.finish_reason is not None:
+                events += reader.finish()
+            for e in blocks.events(events):
+                yield _event(e["type"], e)
+    except RequestTimedOut as exc:  # Anthropic's error event, and the stream ends
+        yield _event("error", error_body("/v1/messages", 504, str(exc)))
+        return
     for e in blocks.finish():
         yield _event(e["type"], e)
     reason, sequence = _stop_reason(last.finish_reason if last else None,

@@ -35,7 +35,40 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prompt tokens waiting before 429 (default 16 x max-num-batched-tokens, "
                         "at least 32768)")
     s.add_argument("--max-request-bytes", type=int, default=8 << 20,
-                   help="largest request body (413 beyond)")
+                   help="largest request body, chunked bodies counted as they arrive (413 "
+                        "beyond)")
+    s.add_argument("--max-n", type=int, default=16,
+                   help="largest n, best_of or beam width of one request")
+    s.add_argument("--max-stop", type=int, default=64,
+                   help="most stop strings (and stop_token_ids) in one request")
+    s.add_argument("--max-stop-length", type=int, default=512,
+                   help="longest stop string, in characters")
+    s.add_argument("--max-logprobs", type=int, default=20,
+                   help="largest logprobs / top_logprobs / prompt_logprobs")
+    s.add_argument("--preprocess-timeout", type=float, default=30.0,
+                   help="seconds one request's tokenizing, chat-template rendering and grammar "
+                        "checks may take (400 beyond)")
+    s.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds after which a request still running is aborted (504 with its "
+                        "partial usage; streams end with an error event); default: none")
+    s.add_argument("--engine-timeout", type=float, default=60.0,
+                   help="seconds the engine core may go silent while it has work before "
+                        "/health answers 503")
+    s.add_argument("--max-concurrent-connections", type=int, default=None,
+                   help="open connections beyond which new ones get 503 (default: no limit)")
+    s.add_argument("--admin-api-key", default=None,
+                   help="key for the admin routes (/reset_prefix_cache) (default: "
+                        "$OCTAVO_ADMIN_API_KEY, else the API key guards them)")
+    s.add_argument("--metrics-require-key", action="store_true",
+                   help="/metrics needs the API key too (by default only /health and /metrics "
+                        "are open)")
+    s.add_argument("--allowed-hosts", nargs="*", default=None,
+                   help="Host header names the server answers besides IP addresses ('*': any); "
+                        "default: any with an API key, else only localhost and --host "
+                        "(DNS-rebinding protection)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (Jinja code run in a "
+                        "sandbox, within --preprocess-timeout)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
     s.add_argument("--tool-call-parser", default=None, metavar="NAME",
@@ -69,10 +102,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.model_tag:
         args.model = args.model_tag
-    for name in ("max_queued_requests", "max_queued_tokens", "max_request_bytes"):
+    for name in ("max_queued_requests", "max_queued_tokens", "max_request_bytes", "max_n",
+                 "max_stop", "max_stop_length", "max_concurrent_connections",
+                 "preprocess_timeout", "request_timeout", "engine_timeout"):
         value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if value is not None and not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if args.max_logprobs < 0:
+        raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
     config = EngineConfig.from_cli(args)
     # The core process starts first: its torch import is most of a start, and the front end's
     # own imports and set-up below run beside it.
@@ -86,11 +123,17 @@ def _serve(args: argparse.Namespace) -> int:
         # Checked before the model loads: an unknown parser name lists the choices.
         parsers = ChatParsers.from_flags(args.tool_call_parser, args.enable_auto_tool_choice,
                                          args.reasoning_parser)
-        from octavo.engine.async_engine import AsyncEngine
+        from octavo.engine.async_engine import AsyncEngine, ServingLimits
+        from octavo.engine.processor import RequestLimits
     except BaseException:
         core.abandon()
         raise
-    engine = AsyncEngine(config, args.max_queued_requests, args.max_queued_tokens, core)
+    limits = ServingLimits(args.max_queued_requests, args.max_queued_tokens,
+                           RequestLimits(args.max_n, args.max_stop, args.max_stop_length,
+                                         args.max_logprobs),
+                           args.preprocess_timeout, args.engine_timeout)
+    engine = AsyncEngine(config, limits, core)
+    from octavo.entrypoints.guard import default_allowed_hosts
     from octavo.entrypoints.http import ServerState, build_app
 
     import uvicorn
@@ -121,14 +164,25 @@ def _serve(args: argparse.Namespace) -> int:
                        "this model, so structured output and tool_choice required/named apply "
                        "from the first token (those outputs have no reasoning)",
                        args.reasoning_parser)
-    state = ServerState(engine, args.served_model_name or [args.model],
-                        api_key=args.api_key or os.environ.get("OCTAVO_API_KEY") or None,
+    api_key = args.api_key or os.environ.get("OCTAVO_API_KEY") or None
+    if not api_key and not _loopback(args.host):
+        logger.warning("serving on %s without an API key: anyone who can reach this address "
+                       "can use the server (set --api-key or $OCTAVO_API_KEY)", args.host)
+    state = ServerState(engine, args.served_model_name or [args.model], api_key=api_key,
                         chat_template=template, parsers=parsers,
-                        max_request_bytes=args.max_request_bytes)
+                        max_request_bytes=args.max_request_bytes,
+                        admin_api_key=(args.admin_api_key
+                                       or os.environ.get("OCTAVO_ADMIN_API_KEY") or None),
+                        metrics_require_key=args.metrics_require_key,
+                        allowed_hosts=default_allowed_hosts(args.host, api_key,
+                                                            args.allowed_hosts),
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        request_timeout_s=args.request_timeout)
     app = build_app(state, args.allowed_origins)
     server = _Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=logging.getLogger().level,
-        timeout_graceful_shutdown=args.shutdown_timeout, access_log=False))
+        timeout_graceful_shutdown=args.shutdown_timeout, access_log=False,
+        limit_concurrency=args.max_concurrent_connections))
     exit_code = 0
 
     def on_engine_death() -> None:
@@ -146,3 +200,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     asyncio.run(server.serve())
     return exit_code
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

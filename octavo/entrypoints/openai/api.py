@@ -14,9 +14,10 @@ from fastapi.responses import StreamingResponse
 
 from octavo.engine.grammar import check_structured
 from octavo.engine.processor import PreparedRequest
-from octavo.entrypoints.chat_plan import plan_output
+from octavo.entrypoints.chat_plan import plan_output, render_prompt
 from octavo.entrypoints.http import (
-    APIError, ServerState, check_model, state_of, unless_disconnected)
+    APIError, RequestTimedOut, ServerState, check_model, error_body, state_of, timed,
+    unless_disconnected)
 from octavo.entrypoints.openai.beam import beam_chat, beam_completions
 from octavo.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from octavo.entrypoints.openai.protocol import (
@@ -27,7 +28,6 @@ from octavo.entrypoints.openai.tools import (
     tool_request)
 from octavo.params import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
 from octavo.serving.chat_output import ChatPlan
-from octavo.serving.chat_template import render_chat
 
 router = APIRouter()
 
@@ -38,14 +38,16 @@ def _refuse_unsupported(req) -> None:
         raise APIError(400, f"'{bad[0]}' is not supported yet ({UNSUPPORTED[bad[0]]})", bad[0])
 
 
-async def _structured(body) -> StructuredOutputsParams | None:
+async def _structured(state: ServerState, body) -> StructuredOutputsParams | None:
     """The request's output constraint, its grammar checked: a problem is a 400 naming it. The
-    check runs in a thread: the first one imports xgrammar, which must not stall other streams."""
+    check runs in the front end's pool: the first one imports xgrammar, and a large spec takes
+    a while to parse; neither may stall other streams."""
     param = "structured_outputs" if body.structured_outputs is not None else "response_format"
     try:
         spec, field = body.structured_params()
         if spec is not None:
-            await asyncio.to_thread(check_structured, spec, field)
+            await state.engine.offload.run("checking the structured-output spec",
+                                           check_structured, spec, field)
     except ValueError as exc:
         raise APIError(400, str(exc), param) from None
     return spec
@@ -81,11 +83,21 @@ class _Collected:
         self.final = out
 
 
-async def _collect(stream: AsyncIterator[RequestOutput]) -> _Collected:
-    collected = _Collected()
+    def usage(self, prompt_tokens: int) -> dict:
+        return _usage(prompt_tokens, sum(len(t) for t in self.tokens.values()),
+                      self.final.num_cached_tokens if self.final else 0)
+
+
+async def _collect(stream: AsyncIterator[RequestOutput],
+                   collected: _Collected | None = None) -> _Collected:
+    collected = collected or _Collected()
     async for out in stream:
         collected.add(out)
     return collected
+
+
+def _timeout_event(state: ServerState, exc: RequestTimedOut, usage: dict) -> str:
+    return _sse(error_body("/v1", 504, str(exc), usage=usage))
 
 
 # -- models, tokenize --------------------------------------------------------------------------
@@ -108,10 +120,11 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
     if body.messages is not None:
-        ids = _render(state, body.messages, body.chat_template, body.tools,
-                      body.chat_template_kwargs, body.add_generation_prompt)
+        ids = await _render(state, body.messages, body.chat_template, body.tools,
+                            body.chat_template_kwargs, body.add_generation_prompt)
     else:
-        ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await state.engine.offload.run("tokenizing the prompt", tok.encode, body.prompt,
+                                             body.add_special_tokens)
     return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
 
 
@@ -140,6 +153,8 @@ async def completions(body: CompletionRequest, request: Request):
         prompts = [prompts]
     if not prompts:
         raise APIError(400, "prompt must not be empty", "prompt")
+    engine = state.engine
+    engine.check_admissible(len(prompts) * max(body.n, body.best_of or 1))
     if body.use_beam_search:
         return await beam_completions(state, body, request, prompts, model)
     if body.stream and body.best_of is not None and body.best_of > body.n:
@@ -147,10 +162,11 @@ async def completions(body: CompletionRequest, request: Request):
                        "end)", "best_of")
     params = body.sampling_params(body.max_tokens, body.logprobs,
                                   body.logprobs if body.echo and body.logprobs is not None
-                                  else None, _model_defaults(state), await _structured(body))
-    engine = state.engine
+                                  else None, _model_defaults(state),
+                                  await _structured(state, body))
     rid = f"cmpl-{uuid.uuid4().hex}"
-    prepared = [engine.prepare(f"{rid}-{i}", p, params, body.priority, body.cache_salt)
+    prepared = [await engine.prepare_async(f"{rid}-{i}", p, params, body.priority,
+                                           body.cache_salt)
                 for i, p in enumerate(prompts)]
     created = int(time.time())
     streams = engine.generate_all(prepared)
@@ -159,10 +175,16 @@ async def completions(body: CompletionRequest, request: Request):
             _stream_completions(state, body, prepared, streams, rid, model, created),
             media_type="text/event-stream")
 
-    async def run_all():
-        return await asyncio.gather(*(_collect(s) for s in streams))
+    results = [_Collected() for _ in streams]
 
-    results = await unless_disconnected(request, run_all())
+    async def run_all():
+        return await asyncio.gather(*(_collect(s, c) for s, c in zip(streams, results)))
+
+    def partial_usage() -> dict:
+        n_out = sum(len(t) for c in results for t in c.tokens.values())
+        return _usage(sum(len(p.prompt_token_ids) for p in prepared), n_out, 0)
+
+    await unless_disconnected(request, run_all(), partial_usage)
     choices, n_prompt, n_out, cached = [], 0, 0, 0
     for i, (prep, col) in enumerate(zip(prepared, results)):
         n_prompt += len(prep.prompt_token_ids)
@@ -206,7 +228,7 @@ async def _stream_completions(state: ServerState, body: CompletionRequest,
                                 "model": model, "choices": [{
                                     "index": i * body.n + idx, "text": text, "logprobs": None,
                                     "finish_reason": None}]})
-            async for out in stream:
+            async for out in timed(state, stream):
                 cached = max(cached, out.num_cached_tokens)
                 for c in out.outputs:
                     if not c.text and not c.token_ids and c.finish_reason is None:
@@ -224,6 +246,8 @@ async def _stream_completions(state: ServerState, body: CompletionRequest,
                     if include_usage:
                         chunk["usage"] = None
                     yield _sse(chunk)
+    except RequestTimedOut as exc:
+        yield _timeout_event(state, exc, _usage(n_prompt, n_out, cached))
     finally:  # a client gone mid-stream also abandons the prompts not reached yet
         for prep in prepared:
             engine.abort(prep.request_id)
@@ -244,12 +268,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     engine = state.engine
     tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
-    ids = _render(state, body.messages, body.chat_template, body.tools,
-                  body.chat_template_kwargs, body.add_generation_prompt
-                  and not body.continue_final_message, body.continue_final_message)
+    engine.check_admissible(max(body.n, getattr(body, "best_of", None) or 1))
+    ids = await _render(state, body.messages, body.chat_template, body.tools,
+                        body.chat_template_kwargs, body.add_generation_prompt
+                        and not body.continue_final_message, body.continue_final_message)
     if body.use_beam_search:
         return await beam_chat(state, body, request, ids, model)
-    structured = await _structured(body)
+    structured = await _structured(state, body)
     plan = await plan_output(state, tools, schema_fields(body.tools or []), structured, ids,
                              state.parsers.tool_parser.default_id if state.parsers.tool_parser
                              else None)
@@ -260,13 +285,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                   structured=plan.structured,
                                   skip_special_tokens=plan.skip_special_tokens)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    prepared = engine.prepare(rid, ids, params, body.priority, body.cache_salt)
+    prepared = await engine.prepare_async(rid, ids, params, body.priority, body.cache_salt)
     created = int(time.time())
     stream = engine.generate(prepared)
     if body.stream:
-        return StreamingResponse(_stream_chat(body, plan, prepared, stream, model, created),
+        return StreamingResponse(_stream_chat(state, body, plan, prepared, stream, model,
+                                              created),
                                  media_type="text/event-stream")
-    col = await unless_disconnected(request, _collect(stream))
+    col = _Collected()
+    await unless_disconnected(request, _collect(stream, col), lambda: col.usage(len(ids)))
     choices, n_out = [], 0
     for idx in sorted(col.text):
         last = col.last[idx]
@@ -285,26 +312,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             "usage": _usage(len(ids), n_out, col.final.num_cached_tokens)}
 
 
-def _render(state: ServerState, messages: list[ChatMessage], template: str | None,
-            tools: list[ChatTool] | None, kwargs: dict[str, Any] | None,
-            add_generation_prompt: bool, continue_final_message: bool = False) -> list[int]:
+async def _render(state: ServerState, messages: list[ChatMessage], template: str | None,
+                  tools: list[ChatTool] | None, kwargs: dict[str, Any] | None,
+                  add_generation_prompt: bool, continue_final_message: bool = False
+                  ) -> list[int]:
     """Prompt ids of a conversation; the tools reach the template as `tools`."""
     kwargs = dict(kwargs or {})
     if tools:
         kwargs.setdefault("tools", template_tools(tools))
-    return render_chat(state.engine.tokenizer,
-                       [template_message(m.model_dump(exclude_none=True)) for m in messages],
-                       template or state.chat_template, add_generation_prompt,
-                       continue_final_message, kwargs)
+    return await render_prompt(
+        state, [template_message(m.model_dump(exclude_none=True)) for m in messages], template,
+        add_generation_prompt, continue_final_message, kwargs)
 
 
 def _finish_reason(finish: str | None, tool_calls: bool) -> str | None:
     return "tool_calls" if tool_calls and finish == "stop" else finish
 
 
-async def _stream_chat(body: ChatCompletionRequest, plan: ChatPlan, prepared: PreparedRequest,
-                       stream: AsyncIterator[RequestOutput], model: str,
-                       created: int) -> AsyncIterator[str]:
+async def _stream_chat(state: ServerState, body: ChatCompletionRequest, plan: ChatPlan,
+                       prepared: PreparedRequest, stream: AsyncIterator[RequestOutput],
+                       model: str, created: int) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     base = {"id": prepared.request_id, "object": "chat.completion.chunk", "created": created,
             "model": model}
@@ -319,33 +346,37 @@ async def _stream_chat(body: ChatCompletionRequest, plan: ChatPlan, prepared: Pr
                   "finish_reason": None} for i in range(body.n)])
     readers = [plan.stream() for _ in range(body.n)]
     n_out, cached = 0, 0
-    async for out in stream:
-        cached = out.num_cached_tokens
-        choices = []
-        for c in out.outputs:
-            if not c.text and not c.token_ids and c.finish_reason is None:
-                continue
-            n_out += len(c.token_ids)
-            lps = None
-            if body.logprobs:
-                lps = {"content": chat_logprobs(c.logprobs or [], c.token_ids,
-                                                body.top_logprobs or 0)}
-            reader = readers[c.index]
-            events = reader.feed(c.text) if c.text else []
-            if c.finish_reason is not None:
-                events += reader.finish()
-            delta = delta_of(events)
-            if not delta and c.finish_reason is None:
-                if plan.plain:
-                    delta = {"content": ""}  # a token whose text is not complete yet
-                elif lps is None:
-                    continue  # the parsers hold the text back until it is decided
-            choices.append({"index": c.index, "delta": delta, "logprobs": lps,
-                            "finish_reason": _finish_reason(c.finish_reason,
-                                                            reader.has_tool_calls),
-                            "stop_reason": c.stop_reason})
-        if choices:
-            yield chunk(choices)
+    try:
+        async for out in timed(state, stream):
+            cached = out.num_cached_tokens
+            choices = []
+            for c in out.outputs:
+                if not c.text and not c.token_ids and c.finish_reason is None:
+                    continue
+                n_out += len(c.token_ids)
+                lps = None
+                if body.logprobs:
+                    lps = {"content": chat_logprobs(c.logprobs or [], c.token_ids,
+                                                    body.top_logprobs or 0)}
+                reader = readers[c.index]
+                events = reader.feed(c.text) if c.text else []
+                if c.finish_reason is not None:
+                    events += reader.finish()
+                delta = delta_of(events)
+                if not delta and c.finish_reason is None:
+                    if plan.plain:
+                        delta = {"content": ""}  # a token whose text is not complete yet
+                    elif lps is None:
+                        continue  # the parsers hold the text back until it is decided
+                choices.append({"index": c.index, "delta": delta, "logprobs": lps,
+                                "finish_reason": _finish_reason(c.finish_reason,
+                                                                reader.has_tool_calls),
+                                "stop_reason": c.stop_reason})
+            if choices:
+                yield chunk(choices)
+    except RequestTimedOut as exc:
+        yield _timeout_event(state, exc, _usage(len(prepared.prompt_token_ids), n_out,
+                                                cached))
     if include_usage:
         yield _sse({**base, "choices": [],
                     "usage": _usage(len(prepared.prompt_token_ids), n_out, cached)})

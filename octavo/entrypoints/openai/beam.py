@@ -19,24 +19,29 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
-def _searches(state: ServerState, body, rid: str, prompts: list,
-              max_tokens: int | None) -> list[beam.BeamSearch]:
+async def _searches(state: ServerState, body, rid: str, prompts: list,
+                    max_tokens: int | None) -> list[beam.BeamSearch]:
+    """Tokenized and checked in the front end's pool, within its budget."""
     engine = state.engine
-    searches = []
-    try:
+
+    def start_all() -> list[beam.BeamSearch]:
+        searches = []
         for i, prompt in enumerate(prompts):
             _, ids = engine.processor.tokenize(prompt)
             params = body.beam_params(max_tokens, engine.max_model_len, len(ids))
             searches.append(beam.start(engine, f"{rid}-{i}", prompt, params))
+        return searches
+
+    try:
+        return await engine.offload.run("tokenizing the prompts", start_all)
     except ValueError as exc:  # the messages start with the field's name
         raise APIError(400, str(exc), str(exc).split(" ")[0].strip("'")) from None
-    return searches
 
 
 async def beam_completions(state: ServerState, body: CompletionRequest, request: Request,
                            prompts: list, model: str) -> dict:
     rid = f"cmpl-{uuid.uuid4().hex}"
-    searches = _searches(state, body, rid, prompts, body.max_tokens)
+    searches = await _searches(state, body, rid, prompts, body.max_tokens)
     await unless_disconnected(request, beam.run_async(state.engine, searches, body.priority,
                                                       body.cache_salt))
     choices, n_prompt, n_out = [], 0, 0
@@ -55,7 +60,7 @@ async def beam_chat(state: ServerState, body: ChatCompletionRequest, request: Re
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
-    searches = _searches(state, body, rid, [prompt_ids], max_tokens)
+    searches = await _searches(state, body, rid, [prompt_ids], max_tokens)
     await unless_disconnected(request, beam.run_async(state.engine, searches, body.priority,
                                                       body.cache_salt))
     outs = searches[0].output(state.engine.tokenizer, body.n).outputs

@@ -126,6 +126,12 @@ class _Common(BaseModel):
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
 
+    @model_validator(mode="after")
+    def _together(self) -> _Common:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
     def unsupported_fields(self) -> list[str]:
         return [name for name in UNSUPPORTED
                 if name in self.model_fields_set and getattr(self, name, None) is not None]
