@@ -77,6 +77,13 @@ class SchedulerConfig:
     max_num_seqs: int = field(default=64, metadata=_opt("most requests running in one step"))
     max_num_batched_tokens: int = field(default=2048, metadata=_opt(
         "token budget of one step; longer prompts are prefilled in chunks"))
+    scheduling_policy: str = field(default="fcfs", metadata=_opt(
+        "fcfs: requests are served in arrival order, their priority ignored; priority: lower "
+        "priority values first, and a waiting request short of KV blocks or of a seat preempts "
+        "running requests of strictly lower priority", choices=["fcfs", "priority"]))
+    priority_aging_steps: int = field(default=1000, metadata=_opt(
+        "with --scheduling-policy priority: a request's priority improves by 1 for every this "
+        "many steps since it arrived, so none starves; 0: no aging"))
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -84,6 +91,12 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, "
+                             f"got {self.scheduling_policy!r}")
+        if self.priority_aging_steps < 0:
+            raise ValueError(
+                f"priority_aging_steps must be >= 0, got {self.priority_aging_steps}")
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ class Request:
     eos_token_ids: frozenset[int]  # ends the request unless ignore_eos
     max_tokens: int  # resolved: never None in the core
     arrival_seq: int = 0  # FCFS order, assigned by the scheduler
-    priority: int = 0  # lower is served first
+    priority: int = 0  # lower is served first (under the scheduler's priority policy)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -60,6 +60,8 @@ class Request:
     num_cached_tokens: int | None = None  # prefix-cache hit when first scheduled
     stop_reason: int | str | None = None
     draft_token_ids: list[int] = field(default_factory=list)  # the draft model's, for next step
+    arrival_step: int = 0  # the scheduler's step count when it arrived (for aging)
+    rank: int = 0  # the scheduler's fixed queue key from its policy (see scheduler.py)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,4 +79,6 @@ class Request:
         return ("salt", self.cache_salt) if self.cache_salt is not None else ()
 
     def sort_key(self) -> tuple[int, int]:
-        return (self.priority, self.arrival_seq)
+        """Queue order: the rank the scheduler's policy gave it (0 for all under fcfs), then
+        arrival."""
+        return (self.rank, self.arrival_seq)

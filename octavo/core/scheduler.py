@@ -3,10 +3,25 @@
 One rule: each request's `num_computed_tokens` chases its `num_tokens`. Every step serves running
 requests first (a decode token each, or the next chunk of a long prompt), then admits waiting ones,
 under one token budget (`max_num_batched_tokens`) and one sequence budget (`max_num_seqs`).
-When blocks run out, the lowest-priority, latest running request is preempted: its blocks are
-freed and it goes back to the waiting queue, to be recomputed later. A constrained request is
-skipped while its grammar compiles; its matcher advances on every token it is given, and a grammar
-that has ended finishes it.
+When blocks run out for a running request, the last running request in queue order (below) is
+preempted: its blocks are freed and it goes back to the waiting queue, in its place, to be
+recomputed later. A constrained request is skipped while its grammar compiles; its matcher
+advances on every token it is given, and a grammar that has ended finishes it.
+
+Queue order (`scheduling_policy`). fcfs, the default: arrival order; `priority` is ignored.
+priority: lower `priority` values first (vLLM's convention), then arrival. Before a step
+schedules anything, the first schedulable waiting request, if it lacks a seat (`max_num_seqs`)
+or the KV blocks of a full-budget chunk, preempts running requests of strictly lower priority,
+the lowest-priority latest first, until it would fit; none if even all of them would not make
+room, and never one of equal or higher priority. (Before, so that no victim was scheduled: the
+blocks a step allocates are hashed into the prefix cache at once. Blocks the running requests
+then take may keep it out until the next step.) Aging, so that none starves: with N =
+`priority_aging_steps` (0: off), a request's effective priority is its priority minus one for
+every N steps since it arrived (waiting or running, so a preempted request keeps its place); a
+waiting request preempts only running ones lower both as given and as aged, so a request that
+has aged up to a stream of higher-priority arrivals is not preempted by them once it runs. Both
+queues are ordered by priority - age / N, then arrival: the fixed key priority * N + arrival
+step (`Request.rank`), so aging never changes a key and no queue is ever re-sorted.
 
 Speculative decoding is the same rule: a decoding request is scheduled for 1 + its draft tokens
 (n-gram: proposed here from its token ids; draft model: the ones the worker's draft model proposed
@@ -27,7 +42,7 @@ from dataclasses import dataclass
 from octavo.config import SchedulerConfig
 from octavo.core.contract import (
     CachedRequestData, ModelOutput, NewRequestData, SchedulerOutput, TopLogprobs)
-from octavo.core.kv_manager import KVCacheManager
+from octavo.core.kv_manager import KVCacheManager, cdiv
 from octavo.core.ngram import NgramProposer
 from octavo.core.request import Request, RequestStatus
 from octavo.core.structured import StructuredOutputManager
@@ -84,10 +99,13 @@ class Scheduler:
         self.kv = kv
         self.structured = structured or StructuredOutputManager(None)
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []  # sorted by (priority, arrival)
-        self.running: list[Request] = []  # sorted by (priority, arrival): the tail is preempted first
+        self.priority_policy = config.scheduling_policy == "priority"
+        self.aging_steps = config.priority_aging_steps if self.priority_policy else 0
+        self.waiting: list[Request] = []  # sorted by Request.sort_key: (rank, arrival)
+        self.running: list[Request] = []  # sorted the same: the tail is preempted first
         self._finished_ids: set[str] = set()
         self._arrivals = 0
+        self.num_steps = 0  # schedule() calls so far: the clock of aging
         self.num_preemptions = 0
         self.peak_running = 0
         self.proposer = proposer
@@ -106,6 +124,13 @@ class Scheduler:
         self.structured.add_request(request)  # starts its grammar's compile
         request.arrival_seq = self._arrivals
         self._arrivals += 1
+        request.arrival_step = self.num_steps
+        if not self.priority_policy:
+            request.rank = 0
+        elif self.aging_steps:
+            request.rank = request.priority * self.aging_steps + request.arrival_step
+        else:
+            request.rank = request.priority
         request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
         bisect.insort(self.waiting, request, key=Request.sort_key)
@@ -158,10 +183,11 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
-        preempted: set[str] = set()
+        preempted = self._preempt_for_priority() if self.priority_policy else set()
         spec: dict[str, list[int]] = {}
 
         i = 0
+        preempted_running = False
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -174,6 +200,7 @@ class Scheduler:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.add(victim.req_id)
+                preempted_running = True
                 if victim is req:
                     break
                 new_blocks = self.kv.allocate_slots(req, num_new + extra)
@@ -187,12 +214,14 @@ class Scheduler:
             i += 1
 
         idx = 0  # the first waiting request not skipped for its grammar
-        while (not preempted and idx < len(self.waiting) and budget > 0
+        while (not preempted_running and idx < len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[idx]
             if self.structured.is_compiling(req.req_id):
                 idx += 1
                 continue
+            if req.req_id in preempted:  # made room for those before it: it and the rest wait
+                break
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
             extra = self._lookahead(req, num_hit + num_new)
@@ -219,9 +248,63 @@ class Scheduler:
             req.num_computed_tokens += n
             req.draft_token_ids = []  # used now, or stale: the worker proposes again
         finished, self._finished_ids = self._finished_ids, set()
+        self.num_steps += 1
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                self.max_num_batched_tokens - budget, finished, preempted,
                                spec_token_ids=spec)
+
+    def effective_priority(self, req: Request) -> int:
+        """Its priority, minus one for every `priority_aging_steps` steps since it arrived."""
+        if not self.aging_steps:
+            return req.priority
+        return req.priority - (self.num_steps - req.arrival_step) // self.aging_steps
+
+    def _preempt_for_priority(self) -> set[str]:
+        """Under the priority policy, before anything is scheduled: if the first schedulable
+        waiting request lacks a seat or the blocks of a full-budget chunk, preempt running
+        requests of strictly lower priority (as given and as aged), from the tail of `running`
+        (lowest rank, latest), until it would fit; none if even all of them would not do."""
+        head = next((r for r in self.waiting if not self.structured.is_compiling(r.req_id)), None)
+        if head is None or not self.running:
+            return set()
+        eff = self.effective_priority(head)
+        victims = [r for r in reversed(self.running)
+                   if r.priority > head.priority and self.effective_priority(r) > eff]
+        if not victims:
+            return set()
+        kv, pool = self.kv, self.kv.pool
+        hits, num_hit = kv.get_computed_blocks(head)
+        end = num_hit + min(head.num_tokens - num_hit, self.max_num_batched_tokens)
+        needed = cdiv(end + self._lookahead(head, end), kv.block_size) - len(hits)
+        free = pool.num_free_blocks
+        seats = self.max_num_seqs - len(self.running)
+        drops: dict[int, int] = {}  # block -> references the chosen victims hold on it
+
+        def fits() -> bool:
+            # As KVCacheManager.allocate_slots: an idle (unreferenced) hit is taken off the
+            # free blocks when it is reused.
+            idle = sum(1 for b in hits if pool.ref_counts[b] == drops.get(b, 0))
+            return seats > 0 and needed + idle <= free
+
+        if fits():
+            return set()
+        chosen = []
+        for victim in victims:
+            chosen.append(victim)
+            seats += 1
+            table = kv.blocks_of(victim.req_id)
+            for b in table[len(table) - kv.num_held_blocks(victim.req_id):]:
+                drops[b] = drops.get(b, 0) + 1
+                if drops[b] == pool.ref_counts[b]:
+                    free += 1
+            if fits():
+                break
+        else:
+            return set()
+        for victim in chosen:
+            self.running.remove(victim)
+            self._preempt(victim)
+        return {v.req_id for v in chosen}
 
     def _propose(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request: as many as the budget, max_tokens and

@@ -760,7 +760,9 @@ def workloads(draw):
     max_model_len = draw(st.integers(num_blocks * block_size // 3, num_blocks * block_size))
     cfg = dict(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                max_num_seqs=draw(st.integers(2, 6)),
-               max_num_batched_tokens=draw(st.integers(4, 32)))
+               max_num_batched_tokens=draw(st.integers(4, 32)),
+               scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
+               priority_aging_steps=draw(st.sampled_from([0, 0, 3])))
     add = st.tuples(st.just("add"), st.integers(0, 2), st.integers(0, 64),
                     st.lists(st.integers(3, 6), max_size=6), st.integers(1, 16),
                     st.sampled_from([None, None, "x", "y"]), st.integers(0, 1),

@@ -344,10 +344,10 @@ def test_worker_output_for_a_preempted_request_is_dropped():
     assert b.output_token_ids == [token_at(0)]
 
 
-# -- priority ------------------------------------------------------------------------------------
+# -- priority (scheduling_policy priority; more in test_priority_scheduling.py) -----------------
 
 def test_lower_priority_value_is_admitted_first():
-    s = make_scheduler(max_num_seqs=1)
+    s = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
     s.add_request(make_request("late-low", 4, max_tokens=1, priority=2))
     s.add_request(make_request("high", 4, max_tokens=1, priority=0))
     s.add_request(make_request("mid-1", 4, max_tokens=1, priority=1))
@@ -362,7 +362,7 @@ def test_lower_priority_value_is_admitted_first():
 
 
 def test_priority_orders_the_batch():
-    s = make_scheduler(max_num_seqs=4)
+    s = make_scheduler(max_num_seqs=4, scheduling_policy="priority")
     s.add_request(make_request("low", 4, max_tokens=5, priority=1))
     step(s)
     s.add_request(make_request("high", 4, max_tokens=5, priority=0))
@@ -378,7 +378,8 @@ def test_priority_orders_the_batch():
     ({"a": 0, "b": 2, "c": 1}, "b"),
 ])
 def test_preemption_victim_is_lowest_priority_then_latest(priorities, victim):
-    s = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, max_model_len=24)
+    s = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, max_model_len=24,
+                       scheduling_policy="priority")
     for name in "abc":
         s.add_request(make_request(name, 8, max_tokens=4, priority=priorities[name]))
     sched, _ = step(s)
@@ -520,8 +521,9 @@ def check_invariants(s, sched, cfg, had_work):
         r = s.requests[req_id]
         assert r.status == RequestStatus.PREEMPTED and r in s.waiting
         assert req_id not in sched.num_scheduled_tokens
-    if sched.preempted_req_ids:
+    if cfg.get("scheduling_policy", "fcfs") == "fcfs" and sched.preempted_req_ids:
         assert not sched.new_requests
+    assert not (sched.preempted_req_ids & {n.req_id for n in sched.new_requests})
     for new in sched.new_requests:
         r = s.requests[new.req_id]
         assert new.token_ids == r.all_token_ids
@@ -531,14 +533,18 @@ def check_invariants(s, sched, cfg, had_work):
         assert r.num_computed_tokens == sched.num_scheduled_tokens[new.req_id]
 
 
-def simulate(seed: int, abort_prob: float = 0.0, num_requests: int = 40):
+def simulate(seed: int, abort_prob: float = 0.0, num_requests: int = 40,
+             scheduling_policy: str = "fcfs", priority_aging_steps: int = 0):
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8, 16])
     max_model_len = rng.choice([24, 40, 64])
     num_blocks = cdiv(max_model_len, block_size) + rng.randint(0, 6)  # tight: forces preemption
-    cfg = {"max_num_seqs": rng.randint(1, 8), "max_num_batched_tokens": rng.randint(4, 48)}
+    cfg = {"max_num_seqs": rng.randint(1, 8), "max_num_batched_tokens": rng.randint(4, 48),
+           "scheduling_policy": scheduling_policy}
     s = make_scheduler(num_blocks, block_size, cfg["max_num_seqs"],
-                       cfg["max_num_batched_tokens"], max_model_len)
+                       cfg["max_num_batched_tokens"], max_model_len,
+                       scheduling_policy=scheduling_policy,
+                       priority_aging_steps=priority_aging_steps)
 
     # What each request will see: at output position `at`, the worker emits `token`.
     plans, expected = {}, {}
