@@ -341,6 +341,15 @@ class AsyncEngine:
         return [encoder.encode(AddRequest.of(req, req.arrival_time))
                 for req in prepared.core_requests]
 
+    def check_size(self, prompts: int, n: int, best_of: int | None = None) -> None:
+        """Before any tokenizing: n and best_of within --max-n, and the request's sequences
+        within what the queue may ever hold (ValueError)."""
+        limits = self.limits.request
+        limits.check_width("n", n)
+        if best_of is not None:
+            limits.check_width("best_of", best_of)
+        self.check_admissible(prompts * max(n, best_of or 1))
+
     def check_admissible(self, sequences: int) -> None:
         """Refuse (ValueError: a 400, not a 429 to retry) a request of more sequences than the
         queue may ever hold."""

@@ -19,6 +19,10 @@ from octavo.params import StructuredOutputsParams
 _WHAT = {"json": "a usable JSON schema", "json_object": "a JSON object grammar",
          "regex": "a valid regular expression", "choice": "a list of choices",
          "grammar": "a valid EBNF grammar", "structural_tag": "a valid xgrammar structural tag"}
+# Bounds on a spec before xgrammar sees it: its compile time grows with both, and a request
+# must not be able to hold the core's compile thread for long.
+MAX_SPEC_CHARS = 256 << 10
+MAX_SPEC_DEPTH = 64  # nesting of a JSON schema or structural tag (objects and arrays)
 # xgrammar's errors start with "[12:00:00] /project/cpp/file.cc:123: "; the rest is the message.
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -33,10 +37,43 @@ def check_structured(spec: StructuredOutputsParams, field: str | None = None) ->
     """Refuse a spec whose grammar does not parse. `field` names it in the message (default
     `structured_outputs.<kind>`); raises ValueError."""
     try:
-        _checked(spec.key())
+        key = spec.key()
+        _check_bounds(key)
+        _checked(key)
     except ValueError as exc:
         raise ValueError(f"{field or 'structured_outputs.' + spec.kind} is not "
                          f"{_WHAT[spec.kind]}: {exc}") from None
+
+
+def _check_bounds(key: tuple[str, str, bool]) -> None:
+    kind, text, _ = key
+    if len(text) > MAX_SPEC_CHARS:
+        raise ValueError(f"it is {len(text)} characters long; at most {MAX_SPEC_CHARS} are "
+                         f"allowed")
+    if kind in ("json", "structural_tag"):
+        depth = _depth(json.loads(text))
+        if depth > MAX_SPEC_DEPTH:
+            raise ValueError(f"it nests {depth} levels deep; at most {MAX_SPEC_DEPTH} are "
+                             f"allowed")
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of decoded JSON, without recursion (a deep value must not overflow the
+    stack here)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_SPEC_DEPTH:
+            return depth
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 @functools.lru_cache(maxsize=512)

@@ -154,7 +154,7 @@ async def completions(body: CompletionRequest, request: Request):
     if not prompts:
         raise APIError(400, "prompt must not be empty", "prompt")
     engine = state.engine
-    engine.check_admissible(len(prompts) * max(body.n, body.best_of or 1))
+    engine.check_size(len(prompts), body.n, body.best_of)
     if body.use_beam_search:
         return await beam_completions(state, body, request, prompts, model)
     if body.stream and body.best_of is not None and body.best_of > body.n:
@@ -268,7 +268,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     engine = state.engine
     tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
-    engine.check_admissible(max(body.n, getattr(body, "best_of", None) or 1))
+    engine.check_size(1, body.n)
     ids = await _render(state, body.messages, body.chat_template, body.tools,
                         body.chat_template_kwargs, body.add_generation_prompt
                         and not body.continue_final_message, body.continue_final_message)
