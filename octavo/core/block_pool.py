@@ -92,6 +92,15 @@ class BlockPool:
         self.block_tokens[block] = tuple(tokens)
         self.cached[block_hash] = block
 
+    def uncache(self, block: int) -> None:
+        """Forget a block's cached content (it may be in use; it stays allocated)."""
+        if self.block_hash[block] is None:
+            return
+        self._evict(block)
+        if self.ref_counts[block] == 0:  # an idle cached block becomes a plain free one
+            del self._cached_free[block]
+            self._plain.append(block)
+
     def _evict(self, block: int) -> None:
         h = self.block_hash[block]
         if h is not None:

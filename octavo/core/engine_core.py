@@ -1,4 +1,5 @@
-"""EngineCore.step() = schedule → grammar bitmask → execute → update."""
+"""EngineCore.step() = schedule → grammar bitmask → execute → update; a step that raises is
+attributed to a request, which is aborted, and the engine goes on (faults.py)."""
 from __future__ import annotations
 
 import logging
@@ -6,6 +7,7 @@ import time
 
 from octavo.arch_config import ArchConfig
 from octavo.config import EngineConfig
+from octavo.core.faults import StepFaults
 from octavo.core.kv_manager import KVCacheManager, cdiv
 from octavo.core.ngram import NgramProposer
 from octavo.core.request import Request
@@ -57,6 +59,7 @@ class EngineCore:
         lookahead = spec.num_speculative_tokens if spec is not None and proposer is None else 0
         self.scheduler = Scheduler(config.scheduler, kv, max_model_len, self.structured, proposer,
                                    lookahead)
+        self.faults = StepFaults(self.scheduler)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -70,17 +73,23 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         failed = self.scheduler.finish_failed_grammars() if self.structured.has_compiling() \
             else []
+        self.faults.before_schedule()
         sched = self.scheduler.schedule()
         if (sched.total_num_scheduled_tokens == 0 and not sched.finished_req_ids
                 and not sched.preempted_req_ids):
             if not failed and self.structured.has_compiling():
                 self.structured.wait_for_compiles(GRAMMAR_WAIT_S)
             return failed  # nothing to run and nothing for the workers to drop
-        # The matchers are up to date with every token so far: fill the constrained requests'
-        # bitmask now (microseconds each) so that the worker only applies it.
-        sched.grammar = self.structured.bitmask_for(sched, self.scheduler.requests)
-        out = self.executor.execute(sched)
-        return failed + self.scheduler.update_from_output(sched, out)
+        try:
+            # The matchers are up to date with every token so far: fill the constrained
+            # requests' bitmask now (microseconds each) so that the worker only applies it.
+            sched.grammar = self.structured.bitmask_for(sched, self.scheduler.requests)
+            out = self.executor.execute(sched)
+            outputs = self.scheduler.update_from_output(sched, out)
+        except Exception as exc:  # noqa: BLE001 - attributed to a request, or EngineFault
+            return failed + self.faults.failed(sched, exc)
+        self.faults.succeeded(sched)
+        return failed + outputs
 
     def do_idle_work(self) -> bool:
         """See Executor.do_idle_work: call only with no unfinished request."""

@@ -111,6 +111,7 @@ class Scheduler:
         self.proposer = proposer
         self.lookahead = lookahead
         self.spec_counts = [0, 0, 0]  # draft tokens, accepted, verifications
+        self.isolated: str | None = None  # set: a step schedules only this request (faults.py)
 
     @property
     def speculating(self) -> bool:
@@ -183,13 +184,18 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
-        preempted = self._preempt_for_priority() if self.priority_policy else set()
+        isolated = self.isolated
+        preempted = (self._preempt_for_priority() if self.priority_policy and isolated is None
+                     else set())
         spec: dict[str, list[int]] = {}
 
         i = 0
         preempted_running = False
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if isolated is not None and req.req_id != isolated:
+                i += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = self._propose(req, budget) if self.speculating else []
             num_new += len(drafts)
@@ -217,7 +223,9 @@ class Scheduler:
         while (not preempted_running and idx < len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[idx]
-            if self.structured.is_compiling(req.req_id):
+            if (self.structured.is_compiling(req.req_id)
+                    or (isolated is not None and req.req_id != isolated)
+                    or req.req_id in self._finished_ids):  # requeued: the worker forgets first
                 idx += 1
                 continue
             if req.req_id in preempted:  # made room for those before it: it and the rest wait
@@ -252,6 +260,32 @@ class Scheduler:
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                self.max_num_batched_tokens - budget, finished, preempted,
                                spec_token_ids=spec)
+
+    def requeue(self, req_ids: list[str]) -> None:
+        """After a step that raised: these requests go back to waiting, to be recomputed from
+        scratch (the worker forgets them), and no block of theirs stays findable in the prefix
+        cache (this step's writes to them may be half done)."""
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            for block in self.kv.blocks_of(req_id):
+                self.kv.pool.uncache(block)
+            self.running.remove(req)
+            self._preempt(req)
+            self._finished_ids.add(req_id)
+
+    def fail(self, req_id: str, reason: str) -> EngineCoreOutput | None:
+        """Abort one request for an error of its own; its error output, or None if gone."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        for block in self.kv.blocks_of(req_id):
+            self.kv.pool.uncache(block)
+        (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+        req.stop_reason = reason
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return EngineCoreOutput(req_id, [], "abort", reason)
 
     def effective_priority(self, req: Request) -> int:
         """Its priority, minus one for every `priority_aging_steps` steps since it arrived."""

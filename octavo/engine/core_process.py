@@ -71,10 +71,11 @@ class EngineCoreProcess:
         if isinstance(msg, AddRequest):
             try:
                 self.core.add_request(msg.to_request())
-            except ValueError as exc:  # validated by the front end; never kill the loop
+            except Exception as exc:  # validated by the front end; never kill the loop
                 logger.error("rejected request %s: %s", msg.req_id, exc)
-                self._send(CoreOutputs([EngineCoreOutput(msg.req_id, [], "abort")],
-                                       self.core.stats()))
+                self._send(CoreOutputs([EngineCoreOutput(
+                    msg.req_id, [], "abort", f"error: {type(exc).__name__}: {exc}"[:500])],
+                    self.core.stats()))
         elif isinstance(msg, AbortRequests):
             self.core.abort_requests(msg.req_ids)
         elif isinstance(msg, UtilityCall):

@@ -137,3 +137,83 @@ def test_finished_ids_after_a_natural_finish_reach_the_worker():
     assert outs[-1].finish_reason == "length"
     core.step()
     assert ex.worker.reqs == {}
+
+
+# -- a step that raises ---------------------------------------------------------------------------
+
+class _PoisonExecutor(FakeExecutor):
+    """Raises on any step that computes tokens of a request whose id starts with 'bad', once
+    the request has computed more than `after` tokens (so the fault can sit mid-request)."""
+
+    def __init__(self, num_blocks: int, after: int = 0) -> None:
+        super().__init__(num_blocks)
+        self.after = after
+        self.failures = 0
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        computed = {n.req_id: n.num_computed_tokens for n in scheduler_output.new_requests}
+        computed.update({c.req_id: c.num_computed_tokens
+                         for c in scheduler_output.cached_requests})
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            if req_id.startswith("bad") and computed[req_id] + n > self.after:
+                self.worker.apply(scheduler_output)  # the worker took the step in, then failed
+                self.failures += 1
+                raise RuntimeError(f"poisoned by {req_id}")
+        return self.worker.execute(scheduler_output)
+
+
+def _run(core, limit=400):
+    outs: dict[str, list] = {}
+    steps = 0
+    while core.has_unfinished_requests() and steps < limit:
+        for o in core.step():
+            outs.setdefault(o.req_id, []).append(o)
+        steps += 1
+    assert not core.has_unfinished_requests(), "the core stopped making progress"
+    return outs
+
+
+@pytest.mark.parametrize("after", [0, 10])
+def test_a_request_whose_step_raises_is_aborted_and_the_others_finish(after):
+    core, ex = _make_poison_core(after)
+    for req_id in ("a", "bad", "b", "c"):
+        core.add_request(make_request(req_id, prompt_len=6, max_tokens=8))
+    outs = _run(core)
+    bad = outs["bad"][-1]
+    assert bad.finish_reason == "abort" and "poisoned by bad" in bad.stop_reason
+    for req_id in ("a", "b", "c"):
+        tokens = [t for o in outs[req_id] for t in o.new_token_ids]
+        assert tokens == [token_at(i) for i in range(8)], req_id
+        assert outs[req_id][-1].finish_reason == "length"
+    assert core.scheduler.kv.pool.num_free_blocks == core.num_blocks
+    assert not core.faults.suspects and core.scheduler.isolated is None
+
+
+def test_a_failed_step_leaves_nothing_findable_in_the_prefix_cache():
+    core, ex = _make_poison_core(0, enable_prefix_caching=True)
+    core.add_request(make_request("ok", prompt_len=12, max_tokens=2))
+    core.add_request(make_request("bad", prompt_len=12, max_tokens=2))  # same prompt tokens
+    pool = core.scheduler.kv.pool
+    assert core.step() == [] and ex.failures == 1  # both ran: both requeued, none blamed
+    assert not pool.cached, "blocks of the failed step are still findable by their hash"
+    assert set(core.faults.suspects) == {"ok", "bad"}
+    outs = _run(core)
+    assert outs["bad"][-1].finish_reason == "abort"
+    assert [t for o in outs["ok"] for t in o.new_token_ids] == [token_at(0), token_at(1)]
+    assert ex.failures == 2  # once together, once alone
+
+
+def test_steps_that_fail_whatever_runs_fail_the_engine():
+    from octavo.core.faults import MAX_LONE_FAILURES, EngineFault
+
+    core, ex = _make_poison_core(0)
+    for i in range(MAX_LONE_FAILURES + 1):
+        core.add_request(make_request(f"bad{i}", prompt_len=4, max_tokens=2))
+    with pytest.raises(EngineFault, match="the engine, not a request"):
+        _run(core)
+
+
+def _make_poison_core(after, **kw):
+    config = EngineConfig.from_kwargs(block_size=4, kv_cache_memory=12345, **kw)
+    ex = _PoisonExecutor(64, after)
+    return EngineCore(config, ex, 64), ex
