@@ -84,8 +84,14 @@ class SchedulerConfig:
     priority_aging_steps: int = field(default=1000, metadata=_opt(
         "with --scheduling-policy priority: a request's priority improves by 1 for every this "
         "many steps since it arrived, so none starves; 0: no aging"))
+    grammar_compile_timeout: float = field(default=60.0, metadata=_opt(
+        "seconds a structured-output grammar may take to compile (from its submission) before "
+        "the request waiting on it is aborted"))
 
     def __post_init__(self) -> None:
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0 seconds, "
+                             f"got {self.grammar_compile_timeout!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -256,7 +262,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                    help=meta["help"])
             else:
-                kind = int if f.type in ("int", "int | None") else str
+                kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
                 group.add_argument(flag, type=kind, default=default, **meta)
     if "speculative_config" not in skip:
         parser.add_argument_group("SpeculativeConfig").add_argument(

@@ -53,7 +53,8 @@ class EngineCore:
                     num_blocks / cdiv(max_model_len, block_size))
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                             sliding_window)
-        self.structured = StructuredOutputManager(grammar_backend)
+        self.structured = StructuredOutputManager(
+            grammar_backend, compile_timeout_s=config.scheduler.grammar_compile_timeout)
         spec = config.speculative
         proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         lookahead = spec.num_speculative_tokens if spec is not None and proposer is None else 0

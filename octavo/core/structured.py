@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
@@ -94,11 +95,12 @@ class _ReasoningGate:
 
 class StructuredOutputManager:
     def __init__(self, backend_factory: BackendFactory | None, cache_size: int = 256,
-                 cache_bytes: int = 256 << 20) -> None:
+                 cache_bytes: int = 256 << 20, compile_timeout_s: float = 60.0) -> None:
         """backend_factory: builds the backend on the first constrained request (in the compile
         thread: loading a tokenizer's vocabulary takes a while); None refuses such requests.
         The cache keeps the `cache_size` most recent grammars within `cache_bytes` (a large
-        schema compiles to a few MB)."""
+        schema compiles to a few MB). A request whose grammar has not compiled
+        `compile_timeout_s` after it was submitted fails alone; the others go on."""
         self._factory = backend_factory
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
@@ -107,6 +109,8 @@ class StructuredOutputManager:
         self._cache_bytes = cache_bytes
         self._compiled: OrderedDict[tuple, cf.Future] = OrderedDict()
         self._compiling: dict[str, tuple[tuple, cf.Future]] = {}  # request id -> (key, compile)
+        self._compile_timeout_s = compile_timeout_s
+        self._submitted: dict[tuple, float] = {}  # key -> when its compile was submitted
         self._matchers: dict[str, GrammarMatcher] = {}
         self._gates: dict[str, _ReasoningGate] = {}  # requests whose grammar waits on reasoning
 
@@ -125,6 +129,7 @@ class StructuredOutputManager:
                 self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="octavo-grammar")
             fut = self._pool.submit(self._compile, spec)
             self._compiled[key] = fut
+            self._submitted[key] = time.monotonic()
             self._evict()
         else:
             self._compiled.move_to_end(key)
@@ -171,10 +176,19 @@ class StructuredOutputManager:
         """Give each request whose compile finished its matcher. Returns (request id, error) of
         those whose grammar failed to compile (their failed entry leaves the cache)."""
         failed = []
+        now = time.monotonic()
         for req_id, (key, fut) in list(self._compiling.items()):
             if not fut.done():
+                waited = now - self._submitted.get(key, now)
+                if waited > self._compile_timeout_s:
+                    del self._compiling[req_id]
+                    if self._compiled.get(key) is fut:  # a later request compiles it anew
+                        del self._compiled[key]
+                    failed.append((req_id, f"the grammar did not compile within "
+                                           f"{self._compile_timeout_s:g} s"))
                 continue
             del self._compiling[req_id]
+            self._submitted.pop(key, None)
             try:
                 self._matchers[req_id] = self._backend.matcher(fut.result())
             except Exception as exc:  # reported on the request; the loop goes on

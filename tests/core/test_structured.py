@@ -322,3 +322,17 @@ def test_reasoning_end_rule_in_the_prompt():
     assert not rule.ended_in_prompt([1, 2])
     with pytest.raises(ValueError, match="reasoning_end.end_id"):
         ReasoningEndRule(7, -1, False)
+
+
+def test_a_compile_past_its_timeout_fails_only_its_request():
+    backend = FakeBackend()
+    backend.gate = threading.Event()  # the compile never finishes on its own
+    core, _ = make_core(backend, grammar_compile_timeout=0.05)
+    core.add_request(make_request("stuck", 4, structured_outputs=choice("ok")))
+    core.add_request(make_request("free", 4, max_tokens=3))
+    done = run(core)
+    assert done["stuck"][1] == "abort" and "did not compile within 0.05 s" in done["stuck"][2]
+    assert done["free"][1] == "length"
+    backend.gate.set()
+    core.add_request(make_request("again", 4, structured_outputs=choice("ok")))
+    assert text(run(core)["again"][0]) == "ok"  # compiled anew, not the failed entry
