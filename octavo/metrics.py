@@ -40,6 +40,8 @@ class EngineMetrics:
                                       "Sequences admitted that have no token yet", registry=r)
         self.queued_tokens = Gauge("octavo:frontend_queued_prompt_tokens",
                                    "Prompt tokens of those sequences", registry=r)
+        self.loop_tasks = Gauge("octavo:frontend_asyncio_tasks",
+                                "Tasks alive on the front end's event loop", registry=r)
         self.preemptions = Counter("octavo:num_preemptions", "Preempted requests", registry=r)
         self.prefix_queries = Counter("octavo:prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache", registry=r)
@@ -113,11 +115,12 @@ class EngineMetrics:
         if decode_time is not None and output_tokens > len(reasons):
             self.tpot.observe(decode_time / (output_tokens - len(reasons)))
 
-    def watch_frontend(self, in_flight, queued_sequences, queued_tokens) -> None:
+    def watch_frontend(self, in_flight, queued_sequences, queued_tokens, loop_tasks) -> None:
         """Gauges read from the front end's own counters (callables) at each scrape."""
         self.in_flight.set_function(in_flight)
         self.queued_sequences.set_function(queued_sequences)
         self.queued_tokens.set_function(queued_tokens)
+        self.loop_tasks.set_function(loop_tasks)
 
     def rejected(self) -> None:
         self.rejections.inc()

@@ -143,8 +143,6 @@ class AsyncEngine:
         self._calls = itertools.count()
         self._pending_calls: dict[int, asyncio.Future] = {}
         self._last_heard = time.monotonic()  # the core's last message
-        self.metrics.watch_frontend(lambda: len(self._streams), lambda: self._queued_requests,
-                                    lambda: self._queued_tokens)
 
     # -- process and sockets ---------------------------------------------------------------------
 
@@ -179,6 +177,11 @@ class AsyncEngine:
         """Start the output reader and the process watchdog on the running event loop."""
         self.wait_until_ready()
         if self._reader is None:
+            loop = asyncio.get_running_loop()
+            self.metrics.watch_frontend(lambda: len(self._streams),
+                                        lambda: self._queued_requests,
+                                        lambda: self._queued_tokens,
+                                        lambda: len(asyncio.all_tasks(loop)))
             self._reader = asyncio.get_running_loop().create_task(self._read_outputs())
             self._watchdog = asyncio.get_running_loop().create_task(self._watch_process())
 
