@@ -136,7 +136,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     for t in body.tokens:
         if not 0 <= t < vocab:
             raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab})", "tokens")
-    return {"prompt": state.engine.tokenizer.decode(body.tokens)}
+    return {"prompt": await state.engine.offload.run("detokenizing", state.engine.tokenizer.decode,
+                                                      body.tokens)}
 
 
 # -- completions -------------------------------------------------------------------------------
