@@ -25,7 +25,8 @@ class EngineMetrics:
         self.request_success = Counter("octavo:request_success", "Finished requests",
                                        ["finished_reason"], registry=r)
         self.rejections = Counter("octavo:requests_rejected",
-                                  "Requests refused at admission (429; 400 for one that could never fit)", registry=r)
+                                  "Requests refused at admission (429; 400 for one that "
+                                  "could never fit)", registry=r)
         self.aborts = Counter("octavo:requests_aborted",
                               "Requests aborted before they finished (client gone)", registry=r)
         # received = finished + aborted + rejected, once nothing is in flight
