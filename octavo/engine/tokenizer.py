@@ -9,8 +9,6 @@ file's name, size and mtime) and read from there on later starts.
 from __future__ import annotations
 
 import json
-import logging
-import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,9 +17,9 @@ from typing import Any
 from tokenizers import Tokenizer as Backend
 from tokenizers.processors import TemplateProcessing
 
+from octavo.disk_cache import write_dir
+from octavo.model_files import check_gguf
 from octavo.model_source import ModelSource, cache_dir
-
-logger = logging.getLogger(__name__)
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                        "cls_token", "mask_token")
@@ -139,18 +137,19 @@ def _clean_up_spaces(text: str) -> str:
 
 def load_tokenizer(source: ModelSource, override: str | None = None) -> Tokenizer:
     if override:
-        return Tokenizer.from_folder(_tokenizer_folder(override))
+        return _named_tokenizer(override)
     if source.is_gguf:
-        return Tokenizer.from_folder(_converted(source.path, gguf=True))
+        return _converted(source.path, gguf=True)
     if (source.path / "tokenizer.json").is_file():
         return Tokenizer.from_folder(source.path)
-    return Tokenizer.from_folder(_converted(source.path, gguf=False))
+    return _converted(source.path, gguf=False)
 
 
-def _tokenizer_folder(name: str) -> Path:
+def _named_tokenizer(name: str) -> Tokenizer:
     path = Path(name)
     if path.is_dir():
-        return path if (path / "tokenizer.json").is_file() else _converted(path, gguf=False)
+        return (Tokenizer.from_folder(path) if (path / "tokenizer.json").is_file()
+                else _converted(path, gguf=False))
     from huggingface_hub import snapshot_download
 
     try:
@@ -158,18 +157,21 @@ def _tokenizer_folder(name: str) -> Path:
     except Exception as exc:  # no such repo, no network: the user's flag is wrong or unusable
         raise ValueError(f"tokenizer: {name!r} is neither a local folder nor a downloadable "
                          f"Hugging Face repository ({type(exc).__name__}: {exc})") from None
-    return folder if (folder / "tokenizer.json").is_file() else _converted(folder, gguf=False)
+    return (Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file()
+            else _converted(folder, gguf=False))
 
 
-def _converted(path: Path, gguf: bool) -> Path:
-    """A folder with tokenizer.json made by transformers from a GGUF file or a slow tokenizer,
-    built once and cached."""
+def _converted(path: Path, gguf: bool) -> Tokenizer:
+    """The tokenizer transformers makes from a GGUF file or a slow tokenizer, converted once and
+    cached as a folder with tokenizer.json."""
     marker = path if gguf else path / "tokenizer_config.json"
     st = marker.stat() if marker.exists() else path.stat()
     stem = path.stem if gguf else path.name
     saved = cache_dir() / "tokenizers" / f"{stem}-{st.st_size}-{st.st_mtime_ns}"
     if (saved / "tokenizer.json").is_file():
-        return saved
+        return Tokenizer.from_folder(saved)
+    if gguf:
+        check_gguf(path)  # transformers' GGUF reader trusts the sizes a corrupt file states
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -181,14 +183,11 @@ def _converted(path: Path, gguf: bool) -> Path:
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"model: {path} has no fast tokenizer (tokenizer.json) and transformers "
                          "could not convert one")
-    try:
-        tmp = saved.with_name(saved.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tok.save_pretrained(str(tmp))
-        shutil.rmtree(saved, ignore_errors=True)
-        tmp.rename(saved)
-    except OSError as exc:  # a read-only cache only costs start-up time
-        logger.warning("could not cache the converted tokenizer in %s: %s", saved, exc)
-        saved = Path(tempfile.mkdtemp(prefix="octavo-tokenizer-"))
-        tok.save_pretrained(str(saved))
-    return saved
+    # tokenizers' Rust writer reports a full disk or a read-only folder as a plain Exception, so
+    # any error skips the cache; a real fault in save_pretrained raises again just below.
+    if write_dir(saved, lambda tmp: tok.save_pretrained(str(tmp)), "the converted tokenizer",
+                 errors=(Exception,)):
+        return Tokenizer.from_folder(saved)
+    with tempfile.TemporaryDirectory(prefix="octavo-tokenizer-") as tmp:  # read, then removed
+        tok.save_pretrained(tmp)
+        return Tokenizer.from_folder(Path(tmp))

@@ -7,16 +7,20 @@ runs the PyTorch ops and says so in its log.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+
+from octavo.disk_cache import describe, make_dirs, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +80,7 @@ def _build_in_background(on_ready: Callable[[ModuleType], None] | None) -> None:
 
 
 _READY = "ready"  # written after a build loads: a library left by an interrupted build is no cache
+_LOCK = "octavo.lock"
 
 
 def _is_cached() -> bool:
@@ -94,7 +99,6 @@ def _import_library(name: str, path: Path) -> ModuleType:
 def _build() -> ModuleType | None:
     key = _build_key()
     build_dir = _cache_root() / key
-    build_dir.mkdir(parents=True, exist_ok=True)
     library = build_dir / f"octavo_cpu_ops_{key}.so"
     if (build_dir / _READY).is_file() and library.is_file():
         return _load_built(key, library)
@@ -102,10 +106,11 @@ def _build() -> ModuleType | None:
     # killed mid-build (a server stopped while its kernels built in the background) leaves
     # cpp_extension's own lock file behind, on which every later build would wait forever.
     try:
-        guard = open(build_dir / "octavo.lock", "w")
-    except OSError as exc:  # a read-only cache without this build
+        make_dirs(build_dir)
+        guard = open(build_dir / _LOCK, "w")
+    except OSError as exc:  # a read-only or foreign cache without this build
         logger.warning("native CPU kernels unavailable (cannot build in %s: %s); using PyTorch "
-                       "ops, decode is slower", build_dir, exc)
+                       "ops, decode is slower", build_dir, describe(exc))
         return None
     with guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
@@ -133,14 +138,27 @@ def _compile(key: str, build_dir: Path) -> ModuleType | None:
             name=f"octavo_cpu_ops_{key}", sources=[str(_SOURCE)], build_directory=str(build_dir),
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-mprefer-vector-width=512"], extra_ldflags=["-fopenmp"],
             verbose=False)
-    except Exception as exc:  # a missing compiler or headers: fall back, loudly
+    except Exception as exc:  # a missing compiler or headers, a full disk: fall back, loudly
         errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
         logger.warning("native CPU kernels unavailable (%s: %s); using PyTorch ops, decode is "
-                       "slower", type(exc).__name__, " | ".join(errors[:3])[:600])
+                       "slower", type(exc).__name__, " | ".join(errors[:3] or [str(exc)])[:600])
+        _remove_outputs(build_dir)
         return None
     logger.info("native CPU kernels built in %.1f s", time.perf_counter() - start)
-    try:
-        (build_dir / _READY).touch()
-    except OSError:  # a read-only cache: the next start checks the build again
-        pass
+    # Without the stamp (a full disk) the next start only checks the build again.
+    write_text(build_dir / _READY, "", "the native kernels' ready stamp")
     return module
+
+
+def _remove_outputs(build_dir: Path) -> None:
+    """What a failed build left (objects, a half-linked library, ninja's files): never loaded,
+    as no stamp names them ready, but on a full disk they hold the space it lacks. The lock
+    stays: it is held (by this process) until the build returns."""
+    with contextlib.suppress(OSError):
+        for entry in build_dir.iterdir():
+            if entry.name == _LOCK:
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)

@@ -130,6 +130,7 @@ class Worker:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than one "
                              f"block ({self.kv_bytes_per_block(block_size)} bytes)")
+        _check_kv_fits(kv_cache_memory, self.device)
         caches = [_zeros((2, num_blocks, block_size, a.num_kv_heads, a.head_dim), self.kv_dtype,
                          self.device) for a in self._kv_layers()]
         self.runner.kv_caches = caches[:self.arch.num_layers]
@@ -146,6 +147,41 @@ class Worker:
         if self.packing is not None and self.packing.pack_some():
             self.packing = None
         return self.packing is not None
+
+
+def available_memory(device: torch.device) -> tuple[int, str] | None:
+    """Bytes the KV cache could still take on `device`, and where that figure comes from; None
+    where the system does not say."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], "free on the GPU"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):  # "MemAvailable:   12345678 kB"
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_kv_fits(kv_cache_memory: int, device: torch.device) -> None:
+    """Refuse a KV cache larger than the memory left, before anything is allocated: on the CPU
+    the cache is mapped lazily (_zeros), so a 10 TB one would not fail here but be OOM-killed
+    once written, and the core's block pool for it alone takes minutes and gigabytes. The check
+    runs after the weights are loaded, so the figure is already net of them; it allows up to
+    all of it (an allocation close to free memory is legitimate, and page cache counts as
+    available because the OS reclaims it). A cgroup limit below MemAvailable is not seen."""
+    free = available_memory(device)
+    if free is None or kv_cache_memory <= free[0]:
+        return
+    raise ValueError(
+        f"kv_cache_memory: {_gib(kv_cache_memory)} asked for the KV cache, but only "
+        f"{_gib(free[0])} is available ({free[1]}, after loading the weights); lower "
+        f"--kv-cache-memory (kv_cache_memory= in Python)")
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):,.2f} GiB ({n} bytes)"
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The CPU KV cache is allocated lazily and in small pages (octavo/worker/worker.py `_zeros`)."""
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -39,3 +40,32 @@ def test_the_kv_cache_is_zeros_mapped_lazily_without_huge_pages():
     assert _rss() - before < 16 << 20  # one written page, not a huge one
     assert cache[1, 17, 3].eq(1.5).all() and cache[1, 16:19].count_nonzero() == 4 * 64
     assert cache[0, :64].count_nonzero() == 0 and cache[1, -64:].count_nonzero() == 0
+
+
+def test_a_kv_budget_beyond_free_memory_is_refused_at_start(smollm_gguf, monkeypatch):
+    """10 TB of KV cache: refused with what was asked, what is free and the flag to change,
+    before any of it is mapped (a lazy mapping would only be OOM-killed once written, and the
+    core's block pool for it takes minutes)."""
+    from octavo import LLM
+    from octavo.worker import worker
+
+    monkeypatch.setattr(worker, "_zeros", lambda *a: pytest.fail("the cache was allocated"))
+    with pytest.raises(ValueError) as err:
+        LLM(str(smollm_gguf), kv_cache_memory=10 << 40, dtype="float32", max_model_len=256)
+    message = str(err.value)
+    assert "10,240.00 GiB" in message and "--kv-cache-memory" in message, message
+    assert "available" in message and "MemAvailable" in message, message
+
+
+def test_a_kv_budget_up_to_all_free_memory_is_allowed(monkeypatch):
+    from octavo.worker import worker
+
+    cpu = torch.device("cpu")
+    free = worker.available_memory(cpu)
+    assert free is not None and 0 < free[0] <= os.sysconf("SC_PHYS_PAGES") * os.sysconf(
+        "SC_PAGE_SIZE")
+    monkeypatch.setattr(worker, "available_memory", lambda device: (1 << 30, "test"))
+    worker._check_kv_fits(1 << 30, cpu)  # all of it: fine
+    with pytest.raises(ValueError, match=r"1\.00 GiB \(1073741825 bytes\) asked .* only 1\.00 "
+                                         r"GiB \(1073741824 bytes\) is available \(test"):
+        worker._check_kv_fits((1 << 30) + 1, cpu)

@@ -30,6 +30,19 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
             raise NotImplementedError(f"quantized weights ({plan.fmt}) run on the CPU only; "
                                       f"device={device.type}")
     cls = model_class(cfg.architecture)
+    prepared = None
+    if source.is_gguf and device.type == "cpu":
+        from octavo.model.loader.prepared_cache import prepared_path
+        prepared = prepared_path(source, dtype, decode_weights, quantization)
+    # A truncated or corrupt checkpoint fails here, naming its file, before the model's memory is
+    # allocated (a start from prepared weights never reads the GGUF, nor imports gguf).
+    names: list[str] = []
+    if not source.is_gguf:
+        from octavo.model.loader.safetensors_weights import safetensors_names
+        names = safetensors_names(source.path)  # safetensors checks each header and range
+    elif prepared is None or not prepared.is_file():
+        from octavo.model_files import check_gguf
+        check_gguf(source.path)
     with torch.device(device):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -41,10 +54,8 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
     if source.is_gguf and plan is not None:
         from octavo.model.loader.gguf_weights import gguf_tensor_types
         codes = plan.apply(model, gguf_tensor_types(source.path, cfg))
-    prepared = None
-    if source.is_gguf and device.type == "cpu":
-        from octavo.model.loader.prepared_cache import load_prepared, prepared_path
-        prepared = prepared_path(source, dtype, decode_weights, quantization)
+    if prepared is not None:
+        from octavo.model.loader.prepared_cache import load_prepared
         if load_prepared(model, prepared):
             return _finish(model, plan, device, quantization, pack_gemm)
     bits: dict[str, int] = {}
@@ -53,10 +64,9 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
         weights = iterate_gguf_weights(source.path, cfg, bits, codes,
                                        dense_too=plan is None or plan.keep_dense)
     else:
-        from octavo.model.loader.safetensors_weights import (
-            iterate_safetensors_weights, safetensors_names)
+        from octavo.model.loader.safetensors_weights import iterate_safetensors_weights
         if plan is not None:
-            plan.apply(model, safetensors_names(source.path))
+            plan.apply(model, names)
         weights = iterate_safetensors_weights(source.path)
     model.load_weights(weights)
     packed_only = getattr(plan, "keep_dense", True) is False  # a GGUF with int4|int8

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,9 @@ import numpy as np
 import torch
 
 from octavo.arch_config import ArchConfig
+from octavo.disk_cache import write_text
 from octavo.model.quant.ggml_types import GGMLType
+from octavo.model_files import open_gguf
 from octavo.model_source import cache_dir
 
 _LLAMA = {
@@ -143,17 +144,10 @@ def gguf_tensor_types(path: Path, cfg: ArchConfig) -> dict[str, GGMLType]:
         return {k: GGMLType(v) for k, v in json.loads(cached.read_text()).items()}
     except (OSError, ValueError):
         pass
-    from gguf import GGUFReader
-
-    types = {hf_name(t.name, cfg.architecture): t.tensor_type for t in GGUFReader(path).tensors
+    types = {hf_name(t.name, cfg.architecture): t.tensor_type for t in open_gguf(path).tensors
              if t.name not in _ROPE_TENSORS and t.name.endswith(".weight")}
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({k: int(v) for k, v in types.items()}))
-        tmp.replace(cached)
-    except OSError:  # a read-only cache: parse again next time
-        pass
+    write_text(cached, json.dumps({k: int(v) for k, v in types.items()}),
+               "the GGUF's tensor types")  # without it, parsed again next time
     return types
 
 
@@ -175,12 +169,11 @@ def iterate_gguf_weights(path: Path, cfg: ArchConfig, bits: dict[str, int] | Non
     `codes` (Q4_0/Q4_1/Q4_K weights; stacked experts with {}), the 4-bit codes, scales and
     offsets come too, as `<module>.gguf_q4`, `.gguf_q4_scale`, `.gguf_q4_low` (quant/gguf.py),
     and without `dense_too` instead of the dequantized weight."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     from octavo.model.quant.gguf import CODE_KINDS, int4_codes
 
-    reader = GGUFReader(path)
+    reader = open_gguf(path)  # checked whole first: every tensor's data lies inside the file
     for t in reader.tensors:
         if t.name in _ROPE_TENSORS:
             continue

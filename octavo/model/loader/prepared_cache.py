@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from octavo.disk_cache import write_file
 from octavo.model.quant.gguf import GGUFMethod
 from octavo.model.quant.packed import PACKED_KINDS, packed_kind
 from octavo.model_source import ModelSource, cache_dir
@@ -53,15 +54,11 @@ def save_prepared(model: nn.Module, path: Path) -> None:
             if packed is not None:
                 for key, t in packed.tensors().items():
                     tensors[f"{prefix}.{packed_kind(packed)}.{name}.{key}"] = t.contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(tmp))
-        tmp.replace(path)  # atomic: a reader never sees half a file
+    # Whole or not at all (disk_cache): a full disk or a read-only cache costs the next start
+    # the dequantizing, never this one. safetensors reports I/O errors as SafetensorError.
+    if write_file(path, lambda tmp: save_file(tensors, str(tmp)), "prepared weights",
+                  errors=(SafetensorError,)):
         _remove_stale(path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        logger.warning("could not save prepared weights to %s: %s", path, exc)
 
 
 def _remove_stale(path: Path) -> None:
