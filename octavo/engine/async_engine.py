@@ -168,7 +168,10 @@ class AsyncEngine:
         kind, info = self.core.ready.recv()
         if kind != "ready":
             self.core.process.join(5)
-            raise RuntimeError(f"engine core failed to start: {info}")
+            error_type, message = info
+            if error_type == "ValueError":  # a bad setting (a KV budget past free memory, ...)
+                raise ValueError(message)
+            raise RuntimeError(f"engine core failed to start: {error_type}: {message}")
         self.num_blocks = info["num_blocks"]
         logger.info("start-up: engine core process (pid %d) ready in %.1f s (imports, weights, "
                     "KV cache)", info["pid"], time.perf_counter() - self.core.started)

@@ -131,7 +131,7 @@ def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, ou
         core = create_engine_core(config, source, arch, max_model_len, eos_token_ids,
                                   grammar_backend)
     except BaseException as exc:
-        ready.send(("error", f"{type(exc).__name__}: {exc}"))
+        ready.send(("error", (type(exc).__name__, str(exc))))
         raise
     proc = EngineCoreProcess(core, input_addr, output_addr)
     startup_gc.settle()

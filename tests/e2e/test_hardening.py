@@ -196,3 +196,15 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_kv_budget_past_free_memory_stops_serve_with_the_flag_to_change(smollm_gguf):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "octavo.entrypoints.cli.main", "serve",
+                           str(smollm_gguf), "--port", "0", "--kv-cache-memory", "10TB"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    tail = done.stderr.strip().splitlines()[-1]
+    assert tail.startswith("octavo: error:") and "--kv-cache-memory" in tail, tail

@@ -55,6 +55,8 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, stats: dict) -> No
         if kind < 0.45:
             r = await client.post(path, json=body)
             stats[r.status_code] = stats.get(r.status_code, 0) + 1
+            if r.status_code == 429:  # busy: back off briefly, as a real client would
+                await asyncio.sleep(0.05)
         elif kind < 0.55:  # gone before the answer
             with_timeout = client.post(path, json=body)
             try:
