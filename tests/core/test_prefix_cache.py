@@ -883,25 +883,32 @@ def test_random_workloads_hit_the_cache_and_preempt():
 
     results = []
     for seed in range(10):
-        rng = random.Random(seed)
-        block_size = rng.choice([2, 4])
-        num_blocks = rng.randint(12, 24)
-        cfg = dict(num_blocks=num_blocks, block_size=block_size,
-                   max_model_len=rng.randint(num_blocks * block_size // 3,
-                                             num_blocks * block_size),
-                   max_num_seqs=rng.randint(2, 6), max_num_batched_tokens=rng.randint(4, 32))
-        ops = []
-        for _ in range(40):
-            x = rng.random()
-            if x < 0.4:
-                ops.append(("add", rng.randrange(3), rng.randint(0, 64),
-                            [rng.randint(3, 6) for _ in range(rng.randint(0, 6))],
-                            rng.randint(1, 16), rng.choice([None, None, "x"]),
-                            rng.randint(0, 1), rng.randint(0, 1), None))
-            elif x < 0.9:
-                ops.append(("step", rng.randint(1, 4)))
-            else:
-                ops.append(("abort", rng.randint(0, 40)))
+        cfg, ops = seeded_workload(random.Random(seed), add_below=0.4, step_below=0.9,
+                                   priorities=(0, 1))
         results.append(compare_runs(cfg, ops, drain=True))
     assert sum(hits > 0 for hits, _ in results) >= 5, results
     assert sum(p > 0 for _, p in results) >= 2, results
+
+
+def seeded_workload(rng, add_below: float, step_below: float, priorities: tuple[int, int],
+                    **config) -> tuple[dict, list]:
+    """A small pool and 40 random operations (add / step / abort) for compare_runs."""
+    block_size = rng.choice([2, 4])
+    num_blocks = rng.randint(12, 24)
+    cfg = dict(num_blocks=num_blocks, block_size=block_size,
+               max_model_len=rng.randint(num_blocks * block_size // 3, num_blocks * block_size),
+               max_num_seqs=rng.randint(2, 6), max_num_batched_tokens=rng.randint(4, 32),
+               **config)
+    ops = []
+    for _ in range(40):
+        x = rng.random()
+        if x < add_below:
+            ops.append(("add", rng.randrange(3), rng.randint(0, 64),
+                        [rng.randint(3, 6) for _ in range(rng.randint(0, 6))],
+                        rng.randint(1, 16), rng.choice([None, None, "x"]),
+                        rng.randint(0, 1), rng.randint(*priorities), None))
+        elif x < step_below:
+            ops.append(("step", rng.randint(1, 4)))
+        else:
+            ops.append(("abort", rng.randint(0, 40)))
+    return cfg, ops

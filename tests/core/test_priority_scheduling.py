@@ -319,7 +319,7 @@ def test_priority_preemption_with_the_prefix_cache_keeps_every_kv_right(monkeypa
     import random
 
     from octavo.core.scheduler import Scheduler
-    from tests.core.test_prefix_cache import compare_runs
+    from tests.core.test_prefix_cache import compare_runs, seeded_workload
 
     made_room = []
     original = Scheduler._preempt_for_priority
@@ -331,26 +331,9 @@ def test_priority_preemption_with_the_prefix_cache_keeps_every_kv_right(monkeypa
 
     monkeypatch.setattr(Scheduler, "_preempt_for_priority", counting)
     for seed in range(8):
-        rng = random.Random(seed)
-        block_size = rng.choice([2, 4])
-        num_blocks = rng.randint(12, 24)
-        cfg = dict(num_blocks=num_blocks, block_size=block_size,
-                   max_model_len=rng.randint(num_blocks * block_size // 3,
-                                             num_blocks * block_size),
-                   max_num_seqs=rng.randint(2, 6), max_num_batched_tokens=rng.randint(4, 32),
-                   scheduling_policy="priority", priority_aging_steps=rng.choice([0, 4]))
-        ops = []
-        for _ in range(40):
-            x = rng.random()
-            if x < 0.45:
-                ops.append(("add", rng.randrange(3), rng.randint(0, 64),
-                            [rng.randint(3, 6) for _ in range(rng.randint(0, 6))],
-                            rng.randint(1, 16), rng.choice([None, None, "x"]),
-                            rng.randint(0, 1), rng.randint(-1, 2), None))
-            elif x < 0.95:
-                ops.append(("step", rng.randint(1, 4)))
-            else:
-                ops.append(("abort", rng.randint(0, 40)))
+        cfg, ops = seeded_workload(random.Random(seed), add_below=0.45, step_below=0.95,
+                                   priorities=(-1, 2), scheduling_policy="priority",
+                                   priority_aging_steps=random.Random(seed).choice([0, 4]))
         compare_runs(cfg, ops, drain=True)
     assert sum(made_room) >= 4, made_room
 
