@@ -96,7 +96,17 @@ class Tokenizer:
         return sorted(ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """ValueError for text that is not Unicode text (a lone surrogate, as JSON's "\ud800"
+        decodes to): the tokenizer's Rust side cannot take it."""
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except (TypeError, ValueError, UnicodeError):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"the text holds a lone surrogate at character {exc.start} "
+                                 f"(not valid Unicode)") from None
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

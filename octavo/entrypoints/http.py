@@ -7,6 +7,7 @@ The OpenAI and Anthropic routers are mounted on it. Errors always have OpenAI's 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -96,13 +97,21 @@ def error_body(path: str, status: int, message: str, param: str | None = None,
 def error_response(request: Request, status: int, message: str, param: str | None = None,
                    kind: str | None = None, headers: dict[str, str] | None = None,
                    usage: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(request.url.path, status, message, param, kind, usage),
-                        status_code=status, headers=headers)
+    return _ErrorResponse(error_body(request.url.path, status, message, param, kind, usage),
+                          status_code=status, headers=headers)
+
+
+class _ErrorResponse(JSONResponse):
+    """ASCII JSON: an error may quote what the client sent, lone surrogates included, which
+    UTF-8 cannot carry."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
 async def _send_error(scope, receive, send, status: int, message: str) -> None:
-    await JSONResponse(error_body(scope["path"], status, message),
-                       status_code=status)(scope, receive, send)
+    await _ErrorResponse(error_body(scope["path"], status, message),
+                         status_code=status)(scope, receive, send)
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -46,7 +46,7 @@ SAMPLING_FIELDS = {
     "response_format": json_values, "structured_outputs": json_values,
     "chat_template": text, "chat_template_kwargs": json_values, "cache_salt": text,
     "ignore_eos": st.booleans(), "echo": st.booleans(), "tools": json_values,
-    "tool_choice": json_values, "unknown_field": json_values,
+    "tool_choice": json_values, "unknown_field": json_values, "model": text,
 }
 # Small valid output lengths (the fuzz server's context is short too), or hostile ones.
 max_tokens = st.one_of(st.integers(1, 4), hostile_ints)

@@ -116,7 +116,8 @@ def keyless(smollm_gguf, tmp_path_factory):
     short request timeout."""
     srv = start_server(smollm_gguf, tmp_path_factory.mktemp("keyless"), "--admin-api-key",
                        "admin-1", "--trust-request-chat-template", "--request-timeout", "3",
-                       "--preprocess-timeout", "2", "--max-num-seqs", "4")
+                       "--preprocess-timeout", "2", "--max-num-seqs", "4",
+                       "--max-concurrent-connections", "6", "--allowed-origins", "*")
     yield srv
     srv.stop()
 
@@ -147,6 +148,24 @@ def test_host_allow_list_admin_key_and_open_metrics(keyless):
     assert httpx.post(keyless.url + "/reset_prefix_cache").status_code == 401
     assert httpx.post(keyless.url + "/reset_prefix_cache",
                       headers={"Authorization": "Bearer admin-1"}).status_code == 200
+
+
+def test_connection_limit_and_cors_without_credentials_for_any_origin(keyless):
+    port = int(keyless.url.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
+    try:
+        time.sleep(0.2)  # let the server accept them
+        assert httpx.get(keyless.url + "/v1/models").status_code == 503
+    finally:
+        for sock in idle:
+            sock.close()
+    deadline = time.time() + 10
+    while httpx.get(keyless.url + "/health").status_code != 200 and time.time() < deadline:
+        time.sleep(0.1)
+    r = httpx.options(keyless.url + "/v1/models", headers={
+        "Origin": "http://anywhere.example", "Access-Control-Request-Method": "GET"})
+    assert r.headers.get("access-control-allow-origin") in ("*", "http://anywhere.example")
+    assert "access-control-allow-credentials" not in r.headers
 
 
 def test_request_timeout_aborts_with_partial_usage(keyless):
@@ -208,3 +227,43 @@ def test_a_kv_budget_past_free_memory_stops_serve_with_the_flag_to_change(smollm
     assert done.returncode == 2, done.stderr[-2000:]
     tail = done.stderr.strip().splitlines()[-1]
     assert tail.startswith("octavo: error:") and "--kv-cache-memory" in tail, tail
+
+
+def test_a_hung_core_turns_health_503_and_a_killed_one_fails_requests_at_once(smollm_gguf,
+                                                                            tmp_path):
+    import threading
+
+    srv = start_server(smollm_gguf, tmp_path, "--engine-timeout", "2")
+    try:
+        core = _children(srv.proc.pid)[0]
+        replies: list = []
+
+        def long_request():
+            replies.append(_post(srv.url, "/v1/completions", {
+                "prompt": "Tell a story", "max_tokens": 1500, "ignore_eos": True}, headers={}))
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        time.sleep(0.5)
+        os.kill(core, signal.SIGSTOP)  # hung: alive, silent, with work
+        statuses = set()
+        deadline = time.time() + 15
+        while 503 not in statuses and time.time() < deadline:
+            statuses.add(httpx.get(srv.url + "/health", timeout=5).status_code)
+            time.sleep(0.2)
+        assert 503 in statuses, statuses
+        os.kill(core, signal.SIGCONT)
+        deadline = time.time() + 15
+        while httpx.get(srv.url + "/health", timeout=5).status_code != 200:
+            assert time.time() < deadline, "health did not recover after the core resumed"
+            time.sleep(0.2)
+        started = time.time()
+        os.kill(core, signal.SIGKILL)  # mid-request: the request fails at once
+        worker.join(30)
+        assert replies and replies[0].status_code == 500, replies
+        assert time.time() - started < 10
+        assert srv.proc.wait(30) != 0
+        assert not _alive(core)
+    finally:
+        os.kill(core, signal.SIGCONT) if _alive(core) else None
+        srv.stop()
