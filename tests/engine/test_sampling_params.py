@@ -18,6 +18,13 @@ INVALID = [
     ("top_p", dict(top_p=1.5)),
     ("top_p", dict(top_p=-0.1)),
     ("top_k", dict(top_k=-2)),
+    ("top_k", dict(top_k=2**63)),
+    ("seed", dict(seed=2**64)),
+    ("seed", dict(seed=-2**63 - 1)),
+    ("n", dict(n=2**70)),
+    ("temperature", dict(temperature=math.inf)),
+    ("top_p", dict(top_p=10**400)),
+    ("repetition_penalty", dict(repetition_penalty=math.inf)),
     ("top_k", dict(top_k=2.0)),
     ("min_p", dict(min_p=1.5)),
     ("min_p", dict(min_p=-0.1)),
@@ -103,3 +110,34 @@ def test_greedy_and_penalty_flags():
     assert SamplingParams(presence_penalty=0.1).has_penalties()
     assert SamplingParams(frequency_penalty=-0.1).has_penalties()
     assert SamplingParams(repetition_penalty=1.1).has_penalties()
+
+
+def test_limits_and_model_bounds_offline(smollm_llm):
+    """What the processor checks against the model and RequestLimits, offline as on the server:
+    the vocabulary bounds top_k and logprobs; a beam width past half the vocabulary is refused;
+    n-fanned seeds wrap within int64."""
+    from octavo.engine.processor import RequestLimits
+    from octavo.params import BeamSearchParams
+
+    processor = smollm_llm.engine.processor
+    vocab = processor.vocab_size
+    with pytest.raises(ValueError, match="top_k must be <= the vocabulary size"):
+        smollm_llm.generate("hi", SamplingParams(top_k=vocab + 1, max_tokens=1))
+    with pytest.raises(ValueError, match="priority"):
+        smollm_llm.generate(["hi"], SamplingParams(max_tokens=1), priority=[2**31])
+    with pytest.raises(ValueError, match="half the vocabulary"):
+        smollm_llm.beam_search(["hi"], BeamSearchParams(beam_width=vocab // 2 + 1, max_tokens=1))
+    out = smollm_llm.generate("hi", SamplingParams(n=2, seed=2**63 - 1, max_tokens=2))
+    assert len(out[0].outputs) == 2
+    limited = RequestLimits(max_n=2, max_stop=1, max_stop_length=3)
+    was, processor.limits = processor.limits, limited
+    try:
+        for params, field in ((SamplingParams(n=3, max_tokens=1), "n must be <= 2"),
+                              (SamplingParams(stop=["a", "b"], max_tokens=1), "--max-stop"),
+                              (SamplingParams(stop=["abcd"], max_tokens=1), "--max-stop-length")):
+            with pytest.raises(ValueError, match=field):
+                smollm_llm.generate("hi", params)
+    finally:
+        processor.limits = was
+    with pytest.raises(ValueError, match="max_n"):
+        RequestLimits(max_n=0)
