@@ -56,6 +56,7 @@ class StepFaults:
     def failed(self, sched: SchedulerOutput, exc: BaseException) -> list[EngineCoreOutput]:
         """Handle a step that raised `exc`; returns the error outputs of requests aborted."""
         scheduler = self.scheduler
+        scheduler.resend_dropped(sched.finished_req_ids | sched.preempted_req_ids)
         in_step = [r for r in sched.num_scheduled_tokens
                    if r in scheduler.requests
                    and scheduler.requests[r].status == RequestStatus.RUNNING]

@@ -261,6 +261,11 @@ class Scheduler:
                                self.max_num_batched_tokens - budget, finished, preempted,
                                spec_token_ids=spec)
 
+    def resend_dropped(self, req_ids: set[str]) -> None:
+        """A step that raised may not have reached the worker: the finished and preempted
+        requests it told the worker to drop are told again with the next step."""
+        self._finished_ids |= req_ids
+
     def requeue(self, req_ids: list[str]) -> None:
         """After a step that raised: these requests go back to waiting, to be recomputed from
         scratch (the worker forgets them), and no block of theirs stays findable in the prefix

@@ -143,11 +143,13 @@ def test_finished_ids_after_a_natural_finish_reach_the_worker():
 
 class _PoisonExecutor(FakeExecutor):
     """Raises on any step that computes tokens of a request whose id starts with 'bad', once
-    the request has computed more than `after` tokens (so the fault can sit mid-request)."""
+    the request has computed more than `after` tokens (so the fault can sit mid-request);
+    `before_worker`: it raises before the worker has seen the step at all."""
 
-    def __init__(self, num_blocks: int, after: int = 0) -> None:
+    def __init__(self, num_blocks: int, after: int = 0, before_worker: bool = False) -> None:
         super().__init__(num_blocks)
         self.after = after
+        self.before_worker = before_worker
         self.failures = 0
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
@@ -156,7 +158,8 @@ class _PoisonExecutor(FakeExecutor):
                          for c in scheduler_output.cached_requests})
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             if req_id.startswith("bad") and computed[req_id] + n > self.after:
-                self.worker.apply(scheduler_output)  # the worker took the step in, then failed
+                if not self.before_worker:  # the worker took the step in, then failed
+                    self.worker.apply(scheduler_output)
                 self.failures += 1
                 raise RuntimeError(f"poisoned by {req_id}")
         return self.worker.execute(scheduler_output)
@@ -173,12 +176,17 @@ def _run(core, limit=400):
     return outs
 
 
-@pytest.mark.parametrize("after", [0, 10])
-def test_a_request_whose_step_raises_is_aborted_and_the_others_finish(after):
-    core, ex = _make_poison_core(after)
+@pytest.mark.parametrize("after, before_worker", [(0, False), (10, False), (0, True),
+                                                  (10, True)])
+def test_a_request_whose_step_raises_is_aborted_and_the_others_finish(after, before_worker):
+    core, ex = _make_poison_core(after, before_worker=before_worker)
+    core.add_request(make_request("earlier", prompt_len=6, max_tokens=2))
+    _run(core)  # its drop reaches the worker with the next step, the one that fails
     for req_id in ("a", "bad", "b", "c"):
         core.add_request(make_request(req_id, prompt_len=6, max_tokens=8))
     outs = _run(core)
+    # Whatever the worker still holds is told to go with the next step: nothing leaks.
+    assert set(ex.worker.reqs) <= core.scheduler._finished_ids
     bad = outs["bad"][-1]
     assert bad.finish_reason == "abort" and "poisoned by bad" in bad.stop_reason
     for req_id in ("a", "b", "c"):
@@ -213,7 +221,7 @@ def test_steps_that_fail_whatever_runs_fail_the_engine():
         _run(core)
 
 
-def _make_poison_core(after, **kw):
+def _make_poison_core(after, before_worker=False, **kw):
     config = EngineConfig.from_kwargs(block_size=4, kv_cache_memory=12345, **kw)
-    ex = _PoisonExecutor(64, after)
+    ex = _PoisonExecutor(64, after, before_worker)
     return EngineCore(config, ex, 64), ex

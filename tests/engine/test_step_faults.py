@@ -38,3 +38,5 @@ def test_a_worker_fault_aborts_only_its_request(smollm_llm, monkeypatch):
     after = smollm_llm.generate(prompts, clean)  # the engine is whole afterwards
     assert [o.outputs[0].token_ids for o in after] == expected
     assert core.scheduler.kv.pool.num_free_blocks == core.num_blocks
+    batch = core.executor.worker.runner.batch  # no row is held by a request the core forgot
+    assert set(batch.row_of) <= core.scheduler._finished_ids
