@@ -51,7 +51,8 @@ HERMES_TEMPLATE = (
 @pytest.fixture(scope="module")
 def tool_server(smollm_gguf, tmp_path_factory):
     srv = start_server(smollm_gguf, tmp_path_factory.mktemp("tools"), "--tool-call-parser",
-                       "hermes", "--enable-auto-tool-choice", "--reasoning-parser", "qwen3")
+                       "hermes", "--enable-auto-tool-choice", "--reasoning-parser", "qwen3",
+                       "--trust-request-chat-template")  # a test renders through HERMES_TEMPLATE
     yield srv
     srv.stop()
 

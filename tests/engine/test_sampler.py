@@ -457,7 +457,7 @@ def test_same_seed_same_position_same_draw_and_different_seeds_differ():
 def test_seed_mixing_is_deterministic_and_positive():
     b = input_batch(10)
     b.add(new_request("a", [1], seed=-(2**63)), eos_token_ids=[0])
-    b.add(new_request("b", [1], seed=2**70), eos_token_ids=[0])
+    b.add(new_request("b", [1], seed=2**63 - 1), eos_token_ids=[0])
     b.add(new_request("c", [1]), eos_token_ids=[0])
     sb = b.sampling_batch(rows_of(b, ["a", "b", "c"]), CPU)
     assert sb.seeds[2] is None
