@@ -20,7 +20,8 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 ErrorSender = Callable[[Scope, Receive, Send, int, str], Awaitable[None]]
 
-MAX_HEADERS = 100  # more header lines than any real client sends (uvicorn bounds their bytes)
+MAX_HEADERS = 100  # more header lines than any real client sends
+MAX_HEADER_BYTES = 32 << 10  # h11 bounds only headers that arrive in pieces, so count them here
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 
 
@@ -74,6 +75,8 @@ class Guard:
         policy = self.policy
         if len(scope["headers"]) > MAX_HEADERS:
             return 431, f"more than {MAX_HEADERS} request headers"
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
+            return 431, f"request headers of more than {MAX_HEADER_BYTES} bytes"
         if policy.allowed_hosts is not None:
             host = _host_name(_header(scope, b"host") or "")
             if host not in policy.allowed_hosts and not _is_ip(host):

@@ -105,6 +105,8 @@ def test_a_chunked_body_meets_the_size_limit(server):
 def test_headers_and_keys(server):
     many = {**AUTH, **{f"x-h{i}": "1" for i in range(150)}}
     assert httpx.get(server.url + "/v1/models", headers=many).status_code == 431
+    big = {**AUTH, "x-big": "a" * 40000}
+    assert httpx.get(server.url + "/v1/models", headers=big).status_code == 431
     assert httpx.get(server.url + "/version").status_code == 401
     assert httpx.get(server.url + "/metrics").status_code == 200
     assert httpx.post(server.url + "/reset_prefix_cache").status_code == 401

@@ -178,3 +178,16 @@ def test_serve_launches_the_core_before_its_heavy_imports():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_serve_warns_beyond_loopback_and_the_host_allow_list_rule():
+    from octavo.entrypoints.cli.serve import _loopback
+    from octavo.entrypoints.guard import LOOPBACK_HOSTS, default_allowed_hosts
+
+    assert _loopback("127.0.0.1") and _loopback("localhost") and _loopback("::1")
+    assert not _loopback("0.0.0.0") and not _loopback("10.1.2.3") and not _loopback("myhost")
+    assert default_allowed_hosts("127.0.0.1", None, None) == LOOPBACK_HOSTS
+    assert default_allowed_hosts("0.0.0.0", "key", None) is None  # a key: any Host
+    assert default_allowed_hosts("0.0.0.0", "key", ["api.example"]) == \
+        LOOPBACK_HOSTS | {"api.example"}
+    assert default_allowed_hosts("127.0.0.1", None, ["*"]) is None
