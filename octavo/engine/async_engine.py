@@ -27,9 +27,10 @@ from octavo.engine.messages import (
     AbortRequests, AddRequest, CoreOutputs, Shutdown, UtilityCall, encoder, output_decoder)
 from octavo.engine.offload import Offload
 from octavo.engine.outputs import OutputProcessor, ParentState
+from octavo.engine.request_stream import RequestStream
 from octavo.engine.processor import PreparedRequest, RequestLimits
 from octavo.metrics import EngineMetrics
-from octavo.params import CompletionOutput, RequestOutput, SamplingParams
+from octavo.params import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -57,53 +58,6 @@ class ServingLimits:
     request: RequestLimits = field(default_factory=RequestLimits)
     preprocess_timeout_s: float = 30.0  # tokenizing, rendering, grammar checks of one request
     engine_timeout_s: float = 60.0  # a core with work silent this long is hung: /health 503
-
-
-@dataclass
-class _Stream:
-    """One request's outputs on their way to its handler. Deltas that arrive while the handler
-    has not taken the last one are merged into it, so a lagging client costs one output."""
-
-    sequences: int = 1  # core requests (n > 1 fans out): each counts for admission
-    prompt_tokens: int = 0
-    queued: bool = True  # no output yet: counts against the admission bounds
-    arrival: float = field(default_factory=time.time)
-    first_token: float | None = None
-    pending: RequestOutput | Exception | None = None
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def put(self, item: RequestOutput | Exception) -> None:
-        if isinstance(self.pending, RequestOutput) and isinstance(item, RequestOutput):
-            item = _merge(self.pending, item)
-        elif isinstance(self.pending, Exception):
-            return  # the error stands
-        self.pending = item
-        self.ready.set()
-
-    async def get(self) -> RequestOutput | Exception:
-        await self.ready.wait()
-        item, self.pending = self.pending, None
-        self.ready.clear()
-        return item
-
-
-def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two consecutive delta outputs of one request as one."""
-    outs = {c.index: c for c in first.outputs}
-    for c in then.outputs:
-        was = outs.get(c.index)
-        if was is None:
-            outs[c.index] = c
-            continue
-        logprobs = None if was.logprobs is None and c.logprobs is None else \
-            (was.logprobs or []) + (c.logprobs or [])
-        outs[c.index] = CompletionOutput(c.index, was.text + c.text,
-                                         was.token_ids + c.token_ids, c.cumulative_logprob,
-                                         logprobs, c.finish_reason, c.stop_reason)
-    prompt_lp = first.prompt_logprobs if then.prompt_logprobs is None else \
-        (first.prompt_logprobs or []) + then.prompt_logprobs
-    return RequestOutput(then.request_id, then.prompt, then.prompt_token_ids, prompt_lp,
-                         [outs[i] for i in sorted(outs)], then.finished, then.num_cached_tokens)
 
 
 class AsyncEngine:
@@ -137,7 +91,7 @@ class AsyncEngine:
         self.offload = Offload(limits.preprocess_timeout_s)
         self.stats = SchedulerStats(0, 0, 0.0, 0)
         self.dead: str | None = None
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._queued_requests = 0
         self._queued_tokens = 0
         self._calls = itertools.count()
@@ -255,13 +209,13 @@ class AsyncEngine:
                 del self._streams[parent.request_id]
             stream.put(out)
 
-    def _finish_metrics(self, parent: ParentState, stream: _Stream, now: float) -> None:
+    def _finish_metrics(self, parent: ParentState, stream: RequestStream, now: float) -> None:
         outs = parent.children.values()
         n_out = sum(len(c.token_ids) for c in outs)
         self.metrics.finished([c.finish_reason for c in outs], n_out, now - stream.arrival,
                               None if stream.first_token is None else now - stream.first_token)
 
-    def _dequeue(self, stream: _Stream) -> None:
+    def _dequeue(self, stream: RequestStream) -> None:
         stream.queued = False
         self._queued_requests -= stream.sequences
         self._queued_tokens -= stream.prompt_tokens
@@ -316,7 +270,7 @@ class AsyncEngine:
             raise
         sequences = len(prepared.core_requests)
         tokens = len(prepared.prompt_token_ids) * sequences
-        stream = _Stream(sequences=sequences, prompt_tokens=tokens)
+        stream = RequestStream(sequences=sequences, prompt_tokens=tokens)
         self._streams[prepared.request_id] = stream
         self._queued_requests += sequences
         self._queued_tokens += tokens
@@ -376,7 +330,8 @@ class AsyncEngine:
             raise
         return streams
 
-    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self, request_id: str,
+                       stream: RequestStream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:

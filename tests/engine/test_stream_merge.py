@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from octavo.engine.async_engine import _Stream
+from octavo.engine.request_stream import RequestStream
 from octavo.params import CompletionOutput, Logprob, RequestOutput
 
 
@@ -16,7 +16,7 @@ def _delta(i: int, finished: bool = False) -> RequestOutput:
 
 def test_a_lagging_reader_gets_one_merged_output():
     async def run():
-        stream = _Stream()
+        stream = RequestStream()
         for i in range(1000):
             stream.put(_delta(i, finished=i == 999))
         assert isinstance(stream.pending, RequestOutput)  # one output held, not a backlog
@@ -35,7 +35,7 @@ def test_a_lagging_reader_gets_one_merged_output():
 
 def test_an_error_stands_over_later_outputs():
     async def run():
-        stream = _Stream()
+        stream = RequestStream()
         stream.put(_delta(0))
         stream.put(RuntimeError("engine gone"))
         stream.put(_delta(1))
