@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tests.e2e.conftest import start_server
 from tests.e2e.test_hardening import _assert_idle_and_serving
 
-CASES = 250  # per route
+CASES = 500  # per route
 TIMEOUT_S = 30  # no single case may take longer: a hang fails the test
 
 # Numbers that break naive code: past int64, past float, negative, NaN and infinities.
@@ -60,18 +60,51 @@ prompts = st.one_of(text, st.lists(hostile_ints, max_size=6), st.lists(text, max
                     json_values)
 
 
-def _body(required: dict) -> st.SearchStrategy[dict]:
-    return st.fixed_dictionaries(required, optional=SAMPLING_FIELDS)
+# Values a real client sends: the base of bodies that reach the engine, so that a hostile field
+# next to them is met where it does harm (sampling, the core), not only by the schema.
+VALID_FIELDS = {
+    "n": st.integers(1, 3), "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1),
+    "top_k": st.integers(-1, 100), "min_p": st.floats(0, 1), "seed": st.integers(-2**63, 2**63 - 1),
+    "priority": st.integers(-5, 5), "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.5, 2),
+    "stop": st.lists(st.text(min_size=1, max_size=4), max_size=4),
+    "stop_token_ids": st.lists(st.integers(0, 49151), max_size=4),
+    "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100),
+                                  max_size=3),
+    "stream": st.booleans(), "ignore_eos": st.booleans(),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+}
 
 
+def _body(required_valid: dict, required_hostile: dict,
+          hostile: dict) -> st.SearchStrategy[dict]:
+    """Half wholly hostile bodies; half valid ones with one to three hostile fields."""
+    wild = st.fixed_dictionaries(required_hostile, optional={
+        name: value for name, value in hostile.items() if name not in required_hostile})
+    base = st.fixed_dictionaries(required_valid, optional=VALID_FIELDS)
+    field = st.sampled_from(sorted(hostile)).flatmap(
+        lambda name: hostile[name].map(lambda value: (name, value)))
+    spiked = st.tuples(base, st.lists(field, min_size=1, max_size=3)).map(
+        lambda t: {**t[0], **dict(t[1])})
+    return st.one_of(wild, spiked)
+
+
+ANTHROPIC_FIELDS = {"top_k": hostile_ints, "top_p": hostile_floats, "stream": st.booleans(),
+                    "temperature": hostile_floats, "stop_sequences": st.lists(text, max_size=80),
+                    "system": json_values, "tools": json_values, "max_tokens": hostile_ints}
+HI = [{"role": "user", "content": "hi"}]
 ROUTES = {
-    "/v1/chat/completions": _body({"messages": messages, "max_tokens": max_tokens}),
-    "/v1/completions": _body({"prompt": prompts, "max_tokens": max_tokens}),
-    "/v1/messages": st.fixed_dictionaries(
-        {"model": st.just("smol"), "messages": messages, "max_tokens": max_tokens},
-        optional={"top_k": hostile_ints, "top_p": hostile_floats, "stream": st.booleans(),
-                  "temperature": hostile_floats, "stop_sequences": st.lists(text, max_size=80),
-                  "system": json_values, "tools": json_values}),
+    "/v1/chat/completions": _body({"messages": st.just(HI), "max_tokens": st.integers(1, 4)},
+                                  {"messages": messages, "max_tokens": max_tokens},
+                                  {**SAMPLING_FIELDS, "messages": messages}),
+    "/v1/completions": _body({"prompt": st.text(min_size=1, max_size=20),
+                              "max_tokens": st.integers(1, 4)},
+                             {"prompt": prompts, "max_tokens": max_tokens},
+                             {**SAMPLING_FIELDS, "prompt": prompts}),
+    "/v1/messages": _body({"model": st.just("smol"), "messages": st.just(HI),
+                           "max_tokens": st.integers(1, 4)},
+                          {"model": st.just("smol"), "messages": messages,
+                           "max_tokens": max_tokens}, {**ANTHROPIC_FIELDS, "messages": messages}),
 }
 
 
