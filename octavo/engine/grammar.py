@@ -51,15 +51,14 @@ def _check_bounds(key: tuple[str, str, bool]) -> None:
         raise ValueError(f"it is {len(text)} characters long; at most {MAX_SPEC_CHARS} are "
                          f"allowed")
     if kind in ("json", "structural_tag"):
-        depth = _depth(json.loads(text))
-        if depth > MAX_SPEC_DEPTH:
-            raise ValueError(f"it nests {depth} levels deep; at most {MAX_SPEC_DEPTH} are "
-                             f"allowed")
+        if _depth(json.loads(text)) > MAX_SPEC_DEPTH:
+            raise ValueError(f"it nests more than {MAX_SPEC_DEPTH} levels deep (objects and "
+                             f"arrays)")
 
 
 def _depth(value: Any) -> int:
-    """Nesting depth of decoded JSON, without recursion (a deep value must not overflow the
-    stack here)."""
+    """Nesting depth of decoded JSON, counted up to one past MAX_SPEC_DEPTH, without recursion
+    (a deep value must not overflow the stack here)."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         node, depth = stack.pop()
