@@ -233,7 +233,15 @@ class Scheduler:
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
             extra = self._lookahead(req, num_hit + num_new)
-            if self.kv.allocate_slots(req, num_new + extra, hits) is None:
+            allocated = self.kv.allocate_slots(req, num_new + extra, hits)
+            while allocated is None and isolated is not None and self.running:
+                # A suspect run alone may need blocks that requests set aside for it hold
+                # (a prefix they shared left the cache with the failed step): they make room.
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.req_id)
+                allocated = self.kv.allocate_slots(req, num_new + extra, hits)
+            if allocated is None:
                 break
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens is None:  # count a prompt's lookup once, not per resume

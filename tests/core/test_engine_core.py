@@ -225,3 +225,18 @@ def _make_poison_core(after, before_worker=False, **kw):
     config = EngineConfig.from_kwargs(block_size=4, kv_cache_memory=12345, **kw)
     ex = _PoisonExecutor(64, after, before_worker)
     return EngineCore(config, ex, 64), ex
+
+
+def test_a_suspect_run_alone_gets_room_from_requests_that_hold_blocks():
+    """The suspect the scheduler runs alone needs more blocks than are free: the running
+    requests set aside for it are preempted to make room, so isolation never stalls."""
+    from tests.core.fakes import make_scheduler, step
+
+    s = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    s.add_request(make_request("hog", 16, max_tokens=4))
+    step(s)  # "hog" holds 5 of the 6 blocks
+    s.add_request(make_request("suspect", 12, max_tokens=2))  # needs 3
+    s.isolated = "suspect"
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"suspect": 12}
+    assert out.preempted_req_ids == {"hog"}
