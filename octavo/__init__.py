@@ -4,15 +4,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from octavo.config import EngineConfig
+from octavo.inputs import PromptType, TextPrompt, TokensPrompt
 from octavo.params import (
-    BeamSearchParams, CompletionOutput, Logprob, RequestOutput, SamplingParams,
+    BeamSearchOutput, BeamSearchParams, CompletionOutput, Logprob, RequestOutput, SamplingParams,
     StructuredOutputsParams)
 
 if TYPE_CHECKING:
     from octavo.llm import LLM
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams",
-           "RequestOutput", "CompletionOutput", "Logprob"]
+           "RequestOutput", "CompletionOutput", "Logprob", "BeamSearchOutput", "PromptType",
+           "TextPrompt", "TokensPrompt"]
 __version__ = "0.1.0"
 
 

@@ -1,5 +1,5 @@
 """The offline API: `LLM(model).generate(prompts, params)`, `LLM.chat(messages)` and
-`LLM.beam_search(prompts, params)`."""
+`LLM.beam_search(prompts, params)`, with vLLM's names, prompt forms and output shapes."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -8,10 +8,11 @@ from typing import Any
 from octavo.config import DEFAULT_MODEL, EngineConfig
 from octavo.engine import beam_search as beam
 from octavo.engine.llm_engine import LLMEngine
-from octavo.params import BeamSearchParams, RequestOutput, SamplingParams
+from octavo.inputs import PromptType, is_single_prompt
+from octavo.params import BeamSearchOutput, BeamSearchParams, RequestOutput, SamplingParams
 from octavo.serving.chat_template import render_chat
 
-Prompt = str | Sequence[int]
+Prompt = PromptType
 Message = dict[str, Any]
 
 
@@ -31,6 +32,10 @@ class LLM:
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer (`encode`, `decode`, `get_vocab`, `chat_template`, ...)."""
+        return self.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json settings (temperature, top_p,
         top_k, min_p, repetition_penalty) in place of the built-in defaults."""
@@ -40,8 +45,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
-        """Generate for one prompt or many (strings or token-id lists); outputs in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Generate for one prompt or many (strings, token-id lists, TextPrompt or TokensPrompt
+        dicts); outputs in input order."""
+        if is_single_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         if not prompts:
@@ -59,35 +65,45 @@ class LLM:
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation or many, through the model's chat template."""
+        """Generate replies to one conversation or many, through the model's chat template (or
+        `chat_template`); `tools` reach the template as `tools`, as in vLLM."""
         if not messages:
             return []
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, chat_template, add_generation_prompt,
-                                            chat_template_kwargs) for c in conversations]
+                                            chat_template_kwargs, continue_final_message, tools)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: Sequence[Message], chat_template: str | None = None,
                             add_generation_prompt: bool = True,
-                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        return render_chat(self.tokenizer, conversation, chat_template, add_generation_prompt,
-                           template_kwargs=chat_template_kwargs)
+                            chat_template_kwargs: dict[str, Any] | None = None,
+                            continue_final_message: bool = False,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs.setdefault("tools", tools)
+        return render_chat(self.tokenizer, conversation, chat_template,
+                           add_generation_prompt and not continue_final_message,
+                           continue_final_message, kwargs)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
-                    cache_salt: str | None = None) -> list[RequestOutput]:
+                    cache_salt: str | None = None) -> list[BeamSearchOutput]:
         """Beam search for one prompt or many (all searched together, one engine step per token):
-        one RequestOutput per prompt, in input order, whose `outputs` are the beam_width best
-        beams, best first (`cumulative_logprob`; the score they are ranked by is
-        cumulative_logprob / len(token_ids) ** length_penalty). Equals transformers'
+        one BeamSearchOutput per prompt, in input order, as vLLM returns it: `sequences` are the
+        beam_width best beams, best first, each with `tokens` and `text` that include the
+        prompt, `cum_logprob` and per-token `logprobs` (the score they are ranked by is
+        cum_logprob / generated tokens ** length_penalty). Equals transformers'
         `generate(num_beams=beam_width, do_sample=False)`."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if is_single_prompt(prompts):
             prompts = [prompts]
-        searches = [beam.start(self.engine, self.engine.next_request_id(), p, params)
-                    for p in prompts]
-        beam.run(self.engine, searches, cache_salt)
-        return [s.output(self.tokenizer) for s in searches]
+        searches = [beam.start(self.engine, self.engine.next_request_id(), p, params,
+                               cache_salt) for p in prompts]
+        beam.run(self.engine, searches)
+        return [s.sequences(self.tokenizer) for s in searches]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block. Refused (returns False) while requests run."""

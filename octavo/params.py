@@ -338,6 +338,26 @@ class CompletionOutput:
 
 
 @dataclass
+class BeamSearchSequence:
+    """One beam of `LLM.beam_search`, as vLLM returns it: `tokens` and `text` include the
+    prompt; `logprobs` has one entry per generated token (that step's candidates)."""
+
+    tokens: list[int]
+    logprobs: list[PositionLogprobs]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" (an EOS) or "length"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None

@@ -23,7 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from octavo.params import BeamSearchParams, CompletionOutput, RequestOutput, SamplingParams
+from octavo.inputs import unwrap_prompt
+from octavo.params import (
+    BeamSearchOutput, BeamSearchParams, BeamSearchSequence, CompletionOutput, Logprob,
+    RequestOutput, SamplingParams)
 
 if TYPE_CHECKING:
     from octavo.engine.async_engine import AsyncEngine
@@ -38,6 +41,7 @@ class Beam:
     tokens: list[int]  # generated so far
     logprob: float  # cumulative
     score: float = 0.0  # finished beams: logprob / len(tokens) ** length_penalty
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # each step's candidates
 
 
 @dataclass
@@ -52,6 +56,7 @@ class BeamSearch:
     running: list[Beam] = field(default_factory=lambda: [Beam([], 0.0)])
     finished: list[Beam] = field(default_factory=list)  # best first, at most beam_width
     done: bool = False
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.params.ignore_eos:
@@ -69,13 +74,20 @@ class BeamSearch:
                         for tok, lp in tops[i]), key=lambda c: -c[0])[:self.num_candidates]
         at_limit = length >= self.params.max_tokens
         ends = [at_limit or tok in self.eos_ids for _, _, tok in cands]
+        steps = [{tok: Logprob(lp, rank) for rank, (tok, lp) in enumerate(top, 1)}
+                 for top in tops]
+
+        def child(i: int, tok: int, lp: float, score: float = 0.0) -> Beam:
+            parent = self.running[i]
+            return Beam(parent.tokens + [tok], lp, score, parent.logprobs + [steps[i]])
+
         # Only the first `width` candidates may finish; the rest are there to keep W running.
         for (lp, i, tok), end in zip(cands[:width], ends):
             if end:
-                self.finished.append(Beam(self.running[i].tokens + [tok], lp, lp / length ** penalty))
+                self.finished.append(child(i, tok, lp, lp / length ** penalty))
         self.finished.sort(key=lambda b: -b.score)  # stable: earlier finishers win ties
         del self.finished[width:]
-        self.running = [Beam(self.running[i].tokens + [tok], lp)
+        self.running = [child(i, tok, lp)
                         for (lp, i, tok), end in zip(cands, ends) if not end][:width]
         if all(ends) or not self.running:
             self.done = True
@@ -88,9 +100,23 @@ class BeamSearch:
                 self.done = not self.running[0].logprob / best_len ** penalty \
                     > self.finished[-1].score
 
+    def _best(self) -> list[Beam]:
+        return self.finished or sorted(self.running, key=lambda b: -b.logprob)
+
+    def sequences(self, tokenizer) -> BeamSearchOutput:
+        """vLLM's shape: every beam with the prompt's tokens and text, best first."""
+        seqs = []
+        for beam in self._best():
+            ended = bool(beam.tokens) and beam.tokens[-1] in self.eos_ids
+            tokens = self.prompt_ids + beam.tokens
+            seqs.append(BeamSearchSequence(tokens, list(beam.logprobs), beam.logprob,
+                                           tokenizer.decode(tokens, skip_special_tokens=True),
+                                           "stop" if ended else "length"))
+        return BeamSearchOutput(seqs)
+
     def output(self, tokenizer, num: int | None = None) -> RequestOutput:
         """The best `num` (default: all) finished beams as completions, best first."""
-        beams = self.finished or sorted(self.running, key=lambda b: -b.logprob)
+        beams = self._best()
         outs = []
         for i, beam in enumerate(beams[:num]):
             ended = bool(beam.tokens) and beam.tokens[-1] in self.eos_ids
@@ -101,8 +127,8 @@ class BeamSearch:
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, None, outs, True)
 
 
-def start(engine, request_id: str, prompt: str | Sequence[int],
-          params: BeamSearchParams) -> BeamSearch:
+def start(engine, request_id: str, prompt, params: BeamSearchParams,
+          cache_salt: str | None = None) -> BeamSearch:
     """Tokenize and check one prompt (`engine`: LLMEngine or AsyncEngine)."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
@@ -111,9 +137,11 @@ def start(engine, request_id: str, prompt: str | Sequence[int],
     if 2 * params.beam_width > processor.vocab_size:  # each step ranks 2 x width candidates
         raise ValueError(f"beam_width must be <= half the vocabulary "
                          f"({processor.vocab_size // 2}), got {params.beam_width}")
-    text, ids = processor.tokenize(prompt)
+    body, own_salt = unwrap_prompt(prompt)
+    text, ids = processor.tokenize(body)
     processor.validate(ids, SamplingParams(max_tokens=params.max_tokens))
-    return BeamSearch(request_id, text, ids, params, engine.processor.eos_token_ids)
+    return BeamSearch(request_id, text, ids, params, engine.processor.eos_token_ids,
+                      cache_salt=own_salt or cache_salt)
 
 
 def _step_params(search: BeamSearch) -> SamplingParams:
@@ -128,7 +156,7 @@ def _top_tokens(out: RequestOutput, k: int) -> TopTokens:
     return ranked[:k]
 
 
-def run(engine: LLMEngine, searches: list[BeamSearch], cache_salt: str | None = None) -> None:
+def run(engine: LLMEngine, searches: list[BeamSearch]) -> None:
     """Drive the searches to the end on the synchronous engine: per step, every running beam
     of every search is one request, all added before the engine steps."""
     waiting: set[str] = set()
@@ -143,7 +171,7 @@ def run(engine: LLMEngine, searches: list[BeamSearch], cache_salt: str | None = 
                 for i, beam in enumerate(s.running):
                     rid = f"beam-{engine.next_request_id()}"
                     engine.add_request(rid, s.prompt_ids + beam.tokens, params,
-                                       cache_salt=cache_salt, max_logprobs=s.num_candidates)
+                                       cache_salt=s.cache_salt, max_logprobs=s.num_candidates)
                     pending[rid] = (s, i)
                     waiting.add(rid)
             tops: dict[int, list[TopTokens | None]] = {id(s): [None] * len(s.running)
@@ -162,8 +190,7 @@ def run(engine: LLMEngine, searches: list[BeamSearch], cache_salt: str | None = 
         raise
 
 
-async def run_async(engine: AsyncEngine, searches: list[BeamSearch], priority: int = 0,
-                    cache_salt: str | None = None) -> None:
+async def run_async(engine: AsyncEngine, searches: list[BeamSearch], priority: int = 0) -> None:
     """The same on the server's engine: each step's requests are admitted together, so the
     core schedules them in one step. Cancelling the task aborts the step's requests."""
     step = 0
@@ -177,7 +204,7 @@ async def run_async(engine: AsyncEngine, searches: list[BeamSearch], priority: i
             for i, beam in enumerate(s.running):
                 prepared.append(engine.prepare(
                     f"{s.request_id}-beam{step}.{i}", s.prompt_ids + beam.tokens, params,
-                    priority, cache_salt, max_logprobs=s.num_candidates))
+                    priority, s.cache_salt, max_logprobs=s.num_candidates))
                 owners.append((s, i))
         streams = engine.generate_all(prepared)
         finals = await asyncio.gather(*(_last(st) for st in streams))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from octavo.core.request import Request
 from octavo.engine.grammar import check_structured
+from octavo.inputs import unwrap_prompt
 from octavo.params import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -130,7 +131,14 @@ class Processor:
               priority: int = 0, cache_salt: str | None = None,
               max_logprobs: int | None = None) -> PreparedRequest:
         """Validate and tokenize; fan n > 1 (or best_of > 1) out into that many core requests
-        with distinct seeds. `max_logprobs` is raised only by beam search (2 x beam width)."""
+        with distinct seeds. `prompt` may be any of octavo.inputs' forms (a TextPrompt or
+        TokensPrompt may carry the cache_salt). `max_logprobs` is raised only by beam search
+        (2 x beam width)."""
+        prompt, own_salt = unwrap_prompt(prompt)
+        if own_salt is not None:
+            if cache_salt is not None and cache_salt != own_salt:
+                raise ValueError("cache_salt is given both in the prompt and as an argument")
+            cache_salt = own_salt
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r:.80}")
         if not INT32_MIN <= priority <= INT32_MAX:

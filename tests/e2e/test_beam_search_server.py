@@ -24,7 +24,12 @@ def test_beam_search_completions_match_the_offline_engine(server, smollm_llm):
     choices = r.json()["choices"]
     offline = smollm_llm.beam_search(PROMPT, BeamSearchParams(beam_width=3, max_tokens=6,
                                                               length_penalty=0.5))[0]
-    assert [c["text"] for c in choices] == [o.text for o in offline.outputs[:2]]
+    n_prompt = len(smollm_llm.get_tokenizer().encode(PROMPT))
+    eos = smollm_llm.engine.setup.eos_token_ids
+    assert [c["text"] for c in choices] == [
+        smollm_llm.get_tokenizer().decode([t for t in seq.tokens[n_prompt:] if t not in eos],
+                                          skip_special_tokens=True)
+        for seq in offline.sequences[:2]]
     assert [c["index"] for c in choices] == [0, 1]
     assert choices[0]["text"] != choices[1]["text"]
 

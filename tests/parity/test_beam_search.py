@@ -62,14 +62,22 @@ def test_beam_search_matches_transformers(tiny, width, penalty, early, ignore_eo
     outs = llm.beam_search(prompts, params)
     for prompt, out in zip(prompts, outs):
         expected = _reference(ref, prompt, eos_ids, width, penalty, early, ignore_eos)
-        got = [(c.token_ids, c.cumulative_logprob / len(c.token_ids) ** penalty)
-               for c in out.outputs]
+        n_prompt = len(prompt)  # token ids: vLLM's sequences start with the prompt
+        got = [(seq.tokens[n_prompt:], seq.cum_logprob / (len(seq.tokens) - n_prompt) ** penalty)
+               for seq in out.sequences]
+        assert all(seq.tokens[:n_prompt] == list(prompt) for seq in out.sequences)
         assert [g[0] for g in got] == [e[0] for e in expected]
         for (_, ours), (_, theirs) in zip(got, expected):
             assert ours == pytest.approx(theirs, abs=1e-3)
-        for c in out.outputs:
-            assert c.finish_reason == ("stop" if c.token_ids[-1] in eos_ids and not ignore_eos
-                                       else "length")
+        for seq in out.sequences:
+            assert seq.finish_reason == ("stop" if seq.tokens[-1] in eos_ids and not ignore_eos
+                                         else "length")
+            assert len(seq.logprobs) == len(seq.tokens) - n_prompt
+            # each step's candidates hold the token the beam took, with its rank
+            assert all(tok in step for tok, step in zip(seq.tokens[n_prompt:], seq.logprobs))
+            assert seq.cum_logprob == pytest.approx(sum(
+                step[tok].logprob for tok, step in zip(seq.tokens[n_prompt:], seq.logprobs)),
+                abs=1e-4)
     # Beams share their prompt's blocks through the prefix cache, and give every block back.
     core = llm.engine.client.core
     kv = core.scheduler.kv
@@ -82,7 +90,7 @@ def test_some_beams_end_with_eos(tiny):
     """The EOS chosen for the fixture does end beams (else the EOS paths above ran for nothing)."""
     llm, _, prompts = tiny
     outs = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS))
-    assert any(c.finish_reason == "stop" for o in outs for c in o.outputs)
+    assert any(seq.finish_reason == "stop" for o in outs for seq in o.sequences)
 
 
 def test_beam_search_params_are_checked():

@@ -29,7 +29,7 @@ async def _searches(state: ServerState, body, rid: str, prompts: list,
         for i, prompt in enumerate(prompts):
             _, ids = engine.processor.tokenize(prompt)
             params = body.beam_params(max_tokens, engine.max_model_len, len(ids))
-            searches.append(beam.start(engine, f"{rid}-{i}", prompt, params))
+            searches.append(beam.start(engine, f"{rid}-{i}", prompt, params, body.cache_salt))
         return searches
 
     try:
@@ -42,8 +42,7 @@ async def beam_completions(state: ServerState, body: CompletionRequest, request:
                            prompts: list, model: str) -> dict:
     rid = f"cmpl-{uuid.uuid4().hex}"
     searches = await _searches(state, body, rid, prompts, body.max_tokens)
-    await unless_disconnected(request, beam.run_async(state.engine, searches, body.priority,
-                                                      body.cache_salt))
+    await unless_disconnected(request, beam.run_async(state.engine, searches, body.priority))
     choices, n_prompt, n_out = [], 0, 0
     for i, search in enumerate(searches):
         n_prompt += len(search.prompt_ids)
@@ -61,8 +60,7 @@ async def beam_chat(state: ServerState, body: ChatCompletionRequest, request: Re
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     searches = await _searches(state, body, rid, [prompt_ids], max_tokens)
-    await unless_disconnected(request, beam.run_async(state.engine, searches, body.priority,
-                                                      body.cache_salt))
+    await unless_disconnected(request, beam.run_async(state.engine, searches, body.priority))
     outs = searches[0].output(state.engine.tokenizer, body.n).outputs
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": None}
