@@ -53,8 +53,14 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = field(default=16, metadata=_opt("tokens per KV-cache block"))
-    kv_cache_memory: int = field(default=1 << 30, metadata=_opt(
-        "bytes of memory for the KV cache (all layers), allocated once at start-up"))
+    kv_cache_memory: int | None = field(default=None, metadata=_opt(
+        "bytes of memory for the KV cache (all layers), allocated once at start-up; default: "
+        "enough for one request of the full context (at least 1 GiB), within "
+        "--kv-cache-memory-fraction of the memory left after the weights (the context is cut "
+        "to fit, with a warning, where that share is too small)"))
+    kv_cache_memory_fraction: float = field(default=0.5, metadata=_opt(
+        "with no --kv-cache-memory: the largest share of the memory available after the "
+        "weights that the KV cache takes"))
     enable_prefix_caching: bool = field(default=True, metadata=_opt(
         "reuse the KV blocks of prompt prefixes computed before"))
     kv_cache_dtype: str = field(default="auto", metadata=_opt(
@@ -68,8 +74,11 @@ class CacheConfig:
                              f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.kv_cache_memory < 1:
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be >= 1, got {self.kv_cache_memory}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], "
+                             f"got {self.kv_cache_memory_fraction!r}")
 
 
 @dataclass(frozen=True)

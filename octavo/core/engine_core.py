@@ -8,6 +8,7 @@ import time
 from octavo.arch_config import ArchConfig
 from octavo.config import EngineConfig
 from octavo.core.faults import StepFaults
+from octavo.core.kv_budget import plan_kv
 from octavo.core.kv_manager import KVCacheManager, cdiv
 from octavo.core.ngram import NgramProposer
 from octavo.core.request import Request
@@ -33,20 +34,34 @@ class EngineCore:
         backend on the first constrained request (None: such requests are refused)."""
         self.executor = executor
         block_size = config.cache.block_size
-        started = time.perf_counter()
-        num_blocks = executor.init_kv_cache(config.cache.kv_cache_memory, block_size)
-        logger.info("start-up: KV cache allocated in %.2f s", time.perf_counter() - started)
-        # A request must fit alone: all of it, or with every layer sliding, its window and one
-        # step's chunk (older blocks are released as it advances).
-        need = max_model_len
-        if sliding_window is not None:
+
+        def tokens_needed(max_len: int) -> int:
+            # A request must fit alone: all of it, or with every layer sliding, its window and
+            # one step's chunk (older blocks are released as it advances).
+            if sliding_window is None:
+                return max_len
             chunk = config.scheduler.max_num_batched_tokens
-            need = min(need, sliding_window + chunk + 2 * block_size)
+            return min(max_len, sliding_window + chunk + 2 * block_size)
+
+        plan = plan_kv(config.cache.kv_cache_memory, config.cache.kv_cache_memory_fraction,
+                       executor.kv_bytes_per_block(block_size), block_size, max_model_len,
+                       tokens_needed, executor.available_memory())
+        max_model_len = self.max_model_len = plan.max_model_len
+        started = time.perf_counter()
+        num_blocks = executor.init_kv_cache(plan.kv_cache_memory, block_size)
+        logger.info("start-up: KV cache allocated in %.2f s", time.perf_counter() - started)
+        need = tokens_needed(max_model_len)
         if num_blocks * block_size < need:
             raise ValueError(
-                f"kv_cache_memory ({config.cache.kv_cache_memory} bytes) holds {num_blocks} blocks "
+                f"kv_cache_memory ({plan.kv_cache_memory} bytes) holds {num_blocks} blocks "
                 f"= {num_blocks * block_size} tokens, fewer than the {need} one request may need "
                 f"(max_model_len {max_model_len}); raise kv_cache_memory or lower max_model_len")
+        if plan.available is not None:
+            logger.info("memory plan: KV cache %.2f GiB of the %.2f GiB available after the "
+                        "weights (%s)", plan.kv_cache_memory / 2**30, plan.available / 2**30,
+                        "as given" if config.cache.kv_cache_memory is not None else
+                        f"automatic: one full-length request, at least 1 GiB, at most "
+                        f"{config.cache.kv_cache_memory_fraction:.0%} of what is available")
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens; max concurrency at %d tokens per request: "
                     "%.2fx", num_blocks, block_size, max_model_len,

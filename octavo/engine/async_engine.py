@@ -127,6 +127,8 @@ class AsyncEngine:
                 raise ValueError(message)
             raise RuntimeError(f"engine core failed to start: {error_type}: {message}")
         self.num_blocks = info["num_blocks"]
+        self.setup.adopt_max_model_len(info["max_model_len"])  # the core may have cut it
+        self.max_model_len = self.setup.max_model_len
         logger.info("start-up: engine core process (pid %d) ready in %.1f s (imports, weights, "
                     "KV cache)", info["pid"], time.perf_counter() - self.core.started)
 

@@ -135,7 +135,8 @@ def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, ou
         raise
     proc = EngineCoreProcess(core, input_addr, output_addr)
     startup_gc.settle()
-    ready.send(("ready", {"num_blocks": core.num_blocks, "pid": os.getpid()}))
+    ready.send(("ready", {"num_blocks": core.num_blocks, "pid": os.getpid(),
+                          "max_model_len": core.max_model_len}))
     try:
         proc.run()
     finally:

@@ -52,6 +52,11 @@ class ModelSetup:
         processor = Processor(tokenizer, max_model_len, arch.vocab_size, eos_ids, limits)
         return cls(source, arch, tokenizer, max_model_len, eos_ids, processor)
 
+    def adopt_max_model_len(self, max_model_len: int) -> None:
+        """The context the core settled on (shorter than asked where the automatic KV cache
+        could not hold a full-length request): requests are checked against it."""
+        self.max_model_len = self.processor.max_model_len = max_model_len
+
     def core_args(self) -> tuple:
         return (self.source, self.arch, self.max_model_len, sorted(self.eos_token_ids))
 
@@ -92,6 +97,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.client = InprocClient(config, *self.setup.core_args(),
                                    grammar_backend=self.setup.grammar_backend)
+        self.setup.adopt_max_model_len(self.client.core.max_model_len)
         self._ids = itertools.count()
 
     def next_request_id(self) -> str:

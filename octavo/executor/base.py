@@ -14,6 +14,16 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput: ...
 
+    def kv_bytes_per_block(self, block_size: int) -> int | None:
+        """Bytes of one KV block over all layers (None: unknown; the core then takes the
+        default budget)."""
+        return None
+
+    def available_memory(self) -> int | None:
+        """Bytes the KV cache could take on the device now, the weights loaded (None: the
+        system does not say)."""
+        return None
+
     def do_idle_work(self) -> bool:
         """A few milliseconds of deferred set-up, while the engine has no request; whether any
         is left. The engine calls it only when idle, so no step waits on it."""

@@ -18,6 +18,12 @@ class UniprocExecutor(Executor):
     def init_kv_cache(self, kv_cache_memory: int, block_size: int) -> int:
         return self.worker.init_kv_cache(kv_cache_memory, block_size)
 
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self.worker.kv_bytes_per_block(block_size)
+
+    def available_memory(self) -> int | None:
+        return self.worker.available_memory()
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         return self.worker.execute(scheduler_output)
 

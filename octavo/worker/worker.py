@@ -125,6 +125,10 @@ class Worker:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return sum(2 * block_size * a.num_kv_heads * a.head_dim * elem for a in self._kv_layers())
 
+    def available_memory(self) -> int | None:
+        free = available_memory(self.device)
+        return None if free is None else free[0]
+
     def init_kv_cache(self, kv_cache_memory: int, block_size: int) -> int:
         num_blocks = kv_cache_memory // self.kv_bytes_per_block(block_size)
         if num_blocks < 1:

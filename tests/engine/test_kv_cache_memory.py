@@ -69,3 +69,26 @@ def test_a_kv_budget_up_to_all_free_memory_is_allowed(monkeypatch):
     with pytest.raises(ValueError, match=r"1\.00 GiB \(1073741825 bytes\) asked .* only 1\.00 "
                                          r"GiB \(1073741824 bytes\) is available \(test"):
         worker._check_kv_fits((1 << 30) + 1, cpu)
+
+
+def test_gemma3_starts_with_its_whole_context_and_no_kv_argument(caplog):
+    """Gemma 3 270M's 32,768-token context needs more than the old fixed 1 GiB of KV cache:
+    with no budget given, the cache is sized for one full-length request."""
+    import logging
+
+    from octavo import LLM, SamplingParams
+    from octavo.model_source import pull
+
+    with caplog.at_level(logging.INFO):
+        llm = LLM(str(pull("gemma3-270m")))
+    try:
+        assert llm.engine.setup.max_model_len == 32768
+        assert llm.engine.processor.max_model_len == 32768
+        core = llm.engine.client.core
+        assert core.num_blocks * 16 >= 32768
+        assert "memory plan: KV cache" in caplog.text
+        out = llm.generate("The capital of France is", SamplingParams(max_tokens=3,
+                                                                     temperature=0))
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        llm.engine.shutdown()

@@ -51,7 +51,7 @@ from octavo.engine import core_process as cp
 
 seen = {}
 class Core:
-    num_blocks = 1
+    num_blocks, max_model_len = 1, 64
 def create(*args, **kwargs):
     seen["loading"] = gc.isenabled()
     return Core()

@@ -1,0 +1,48 @@
+"""The KV cache's size when none is given: enough for one request of the full context (at least
+the 1 GiB of old), within a share of the memory left after the weights; where even that share
+cannot hold one full-length request, the context is cut to what it holds, with a warning. An
+explicit `kv_cache_memory` is used as given (EngineCore refuses one too small for a request).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_BYTES = 1 << 30  # the floor of an automatic budget: what every start used to take
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    kv_cache_memory: int
+    max_model_len: int
+    available: int | None  # bytes left after the weights, where the system says
+
+
+def plan_kv(explicit: int | None, fraction: float, bytes_per_block: int | None, block_size: int,
+            max_model_len: int, tokens_needed: Callable[[int], int],
+            available: int | None) -> KVPlan:
+    """`tokens_needed(max_len)`: the KV tokens one request of that context may hold at once."""
+    if explicit is not None or bytes_per_block is None or available is None:
+        return KVPlan(explicit if explicit is not None else DEFAULT_KV_BYTES, max_model_len,
+                      available)
+    per_request = -(-tokens_needed(max_model_len) // block_size) * bytes_per_block
+    share = int(available * fraction)
+    budget = min(max(DEFAULT_KV_BYTES, per_request), share)
+    if budget >= per_request:
+        return KVPlan(budget, max_model_len, available)
+    fitted = (budget // bytes_per_block) * block_size
+    while fitted > 1 and tokens_needed(fitted) > fitted - fitted % block_size:
+        fitted -= block_size  # sliding windows: what one request holds is not its context
+    if fitted < 2:
+        raise ValueError(f"kv_cache_memory: {fraction:.0%} of the {available / 2**30:.2f} GiB "
+                         f"left after the weights cannot hold even one KV block "
+                         f"({bytes_per_block} bytes); free memory or pass --kv-cache-memory")
+    logger.warning("max_model_len cut from %d to %d tokens: one full-length request needs "
+                   "%.2f GiB of KV cache, and %.0f%% of the %.2f GiB left after the weights "
+                   "is %.2f GiB (set --kv-cache-memory or --max-model-len to choose)",
+                   max_model_len, fitted, per_request / 2**30, fraction * 100,
+                   available / 2**30, budget / 2**30)
+    return KVPlan(budget, fitted, available)
