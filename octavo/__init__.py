@@ -10,11 +10,12 @@ from octavo.params import (
     StructuredOutputsParams)
 
 if TYPE_CHECKING:
+    from octavo.async_llm import AsyncLLM, AsyncLLMEngine
     from octavo.llm import LLM
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams",
            "RequestOutput", "CompletionOutput", "Logprob", "BeamSearchOutput", "PromptType",
-           "TextPrompt", "TokensPrompt"]
+           "TextPrompt", "TokensPrompt", "AsyncLLM", "AsyncLLMEngine"]
 __version__ = "0.1.0"
 
 
@@ -25,4 +26,8 @@ def __getattr__(name: str):
         from octavo.llm import LLM
 
         return LLM
+    if name in ("AsyncLLM", "AsyncLLMEngine"):
+        from octavo import async_llm
+
+        return getattr(async_llm, name)
     raise AttributeError(f"module 'octavo' has no attribute {name!r}")

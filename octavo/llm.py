@@ -7,6 +7,7 @@ from typing import Any
 
 from octavo.config import DEFAULT_MODEL, EngineConfig
 from octavo.engine import beam_search as beam
+from octavo.engine.arg_utils import engine_config
 from octavo.engine.llm_engine import LLMEngine
 from octavo.inputs import PromptType, is_single_prompt
 from octavo.params import BeamSearchOutput, BeamSearchParams, RequestOutput, SamplingParams
@@ -20,7 +21,9 @@ class LLM:
     """An engine in this process. Keyword arguments are engine options (`max_num_seqs=8`, ...)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
-        self._start(EngineConfig.from_kwargs(model=model, **engine_options))
+        """`engine_options`: octavo's options, or vLLM's names for them (see
+        octavo.engine.arg_utils)."""
+        self._start(engine_config(model, **engine_options))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:

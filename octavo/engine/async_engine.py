@@ -133,16 +133,17 @@ class AsyncEngine:
                     "KV cache)", info["pid"], time.perf_counter() - self.core.started)
 
     def start_background(self) -> None:
-        """Start the output reader and the process watchdog on the running event loop."""
+        """Start the output reader and the process watchdog on the running event loop (again
+        on a new loop: a caller's `asyncio.run` per call closes the old one with its tasks)."""
         self.wait_until_ready()
-        if self._reader is None:
-            loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        if self._reader is None or self._reader.get_loop() is not loop or self._reader.done():
             self.metrics.watch_frontend(lambda: len(self._streams),
                                         lambda: self._queued_requests,
                                         lambda: self._queued_tokens,
                                         lambda: len(asyncio.all_tasks(loop)))
-            self._reader = asyncio.get_running_loop().create_task(self._read_outputs())
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch_process())
+            self._reader = loop.create_task(self._read_outputs())
+            self._watchdog = loop.create_task(self._watch_process())
 
     async def _send(self, msg) -> None:
         if self.dead:
@@ -357,7 +358,9 @@ class AsyncEngine:
         if stream.queued:
             self._dequeue(stream)
         children = self.outputs.child_ids(request_id)
-        self.outputs.abort(request_id)
+        final = self.outputs.abort(request_id, delta=True)
+        if final is not None:  # a reader waiting on the stream (an abort from elsewhere) ends
+            stream.put(final)
         self.metrics.aborted()
         if children and not self.dead:
             self._to_core.send(encoder.encode(AbortRequests(children)))  # queued, not awaited
@@ -373,16 +376,21 @@ class AsyncEngine:
             self._pending_calls.pop(call_id, None)
 
     async def shutdown(self) -> None:
-        self.offload.shutdown()
         for task in (self._reader, self._watchdog):
             if task:
                 task.cancel()
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    def close(self) -> None:
+        """Stop the core and release everything, from any thread and with or without an event
+        loop (`shutdown` cancels this loop's tasks first)."""
+        self.offload.shutdown()
         if self.core.process.is_alive():
-            try:
-                await self._to_core.send(encoder.encode(Shutdown()))
+            try:  # a plain socket over the same handle: no event loop is needed to send
+                zmq.Socket.shadow(self._to_core.underlying).send(encoder.encode(Shutdown()))
             except zmq.ZMQError:
                 pass
-            await asyncio.get_running_loop().run_in_executor(None, self.core.process.join, 10)
+            self.core.process.join(10)
             if self.core.process.is_alive():
                 self.core.process.kill()
         self._close_sockets()

@@ -102,8 +102,9 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         return list(parent.children) if parent else []
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Mark every unfinished child aborted and drop the request; returns its final output."""
+    def abort(self, request_id: str, delta: bool = False) -> RequestOutput | None:
+        """Mark every unfinished child aborted and drop the request; returns its final output
+        (with `delta`, only what was not sent yet)."""
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return None
@@ -111,7 +112,7 @@ class OutputProcessor:
             self.parent_of.pop(cid, None)
             if child.finish_reason is None:
                 child.finish_reason = "abort"
-        return parent.output()
+        return parent.output(delta)
 
     def process(self, core_outputs: list[EngineCoreOutput]
                 ) -> tuple[list[ParentState], list[str]]:

@@ -23,7 +23,7 @@ class RequestStream:
 
     def put(self, item: RequestOutput | Exception) -> None:
         if isinstance(self.pending, RequestOutput) and isinstance(item, RequestOutput):
-            item = _merge(self.pending, item)
+            item = merge_outputs(self.pending, item)
         elif isinstance(self.pending, Exception):
             return  # the error stands
         self.pending = item
@@ -36,7 +36,7 @@ class RequestStream:
         return item
 
 
-def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """Two consecutive delta outputs of one request as one."""
     outs = {c.index: c for c in first.outputs}
     for c in then.outputs:

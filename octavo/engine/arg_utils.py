@@ -1,0 +1,48 @@
+"""vLLM's engine arguments (`from octavo.engine.arg_utils import EngineArgs, AsyncEngineArgs`,
+as from vllm.engine.arg_utils): keyword options turned into an EngineConfig. octavo's own option
+names pass through; vLLM's names for the same things are translated; vLLM options octavo cannot
+honour yet are refused by name, never ignored."""
+from __future__ import annotations
+
+from typing import Any
+
+from octavo.config import DEFAULT_MODEL, EngineConfig
+
+# vLLM's name -> octavo's. gpu_memory_utilization is the share of memory the KV cache may take.
+_RENAMED = {"gpu_memory_utilization": "kv_cache_memory_fraction"}
+# vLLM options accepted only at the value that means "as octavo does anyway".
+_ONLY = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
+         "trust_remote_code": False}
+_WHY = {"tensor_parallel_size": "parallelism is not built yet",
+        "pipeline_parallel_size": "parallelism is not built yet",
+        "data_parallel_size": "parallelism is not built yet",
+        "trust_remote_code": "octavo never runs code shipped with a model"}
+_NO_EFFECT = ("disable_log_stats",)  # logging choices with nothing to change here
+
+
+def engine_config(model: str = DEFAULT_MODEL, **options: Any) -> EngineConfig:
+    """The EngineConfig of `LLM(model, **options)` / `EngineArgs(model, **options)`."""
+    translated: dict[str, Any] = {}
+    for name, value in options.items():
+        if name in _ONLY:
+            if value != _ONLY[name]:
+                raise NotImplementedError(f"{name}={value!r}: {_WHY[name]}")
+            continue
+        if name in _NO_EFFECT:
+            continue
+        translated[_RENAMED.get(name, name)] = value
+    return EngineConfig.from_kwargs(model=model, **translated)
+
+
+class EngineArgs:
+    def __init__(self, model: str = DEFAULT_MODEL, **options: Any) -> None:
+        self.model = model
+        self.options = options
+        self.create_engine_config()  # a bad option fails here, as vLLM's do
+
+    def create_engine_config(self) -> EngineConfig:
+        return engine_config(self.model, **self.options)
+
+
+class AsyncEngineArgs(EngineArgs):
+    pass

@@ -1,0 +1,78 @@
+"""vLLM's AsyncLLM surface, written as vLLM's examples use it (imports changed): cumulative
+outputs equal to the offline engine's, abort from another task, leaving the loop early, and
+vLLM's engine arguments."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from octavo import AsyncLLM, SamplingParams  # from vllm import ...
+from octavo.engine.arg_utils import AsyncEngineArgs, EngineArgs  # vllm.engine.arg_utils
+
+
+@pytest.fixture(scope="module")
+def engine(smollm_gguf):
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=str(smollm_gguf), dtype="float32", max_model_len=1024,
+        kv_cache_memory=64 << 20, max_num_seqs=8, enforce_eager=False,
+        tensor_parallel_size=1, trust_remote_code=False, disable_log_stats=True))
+    yield engine
+    engine.shutdown()
+    assert not engine.engine.core.process.is_alive()
+
+
+def test_generate_streams_cumulative_outputs_equal_to_offline(engine, smollm_llm):
+    params = SamplingParams(max_tokens=12, temperature=0)
+    prompt = "The capital of France is"
+    expected = smollm_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+
+    async def run():
+        seen = []
+        async for out in engine.generate(prompt, params, "req-1"):
+            seen.append(out)
+        return seen
+
+    seen = asyncio.run(run())
+    assert seen[-1].finished and not any(o.finished for o in seen[:-1])
+    texts = [o.outputs[0].text for o in seen]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # cumulative, not deltas
+    assert seen[-1].outputs[0].token_ids == expected.token_ids
+    assert seen[-1].outputs[0].text == expected.text
+
+
+def test_abort_from_another_task_and_leaving_early(engine):
+    params = SamplingParams(max_tokens=500, ignore_eos=True, temperature=0)
+
+    async def run():
+        got = []
+
+        async def consume():
+            async for out in engine.generate({"prompt": "Count to a thousand:"}, params,
+                                             "long-1"):
+                got.append(out)
+
+        task = asyncio.ensure_future(consume())
+        while not got:
+            await asyncio.sleep(0.01)
+        await engine.abort("long-1")
+        await asyncio.wait_for(task, 30)  # the generator ends: it is not left waiting
+        async for out in engine.generate("Count:", params, "long-2"):
+            break  # leaving early aborts
+        return got
+
+    got = asyncio.run(run())
+    assert got[-1].finished and got[-1].outputs[0].finish_reason == "abort"
+    assert engine.engine.num_streams == 0
+
+
+def test_engine_args_translate_vllm_names_and_refuse_what_octavo_cannot_do():
+    config = EngineArgs(model="smollm2-135m-instruct", gpu_memory_utilization=0.3,
+                        max_num_seqs=4).create_engine_config()
+    assert config.cache.kv_cache_memory_fraction == 0.3 and config.scheduler.max_num_seqs == 4
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
+        EngineArgs(tensor_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="never runs code"):
+        EngineArgs(trust_remote_code=True)
+    with pytest.raises(ValueError, match="unknown engine option"):
+        EngineArgs(swap_space_gb=4)
