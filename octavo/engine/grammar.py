@@ -23,6 +23,7 @@ _WHAT = {"json": "a usable JSON schema", "json_object": "a JSON object grammar",
 # must not be able to hold the core's compile thread for long.
 MAX_SPEC_CHARS = 256 << 10
 MAX_SPEC_DEPTH = 64  # nesting of a JSON schema or structural tag (objects and arrays)
+MAX_JSON_WHITESPACE = 16  # one run of free whitespace in JSON output (see _whitespace)
 # xgrammar's errors start with "[12:00:00] /project/cpp/file.cc:123: "; the rest is the message.
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -86,10 +87,12 @@ def build_grammar(key: tuple[str, str, bool]) -> Any:
     kind, text, compact = key
     try:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(text, any_whitespace=not compact)
+            return xgr.Grammar.from_json_schema(text, any_whitespace=not compact,
+                                                max_whitespace_cnt=_whitespace(compact))
         if kind == "json_object":  # any object: properties the schema does not forbid
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not compact,
-                                                strict_mode=False)
+                                                strict_mode=False,
+                                                max_whitespace_cnt=_whitespace(compact))
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "choice":  # JSON string literals are valid EBNF ones (same escapes)
@@ -103,6 +106,13 @@ def build_grammar(key: tuple[str, str, bool]) -> Any:
     except (RuntimeError, TypeError, ValueError) as exc:
         raise ValueError(_LOCATION.sub("", str(exc)).strip() or type(exc).__name__) from None
     raise ValueError(f"unknown structured output kind {kind!r}")
+
+
+def _whitespace(compact: bool) -> int | None:
+    """Free whitespace between JSON tokens comes in runs of at most MAX_JSON_WHITESPACE
+    characters: enough for pretty-printed nesting, and a sampled `{"ok":` cannot drift into
+    newlines until max_tokens."""
+    return None if compact else MAX_JSON_WHITESPACE
 
 
 def _structural_tag(tag: dict[str, Any]) -> str:

@@ -288,3 +288,24 @@ def test_reasoning_gate_crosses_to_the_core_process():
     got = back.sampling_params.structured_outputs
     assert got.reasoning_end == rule and got.key() == spec.key()
     assert StructuredOutputsParams(json={"type": "object"}).key() == spec.key()
+
+
+def test_json_whitespace_runs_are_bounded_unless_compact():
+    """A JSON grammar allows pretty-printing, but no run of free whitespace past
+    MAX_JSON_WHITESPACE characters (the runaway-newlines failure); compact allows none."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from octavo.engine.grammar import MAX_JSON_WHITESPACE, build_grammar
+
+    pretty = '{\n    "a": [\n        1,\n        2\n    ]\n}'
+    runaway = "{" + "\n" * (MAX_JSON_WHITESPACE + 1) + '"a": 1}'
+    for spec in (StructuredOutputsParams(json_object=True),
+                 StructuredOutputsParams(json={"type": "object", "properties": {
+                     "a": {"type": "array", "items": {"type": "integer"}}}})):
+        grammar = build_grammar(spec.key())
+        assert accepts(grammar, pretty) and accepts(grammar, '{"a": [1, 2]}')
+        assert not accepts(grammar, runaway)
+        compact = build_grammar(StructuredOutputsParams(
+            **{**spec.to_dict(), "disable_any_whitespace": True}).key())
+        assert not accepts(compact, pretty)  # one fixed separator style, no free whitespace
+        assert accepts(compact, '{"a":[1,2]}') or accepts(compact, '{"a": [1, 2]}')
