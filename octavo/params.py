@@ -2,6 +2,7 @@
 BeamSearchParams in, RequestOutput / CompletionOutput / Logprob out."""
 from __future__ import annotations
 
+import enum
 import json as _json
 import math
 from collections.abc import Sequence
@@ -148,6 +149,15 @@ class StructuredOutputsParams:
         return out
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each output of a streamed request holds (vLLM's names): everything so far, only
+    what is new since the last, or nothing until the final one."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Every field is validated on construction (`ValueError` names it)."""
@@ -173,6 +183,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per output token (the sampled one is always added)
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # For AsyncLLM.generate (the offline LLM returns final outputs; the server streams deltas).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -229,6 +241,11 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or "
+                             f"FINAL_ONLY), got {self.output_kind!r:.80}") from None
         if isinstance(self.structured_outputs, dict):  # e.g. decoded from a message
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None:

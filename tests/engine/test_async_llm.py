@@ -76,3 +76,23 @@ def test_engine_args_translate_vllm_names_and_refuse_what_octavo_cannot_do():
         EngineArgs(trust_remote_code=True)
     with pytest.raises(ValueError, match="unknown engine option"):
         EngineArgs(swap_space_gb=4)
+
+
+def test_output_kinds_delta_and_final_only(engine):
+    from octavo.sampling_params import RequestOutputKind  # vllm.sampling_params
+
+    prompt = "The capital of France is"
+
+    async def collect(kind):
+        params = SamplingParams(max_tokens=10, temperature=0, output_kind=kind)
+        return [out async for out in engine.generate(prompt, params, f"kind-{kind.name}")]
+
+    cumulative = asyncio.run(collect(RequestOutputKind.CUMULATIVE))
+    deltas = asyncio.run(collect(RequestOutputKind.DELTA))
+    final = asyncio.run(collect(RequestOutputKind.FINAL_ONLY))
+    whole = cumulative[-1].outputs[0]
+    assert "".join(d.outputs[0].text for d in deltas) == whole.text
+    assert [t for d in deltas for t in d.outputs[0].token_ids] == whole.token_ids
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].text == whole.text
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=7)
