@@ -79,6 +79,15 @@ def _warn(what: str, path: Path, exc: BaseException) -> None:
                    what, path, describe(exc))
 
 
+def _skipped(exc: BaseException, errors: WriteErrors, what: str, path: Path) -> bool:
+    """Inside the `except` of a failed write, its temporary copy removed: re-raise anything
+    but a write failure, else warn once; False."""
+    if not isinstance(exc, (OSError, *errors)):
+        raise  # noqa: PLE0704 - the exception being handled, with its traceback
+    _warn(what, path, exc)
+    return False
+
+
 def write_file(path: Path, write: Callable[[Path], None], what: str,
                errors: WriteErrors = ()) -> bool:
     """`write(tmp)` writes the file at a temporary path beside `path`, which then replaces
@@ -98,10 +107,7 @@ def write_file(path: Path, write: Callable[[Path], None], what: str,
             tmp.unlink(missing_ok=True)
         except OSError:  # a read-only folder, where nothing was written either
             pass
-        if not isinstance(exc, (OSError, *errors)):
-            raise
-        _warn(what, path, exc)
-        return False
+        return _skipped(exc, errors, what, path)
     _fsync_dir(path.parent)
     return True
 
@@ -131,9 +137,6 @@ def write_dir(path: Path, write: Callable[[Path], None], what: str,
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException as exc:  # Ctrl-C mid-write too: the temporary folder never stays
         shutil.rmtree(tmp, ignore_errors=True)
-        if not isinstance(exc, (OSError, *errors)):
-            raise
-        _warn(what, path, exc)
-        return False
+        return _skipped(exc, errors, what, path)
     _fsync_dir(path.parent)
     return True

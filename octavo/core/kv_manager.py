@@ -140,6 +140,12 @@ class KVCacheManager:
             # Reverse order: the tail of a sequence is the least useful to keep cached.
             self.pool.free(table[released:][::-1])
 
+    def uncache(self, req_id: str) -> None:
+        """Make none of the request's blocks findable by hash (after a failed step their
+        contents may be half written); they stay in its table."""
+        for block in self.blocks_of(req_id):
+            self.pool.uncache(block)
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_cache()
 

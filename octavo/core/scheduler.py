@@ -282,8 +282,7 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            for block in self.kv.blocks_of(req_id):
-                self.kv.pool.uncache(block)
+            self.kv.uncache(req_id)
             self.running.remove(req)
             self._preempt(req)
             self._finished_ids.add(req_id)
@@ -293,8 +292,7 @@ class Scheduler:
         req = self.requests.get(req_id)
         if req is None:
             return None
-        for block in self.kv.blocks_of(req_id):
-            self.kv.pool.uncache(block)
+        self.kv.uncache(req_id)
         (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
         req.stop_reason = reason
         self._finish(req, RequestStatus.FINISHED_ABORTED)

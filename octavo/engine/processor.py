@@ -27,11 +27,12 @@ class RequestLimits:
     max_logprobs: int = MAX_LOGPROBS
 
     def __post_init__(self) -> None:
-        for name in ("max_n", "max_stop", "max_stop_length", "max_logprobs"):
+        for name, low in (("max_n", 1), ("max_stop", 1), ("max_stop_length", 1),
+                          ("max_logprobs", 0)):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 0 or (value < 1 and name != "max_logprobs")):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                                      or value < low):
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
     def check_width(self, name: str, width: int) -> None:
         """n, best_of or a beam width against max_n."""
