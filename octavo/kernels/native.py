@@ -1,4 +1,5 @@
-"""octavo's C++ CPU kernels (csrc/cpu_ops.cpp), compiled once per machine and cached on disk.
+"""octavo's C++ CPU kernels (csrc/cpu_ops.cpp and the headers it includes), compiled once per
+machine and cached on disk.
 
 The build uses the system C++ compiler through `torch.utils.cpp_extension` and takes about
 30 s on two cores; later starts load the cached library in well under a second. A server can
@@ -24,7 +25,8 @@ from octavo.disk_cache import describe, make_dirs, write_text
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"  # one translation unit: it includes
+_HEADERS = sorted(_SOURCE.parent.glob("*.h"))  # the kernels' headers, part of the build key
 _lock = threading.Lock()
 _state: dict[str, ModuleType | str | None] = {}
 
@@ -40,6 +42,8 @@ def _build_key() -> str:
     import torch
 
     h = hashlib.sha256(_SOURCE.read_bytes())
+    for header in _HEADERS:
+        h.update(header.name.encode() + header.read_bytes())
     h.update(torch.__version__.encode())
     try:
         with open("/proc/cpuinfo") as f:

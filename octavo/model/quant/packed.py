@@ -61,7 +61,7 @@ class PackedWeight:
 
 class Int4Packed(PackedWeight):
     """4-bit codes with a float32 scale and zero per 32 inputs, w = (q - 8) * scale + zero
-    (torch's form), held in the layout of octavo's int4 kernel (cpu_ops.cpp, int4_block):
+    (torch's form), held in the layout of octavo's int4 kernel (csrc/quant_gemv.h, int4_block):
     codes [N / 16, K / 4, 32] bytes, byte 2r + j of (row block b, quad c) holding row 16b + r's
     inputs 4c + j (low nibble) and 4c + 2 + j (high nibble); scale and zero
     [N / 16, K / 32, 2, 16]. N is padded to a multiple of 16 with zero rows, sliced off after.

@@ -1,0 +1,198 @@
+// The elementwise layers of a step: RMSNorm (and with a residual add), rotary
+// embedding, RoPE with the KV write, SiLU-and-mul.
+// Included by cpu_ops.cpp only: the kernels are one translation unit, so every call
+// between these files can still be inlined.
+#pragma once
+
+#include "simd.h"
+
+namespace {
+
+// One row of RMSNorm; the residual-add variant below calls it too, so both round alike.
+template <typename T>
+inline void rms_norm_row(const T* xr, const T* wp, T* orow, int64_t width, float eps) {
+#if defined(__AVX512F__)
+  if constexpr (kVec16<T>) {
+    if (width % 16 == 0) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < width; i += 16) {
+        const __m512 v = load16(xr + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / width + eps));
+      for (int64_t i = 0; i < width; i += 16)
+        store16(orow + i, _mm512_mul_ps(round16<T>(_mm512_mul_ps(load16(xr + i), inv)),
+                                        load16(wp + i)));
+      return;
+    }
+  }
+#endif
+  float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+  for (int64_t i = 0; i < width; ++i) sq += to_f(xr[i]) * to_f(xr[i]);
+  const float inv = 1.f / std::sqrt(sq / width + eps);
+  // The normalized value is rounded to the input dtype before the weight is applied, as
+  // the reference implementations do.
+  for (int64_t i = 0; i < width; ++i)
+    orow[i] = static_cast<T>(to_f(static_cast<T>(to_f(xr[i]) * inv)) * to_f(wp[i]));
+}
+
+template <typename T>
+void rms_norm_typed(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+                    double eps) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      rms_norm_row(xp + r * width, wp, op + r * width, width, static_cast<float>(eps));
+  });
+}
+
+// Rotate-half RoPE of one head in place.
+template <typename T>
+inline void rotate_half(T* v, const float* c, const float* s, int64_t half) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (kVec16<T>) {
+    for (; i + 16 <= half; i += 16) {
+      const __m512 a = load16(v + i), b = load16(v + i + half);
+      const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
+      store16(v + i, _mm512_fmsub_ps(a, cv, _mm512_mul_ps(b, sv)));
+      store16(v + i + half, _mm512_fmadd_ps(b, cv, _mm512_mul_ps(a, sv)));
+    }
+  }
+#endif
+  for (; i < half; ++i) {
+    const float a = to_f(v[i]), b = to_f(v[i + half]);
+    v[i] = static_cast<T>(a * c[i] - b * s[i]);
+    v[i + half] = static_cast<T>(b * c[i] + a * s[i]);
+  }
+}
+
+// Rotate-half RoPE applied in place to x [T, heads, dim] (any strides with a unit last stride).
+template <typename T>
+void rotary_typed(torch::Tensor& x, const int64_t* pos, const float* cos, const float* sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  T* xp = x.data_ptr<T>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + pos[t] * half;
+      const float* s = sin + pos[t] * half;
+      for (int64_t h = 0; h < heads; ++h) rotate_half(xp + t * s0 + h * s1, c, s, half);
+    }
+  });
+}
+
+// A decoder layer's residual add and the norm after it in one pass: x += delta (rounded to T, as
+// x + delta is), then out = rms_norm(x) with the rounding of rms_norm_typed. x is [rows, width]
+// contiguous; delta's rows are `delta_stride` apart (a narrowed projection output).
+template <typename T>
+void add_rms_norm_typed(T* x, const T* delta, int64_t delta_stride, const T* weight, T* out,
+                        int64_t rows, int64_t width, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * width;
+      const T* dr = delta + r * delta_stride;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      if constexpr (kVec16<T>)
+        for (; i + 16 <= width; i += 16) store16(xr + i, _mm512_add_ps(load16(xr + i), load16(dr + i)));
+#endif
+      for (; i < width; ++i) xr[i] = static_cast<T>(to_f(xr[i]) + to_f(dr[i]));
+      rms_norm_row(xr, weight, out + r * width, width, eps);
+    }
+  });
+}
+
+// The q and k heads of a fused qkv row normed (Qwen3's q_norm / k_norm, when given) and rotated
+// in place, and the k and v rows written to their cache slots: what rms_norm, rotary_typed and
+// write_rows do, without a tensor view per head group. qkv rows are `stride` apart; the cache is
+// T, like the activations.
+template <typename T>
+void rope_write_kv_typed(T* qkv, int64_t tokens, int64_t stride, int64_t heads, int64_t kv_heads,
+                         int64_t dim, const int64_t* pos, const float* cos, const float* sin,
+                         const T* q_norm, const T* k_norm, float eps, T* k_cache, T* v_cache,
+                         const int64_t* slots) {
+  const int64_t half = dim / 2, kv_width = kv_heads * dim;
+  // A prefill's thousands of tokens are split between the threads; a decode step's few run
+  // inline (no fork).
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = qkv + t * stride;
+      const float* c = cos + pos[t] * half;
+      const float* s = sin + pos[t] * half;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        T* head = row + h * dim;
+        const T* norm = h < heads ? q_norm : k_norm;
+        if (norm != nullptr) rms_norm_row(head, norm, head, dim, eps);
+        rotate_half(head, c, s, half);
+      }
+      std::copy(row + heads * dim, row + heads * dim + kv_width, k_cache + slots[t] * kv_width);
+      std::copy(row + heads * dim + kv_width, row + heads * dim + 2 * kv_width,
+                v_cache + slots[t] * kv_width);
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+
+// silu(gate) * up for 16 lanes, silu rounded to T first; T is float or bfloat16.
+template <typename T>
+inline void silu_mul16(const T* gate, const T* up, T* out) {
+  const __m512 g = load16(gate);
+  // g / (1 + e^-g) with a refined reciprocal (about 2^-28 relative) instead of a division,
+  // whose 512-bit form is slow on this class of CPU. Below g = -80 silu is below 1e-33: 0 here
+  // (e^-g is capped so that the reciprocal stays finite).
+  const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), g);
+  const __mmask16 live = _mm512_cmp_ps_mask(neg, _mm512_set1_ps(80.f), _CMP_LE_OQ);
+  const __m512 den =
+      _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_min_ps(neg, _mm512_set1_ps(80.f))));
+  __m512 inv = _mm512_rcp14_ps(den);
+  inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
+  const __m512 act = _mm512_maskz_mul_ps(live, g, inv);
+  store16(out, _mm512_mul_ps(round16<T>(act), load16(up)));
+}
+#endif
+
+template <typename T>
+void silu_and_mul_typed(torch::Tensor& out, const torch::Tensor& x) {
+  const int64_t rows = x.size(0), width = out.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  // A decode step's few rows are a few microseconds of work: one thread, no fork.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = xp + r * 2 * width;
+      const T* up = gate + width;
+      T* o = op + r * width;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)
+        for (; i + 16 <= width; i += 16) silu_mul16(gate + i, up + i, o + i);
+#elif defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, float>)  // std::exp a lane cost 0.9 ms a SmolLM2 step
+        for (; i + 8 <= width; i += 8) {
+          // As silu_mul16: below g = -80 silu is below 1e-33, 0 here.
+          const __m256 g = _mm256_loadu_ps(gate + i);
+          const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), g);
+          const __m256 live = _mm256_cmp_ps(neg, _mm256_set1_ps(80.f), _CMP_LE_OQ);
+          const __m256 act = _mm256_and_ps(
+              live, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(neg))));
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(act, _mm256_loadu_ps(up + i)));
+        }
+#endif
+      for (; i < width; ++i) {
+        const float g = to_f(gate[i]);
+        // silu is rounded to the input dtype before the product, as in F.silu(gate) * up.
+        const float act = to_f(static_cast<T>(g / (1.f + std::exp(-g))));
+        o[i] = static_cast<T>(act * to_f(up[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
