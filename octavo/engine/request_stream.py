@@ -49,7 +49,8 @@ def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         outs[c.index] = CompletionOutput(c.index, was.text + c.text,
                                          was.token_ids + c.token_ids, c.cumulative_logprob,
                                          logprobs, c.finish_reason, c.stop_reason)
-    prompt_lp = first.prompt_logprobs if then.prompt_logprobs is None else \
-        (first.prompt_logprobs or []) + then.prompt_logprobs
+    # A request's outputs all carry its prompt logprobs so far (not a delta): the latest holds
+    # them all.
+    prompt_lp = first.prompt_logprobs if then.prompt_logprobs is None else then.prompt_logprobs
     return RequestOutput(then.request_id, then.prompt, then.prompt_token_ids, prompt_lp,
                          [outs[i] for i in sorted(outs)], then.finished, then.num_cached_tokens)

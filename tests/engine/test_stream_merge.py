@@ -42,3 +42,20 @@ def test_an_error_stands_over_later_outputs():
         return await stream.get()
 
     assert isinstance(asyncio.run(run()), RuntimeError)
+
+
+def test_prompt_logprobs_are_not_repeated_by_a_merge():
+    """Every output of a request carries its prompt logprobs so far (not a delta): a merge
+    keeps the latest list, as the last output would have given it (found with echo=true and
+    logprobs on the server, where a merge had repeated the prompt's positions)."""
+    prompt_lp = [None, {5: Logprob(-1.0, 1)}, {6: Logprob(-2.0, 1)}]
+
+    async def run():
+        stream = RequestStream()
+        for i in range(3):
+            out = _delta(i)
+            out.prompt_logprobs = prompt_lp
+            stream.put(out)
+        return await stream.get()
+
+    assert asyncio.run(run()).prompt_logprobs == prompt_lp
