@@ -1,7 +1,8 @@
-"""What both chat APIs share: rendering the conversation off the event loop (a request's own
-template only where the server trusts them), the rule for function names, and the request-time
-step that checks the tools' schemas (when a grammar will be built from them) and plans the
-output (octavo/serving/chat_output.py), with 400s naming the field."""
+"""What the chat APIs (chat completions, responses, messages) share: rendering the conversation
+off the event loop (a request's own template only where the server trusts them), the model's
+sampling defaults, the rule for function names, the check of a structured-output spec, and the
+request-time step that checks the tools' schemas (when a grammar will be built from them) and
+plans the output (octavo/serving/chat_output.py), with 400s naming the field."""
 from __future__ import annotations
 
 import re
@@ -10,8 +11,9 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator
 
+from octavo.engine.grammar import check_structured
 from octavo.entrypoints.http import APIError, ServerState
-from octavo.params import StructuredOutputsParams
+from octavo.params import SamplingParams, StructuredOutputsParams
 from octavo.serving.chat_output import ChatPlan, ToolRequest, check_tool_schemas, plan_chat_output
 from octavo.serving.chat_template import render_chat
 
@@ -41,6 +43,25 @@ async def render_prompt(state: ServerState, messages: list[dict[str, Any]],
         "rendering the chat template", render_chat, state.engine.tokenizer, messages,
         request_template or state.chat_template, add_generation_prompt, continue_final_message,
         template_kwargs, state.render_limits)
+
+
+def model_defaults(state: ServerState) -> SamplingParams:
+    """The model's generation_config: it fills the sampling fields a request leaves unset."""
+    return SamplingParams(**state.engine.setup.arch.sampling_defaults)
+
+
+async def check_output_spec(state: ServerState, spec: StructuredOutputsParams | None,
+                            field: str | None, param: str) -> None:
+    """Compile `spec`'s grammar once to refuse a bad one with a 400 (`param`; `field` names the
+    part in the message). In the front end's pool: the first check imports xgrammar, and a large
+    spec takes a while to parse; neither may stall other streams."""
+    if spec is None:
+        return
+    try:
+        await state.engine.offload.run("checking the structured-output spec", check_structured,
+                                       spec, field)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param) from None
 
 
 async def plan_output(state: ServerState, tools: ToolRequest | None,

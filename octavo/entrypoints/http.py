@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import octavo
 from octavo.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from octavo.entrypoints.guard import Guard, GuardPolicy
+from octavo.entrypoints.openai.responses_store import ResponseStore
 from octavo.serving.chat_output import ChatParsers
 from octavo.serving.chat_template import RenderLimits
 
@@ -45,6 +46,7 @@ class ServerState:
     trust_request_chat_template: bool = False  # may a request bring its own chat template
     request_timeout_s: float | None = None  # a request still running after this is aborted
     on_engine_death: Callable[[], None] = lambda: None
+    response_store: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -145,6 +147,7 @@ def check_model(state: ServerState, model: str | None) -> str:
 def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> FastAPI:
     from octavo.entrypoints.anthropic.api import router as anthropic_router
     from octavo.entrypoints.openai.api import router as openai_router
+    from octavo.entrypoints.openai.responses import router as responses_router
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -218,6 +221,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(openai_router)
+    app.include_router(responses_router)
     app.include_router(anthropic_router)
     return app
 

@@ -14,7 +14,7 @@ from octavo.engine.processor import PreparedRequest
 from octavo.entrypoints.anthropic.tools import (
     BlockStream, Tool, ToolChoice, content_blocks, new_id_for, schema_fields, template_messages,
     template_tools, tool_request)
-from octavo.entrypoints.chat_plan import plan_output, render_prompt
+from octavo.entrypoints.chat_plan import model_defaults, plan_output, render_prompt
 from octavo.entrypoints.http import (
     APIError, RequestTimedOut, ServerState, check_model, error_body, state_of, timed,
     unless_disconnected)
@@ -135,7 +135,7 @@ async def messages(body: MessagesRequest, request: Request):
         raise APIError(400, f"max_tokens must be >= 1, got {body.max_tokens}", "max_tokens")
     plan = await plan_output(state, tools, schema_fields(body.tools or []), None, ids,
                              new_id_for(state.parsers.tool_parser))
-    defaults = SamplingParams(**state.engine.setup.arch.sampling_defaults)
+    defaults = model_defaults(state)
     params = SamplingParams(
         max_tokens=body.max_tokens, stop=body.stop_sequences,
         temperature=defaults.temperature if body.temperature is None else body.temperature,

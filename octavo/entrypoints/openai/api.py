@@ -12,9 +12,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from octavo.engine.grammar import check_structured
 from octavo.engine.processor import PreparedRequest
-from octavo.entrypoints.chat_plan import plan_output, render_prompt
+from octavo.entrypoints.chat_plan import (
+    check_output_spec, model_defaults, plan_output, render_prompt)
 from octavo.entrypoints.http import (
     APIError, RequestTimedOut, ServerState, check_model, error_body, state_of, timed,
     unless_disconnected)
@@ -26,7 +26,7 @@ from octavo.entrypoints.openai.protocol import (
 from octavo.entrypoints.openai.tools import (
     ChatTool, delta_of, message_of, schema_fields, template_message, template_tools,
     tool_request)
-from octavo.params import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
+from octavo.params import CompletionOutput, RequestOutput, StructuredOutputsParams
 from octavo.serving.chat_output import ChatPlan
 
 router = APIRouter()
@@ -39,17 +39,13 @@ def _refuse_unsupported(req) -> None:
 
 
 async def _structured(state: ServerState, body) -> StructuredOutputsParams | None:
-    """The request's output constraint, its grammar checked: a problem is a 400 naming it. The
-    check runs in the front end's pool: the first one imports xgrammar, and a large spec takes
-    a while to parse; neither may stall other streams."""
+    """The request's output constraint, its grammar checked: a problem is a 400 naming it."""
     param = "structured_outputs" if body.structured_outputs is not None else "response_format"
     try:
         spec, field = body.structured_params()
-        if spec is not None:
-            await state.engine.offload.run("checking the structured-output spec",
-                                           check_structured, spec, field)
     except ValueError as exc:
         raise APIError(400, str(exc), param) from None
+    await check_output_spec(state, spec, field, param)
     return spec
 
 
@@ -163,7 +159,7 @@ async def completions(body: CompletionRequest, request: Request):
                        "end)", "best_of")
     params = body.sampling_params(body.max_tokens, body.logprobs,
                                   body.logprobs if body.echo and body.logprobs is not None
-                                  else None, _model_defaults(state),
+                                  else None, model_defaults(state),
                                   await _structured(state, body))
     rid = f"cmpl-{uuid.uuid4().hex}"
     prepared = [await engine.prepare_async(f"{rid}-{i}", p, params, body.priority,
@@ -282,7 +278,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.sampling_params(max_tokens, logprobs, defaults=_model_defaults(state),
+    params = body.sampling_params(max_tokens, logprobs, defaults=model_defaults(state),
                                   structured=plan.structured,
                                   skip_special_tokens=plan.skip_special_tokens)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -382,7 +378,3 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, plan: Ch
         yield _sse({**base, "choices": [],
                     "usage": _usage(len(prepared.prompt_token_ids), n_out, cached)})
     yield "data: [DONE]\n\n"
-
-
-def _model_defaults(state) -> SamplingParams:
-    return SamplingParams(**state.engine.setup.arch.sampling_defaults)
