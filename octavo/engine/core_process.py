@@ -7,11 +7,9 @@ PR_SET_PDEATHSIG), and the loop also checks its parent at least once a second.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
-import sys
 from multiprocessing.connection import Connection
 
 import zmq
@@ -22,7 +20,15 @@ from octavo.core.engine_core import EngineCore, create_engine_core, import_model
 from octavo.core.scheduler import EngineCoreOutput
 from octavo.engine.grammar import XgrammarBackend
 from octavo.engine.messages import (
-    AbortRequests, AddRequest, CoreOutputs, Shutdown, UtilityCall, encoder, input_decoder)
+    AbortRequests,
+    AddRequest,
+    CoreOutputs,
+    Shutdown,
+    UtilityCall,
+    encoder,
+    input_decoder,
+)
+from octavo.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +115,9 @@ def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, ou
     config and tokenizer: it imports torch meanwhile, then takes (source, arch, max_model_len,
     eos_token_ids) from `setup` (closed unsent: the front end failed, and so the core quits)."""
     startup_gc.pause()  # until the core is ready (a forked core inherits its parent's pause)
-    _die_with_parent()
+    if not die_with_parent():
+        logger.warning("PR_SET_PDEATHSIG unavailable: the engine core checks its parent in its "
+                       "loop instead")
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     # The front end owns SIGINT/SIGTERM and shuts the core down through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -141,19 +149,3 @@ def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, ou
         proc.run()
     finally:
         proc.close()
-
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """SIGKILL this process when its parent exits, however the parent dies (SIGKILL and the
-    OOM killer included); a parent that died before this call is caught by the loop's check."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        logger.warning("PR_SET_PDEATHSIG unavailable: the engine core checks its parent in its "
-                       "loop instead")

@@ -1,10 +1,12 @@
 """octavo's C++ CPU kernels (csrc/cpu_ops.cpp and the headers it includes), compiled once per
 machine and cached on disk.
 
-The build uses the system C++ compiler through `torch.utils.cpp_extension` and takes about
-30 s on two cores; later starts load the cached library in well under a second. A server can
-build in the background and serve with the PyTorch ops meanwhile. Without a compiler the engine
-runs the PyTorch ops and says so in its log.
+`pip install` builds them (setup.py runs `octavo.kernels.build` against the installing
+environment's torch), as does `octavo build-kernels`; a start then loads the cached library in
+well under a second. The build uses the system C++ compiler through `torch.utils.cpp_extension`
+(about 30-140 s on two cores). A server that finds no build serves with the PyTorch ops and builds
+in a child process at idle priority (`build.run_beside_engine`), so the compiler only has the
+cycles the engine leaves; without a compiler the engine runs the PyTorch ops and says so.
 """
 from __future__ import annotations
 
@@ -57,38 +59,78 @@ def _build_key() -> str:
 def load(block: bool = True,
          on_ready: Callable[[ModuleType], None] | None = None) -> ModuleType | None:
     """The compiled module, building it on first use; None (with the reason logged) when it
-    cannot be had. With block=False and no cached build, the build runs in a thread, None is
-    returned now and `on_ready` gets the module when it is done."""
+    cannot be had. With block=False and no cached build, a build starts in a child process at
+    idle priority, None is returned now and `on_ready` gets the module when it is loaded."""
     with _lock:
         if "module" in _state:
             return _state["module"]  # type: ignore[return-value]
         if block or _is_cached():
-            _state["module"] = _build()
+            _state["module"] = build()
             return _state["module"]  # type: ignore[return-value]
         if "thread" not in _state:
-            logger.info("building the native CPU kernels in the background; PyTorch ops serve "
-                        "until they are ready")
-            thread = threading.Thread(target=_build_in_background, args=(on_ready,),
-                                      name="octavo-kernel-build", daemon=True)
-            _state["thread"] = thread  # type: ignore[assignment]
-            thread.start()
+            _state["thread"] = _start_build_beside_engine(on_ready)  # type: ignore[assignment]
         return None
 
 
-def _build_in_background(on_ready: Callable[[ModuleType], None] | None) -> None:
-    module = _build()
+def _start_build_beside_engine(on_ready: Callable[[ModuleType], None] | None
+                               ) -> threading.Thread | None:
+    failure = last_failure()
+    if failure is not None:
+        logger.warning("native CPU kernels unavailable: their build failed on this machine (%s); "
+                       "using PyTorch ops, decode is slower. `octavo build-kernels` builds them "
+                       "again", failure)
+        return None
+    logger.warning("native CPU kernels are not built for this machine (`pip install` builds "
+                   "them; so does `octavo build-kernels`); PyTorch ops serve while they build in "
+                   "the background at idle priority")
+    # The waiting thread starts the child: Linux ties the child's death signal to it.
+    thread = threading.Thread(target=_build_beside_engine, args=(on_ready,),
+                              name="octavo-kernel-build", daemon=True)
+    thread.start()
+    return thread
+
+
+def _build_beside_engine(on_ready: Callable[[ModuleType], None] | None) -> None:
+    from octavo.kernels import build
+
+    start = time.perf_counter()
+    if build.run_beside_engine() != 0 or not _is_cached():
+        logger.warning("native CPU kernels unavailable (%s); using PyTorch ops, decode is slower",
+                       last_failure() or "the build did not finish")
+        return
+    module = _load_built(_build_key(), _library(_build_key()))
+    logger.info("native CPU kernels built beside the engine in %.1f s; switching to them",
+                time.perf_counter() - start)
     with _lock:
         _state["module"] = module
-    if module is not None and on_ready is not None:
+    if on_ready is not None:
         on_ready(module)
 
 
 _READY = "ready"  # written after a build loads: a library left by an interrupted build is no cache
+_FAILED = "failed"  # why the last build here failed; a start does not retry it by itself
 _LOCK = "octavo.lock"
+
+
+def _library(key: str) -> Path:
+    return _cache_root() / key / f"octavo_cpu_ops_{key}.so"
 
 
 def _is_cached() -> bool:
     return (_cache_root() / _build_key() / _READY).is_file()
+
+
+def last_failure() -> str | None:
+    """Why the last build of these kernels on this machine failed, if it did."""
+    try:
+        return (_cache_root() / _build_key() / _FAILED).read_text().strip() or "unknown error"
+    except OSError:
+        return None
+
+
+def cached_library() -> Path | None:
+    """The built library for this source, torch and CPU, if there is one."""
+    return _library(_build_key()) if _is_cached() else None
 
 
 def _import_library(name: str, path: Path) -> ModuleType:
@@ -100,10 +142,11 @@ def _import_library(name: str, path: Path) -> ModuleType:
     return module
 
 
-def _build() -> ModuleType | None:
+def build() -> ModuleType | None:
+    """Build (or load the cached build of) the kernels in this process, now."""
     key = _build_key()
     build_dir = _cache_root() / key
-    library = build_dir / f"octavo_cpu_ops_{key}.so"
+    library = _library(key)
     if (build_dir / _READY).is_file() and library.is_file():
         return _load_built(key, library)
     # One build per key at a time, under a lock the OS drops when its holder dies: a process
@@ -120,7 +163,9 @@ def _build() -> ModuleType | None:
         fcntl.flock(guard, fcntl.LOCK_EX)
         if (build_dir / _READY).is_file() and library.is_file():  # built while we waited
             return _load_built(key, library)
-        (build_dir / "lock").unlink(missing_ok=True)  # no live build holds it now
+        # Not ready: what is there was left by a build that died (cpp_extension's lock, objects
+        # that ninja might take for done); no live build holds it now.
+        _remove_outputs(build_dir)
         return _compile(key, build_dir)
 
 
@@ -135,22 +180,28 @@ def _load_built(key: str, library: Path) -> ModuleType:
 
 def _compile(key: str, build_dir: Path) -> ModuleType | None:
     start = time.perf_counter()
+    logger.info("building the native CPU kernels for this machine (once; `pip install` and "
+                "`octavo build-kernels` do it ahead of a start)")
     from torch.utils import cpp_extension
 
     try:
         module = cpp_extension.load(
             name=f"octavo_cpu_ops_{key}", sources=[str(_SOURCE)], build_directory=str(build_dir),
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-mprefer-vector-width=512"], extra_ldflags=["-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
+                          "-mprefer-vector-width=512"], extra_ldflags=["-fopenmp"],
             verbose=False)
     except Exception as exc:  # a missing compiler or headers, a full disk: fall back, loudly
         errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
-        logger.warning("native CPU kernels unavailable (%s: %s); using PyTorch ops, decode is "
-                       "slower", type(exc).__name__, " | ".join(errors[:3] or [str(exc)])[:600])
+        reason = f"{type(exc).__name__}: {' | '.join(errors[:3] or [str(exc)])[:600]}"
+        logger.warning("native CPU kernels unavailable (%s); using PyTorch ops, decode is "
+                       "slower", reason)
         _remove_outputs(build_dir)
+        write_text(build_dir / _FAILED, reason, "the native kernels' failure note")
         return None
     logger.info("native CPU kernels built in %.1f s", time.perf_counter() - start)
     # Without the stamp (a full disk) the next start only checks the build again.
     write_text(build_dir / _READY, "", "the native kernels' ready stamp")
+    (build_dir / _FAILED).unlink(missing_ok=True)
     return module
 
 

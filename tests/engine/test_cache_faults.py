@@ -226,12 +226,12 @@ def test_native_kernels_on_an_unwritable_cache(tmp_path, monkeypatch, caplog):
     (tmp_path / "file").write_text("not a folder")
     monkeypatch.setattr(native, "_cache_root", lambda: tmp_path / "file" / "kernels")
     with caplog.at_level(logging.WARNING):
-        assert native._build() is None
+        assert native.build() is None
     assert any("cannot build in" in r.getMessage() and "ENOTDIR" in r.getMessage()
                for r in caplog.records)
 
 
-def test_a_kernel_build_that_fills_the_disk_leaves_only_its_lock(tmp_path, monkeypatch):
+def test_a_kernel_build_that_fills_the_disk_leaves_only_its_lock_and_reason(tmp_path, monkeypatch):
     from torch.utils import cpp_extension
 
     from octavo.kernels import native
@@ -243,9 +243,11 @@ def test_a_kernel_build_that_fills_the_disk_leaves_only_its_lock(tmp_path, monke
 
     monkeypatch.setattr(native, "_cache_root", lambda: tmp_path / "kernels")
     monkeypatch.setattr(cpp_extension, "load", half_built)
-    assert native._build() is None
+    assert native.build() is None
     (build_dir,) = (tmp_path / "kernels").iterdir()
-    assert [p.name for p in build_dir.iterdir()] == ["octavo.lock"]
+    # The lock, and why the build failed (which a start names instead of building again).
+    assert sorted(p.name for p in build_dir.iterdir()) == ["failed", "octavo.lock"]
+    assert "No space left on device" in native.last_failure()
     _assert_private(tmp_path / "kernels")
 
 

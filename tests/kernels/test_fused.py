@@ -114,21 +114,26 @@ def test_decode_attention_matches_padded_path(native_kernels, dtype, window, sof
 
 
 def test_background_build_switches_over_when_ready(native_kernels, monkeypatch):
-    """A server starts at once: the kernels come from a thread and take over when ready."""
+    """A server starts at once: the kernels come from a build beside it and take over when
+    ready (the build itself: tests/kernels/test_kernel_build.py)."""
     import threading
 
-    from octavo.kernels import native
+    from octavo.kernels import build, native
 
     module = fused._native
     release = threading.Event()
+    built = []
 
     def slow_build():
         release.wait(10)
-        return module
+        built.append(True)
+        return 0
 
     monkeypatch.setattr(native, "_state", {})
-    monkeypatch.setattr(native, "_is_cached", lambda: False)
-    monkeypatch.setattr(native, "_build", slow_build)
+    monkeypatch.setattr(native, "_is_cached", lambda: bool(built))
+    monkeypatch.setattr(native, "last_failure", lambda: None)
+    monkeypatch.setattr(build, "run_beside_engine", slow_build)
+    monkeypatch.setattr(native, "_load_built", lambda key, library: module)
     assert fused.enable_native("background") is False  # PyTorch ops serve meanwhile
     assert not fused.native_active(torch.zeros(1))
     release.set()
@@ -165,5 +170,5 @@ def test_build_clears_a_lock_left_by_a_killed_build(tmp_path, monkeypatch):
         return built
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
-    assert native._build() is built
+    assert native.build() is built
     assert (build_dir / "ready").is_file()
