@@ -295,6 +295,7 @@ def test_output_items_from_reasoning_text_and_calls():
     assert reasoning["content"] == [{"type": "reasoning_text", "text": "let me think"}]
     assert message["content"][0]["text"] == "Sure." and message["status"] == "completed"
     assert call["arguments"] == '{"a": 1, "b": 2}' and call["call_id"] == "call_1"
+    assert call2["arguments"] == "{}" and call2["status"] == "completed"
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] \
         == [0, 1, 2, 3]
     added = next(e for e in events if e["type"] == "response.output_item.added")
