@@ -1,5 +1,6 @@
 """The HTTP app: state, CORS, errors, /health, /metrics, /version, request timeouts; keys,
-hosts and body limits are checked by `guard.Guard` in front of it.
+hosts and body limits are checked by `guard.Guard` in front of it, and `request_log.RequestLog`
+in front of that logs (and traces) every request.
 
 The OpenAI and Anthropic routers are mounted on it. Errors always have OpenAI's body
 `{"error": {"message", "type", "param", "code"}}` (Anthropic's shape on its own routes).
@@ -23,6 +24,7 @@ import octavo
 from octavo.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from octavo.entrypoints.guard import Guard, GuardPolicy
 from octavo.entrypoints.openai.responses_store import ResponseStore
+from octavo.entrypoints.request_log import ExchangeSink, RequestLog, RequestLogConfig
 from octavo.serving.chat_output import ChatParsers
 from octavo.serving.chat_template import RenderLimits
 
@@ -45,6 +47,8 @@ class ServerState:
     allowed_hosts: frozenset[str] | None = None  # Host header allow-list; None: any
     trust_request_chat_template: bool = False  # may a request bring its own chat template
     request_timeout_s: float | None = None  # a request still running after this is aborted
+    request_log: RequestLogConfig = field(default_factory=RequestLogConfig)
+    tracer: ExchangeSink | None = None  # --otlp-traces-endpoint
     on_engine_death: Callable[[], None] = lambda: None
     response_store: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -159,6 +163,8 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
         for task in state.tasks:
             task.cancel()
         await state.engine.shutdown()
+        if state.tracer is not None:
+            await asyncio.get_running_loop().run_in_executor(None, state.tracer.shutdown)
 
     app = FastAPI(title="octavo", version=octavo.__version__, lifespan=lifespan)
     app.state.server = state
@@ -170,6 +176,8 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
         # with the user's cookies or auth headers.
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in allowed_origins)
+    # Outermost: the access log sees every request, those the guard refuses too.
+    app.add_middleware(RequestLog, config=state.request_log, tracer=state.tracer)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):

@@ -1,8 +1,11 @@
-"""Command-line flags for SamplingParams, derived from its fields."""
+"""Command-line flags for SamplingParams, derived from its fields; which flags a command line
+changed."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import MISSING, fields
+from typing import Any
 
 from octavo.params import SamplingParams
 
@@ -31,3 +34,14 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     values = {f.name: getattr(args, f.name) for f in fields(SamplingParams)
               if f.init and f.name not in _SKIP and hasattr(args, f.name)}
     return SamplingParams(**values)
+
+
+def changed_flags(args: argparse.Namespace,
+                  *adders: Callable[[argparse.ArgumentParser], None]) -> dict[str, Any]:
+    """The flags that `adders` define whose value in `args` is not their default."""
+    parser = argparse.ArgumentParser(add_help=False)
+    for add in adders:
+        add(parser)
+    defaults = vars(parser.parse_args([]))
+    return {dest: getattr(args, dest) for dest, default in defaults.items()
+            if hasattr(args, dest) and getattr(args, dest) != default}

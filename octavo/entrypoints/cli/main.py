@@ -8,7 +8,8 @@ import sys
 
 # Subcommand -> the module that registers it.
 COMMANDS = {"serve": "serve", "generate": "generate", "chat": "generate", "pull": "pull",
-            "bench": "bench", "models": "models"}
+            "bench": "bench", "models": "models", "run-batch": "run_batch",
+            "complete": "client", "collect-env": "collect_env"}
 
 
 def _chosen_command(argv: list[str]) -> str | None:

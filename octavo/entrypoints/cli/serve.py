@@ -8,8 +8,13 @@ import os
 import signal
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from octavo import startup_gc
 from octavo.config import DEFAULT_MODEL, EngineConfig, add_engine_args
+
+if TYPE_CHECKING:
+    from octavo.entrypoints.http import ServerState
 
 SERVE_MAX_NUM_BATCHED_TOKENS = 512
 
@@ -24,10 +29,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None,
                    help="required bearer / x-api-key (default: $OCTAVO_API_KEY, else none)")
+    s.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins ('*' = any)")
+    s.add_argument("--max-concurrent-connections", type=int, default=None,
+                   help="open connections beyond which new ones get 503 (default: no limit)")
+    s.add_argument("--admin-api-key", default=None,
+                   help="key for the admin routes (/reset_prefix_cache) (default: "
+                        "$OCTAVO_ADMIN_API_KEY, else the API key guards them)")
+    s.add_argument("--metrics-require-key", action="store_true",
+                   help="/metrics needs the API key too (by default only /health and /metrics "
+                        "are open)")
+    s.add_argument("--allowed-hosts", nargs="*", default=None,
+                   help="Host header names the server answers besides IP addresses ('*': any); "
+                        "default: any with an API key, else only localhost and --host "
+                        "(DNS-rebinding protection)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM")
+    add_app_args(s)
+    add_engine_args(s)
+    # A server answers at once and lets the C++ kernels build behind it on a first start. Its
+    # steps take at most 512 tokens (offline: 2048): a burst of prompts is prefilled a few at a
+    # time, so the first of them stream sooner (32 clients x 150 tokens, 64 out: TTFT p50 3.7 s
+    # -> 2.8 s, output tokens/s 224 -> 235 on SmolLM2 here; offline throughput is 2-4% better
+    # with 2048).
+    s.set_defaults(run=run, native_kernels="background",
+                   max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)
+
+
+def add_app_args(s: argparse.ArgumentParser) -> None:
+    """The flags of the app and its engine front end, shared by `serve` and `run-batch`."""
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients may use for the model (default: the model argument)")
     s.add_argument("--chat-template", default=None, help="a chat template file or string")
-    s.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins ('*' = any)")
     s.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests waiting for their first token before 429 (default 4 x "
                         "max-num-seqs)")
@@ -54,23 +86,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--engine-timeout", type=float, default=60.0,
                    help="seconds the engine core may go silent while it has work before "
                         "/health answers 503")
-    s.add_argument("--max-concurrent-connections", type=int, default=None,
-                   help="open connections beyond which new ones get 503 (default: no limit)")
-    s.add_argument("--admin-api-key", default=None,
-                   help="key for the admin routes (/reset_prefix_cache) (default: "
-                        "$OCTAVO_ADMIN_API_KEY, else the API key guards them)")
-    s.add_argument("--metrics-require-key", action="store_true",
-                   help="/metrics needs the API key too (by default only /health and /metrics "
-                        "are open)")
-    s.add_argument("--allowed-hosts", nargs="*", default=None,
-                   help="Host header names the server answers besides IP addresses ('*': any); "
-                        "default: any with an API key, else only localhost and --host "
-                        "(DNS-rebinding protection)")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (Jinja code run in a "
                         "sandbox, within --preprocess-timeout)")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds running requests get to finish after SIGTERM")
     s.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="the format of the model's own tool calls, read for tool_choice auto: "
                         "hermes, llama3_json, mistral, pythonic")
@@ -80,14 +98,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split <think> reasoning from the answer (reasoning_content, thinking "
                         "blocks): deepseek_r1, qwen3")
-    add_engine_args(s)
-    # A server answers at once and lets the C++ kernels build behind it on a first start. Its
-    # steps take at most 512 tokens (offline: 2048): a burst of prompts is prefilled a few at a
-    # time, so the first of them stream sooner (32 clients x 150 tokens, 64 out: TTFT p50 3.7 s
-    # -> 2.8 s, output tokens/s 224 -> 235 on SmolLM2 here; offline throughput is 2-4% better
-    # with 2048).
-    s.set_defaults(run=run, native_kernels="background",
-                   max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)
+    s.add_argument("--disable-access-log", action="store_true",
+                   help="no access line per request (client, method, path, status, tokens, "
+                        "latency, request id)")
+    s.add_argument("--enable-log-requests", action="store_true",
+                   help="log each generation request's prompt and sampling fields")
+    s.add_argument("--enable-log-outputs", action="store_true",
+                   help="log each generation request's output text")
+    s.add_argument("--max-log-len", type=int, default=None,
+                   help="characters of a prompt or output logged (default: all)")
+    s.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export one OpenTelemetry span per generation request to this OTLP "
+                        "endpoint (needs pip install 'octavo[otlp]'; the protocol is "
+                        "$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: grpc, the default, or "
+                        "http/protobuf)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,18 +122,96 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from octavo.engine.core_launch import launch_core
-
     if args.model_tag:
         args.model = args.model_tag
+    if args.max_concurrent_connections is not None and not args.max_concurrent_connections > 0:
+        raise ValueError(f"--max-concurrent-connections must be > 0, "
+                         f"got {args.max_concurrent_connections}")
+    api_key = args.api_key or os.environ.get("OCTAVO_API_KEY") or None
+    from octavo.entrypoints.guard import default_allowed_hosts
+
+    state = open_state(args, api_key=api_key,
+                       admin_api_key=(args.admin_api_key
+                                      or os.environ.get("OCTAVO_ADMIN_API_KEY") or None),
+                       metrics_require_key=args.metrics_require_key,
+                       allowed_hosts=default_allowed_hosts(args.host, api_key,
+                                                           args.allowed_hosts))
+    engine = state.engine
+    if not api_key and not _loopback(args.host):
+        logger.warning("serving on %s without an API key: anyone who can reach this address "
+                       "can use the server (set --api-key or $OCTAVO_API_KEY)", args.host)
+    from octavo.entrypoints.http import build_app
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after a graceful shutdown (exit code -15); a clean stop
+        must exit 0, so the signals only ask the server to stop."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGINT,
+                                                                       signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        def _stop(self, sig: int, frame) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+    app = build_app(state, args.allowed_origins)
+    # uvicorn's own access log stays off: request_log writes the one access line per request.
+    server = _Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=logging.getLogger().level,
+        timeout_graceful_shutdown=args.shutdown_timeout, access_log=False,
+        limit_concurrency=args.max_concurrent_connections))
+    exit_code = 0
+
+    def on_engine_death() -> None:
+        nonlocal exit_code
+        exit_code = 1
+        server.should_exit = True
+
+    state.on_engine_death = on_engine_death
+    server.config.load()  # uvicorn's protocol imports, while the core still loads
+    engine.wait_until_ready()
+    startup_gc.settle()
+    logger.info("serving %s as %s on http://%s:%d", args.model,
+                ", ".join(state.served_model_names), args.host, args.port)
+    import asyncio  # not at the top: 0.025 s that the core's launch would wait for
+
+    asyncio.run(server.serve())
+    return exit_code
+
+
+def open_state(args: argparse.Namespace, **server: object) -> ServerState:
+    """Check the app flags (`add_app_args`), launch the engine core and build the server's
+    state; `server`: further ServerState fields (keys, hosts). The core loads while this
+    returns: `engine.wait_until_ready()` (or the app's start) waits for it."""
+    from octavo.engine.core_launch import launch_core
+
     for name in ("max_queued_requests", "max_queued_tokens", "max_request_bytes", "max_n",
-                 "max_stop", "max_stop_length", "max_concurrent_connections",
-                 "preprocess_timeout", "request_timeout", "engine_timeout"):
+                 "max_stop", "max_stop_length", "preprocess_timeout", "request_timeout",
+                 "engine_timeout"):
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     if args.max_logprobs < 0:
         raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+    from octavo.entrypoints.request_log import RequestLogConfig
+
+    request_log = RequestLogConfig(not args.disable_access_log, args.enable_log_requests,
+                                   args.enable_log_outputs, args.max_log_len,
+                                   args.max_request_bytes)
+    tracer = None
+    if args.otlp_traces_endpoint is not None:  # a missing extra fails here, before the model
+        from octavo.entrypoints.tracing import Tracer
+
+        tracer = Tracer(args.otlp_traces_endpoint)
     config = EngineConfig.from_cli(args)
     # The core process starts first: its torch import is most of a start, and the front end's
     # own imports and set-up below run beside it.
@@ -133,30 +235,7 @@ def _serve(args: argparse.Namespace) -> int:
                                          args.max_logprobs),
                            args.preprocess_timeout, args.engine_timeout)
     engine = AsyncEngine(config, limits, core)
-    from octavo.entrypoints.guard import default_allowed_hosts
-    from octavo.entrypoints.http import ServerState, build_app
-
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        """uvicorn re-raises SIGTERM after a graceful shutdown (exit code -15); a clean stop
-        must exit 0, so the signals only ask the server to stop."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGINT,
-                                                                       signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-        def _stop(self, sig: int, frame) -> None:
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            self.should_exit = True
-
+    from octavo.entrypoints.http import ServerState
 
     parsers = parsers.for_vocab(engine.tokenizer.get_vocab())
     if parsers.reasoning_parser is not None and parsers.reasoning_end is None:
@@ -164,42 +243,11 @@ def _serve(args: argparse.Namespace) -> int:
                        "this model, so structured output and tool_choice required/named apply "
                        "from the first token (those outputs have no reasoning)",
                        args.reasoning_parser)
-    api_key = args.api_key or os.environ.get("OCTAVO_API_KEY") or None
-    if not api_key and not _loopback(args.host):
-        logger.warning("serving on %s without an API key: anyone who can reach this address "
-                       "can use the server (set --api-key or $OCTAVO_API_KEY)", args.host)
-    state = ServerState(engine, args.served_model_name or [args.model], api_key=api_key,
-                        chat_template=template, parsers=parsers,
-                        max_request_bytes=args.max_request_bytes,
-                        admin_api_key=(args.admin_api_key
-                                       or os.environ.get("OCTAVO_ADMIN_API_KEY") or None),
-                        metrics_require_key=args.metrics_require_key,
-                        allowed_hosts=default_allowed_hosts(args.host, api_key,
-                                                            args.allowed_hosts),
-                        trust_request_chat_template=args.trust_request_chat_template,
-                        request_timeout_s=args.request_timeout)
-    app = build_app(state, args.allowed_origins)
-    server = _Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=logging.getLogger().level,
-        timeout_graceful_shutdown=args.shutdown_timeout, access_log=False,
-        limit_concurrency=args.max_concurrent_connections))
-    exit_code = 0
-
-    def on_engine_death() -> None:
-        nonlocal exit_code
-        exit_code = 1
-        server.should_exit = True
-
-    state.on_engine_death = on_engine_death
-    server.config.load()  # uvicorn's protocol imports, while the core still loads
-    engine.wait_until_ready()
-    startup_gc.settle()
-    logger.info("serving %s as %s on http://%s:%d", args.model,
-                ", ".join(state.served_model_names), args.host, args.port)
-    import asyncio  # not at the top: 0.025 s that the core's launch would wait for
-
-    asyncio.run(server.serve())
-    return exit_code
+    return ServerState(engine, args.served_model_name or [args.model], chat_template=template,
+                       parsers=parsers, max_request_bytes=args.max_request_bytes,
+                       trust_request_chat_template=args.trust_request_chat_template,
+                       request_timeout_s=args.request_timeout, request_log=request_log,
+                       tracer=tracer, **server)
 
 
 def _loopback(host: str) -> bool:
