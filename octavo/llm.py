@@ -9,6 +9,7 @@ from octavo.config import DEFAULT_MODEL, EngineConfig
 from octavo.engine import beam_search as beam
 from octavo.engine.arg_utils import engine_config
 from octavo.engine.llm_engine import LLMEngine
+from octavo.engine.processor import MAX_LOGPROBS, RequestLimits
 from octavo.inputs import PromptType, is_single_prompt
 from octavo.params import BeamSearchOutput, BeamSearchParams, RequestOutput, SamplingParams
 from octavo.serving.chat_template import render_chat
@@ -20,10 +21,13 @@ Message = dict[str, Any]
 class LLM:
     """An engine in this process. Keyword arguments are engine options (`max_num_seqs=8`, ...)."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, max_logprobs: int = MAX_LOGPROBS,
+                 **engine_options: Any) -> None:
         """`engine_options`: octavo's options, or vLLM's names for them (see
-        octavo.engine.arg_utils)."""
-        self._start(engine_config(model, **engine_options))
+        octavo.engine.arg_utils). max_logprobs: the most logprobs / prompt_logprobs one request
+        may ask for (vLLM's option; -1: the whole vocabulary, which logprobs=-1 needs)."""
+        limits = RequestLimits(max_logprobs=max_logprobs)
+        self._start(engine_config(model, **engine_options), limits)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
@@ -31,8 +35,8 @@ class LLM:
         llm._start(config)
         return llm
 
-    def _start(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
+    def _start(self, config: EngineConfig, limits: RequestLimits | None = None) -> None:
+        self.engine = LLMEngine(config, limits)
         self.tokenizer = self.engine.tokenizer
 
     def get_tokenizer(self):

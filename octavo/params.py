@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 import json as _json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from octavo.param_checks import check_float as _check_float
+from octavo.param_checks import check_int as _check_int
+from octavo.param_checks import check_logprobs, check_token_fields
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -180,11 +183,21 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    logprobs: int | None = None  # top-k logprobs per output token (the sampled one is always added)
+    # top-k logprobs per output token (the sampled one is always added); -1: the whole
+    # vocabulary, within the engine's max_logprobs
+    logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # For AsyncLLM.generate (the offline LLM returns final outputs; the server streams deltas).
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's token-level fields (checked in param_checks.py).
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never completed (with or without a leading space)
+    detokenize: bool = True  # False: token ids only, no text
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: context
+    spaces_between_special_tokens: bool = True  # False: adjacent special tokens kept unspaced
+    logprob_token_ids: list[int] | None = None  # logprobs of exactly these tokens at each step
+    extra_args: dict[str, Any] | None = None  # passed through untouched (custom sampling code)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -234,10 +247,8 @@ class SamplingParams:
         for t in self.stop_token_ids or []:
             _check_int("stop_token_ids", t, 0)
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0)
-        if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, 0)
+        check_logprobs("logprobs", self.logprobs)
+        check_logprobs("prompt_logprobs", self.prompt_logprobs)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -246,6 +257,7 @@ class SamplingParams:
         except ValueError:
             raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or "
                              f"FINAL_ONLY), got {self.output_kind!r:.80}") from None
+        check_token_fields(self)
         if isinstance(self.structured_outputs, dict):  # e.g. decoded from a message
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None:
@@ -298,35 +310,6 @@ class BeamSearchParams:
                 not isinstance(self.early_stopping, (bool, str)):
             raise ValueError(f"early_stopping must be true, false or 'never', "
                              f"got {self.early_stopping!r}")
-
-
-INT64_MAX = 2**63 - 1  # every integer crosses to the core as msgpack's int64
-
-
-def _check_int(name: str, value: object, low: int, high: int = INT64_MAX) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r:.80}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value!r:.80}")
-    if value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value!r:.80}")
-
-
-def _finite(value: int | float) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an integer past float's range
-        return False
-
-
-def _check_float(name: str, value: object, low: float | None, high: float | None) -> None:
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not _finite(value)):
-        raise ValueError(f"{name} must be a finite number, got {value!r:.80}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
 
 
 @dataclass(slots=True)

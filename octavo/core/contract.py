@@ -3,7 +3,8 @@
 SchedulerOutput is diff-shaped: a request the worker has not seen (new, or resumed after
 preemption) arrives in full; a running one arrives as a delta. ModelOutput carries back only the
 sampled token ids and the logprobs that were asked for, as numpy arrays. A step with constrained
-requests also carries their token bitmask (numpy; the worker turns it into a tensor).
+requests (a grammar, allowed_token_ids, bad_words) also carries their token bitmask (numpy; the
+worker turns it into a tensor).
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class CachedRequestData:
 
 @dataclass(slots=True)
 class GrammarBitmask:
-    """Tokens the constrained requests that sample this step may emit: row i belongs to request
+    """Tokens the constrained requests that sample this step may emit (their grammar's tokens
+    intersected with their token mask, core/token_mask.py): row i belongs to request
     req_ids[i], which may emit token t there when bit t % 32 of bitmask[i, t // 32] is set. A
     request with draft tokens has one row per verified position, in order (its id repeats)."""
 
@@ -61,11 +63,26 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class TopLogprobs:
-    """Logprobs for a run of positions: column 0 is the chosen token, columns 1.. the top-k."""
+    """Logprobs for a run of positions: column 0 is the chosen token, columns 1.. the top-k (or
+    a request's logprob_token_ids, whose ranks are then in token_ranks)."""
 
     token_ids: np.ndarray  # [num_positions, 1 + k] int64
     logprobs: np.ndarray  # [num_positions, 1 + k] float32
     ranks: np.ndarray  # [num_positions] int64, rank of the chosen token (1 = most likely)
+    # [num_positions, 1 + k] int64, every column's rank; None: column c > 0 is rank c (top-k)
+    token_ranks: np.ndarray | None = None
+
+    def select(self, positions: np.ndarray | slice, width: int | None = None) -> TopLogprobs:
+        """These positions (rows), their first `width` columns (None: all)."""
+        cols = slice(None) if width is None else slice(0, width)
+        ranks = None if self.token_ranks is None else self.token_ranks[positions, cols]
+        return TopLogprobs(self.token_ids[positions, cols], self.logprobs[positions, cols],
+                           self.ranks[positions], ranks)
+
+    def rank(self, position: int, column: int) -> int:
+        if column == 0:
+            return int(self.ranks[position])
+        return column if self.token_ranks is None else int(self.token_ranks[position, column])
 
 
 @dataclass

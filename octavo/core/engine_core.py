@@ -28,10 +28,13 @@ GRAMMAR_WAIT_S = 0.01
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int,
                  sliding_window: int | None = None,
-                 grammar_backend: BackendFactory | None = None) -> None:
+                 grammar_backend: BackendFactory | None = None,
+                 vocab_size: int | None = None) -> None:
         """sliding_window: the model's window when every layer slides (blocks behind it are
         freed as requests advance), else None. grammar_backend: builds the structured-output
-        backend on the first constrained request (None: such requests are refused)."""
+        backend on the first constrained request (None: such requests are refused).
+        vocab_size: the model's, the width of token masks (None: allowed_token_ids and
+        bad_words are refused)."""
         self.executor = executor
         block_size = config.cache.block_size
 
@@ -69,7 +72,8 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                             sliding_window)
         self.structured = StructuredOutputManager(
-            grammar_backend, compile_timeout_s=config.scheduler.grammar_compile_timeout)
+            grammar_backend, compile_timeout_s=config.scheduler.grammar_compile_timeout,
+            vocab_size=vocab_size)
         spec = config.speculative
         proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         lookahead = spec.num_speculative_tokens if spec is not None and proposer is None else 0
@@ -140,4 +144,5 @@ def create_engine_core(config: EngineConfig, source: ModelSource, arch: ArchConf
 
         executor = UniprocExecutor(config, source, arch, max_model_len, eos_token_ids)
     window = arch.sliding_window if arch.all_layers_sliding else None
-    return EngineCore(config, executor, max_model_len, window, grammar_backend)
+    return EngineCore(config, executor, max_model_len, window, grammar_backend,
+                      arch.vocab_size)

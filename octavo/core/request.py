@@ -62,6 +62,9 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)  # the draft model's, for next step
     arrival_step: int = 0  # the scheduler's step count when it arrived (for aging)
     rank: int = 0  # the scheduler's fixed queue key from its policy (see scheduler.py)
+    # bad_words as token sequences (the front end tokenizes them): the last token of each is
+    # masked where the output so far ends with the others (structured.py applies it)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

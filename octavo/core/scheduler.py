@@ -435,10 +435,14 @@ class Scheduler:
         if skip >= len(lp.ranks):
             return None
         if skip:
-            lp = TopLogprobs(lp.token_ids[skip:], lp.logprobs[skip:], lp.ranks[skip:])
+            lp = lp.select(slice(skip, None))
         return lp
 
     def _check_grammar(self, req: Request, token: int) -> RequestStatus | None:
+        refusal = self.structured.refusal(req, token)
+        if refusal is not None:  # only after a step whose mask left nothing to sample
+            req.stop_reason = refusal
+            return RequestStatus.FINISHED_ABORTED
         accepted = self.structured.accept(req.req_id, token)
         if accepted is None:
             return None

@@ -13,6 +13,9 @@ has ended (the end tag itself is free too), and the grammar applies from the nex
 the rule requires the start tag (Qwen3), the first token may be either the start tag or one the
 grammar allows; any other first token means there is no reasoning, and it goes to the grammar.
 
+The same bitmask carries a request's token mask (core/token_mask.py: allowed_token_ids and
+bad_words), intersected with its grammar's row, or alone for a request without one.
+
 Speculative drafts: the scheduler keeps the prefix of a request's drafts that its grammar accepts
 (`valid_prefix`: accept, then roll back), and the bitmask has one row per verified position, each
 filled after accepting the drafts before it (then rolled back: matchers advance only on the
@@ -25,13 +28,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from octavo.core.contract import GrammarBitmask, SchedulerOutput
 from octavo.core.request import Request
+from octavo.core.token_mask import TokenMask
 from octavo.params import ReasoningEndRule, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -95,12 +99,16 @@ class _ReasoningGate:
 
 class StructuredOutputManager:
     def __init__(self, backend_factory: BackendFactory | None, cache_size: int = 256,
-                 cache_bytes: int = 256 << 20, compile_timeout_s: float = 60.0) -> None:
+                 cache_bytes: int = 256 << 20, compile_timeout_s: float = 60.0,
+                 vocab_size: int | None = None) -> None:
         """backend_factory: builds the backend on the first constrained request (in the compile
         thread: loading a tokenizer's vocabulary takes a while); None refuses such requests.
         The cache keeps the `cache_size` most recent grammars within `cache_bytes` (a large
         schema compiles to a few MB). A request whose grammar has not compiled
-        `compile_timeout_s` after it was submitted fails alone; the others go on."""
+        `compile_timeout_s` after it was submitted fails alone; the others go on. vocab_size:
+        the logits' width, the bitmask's (None: token masks are refused)."""
+        self._vocab_size = vocab_size
+        self._masks: dict[str, TokenMask] = {}  # allowed_token_ids / bad_words, by request
         self._factory = backend_factory
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
@@ -117,6 +125,13 @@ class StructuredOutputManager:
     # -- requests in and out ---------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
+        allowed = req.sampling_params.allowed_token_ids
+        if allowed or req.bad_words_token_ids:
+            if self._vocab_size is None:
+                raise ValueError("allowed_token_ids and bad_words: this engine core was not "
+                                 "given its vocabulary size")
+            self._masks[req.req_id] = TokenMask(allowed, req.bad_words_token_ids,
+                                                (self._vocab_size + 31) // 32)
         spec = req.sampling_params.structured_outputs
         if spec is None:
             return
@@ -138,6 +153,7 @@ class StructuredOutputManager:
             self._gates[req.req_id] = _ReasoningGate(spec.reasoning_end)
 
     def remove(self, req_id: str) -> None:
+        self._masks.pop(req_id, None)
         self._compiling.pop(req_id, None)
         self._matchers.pop(req_id, None)
         self._gates.pop(req_id, None)
@@ -161,7 +177,11 @@ class StructuredOutputManager:
     def _compile(self, spec: StructuredOutputsParams) -> object:
         with self._backend_lock:
             if self._backend is None:
-                self._backend = self._factory()
+                backend = self._factory()
+                if self._vocab_size is not None and backend.vocab_size != self._vocab_size:
+                    raise ValueError(f"the grammar backend's vocabulary ({backend.vocab_size} "
+                                     f"tokens) is not the model's ({self._vocab_size})")
+                self._backend = backend
         return self._backend.compile(spec)
 
     # -- compiles --------------------------------------------------------------------------------
@@ -227,41 +247,71 @@ class StructuredOutputManager:
     def bitmask_for(self, sched: SchedulerOutput, requests: dict[str, Request]
                     ) -> GrammarBitmask | None:
         """The bitmask of the constrained requests that sample this step (those whose scheduled
-        tokens reach their end; a prefill chunk short of it samples nothing), leaving out gated
-        requests while they reason; one row per verified position of a request with drafts."""
-        if not self._matchers:
+        tokens reach their end; a prefill chunk short of it samples nothing): their grammar's
+        rows (none for a gated request while it reasons) intersected with their token mask;
+        one row per verified position of a request with drafts."""
+        if not self._matchers and not self._masks:
             return None
-        gates = self._gates
-        ids = [rid for rid in sched.num_scheduled_tokens if rid in self._matchers
-               and requests[rid].num_computed_tokens >= requests[rid].num_tokens
-               and (rid not in gates or (gates[rid].state == _FIRST
-                                         and gates[rid].rule.start_required))]
+        ids = [rid for rid in sched.num_scheduled_tokens
+               if (rid in self._masks or self._grammar_applies(rid))
+               and requests[rid].num_computed_tokens >= requests[rid].num_tokens]
         if not ids:
             return None
-        words = (self._backend.vocab_size + 31) // 32
+        vocab = self._vocab_size if self._vocab_size is not None else self._backend.vocab_size
+        words = (vocab + 31) // 32
         spec = sched.spec_token_ids
         row_ids = [rid for rid in ids for _ in range(1 + len(spec.get(rid, ())))]
         bitmask = np.zeros((len(row_ids), words), np.int32)
         i = 0
         for rid in ids:
-            matcher = self._matchers[rid]
-            matcher.fill_next_token_bitmask(bitmask, i)
-            gate = gates.get(rid)
-            start = -1 if gate is None else gate.rule.start_id
-            if 0 <= start < words * 32:  # the first token may also open the reasoning section
-                bitmask[i].view(np.uint32)[start >> 5] |= np.uint32(1 << (start & 31))
-            i += 1
             drafts = spec.get(rid, ())
-            for tok in drafts:  # valid_prefix checked them: each is accepted
-                matcher.accept_token(tok)
-                if matcher.is_terminated():  # the request ends at this draft: the row after it
-                    bitmask[i] = -1  # is never used, but must allow something
-                else:
-                    matcher.fill_next_token_bitmask(bitmask, i)
-                i += 1
-            if drafts:
-                matcher.rollback(len(drafts))
+            if self._grammar_applies(rid):
+                self._fill_grammar_rows(rid, bitmask, i, drafts)
+            else:
+                bitmask[i:i + 1 + len(drafts)] = -1
+            mask = self._masks.get(rid)
+            if mask is not None:
+                output = requests[rid].output_token_ids
+                for j in range(1 + len(drafts)):
+                    mask.apply(bitmask[i + j], output, drafts[:j])
+            i += 1 + len(drafts)
         return GrammarBitmask(row_ids, bitmask)
+
+    def _grammar_applies(self, rid: str) -> bool:
+        """The request has a grammar that constrains its next token (not while it reasons; a
+        start-required gate at its first token allows the grammar's tokens and the tag)."""
+        if rid not in self._matchers:
+            return False
+        gate = self._gates.get(rid)
+        return gate is None or (gate.state == _FIRST and gate.rule.start_required)
+
+    def _fill_grammar_rows(self, rid: str, bitmask: np.ndarray, i: int,
+                           drafts: Sequence[int]) -> None:
+        matcher = self._matchers[rid]
+        words = bitmask.shape[1]
+        matcher.fill_next_token_bitmask(bitmask, i)
+        gate = self._gates.get(rid)
+        start = -1 if gate is None else gate.rule.start_id
+        if 0 <= start < words * 32:  # the first token may also open the reasoning section
+            bitmask[i].view(np.uint32)[start >> 5] |= np.uint32(1 << (start & 31))
+        for tok in drafts:  # valid_prefix checked them: each is accepted
+            i += 1
+            matcher.accept_token(tok)
+            if matcher.is_terminated():  # the request ends at this draft: the row after it
+                bitmask[i] = -1  # is never used, but must allow something
+            else:
+                matcher.fill_next_token_bitmask(bitmask, i)
+        if drafts:
+            matcher.rollback(len(drafts))
+
+    def refusal(self, req: Request, token: int) -> str | None:
+        """Why the token just appended to `req`'s output breaks its token mask (None: it has
+        none, or the token is allowed)."""
+        mask = self._masks.get(req.req_id)
+        if mask is None:
+            return None
+        out = req.output_token_ids  # the tail before the token is all a bad word can match
+        return mask.refusal(token, out[max(0, len(out) - 1 - mask.longest):len(out) - 1])
 
     def accept(self, req_id: str, token: int) -> bool | None:
         """Advance a request's matcher by a sampled token: None when it has no grammar, else

@@ -88,9 +88,9 @@ def check_draft_tokenizer(name: str, arch: ArchConfig, tokenizer: Any) -> None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, limits: RequestLimits | None = None) -> None:
         self.config = config
-        self.setup = ModelSetup.load(config)
+        self.setup = ModelSetup.load(config, limits)
         self.source, self.arch = self.setup.source, self.setup.arch
         self.tokenizer = self.setup.tokenizer
         self.processor = self.setup.processor

@@ -25,6 +25,7 @@ class AddRequest(msgspec.Struct, tag=True):
     priority: int
     arrival_time: float
     cache_salt: str | None = None
+    bad_words_token_ids: list[list[int]] = []
 
     @classmethod
     def of(cls, req: Request, arrival_time: float) -> AddRequest:
@@ -34,7 +35,7 @@ class AddRequest(msgspec.Struct, tag=True):
             params["structured_outputs"] = p.structured_outputs.to_dict()
         return cls(req.req_id, req.prompt_token_ids, params,
                    sorted(req.eos_token_ids), req.max_tokens, req.priority, arrival_time,
-                   req.cache_salt)
+                   req.cache_salt, req.bad_words_token_ids)
 
     def to_request(self) -> Request:
         params = dict(self.params)
@@ -42,7 +43,8 @@ class AddRequest(msgspec.Struct, tag=True):
             params["logit_bias"] = {int(k): v for k, v in params["logit_bias"].items()}
         return Request(self.req_id, self.prompt_token_ids, SamplingParams(**params),
                        frozenset(self.eos_token_ids), self.max_tokens, priority=self.priority,
-                       arrival_time=self.arrival_time, cache_salt=self.cache_salt)
+                       arrival_time=self.arrival_time, cache_salt=self.cache_salt,
+                       bad_words_token_ids=self.bad_words_token_ids)
 
 
 class AbortRequests(msgspec.Struct, tag=True):

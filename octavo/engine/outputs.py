@@ -20,7 +20,7 @@ from octavo.params import CompletionOutput, Logprob, PositionLogprobs, RequestOu
 @dataclass
 class ChildState:
     index: int
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: detokenize=False, token ids only
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
@@ -31,7 +31,8 @@ class ChildState:
 
     def completion(self, delta: bool) -> CompletionOutput:
         if not delta:
-            return CompletionOutput(self.index, self.detok.text, list(self.token_ids),
+            text = self.detok.text if self.detok is not None else ""
+            return CompletionOutput(self.index, text, list(self.token_ids),
                                     self.cumulative_logprob, self.logprobs, self.finish_reason,
                                     self.stop_reason)
         start, self.num_sent = self.num_sent, len(self.token_ids)
@@ -83,7 +84,7 @@ class OutputProcessor:
         ranked = params.num_samples > params.n  # best_of ranks by cumulative logprob
         children = {
             cid: ChildState(i, IncrementalDetokenizer(self.tokenizer, prepared.prompt_token_ids,
-                                                      params),
+                                                      params) if params.detokenize else None,
                             logprobs=[] if want_lp else None,
                             cumulative_logprob=0.0 if want_lp or ranked else None)
             for i, cid in enumerate(prepared.child_ids)}
@@ -130,7 +131,8 @@ class OutputProcessor:
                 parent.first_scheduled_time = out.first_scheduled_time
                 parent.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None and parent.prompt_logprobs is not None:
-                parent.prompt_logprobs.extend(self._positions(out.prompt_logprobs))
+                parent.prompt_logprobs.extend(self._positions(out.prompt_logprobs,
+                                                              parent.params.detokenize))
             if child.finish_reason is None:
                 self._apply(child, parent.params, out, to_abort)
             changed[parent_id] = parent
@@ -146,8 +148,12 @@ class OutputProcessor:
         child.token_ids.extend(out.new_token_ids)
         if out.logprobs is not None and child.cumulative_logprob is not None:
             if child.logprobs is not None:
-                child.logprobs.extend(self._positions(out.logprobs))
+                child.logprobs.extend(self._positions(out.logprobs, params.detokenize))
             child.cumulative_logprob += float(out.logprobs.logprobs[:, 0].sum())
+        if child.detok is None:  # token ids only: no text, no stop strings (refused)
+            if out.finish_reason is not None:
+                child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+            return
         text_tokens = out.new_token_ids
         ended_by_token = out.finish_reason == "stop" and out.new_token_ids
         if ended_by_token and not params.include_stop_str_in_output:
@@ -160,10 +166,14 @@ class OutputProcessor:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
         child.new_text += child.detok.delta(child.finish_reason is not None)
 
-    def _positions(self, lp: TopLogprobs) -> list[PositionLogprobs]:
+    def _positions(self, lp: TopLogprobs, decode: bool = True) -> list[PositionLogprobs]:
+        """Each position's logprobs; `decode`: with each token's text (vLLM leaves it None
+        when the request is not detokenized)."""
         ids = lp.token_ids
-        texts = self.tokenizer.batch_decode(ids.reshape(-1, 1).tolist())
-        texts = np.array(texts, dtype=object).reshape(ids.shape)
+        texts = None
+        if decode:
+            texts = self.tokenizer.batch_decode(ids.reshape(-1, 1).tolist())
+            texts = np.array(texts, dtype=object).reshape(ids.shape)
         out = []
         for p in range(ids.shape[0]):
             entry: PositionLogprobs = {}
@@ -171,7 +181,7 @@ class OutputProcessor:
                 tok = int(ids[p, c])
                 if tok in entry:
                     continue
-                rank = int(lp.ranks[p]) if c == 0 else c
-                entry[tok] = Logprob(float(lp.logprobs[p, c]), rank, texts[p, c])
+                entry[tok] = Logprob(float(lp.logprobs[p, c]), lp.rank(p, c),
+                                     texts[p, c] if texts is not None else None)
             out.append(entry)
         return out

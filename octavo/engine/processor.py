@@ -12,6 +12,8 @@ from octavo.inputs import unwrap_prompt
 from octavo.params import SamplingParams
 
 MAX_LOGPROBS = 20
+MAX_BAD_WORDS = 128  # token sequences after tokenizing, as vLLM bounds them
+MAX_BAD_WORDS_TOKENS = 1024  # tokens of all of them: the core checks each per sampled token
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
@@ -24,11 +26,11 @@ class RequestLimits:
     max_n: int | None = None  # n, best_of and the beam width
     max_stop: int | None = None  # stop strings in one request
     max_stop_length: int | None = None  # characters of one stop string
-    max_logprobs: int = MAX_LOGPROBS
+    max_logprobs: int = MAX_LOGPROBS  # -1: the whole vocabulary
 
     def __post_init__(self) -> None:
         for name, low in (("max_n", 1), ("max_stop", 1), ("max_stop_length", 1),
-                          ("max_logprobs", 0)):
+                          ("max_logprobs", -1)):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < low):
@@ -50,11 +52,12 @@ class Processor:
         self.eos_token_ids = eos_token_ids
         self.limits = limits or RequestLimits()
 
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True
+                 ) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens)
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or list of token ids")
         for t in prompt:  # numpy integers are ids too; bools and floats are not
@@ -78,12 +81,7 @@ class Processor:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
                              f"max_model_len ({self.max_model_len})")
         limits = self.limits
-        max_logprobs = min(limits.max_logprobs if max_logprobs is None else max_logprobs,
-                           self.vocab_size)
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > max_logprobs:
-                raise ValueError(f"{name} must be <= {max_logprobs}, got {k}")
+        self._check_logprobs(params, max_logprobs)
         limits.check_width("n", params.n)
         if params.best_of is not None:
             limits.check_width("best_of", params.best_of)
@@ -107,18 +105,86 @@ class Processor:
             if not 0 <= tok < self.vocab_size:
                 raise ValueError(f"token id {tok} (in logit_bias or stop_token_ids) is outside "
                                  f"the vocabulary [0, {self.vocab_size})")
+        for name in ("allowed_token_ids", "logprob_token_ids"):
+            for tok in getattr(params, name) or ():
+                if tok >= self.vocab_size:
+                    raise ValueError(f"{name} holds token id {tok}, outside the vocabulary "
+                                     f"[0, {self.vocab_size})")
         if params.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})")
         if params.structured_outputs is not None:  # a bad grammar is refused here, not in the core
             check_structured(params.structured_outputs)
         return max_tokens
 
+    def _check_logprobs(self, params: SamplingParams, max_logprobs: int | None) -> None:
+        """logprobs and prompt_logprobs within the limit (vLLM's rule: -1 is the whole
+        vocabulary, so it needs a limit of at least the vocabulary size; a limit of -1 allows
+        it). logprob_token_ids lists its tokens itself, bounded by its own length limit."""
+        limit = self.limits.max_logprobs if max_logprobs is None else max_logprobs
+        limit = self.vocab_size if limit == -1 else min(limit, self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is None or (name == "logprobs" and params.logprob_token_ids is not None):
+                continue
+            if k == -1 and self.vocab_size > limit:
+                raise ValueError(f"{name}=-1 asks for the whole vocabulary ({self.vocab_size} "
+                                 f"tokens); at most {limit} are allowed (max_logprobs, the "
+                                 f"server's --max-logprobs)")
+            if k > limit:
+                raise ValueError(f"{name} must be <= {limit}, got {k}")
+
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word's token sequences as vLLM builds them: the word as written (its
+        leading space dropped), and with one leading space where that is a different token
+        sequence of the same length (the word inside a text)."""
+        seqs: list[list[int]] = []
+        for word in params.bad_words or ():
+            for spaced in (False, True):
+                ids = self.tokenizer.encode((" " if spaced else "") + word.lstrip(), False)
+                if not ids:
+                    if not spaced:
+                        raise ValueError(f"bad_words entry {word!r:.40} has no tokens")
+                    continue
+                if not spaced or (ids[0] != seqs[-1][0] and len(ids) == len(seqs[-1])):
+                    seqs.append(ids)
+        seqs = [list(t) for t in dict.fromkeys(map(tuple, seqs))]  # "a" and " a" give the same
+        if len(seqs) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words make {len(seqs)} token sequences; at most "
+                             f"{MAX_BAD_WORDS} are allowed")
+        if sum(map(len, seqs)) > MAX_BAD_WORDS_TOKENS:
+            raise ValueError(f"bad_words are {sum(map(len, seqs))} tokens in all; at most "
+                             f"{MAX_BAD_WORDS_TOKENS} are allowed")
+        for tok in (t for seq in seqs for t in seq):
+            if not 0 <= tok < self.vocab_size:
+                raise ValueError(f"bad_words tokenize to token id {tok}, outside the "
+                                 f"vocabulary [0, {self.vocab_size})")
+        if params.allowed_token_ids and \
+                set(params.allowed_token_ids) <= {seq[0] for seq in seqs if len(seq) == 1}:
+            raise ValueError("bad_words ban every one of allowed_token_ids: nothing could be "
+                             "sampled")
+        return seqs
+
+    def truncate(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """truncate_prompt_tokens: the prompt's last k tokens (-1: the context length)."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return prompt_ids
+        if k > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({k}) is greater than max_model_len "
+                             f"({self.max_model_len}); choose a smaller truncation size")
+        k = self.max_model_len if k == -1 else k
+        return prompt_ids[-k:]
+
     def child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """Parameters of the index-th of the n (or best_of) parallel samples (distinct seeds when
-        seeded; best_of > n needs each sample's cumulative logprob, so logprobs is at least 0)."""
-        if params.num_samples == 1:
+        seeded; best_of > n needs each sample's cumulative logprob, so logprobs is at least 0);
+        a logprobs of -1 becomes the vocabulary size, which the worker gathers."""
+        whole = [name for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1]
+        if params.num_samples == 1 and not whole:
             return params
         fields = {k: getattr(params, k) for k in params.__dataclass_fields__ if k != "stop_strings"}
+        for name in whole:
+            fields[name] = self.vocab_size
         fields["n"], fields["best_of"] = 1, None
         if params.num_samples > params.n and params.logprobs is None:
             fields["logprobs"] = 0
@@ -130,11 +196,14 @@ class Processor:
 
     def build(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
               priority: int = 0, cache_salt: str | None = None,
-              max_logprobs: int | None = None) -> PreparedRequest:
-        """Validate and tokenize; fan n > 1 (or best_of > 1) out into that many core requests
-        with distinct seeds. `prompt` may be any of octavo.inputs' forms (a TextPrompt or
-        TokensPrompt may carry the cache_salt). `max_logprobs` is raised only by beam search
-        (2 x beam width)."""
+              max_logprobs: int | None = None,
+              add_special_tokens: bool = True) -> PreparedRequest:
+        """Validate and tokenize (a text prompt with the tokenizer's special tokens, e.g. BOS,
+        unless `add_special_tokens` is False); keep the last truncate_prompt_tokens of the
+        prompt; fan n > 1 (or best_of > 1) out into that many core requests with distinct
+        seeds. `prompt` may be any of octavo.inputs' forms (a TextPrompt or TokensPrompt may
+        carry the cache_salt). `max_logprobs` is raised only by beam search (2 x beam
+        width)."""
         prompt, own_salt = unwrap_prompt(prompt)
         if own_salt is not None:
             if cache_salt is not None and cache_salt != own_salt:
@@ -147,13 +216,19 @@ class Processor:
                              f"got {priority!r:.80}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
-        text, prompt_ids = self.tokenize(prompt)
+        if not isinstance(add_special_tokens, bool):
+            raise ValueError(f"add_special_tokens must be a bool, got {add_special_tokens!r:.80}")
+        text, prompt_ids = self.tokenize(prompt, add_special_tokens)
+        if isinstance(params, SamplingParams):
+            prompt_ids = self.truncate(prompt_ids, params)
         max_tokens = self.validate(prompt_ids, params, max_logprobs)
+        bad_words = self.bad_words_token_ids(params)
         count = params.num_samples
         ids = [request_id] if count == 1 else [f"{request_id}#{i}" for i in range(count)]
         now = time.time()
         reqs = [Request(cid, prompt_ids, self.child_params(params, i), self.eos_token_ids,
-                        max_tokens, priority=priority, arrival_time=now, cache_salt=cache_salt)
+                        max_tokens, priority=priority, arrival_time=now, cache_salt=cache_salt,
+                        bad_words_token_ids=bad_words)
                 for i, cid in enumerate(ids)]
         return PreparedRequest(request_id, text, prompt_ids, params, reqs)
 

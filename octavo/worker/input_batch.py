@@ -115,6 +115,13 @@ class InputBatch:
             batch.bias_rows = torch.tensor(r, device=device)
             batch.bias_tokens = torch.tensor(tok, device=device)
             batch.bias_values = torch.tensor(val, dtype=torch.float32, device=device)
+        listed = [(i, p.logprob_token_ids) for i, p in enumerate(params)
+                  if p.logprob_token_ids is not None]
+        if listed:
+            width = max(len(ids) for _, ids in listed)
+            batch.listed_rows = torch.tensor([i for i, _ in listed], device=device)
+            batch.listed_token_ids = torch.tensor(
+                [ids + ids[-1:] * (width - len(ids)) for _, ids in listed], device=device)
         banned = [(i, tok) for i, (p, n) in enumerate(zip(params, num_out))
                   if n < p.min_tokens for tok in self.eos[rows[i]]]
         if banned:

@@ -103,9 +103,7 @@ class ModelRunner:
                 sel = emitted_idx[offset:offset + len(emitted[j])]
                 offset += len(emitted[j])
                 if top is not None and b.params[rows[i]].logprobs is not None:
-                    k = b.params[rows[i]].logprobs
-                    logprobs[req_ids[i]] = TopLogprobs(
-                        top.token_ids[sel, :k + 1], top.logprobs[sel, :k + 1], top.ranks[sel])
+                    logprobs[req_ids[i]] = top.select(sel, b.params[rows[i]].logprobs + 1)
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, computed, seq_lens, starts, hidden)
         proposed = {}
         if self.drafter is not None:

@@ -1,16 +1,19 @@
-"""Batched sampling: grammar bitmasks, penalties, logit bias, min_tokens, temperature,
-top-k/top-p/min-p, seeds.
+"""Batched sampling: token bitmasks (grammars, allowed_token_ids, bad_words), penalties, logit
+bias, min_tokens, temperature, top-k/top-p/min-p, seeds; logprobs of the top-k or of listed
+tokens.
 
 Everything is a tensor op over the whole batch. Random rows sample by exponential-noise argmax
 (argmax p_i / e_i with e_i ~ Exp(1) draws i with probability p_i). A seeded request draws its
 noise from a generator reseeded from (seed, output position), so its tokens do not depend on the
-batch it runs in, nor on preemption. A structured-output request's grammar bitmask is applied
-first, so the logprobs it returns are those of the distribution restricted to its grammar.
+batch it runs in, nor on preemption. A constrained request's bitmask (its grammar and token
+mask) is applied first, so the logprobs it returns are those of the distribution restricted to
+it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from octavo.core.contract import TopLogprobs
@@ -40,6 +43,10 @@ class SamplingBatch:
     max_num_logprobs: int | None  # None: no row asked for logprobs
     grammar_rows: torch.Tensor | None = None  # [G] int64: rows constrained by a grammar
     grammar_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32, bit set = allowed
+    # logprob_token_ids: row listed_rows[i] returns the logprobs of listed_token_ids[i] (padded
+    # by repeating its last id) in place of its top-k
+    listed_rows: torch.Tensor | None = None  # [S] int64
+    listed_token_ids: torch.Tensor | None = None  # [S, M] int64
     # Speculative verification against a draft model's distribution (spec.rejection): row
     # draft_rows[i] verifies draft token draft_tokens[i], drawn from draft_probs[i].
     draft_rows: torch.Tensor | None = None  # [D] int64
@@ -83,6 +90,9 @@ class Sampler:
         top = None
         if raw_logprobs is not None:
             top = gather_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
+            if batch.listed_rows is not None:
+                add_listed_logprobs(top, raw_logprobs, batch.listed_rows,
+                                    batch.listed_token_ids)
         return sampled, top
 
     @staticmethod
@@ -189,3 +199,22 @@ def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> Top
     else:
         ids, lps = chosen.unsqueeze(1), chosen_lp
     return TopLogprobs(ids.cpu().numpy(), lps.float().cpu().numpy(), ranks.cpu().numpy())
+
+
+def add_listed_logprobs(top: TopLogprobs, logprobs: torch.Tensor, rows: torch.Tensor,
+                        token_ids: torch.Tensor) -> None:
+    """In place: columns 1..M of `rows` become the listed tokens' logprobs, with their ranks in
+    top.token_ranks (every other row keeps its top-k, column c ranked c). logprobs: [N, V];
+    token_ids: [S, M]; top is at least 1 + M columns wide."""
+    picked = logprobs[rows].gather(1, token_ids)  # [S, M]
+    ascending = logprobs[rows].sort(dim=-1).values
+    # rank = 1 + the number of tokens strictly more likely
+    ranks = logprobs.shape[-1] - torch.searchsorted(ascending, picked, right=True) + 1
+    width = top.token_ids.shape[1]
+    token_ranks = np.broadcast_to(np.arange(width, dtype=np.int64), top.token_ids.shape).copy()
+    token_ranks[:, 0] = top.ranks
+    r, m = rows.cpu().numpy(), token_ids.shape[1]
+    top.token_ids[r, 1:m + 1] = token_ids.cpu().numpy()
+    top.logprobs[r, 1:m + 1] = picked.float().cpu().numpy()
+    token_ranks[r, 1:m + 1] = ranks.cpu().numpy()
+    top.token_ranks = token_ranks
