@@ -277,7 +277,7 @@ class RequestLog:
         params = {k: v for k, v in exchange.body.items() if k not in _CONTENT_FIELDS}
         prompt = content.get("prompt", content.get("messages", content.get("input")))
         logger.info("Received request %s: %s, prompt: %s, params: %s", exchange.request_id,
-                    _clean(exchange.path), self._cut(_text(prompt)),
+                    _clean(exchange.path), self._shown(prompt),
                     json.dumps(params, ensure_ascii=False))
 
     def _finished(self, exchange: Exchange) -> None:
@@ -289,11 +289,11 @@ class RequestLog:
                 _or_dash(exchange.completion_tokens), 1000 * exchange.latency_s,
                 exchange.request_id,
                 f" id={exchange.response_id}" if exchange.response_id else "")
-        if self.config.log_outputs and exchange.generation:
+        if self.config.log_outputs and exchange.generation and exchange.status == 200:
             logger.info("Generated response %s (%s): output: %s, finish_reason: %s",
                         exchange.request_id, exchange.response_id or "no id",
-                        self._cut(_text(exchange.texts.get(0, "")) if len(exchange.texts) < 2
-                                  else _text(exchange.texts)),
+                        self._shown(exchange.texts.get(0, "") if len(exchange.texts) < 2
+                                    else exchange.texts),
                         ",".join(str(exchange.finish_reasons[i])
                                  for i in sorted(exchange.finish_reasons)) or None)
         if self.tracer is not None and exchange.generation:
@@ -302,15 +302,16 @@ class RequestLog:
             except Exception:  # a tracing fault must not fail the request it describes
                 logger.exception("recording the trace span of %s failed", exchange.request_id)
 
-    def _cut(self, text: str) -> str:
+    def _shown(self, value: Any) -> str:
+        """A prompt or output as one log-safe line (newlines and control characters escaped),
+        cut to --max-log-len characters of the text (of the JSON for messages)."""
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         limit = self.config.max_log_len
-        return text if limit is None or len(text) <= limit else \
-            f"{text[:limit]}... ({len(text) - limit} more characters)"
-
-
-def _text(value: Any) -> str:
-    """A value as one log-safe line (newlines and control characters escaped)."""
-    return repr(value) if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        more = "" if limit is None or len(text) <= limit else \
+            f"... ({len(text) - limit} more characters)"
+        if more:
+            text = text[:limit]
+        return (repr(text) if isinstance(value, str) else text) + more
 
 
 def _clean(path: str) -> str:

@@ -108,7 +108,7 @@ def test_requests_and_outputs_logged_and_cut(caplog):
     received, generated = [rec.getMessage() for rec in caplog.records
                            if rec.name == "octavo.entrypoints.request_log"]
     assert received.startswith("Received request req-")
-    assert "prompt: 'once upon a... (" in received
+    assert "prompt: 'once upon a '... (23 more characters)" in received
     assert "more characters)" in received
     assert '"max_tokens": 9' in received and "once upon" not in received.split("params")[1]
     assert "Generated response req-" in generated and "(chatcmpl-s)" in generated
