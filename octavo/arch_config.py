@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from octavo.disk_cache import write_text
-from octavo.model_files import invalid, open_gguf
+from octavo.model_files import open_gguf
 from octavo.model_source import ModelSource, cache_dir
 from octavo.params import SamplingParams
 
@@ -221,11 +221,7 @@ def _hf_layer_types(arch: str, text: dict[str, Any], num_layers: int) -> tuple[s
 
 def _from_gguf(source: ModelSource) -> ArchConfig:
     reader = open_gguf(source.path)  # a truncated or corrupt file: a ValueError naming it
-    try:
-        meta = {k: f.contents() for k, f in reader.fields.items()
-                if not k.startswith("tokenizer.") or k.endswith("_id")}
-    except (UnicodeDecodeError, IndexError) as exc:  # a value the header walk does not decode
-        raise invalid(source.path, f"{type(exc).__name__}: {exc}") from None
+    meta = reader.metadata
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise NotImplementedError(
