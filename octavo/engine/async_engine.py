@@ -107,6 +107,7 @@ class AsyncEngine:
         self._from_core = self.ctx.socket(zmq.PULL)
         self._from_core.bind(self.core.output_addr)
         self.num_blocks: int | None = None
+        self.loaded = ""  # what the core loaded (Executor.describe), once it is ready
         self._reader: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
 
@@ -129,6 +130,7 @@ class AsyncEngine:
         self.num_blocks = info["num_blocks"]
         self.setup.adopt_max_model_len(info["max_model_len"])  # the core may have cut it
         self.max_model_len = self.setup.max_model_len
+        self.loaded = info["loaded"]
         logger.info("start-up: engine core process (pid %d) ready in %.1f s (imports, weights, "
                     "KV cache)", info["pid"], time.perf_counter() - self.core.started)
 

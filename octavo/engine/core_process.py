@@ -144,7 +144,8 @@ def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, ou
     proc = EngineCoreProcess(core, input_addr, output_addr)
     startup_gc.settle()
     ready.send(("ready", {"num_blocks": core.num_blocks, "pid": os.getpid(),
-                          "max_model_len": core.max_model_len}))
+                          "max_model_len": core.max_model_len,
+                          "loaded": core.executor.describe()}))
     try:
         proc.run()
     finally:

@@ -36,14 +36,15 @@ class ModelSetup:
     def load(cls, config: EngineConfig, limits: RequestLimits | None = None) -> ModelSetup:
         start = time.perf_counter()
         source = resolve_model(config.model.model, config.model.revision)
+        fetched = time.perf_counter()  # a catalog model's first use fetches it
         arch = read_arch_config(source)
         resolved = time.perf_counter()
         tokenizer = load_tokenizer(source, config.model.tokenizer)
         spec = config.speculative
         if spec is not None and spec.method == "draft_model":
             check_draft_tokenizer(spec.model, arch, tokenizer)
-        logger.info("start-up: model files and config %.1f s, tokenizer %.1f s",
-                    resolved - start, time.perf_counter() - resolved)
+        logger.info("start-up: model files %.1f s, config %.1f s, tokenizer %.1f s",
+                    fetched - start, resolved - fetched, time.perf_counter() - resolved)
         max_model_len = config.model.max_model_len or arch.max_position_embeddings
         eos = set(arch.eos_token_ids)
         if tokenizer.eos_token_id is not None:

@@ -35,6 +35,7 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/me
 _CONTENT_FIELDS = ("prompt", "messages", "input", "instructions", "system", "tools")
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _MAX_PATH_CHARS = 200
+MAX_REPLY_BYTES = 32 << 20  # a whole JSON reply beyond this is not read for its usage
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ class Exchange:
     start: float = field(default_factory=time.perf_counter)
     body: dict | None = None  # the request's JSON object (generation routes)
     status: int | None = None
-    stream: bool = False
+    stream: bool = False  # the reply is server-sent events
+    json: bool = False  # the reply is one JSON document
     response_id: str | None = None  # the reply's own id (chatcmpl-..., msg_...)
     model: str | None = None
     prompt_tokens: int | None = None
@@ -93,7 +95,10 @@ class Exchange:
         """Take what a response object (a whole body or one streamed event) says."""
         if not isinstance(obj, dict):
             return
+        # Anthropic's message_start and the Responses API's events wrap the reply's fields.
         message = obj.get("message") if obj.get("type") == "message_start" else None
+        if message is None and isinstance(obj.get("response"), dict):
+            message = obj["response"]
         source = message if isinstance(message, dict) else obj
         if self.response_id is None and isinstance(source.get("id"), str):
             self.response_id = source["id"]
@@ -105,9 +110,10 @@ class Exchange:
             completion = usage.get("completion_tokens", usage.get("output_tokens"))
             if isinstance(prompt, int):
                 self.prompt_tokens = prompt
-            if isinstance(completion, int) and not (self.stream and message is not None):
+            if isinstance(completion, int) and not (self.stream and obj.get("type") ==
+                                                    "message_start"):
                 self.completion_tokens = completion  # message_start's 0 is no count yet
-        for index, text, reason in _pieces(source):
+        for index, text, reason in _pieces(obj):  # a wrapped reply repeats the text
             if text and self.first_token is None:
                 self.first_token = time.perf_counter()
             if text and keep_text:
@@ -137,24 +143,29 @@ def _pieces(obj: dict) -> list[tuple[int, str, str | None]]:
         out.append((0, text, obj.get("stop_reason")))
     elif kind == "message_delta":
         out.append((0, "", (obj.get("delta") or {}).get("stop_reason")))
+    elif kind == "response.output_text.delta" and isinstance(obj.get("delta"), str):
+        out.append((0, obj["delta"], None))
+    elif obj.get("object") == "response" and isinstance(obj.get("output"), list):
+        text = "".join(part.get("text", "") for item in obj["output"] if isinstance(item, dict)
+                       for part in item.get("content") or () if isinstance(part, dict)
+                       and isinstance(part.get("text"), str))
+        out.append((0, text, obj.get("status")))
     return out
 
 
 class _ResponseReader:
     """Reads a response body as it passes: a JSON document, or server-sent events."""
 
-    def __init__(self, exchange: Exchange, every_event: bool, keep_text: bool,
-                 max_bytes: int) -> None:
+    def __init__(self, exchange: Exchange, every_event: bool, keep_text: bool) -> None:
         self.exchange = exchange
         self.every_event = every_event
         self.keep_text = keep_text
-        self.max_bytes = max_bytes
         self.buffer = bytearray()
         self.overflow = False
         self.events = 0
 
     def feed(self, chunk: bytes) -> None:
-        if self.overflow:
+        if self.overflow or not (self.exchange.stream or self.exchange.json):
             return
         self.buffer += chunk
         if self.exchange.stream:
@@ -162,7 +173,7 @@ class _ResponseReader:
             self.buffer = bytearray(rest)
             for line in lines:
                 self._line(bytes(line))
-        if len(self.buffer) > self.max_bytes:
+        if len(self.buffer) > MAX_REPLY_BYTES:  # an event that long is not one of ours either
             self.overflow, self.buffer = True, bytearray()
 
     def close(self) -> None:
@@ -172,7 +183,7 @@ class _ResponseReader:
             try:
                 self.exchange.absorb(json.loads(self.buffer), self.keep_text)
             except ValueError:
-                pass  # not JSON (a plain-text route)
+                pass  # declared JSON and is not: nothing to read
         self.buffer = bytearray()
 
     def _line(self, line: bytes) -> None:
@@ -215,8 +226,7 @@ class RequestLog:
         config = self.config
         read_body = exchange.generation and (config.log_requests or self.tracer is not None)
         keep_text = config.log_outputs and exchange.generation
-        reader = _ResponseReader(exchange, keep_text or self.tracer is not None, keep_text,
-                                 config.max_body_bytes)
+        reader = _ResponseReader(exchange, keep_text or self.tracer is not None, keep_text)
         chunks: list[bytes] = []
         size, received = 0, not read_body
 
@@ -238,8 +248,9 @@ class RequestLog:
             if message["type"] == "http.response.start":
                 exchange.status = message["status"]
                 raw = list(message.get("headers", ()))
-                exchange.stream = any(k.lower() == b"content-type"
-                                      and v.startswith(b"text/event-stream") for k, v in raw)
+                kind = next((v for k, v in raw if k.lower() == b"content-type"), b"")
+                exchange.stream = kind.startswith(b"text/event-stream")
+                exchange.json = kind.startswith(b"application/json")
                 raw.append((b"x-request-id", exchange.request_id.encode()))
                 message = {**message, "headers": raw}
             elif message["type"] == "http.response.body":

@@ -24,6 +24,10 @@ class Executor(abc.ABC):
         system does not say)."""
         return None
 
+    def describe(self) -> str:
+        """What was loaded, for the ready line of a start (architecture, dtype, kernels)."""
+        return ""
+
     def do_idle_work(self) -> bool:
         """A few milliseconds of deferred set-up, while the engine has no request; whether any
         is left. The engine calls it only when idle, so no step waits on it."""

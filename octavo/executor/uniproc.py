@@ -27,5 +27,8 @@ class UniprocExecutor(Executor):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         return self.worker.execute(scheduler_output)
 
+    def describe(self) -> str:
+        return self.worker.describe()
+
     def do_idle_work(self) -> bool:
         return self.worker.do_idle_work()

@@ -121,6 +121,14 @@ class Worker:
             layers += [self.draft_arch] * self.draft_arch.num_layers
         return layers
 
+    def describe(self) -> str:
+        quantization = self.config.model.quantization or ("GGUF's own" if self.source.is_gguf
+                                                          else "none")
+        kernels = ("C++ kernels" if fused.native_ready() else
+                   "PyTorch ops" if self.device.type == "cpu" else self.device.type)
+        return (f"{self.arch.architecture}, {str(self.dtype).removeprefix('torch.')}, "
+                f"quantization {quantization}, {kernels}")
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return sum(2 * block_size * a.num_kv_heads * a.head_dim * elem for a in self._kv_layers())

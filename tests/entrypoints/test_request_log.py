@@ -190,3 +190,45 @@ def test_tracing_without_the_extra_names_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # as if not installed
     with pytest.raises(ValueError, match=r"pip install 'octavo\[otlp\]'"):
         Tracer("http://127.0.0.1:4317")
+
+
+def test_anthropic_and_responses_replies_are_read():
+    from octavo.entrypoints.request_log import Exchange
+
+    streamed = Exchange("r", "POST", "/v1/messages", "-", {}, stream=True)
+    for event in ({"type": "message_start", "message": {
+                      "id": "msg_1", "model": "smol", "content": [],
+                      "usage": {"input_tokens": 9, "output_tokens": 0}}},
+                  {"type": "content_block_delta", "index": 0,
+                   "delta": {"type": "text_delta", "text": "Hel"}},
+                  {"type": "content_block_delta", "index": 0,
+                   "delta": {"type": "text_delta", "text": "lo"}},
+                  {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                   "usage": {"output_tokens": 2}}):
+        streamed.absorb(event, keep_text=True)
+    assert (streamed.response_id, streamed.prompt_tokens, streamed.completion_tokens) == \
+        ("msg_1", 9, 2)
+    assert streamed.texts == {0: "Hello"} and streamed.finish_reasons == {0: "end_turn"}
+
+    whole = Exchange("r", "POST", "/v1/responses", "-", {})
+    whole.absorb({"id": "resp_1", "object": "response", "status": "completed", "model": "smol",
+                  "output": [{"type": "message", "content": [
+                      {"type": "output_text", "text": "Hi there"}]}],
+                  "usage": {"input_tokens": 4, "output_tokens": 2}}, keep_text=True)
+    assert (whole.response_id, whole.prompt_tokens, whole.completion_tokens) == \
+        ("resp_1", 4, 2)
+    assert whole.texts == {0: "Hi there"}
+
+    events = Exchange("r", "POST", "/v1/responses", "-", {}, stream=True)
+    for event in ({"type": "response.created", "response": {"id": "resp_2", "model": "smol",
+                                                             "usage": None}},
+                  {"type": "response.output_text.delta", "delta": "Yo"},
+                  {"type": "response.completed", "response": {
+                      "id": "resp_2", "object": "response", "output": [
+                          {"type": "message", "content": [{"type": "output_text",
+                                                           "text": "Yo"}]}],
+                      "usage": {"input_tokens": 3, "output_tokens": 1}}}):
+        events.absorb(event, keep_text=True)
+    assert (events.response_id, events.prompt_tokens, events.completion_tokens) == \
+        ("resp_2", 3, 1)
+    assert events.texts == {0: "Yo"} and events.first_token is not None

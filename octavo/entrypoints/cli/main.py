@@ -9,7 +9,7 @@ import sys
 # Subcommand -> the module that registers it.
 COMMANDS = {"serve": "serve", "generate": "generate", "chat": "generate", "pull": "pull",
             "bench": "bench", "models": "models", "run-batch": "run_batch",
-            "complete": "client", "collect-env": "collect_env"}
+            "complete": "client", "collect-env": "collect_env", "build-kernels": "build_kernels"}
 
 
 def _chosen_command(argv: list[str]) -> str | None:

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 SERVE_MAX_NUM_BATCHED_TOKENS = 512
 
 logger = logging.getLogger(__name__)
+
+_IMPORTED = time.perf_counter()
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -158,6 +161,11 @@ def _serve(args: argparse.Namespace) -> int:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:  # listening: the one line that says the server is ready
+                logger.info("ready in %.1f s since launch: %s", _seconds_since_launch(), ready)
+
         def _stop(self, sig: int, frame) -> None:
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
@@ -180,12 +188,26 @@ def _serve(args: argparse.Namespace) -> int:
     server.config.load()  # uvicorn's protocol imports, while the core still loads
     engine.wait_until_ready()
     startup_gc.settle()
-    logger.info("serving %s as %s on http://%s:%d", args.model,
-                ", ".join(state.served_model_names), args.host, args.port)
+    block_size = engine.config.cache.block_size
+    ready = (f"{engine.setup.source.name} ({engine.loaded}), KV cache "
+             f"{engine.num_blocks * block_size:,} tokens, context {engine.max_model_len:,}; "
+             f"serving as {', '.join(state.served_model_names)} on "
+             f"http://{args.host}:{args.port}")
     import asyncio  # not at the top: 0.025 s that the core's launch would wait for
 
     asyncio.run(server.serve())
     return exit_code
+
+
+def _seconds_since_launch() -> float:
+    """Since this process started (the interpreter's own start included), from /proc."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - started
+    except (OSError, ValueError, IndexError):  # no /proc: since this module was imported
+        return time.perf_counter() - _IMPORTED
 
 
 def open_state(args: argparse.Namespace, **server: object) -> ServerState:
