@@ -182,7 +182,7 @@ class _ResponseReader:
         elif self.buffer and not self.overflow:
             try:
                 self.exchange.absorb(json.loads(self.buffer), self.keep_text)
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass  # declared JSON and is not: nothing to read
         self.buffer = bytearray()
 
@@ -198,7 +198,7 @@ class _ResponseReader:
             return
         try:
             self.exchange.absorb(json.loads(payload), self.keep_text)
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
 
 
@@ -240,7 +240,10 @@ class RequestLog:
                     chunks.append(chunk)
                 if not message.get("more_body", False):
                     received = True
-                    self._received(exchange, b"".join(chunks), size)
+                    try:
+                        self._received(exchange, b"".join(chunks), size)
+                    except Exception:  # a logging fault must not fail the request
+                        logger.exception("logging request %s failed", exchange.request_id)
                     chunks.clear()
             return message
 
@@ -274,7 +277,7 @@ class RequestLog:
         else:
             try:
                 body = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):  # the route answers it with a 400
                 body = None
         exchange.body = body if isinstance(body, dict) else None
         if not self.config.log_requests:

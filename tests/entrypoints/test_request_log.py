@@ -34,7 +34,7 @@ async def stand_in(scope, receive, send):
     if scope["path"] == "/boom":
         raise RuntimeError("boom")
     request = json.loads(body) if body else {}
-    if request.get("stream"):
+    if isinstance(request, dict) and request.get("stream"):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
@@ -232,3 +232,20 @@ def test_anthropic_and_responses_replies_are_read():
     assert (events.response_id, events.prompt_tokens, events.completion_tokens) == \
         ("resp_2", 3, 1)
     assert events.texts == {0: "Yo"} and events.first_token is not None
+
+
+def test_bodies_that_are_not_json_objects_are_still_served(caplog):
+    caplog.set_level(logging.INFO)
+    config = RequestLogConfig(log_requests=True)
+    app = RequestLog(stand_in, config)
+
+    async def go(content: bytes):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post("/v1/completions", content=content)
+
+    assert asyncio.run(go(b"[" * 200000)).status_code == 500  # the stand-in cannot parse it
+    assert asyncio.run(go(b"[1, 2]")).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if r.name.endswith("request_log")]
+    assert lines[0].endswith("a body of 200000 bytes that is not a JSON object")
+    assert lines[1].endswith("a body of 6 bytes that is not a JSON object")

@@ -116,6 +116,9 @@ def _offline(args: argparse.Namespace, total: int) -> int:
 
     try:
         return asyncio.run(main())
+    except RuntimeError as exc:  # the engine died, or failed to start
+        print(f"octavo: error: {exc}", file=sys.stderr)
+        return 1
     finally:
         if not started:
             state.engine.close()

@@ -222,8 +222,10 @@ def open_state(args: argparse.Namespace, **server: object) -> ServerState:
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-    if args.max_logprobs < 0:
-        raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+    for name in ("max_logprobs", "max_log_len"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     from octavo.entrypoints.request_log import RequestLogConfig
 
     request_log = RequestLogConfig(not args.disable_access_log, args.enable_log_requests,
