@@ -247,18 +247,21 @@ class AsyncEngine:
 
     def prepare(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                 priority: int = 0, cache_salt: str | None = None,
-                max_logprobs: int | None = None) -> PreparedRequest:
+                max_logprobs: int | None = None,
+                add_special_tokens: bool = True) -> PreparedRequest:
         """Validate and tokenize here (raises ValueError on bad input): for prompts that are
         token ids already; text goes through `prepare_async`."""
         return self.processor.build(request_id, prompt, params, priority, cache_salt,
-                                    max_logprobs)
+                                    max_logprobs, add_special_tokens)
 
     async def prepare_async(self, request_id: str, prompt: str | Sequence[int],
                             params: SamplingParams, priority: int = 0,
-                            cache_salt: str | None = None) -> PreparedRequest:
+                            cache_salt: str | None = None,
+                            add_special_tokens: bool = True) -> PreparedRequest:
         """`prepare` off the event loop, within the preprocess budget."""
         return await self.offload.run("tokenizing and checking the request", self.prepare,
-                                      request_id, prompt, params, priority, cache_salt)
+                                      request_id, prompt, params, priority, cache_salt, None,
+                                      add_special_tokens)
 
     def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Admit the request (or raise QueueFullError / EngineDeadError now, before any

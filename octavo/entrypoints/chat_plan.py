@@ -32,7 +32,8 @@ FunctionName = Annotated[str, AfterValidator(_check_function_name)]
 async def render_prompt(state: ServerState, messages: list[dict[str, Any]],
                         request_template: str | None, add_generation_prompt: bool,
                         continue_final_message: bool = False,
-                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                        template_kwargs: dict[str, Any] | None = None,
+                        add_special_tokens: bool = False) -> list[int]:
     """Prompt ids of a conversation, rendered in the front end's pool within its budget (a
     400 past it). A template in the request is Jinja code from the client: refused unless the
     server was started with --trust-request-chat-template."""
@@ -42,7 +43,7 @@ async def render_prompt(state: ServerState, messages: list[dict[str, Any]],
     return await state.engine.offload.run(
         "rendering the chat template", render_chat, state.engine.tokenizer, messages,
         request_template or state.chat_template, add_generation_prompt, continue_final_message,
-        template_kwargs, state.render_limits)
+        template_kwargs, state.render_limits, add_special_tokens)
 
 
 def model_defaults(state: ServerState) -> SamplingParams:

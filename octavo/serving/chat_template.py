@@ -164,11 +164,13 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
                 template: str | None = None, add_generation_prompt: bool = True,
                 continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None,
-                limits: RenderLimits | None = None) -> list[int]:
-    """Token ids of `messages` rendered by `template`; the template writes any BOS itself."""
+                limits: RenderLimits | None = None,
+                add_special_tokens: bool = False) -> list[int]:
+    """Token ids of `messages` rendered by `template`; the template writes any BOS itself
+    (`add_special_tokens`: the tokenizer adds its own on top, as vLLM's option does)."""
     text = render_chat_text(tokenizer, messages, template, add_generation_prompt,
                             continue_final_message, template_kwargs, limits)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _plain_message(i: int, m: Any) -> dict[str, Any]:

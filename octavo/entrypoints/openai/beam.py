@@ -4,13 +4,13 @@ beams of each come back as its choices. Not streamed."""
 from __future__ import annotations
 
 import time
-import uuid
 
 from fastapi import Request
 
 from octavo.engine import beam_search as beam
 from octavo.entrypoints.http import APIError, ServerState, unless_disconnected
 from octavo.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from octavo.entrypoints.openai.shared import engine_id, response_id
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -40,8 +40,8 @@ async def _searches(state: ServerState, body, rid: str, prompts: list,
 
 async def beam_completions(state: ServerState, body: CompletionRequest, request: Request,
                            prompts: list, model: str) -> dict:
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    searches = await _searches(state, body, rid, prompts, body.max_tokens)
+    rid = response_id("cmpl", body)
+    searches = await _searches(state, body, engine_id(rid, body), prompts, body.max_tokens)
     await unless_disconnected(request, beam.run_async(state.engine, searches, body.priority))
     choices, n_prompt, n_out = [], 0, 0
     for i, search in enumerate(searches):
@@ -56,10 +56,10 @@ async def beam_completions(state: ServerState, body: CompletionRequest, request:
 
 async def beam_chat(state: ServerState, body: ChatCompletionRequest, request: Request,
                     prompt_ids: list[int], model: str) -> dict:
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = response_id("chatcmpl", body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
-    searches = await _searches(state, body, rid, [prompt_ids], max_tokens)
+    searches = await _searches(state, body, engine_id(rid, body), [prompt_ids], max_tokens)
     await unless_disconnected(request, beam.run_async(state.engine, searches, body.priority))
     outs = searches[0].output(state.engine.tokenizer, body.n).outputs
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},

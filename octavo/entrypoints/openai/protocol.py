@@ -35,7 +35,10 @@ UNSUPPORTED = {
 BEAM_REFUSED = ("stream", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop",
                 "stop_token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "echo",
-                "response_format", "structured_outputs", "tools")
+                "response_format", "structured_outputs", "tools", "allowed_token_ids",
+                "bad_words", "logprob_token_ids", "truncate_prompt_tokens", "return_token_ids",
+                "return_tokens_as_token_ids", "vllm_xargs")
+MAX_REQUEST_ID = 256  # characters of a client's request_id
 
 
 class StreamOptions(BaseModel):
@@ -113,6 +116,17 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams fields
+    # vLLM's token-level sampling fields (checked by SamplingParams)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logprob_token_ids: list[int] | None = None  # needs logprobs; their logprobs at each step
+    truncate_prompt_tokens: int | None = None  # the prompt's last k tokens; -1: the context
+    spaces_between_special_tokens: bool = True
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    # vLLM's response extensions
+    request_id: str | None = Field(default=None, min_length=1, max_length=MAX_REQUEST_ID)
+    return_token_ids: bool | None = None  # prompt_token_ids and each choice's token_ids
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"
     use_beam_search: bool = False  # beam width: best_of (completions) or n; returns n
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
@@ -158,8 +172,13 @@ class _Common(BaseModel):
                         structured: StructuredOutputsParams | None = None,
                         skip_special_tokens: bool | None = None) -> SamplingParams:
         """`defaults` (the model's generation_config) fills the fields the request left unset;
-        `skip_special_tokens` overrides the request's (a tool-call format may need them)."""
+        `skip_special_tokens` overrides the request's (a tool-call format may need them).
+        With logprob_token_ids, logprobs is their count (vLLM needs logprobs set with them)."""
         defaults = defaults or SamplingParams()
+        if self.logprob_token_ids is not None:
+            if logprobs is None:
+                raise ValueError("logprob_token_ids needs logprobs to be set")
+            logprobs = None
         return SamplingParams(
             n=self.n, best_of=getattr(self, "best_of", None),
             temperature=defaults.temperature if self.temperature is None else self.temperature,
@@ -176,7 +195,11 @@ class _Common(BaseModel):
             skip_special_tokens=(self.skip_special_tokens if skip_special_tokens is None
                                  else skip_special_tokens), logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-            structured_outputs=structured)
+            structured_outputs=structured, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words, logprob_token_ids=self.logprob_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            extra_args=self.vllm_xargs)
 
     def beam_params(self, max_tokens: int | None, max_model_len: int,
                     prompt_len: int) -> BeamSearchParams:
@@ -186,6 +209,9 @@ class _Common(BaseModel):
             value = getattr(self, name, None)
             if name in self.model_fields_set and value not in (None, False, 0, 0.0, [], {}):
                 raise ValueError(f"'{name}' cannot be used with use_beam_search")
+        if getattr(self, "add_special_tokens", None) is False and \
+                isinstance(self, CompletionRequest):
+            raise ValueError("'add_special_tokens' cannot be false with use_beam_search")
         if self.temperature not in (None, 0, 0.0):
             raise ValueError(f"temperature must be 0 with use_beam_search, "
                              f"got {self.temperature}")
@@ -200,11 +226,18 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 with echo: the prompt alone (with its logprobs), as vLLM
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # the tokenizer's BOS (and the like) on text prompts
+
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo: one token is generated (and dropped) for the prompt's
+        logprobs."""
+        return self.echo and self.max_tokens == 0
 
 
 class ChatMessage(BaseModel):
@@ -232,6 +265,8 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # the reply starts with the last message's content, if it is its role
+    add_special_tokens: bool = False  # BOS (and the like) on top of what the template writes
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
