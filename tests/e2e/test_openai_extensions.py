@@ -256,3 +256,27 @@ def test_bad_values_are_400s_naming_the_field(server, path, body, param):
     resp = post(server, path, {"model": SERVED_NAME, "max_tokens": 4, **body})
     assert resp.status_code == 400, resp.text
     assert param in resp.json()["error"]["message"] or param == resp.json()["error"]["param"]
+
+
+def test_max_logprobs_minus_one_lifts_the_cap(smollm_gguf, tmp_path):
+    """`--max-logprobs -1` (vLLM's "no cap"): logprobs=-1 returns the whole vocabulary; a value
+    below -1 stops the start, naming the flag."""
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import start_server
+
+    done = subprocess.run([sys.executable, "-m", "octavo.entrypoints.cli.main", "serve",
+                           str(smollm_gguf), "--port", "0", "--max-logprobs", "-2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--max-logprobs" in done.stderr, done.stderr[-2000:]
+    srv = start_server(smollm_gguf, tmp_path, "--max-logprobs", "-1")
+    try:
+        resp = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+            "model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
+            "logprobs": -1})
+        assert resp.status_code == 200, resp.text
+        (top,) = resp.json()["choices"][0]["logprobs"]["top_logprobs"]
+        assert len(top) > 40_000  # SmolLM2's 49,152 tokens, less those that decode alike
+    finally:
+        srv.stop()

@@ -222,10 +222,11 @@ def open_state(args: argparse.Namespace, **server: object) -> ServerState:
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-    for name in ("max_logprobs", "max_log_len"):
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
+    if args.max_logprobs < -1:  # -1: no cap, the whole vocabulary may be asked for (as vLLM)
+        raise ValueError(f"--max-logprobs must be >= 0, or -1 for no cap; got "
+                         f"{args.max_logprobs}")
     from octavo.entrypoints.request_log import RequestLogConfig
 
     request_log = RequestLogConfig(not args.disable_access_log, args.enable_log_requests,
