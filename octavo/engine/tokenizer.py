@@ -1,14 +1,17 @@
 """The model's tokenizer: a fast `tokenizers` tokenizer plus its special tokens and chat template.
 
 octavo reads `tokenizer.json` with the `tokenizers` library directly: 0.1 s, where building the
-same tokenizer through `transformers` takes 2 s of a server's start-up. `transformers` is used
-only to convert what has no `tokenizer.json` (a GGUF file's vocabulary, a folder with only a
-sentencepiece model); the result is saved once under `$OCTAVO_CACHE/tokenizers/` (keyed by the
-file's name, size and mtime) and read from there on later starts.
+same tokenizer through `transformers` takes 2 s of a server's start-up. A GGUF file's tokenizer
+is built from the file's metadata the same way (gguf_tokenizer.py), as transformers would build
+it. `transformers` converts only what neither covers (a GGUF tokenizer kind gguf_tokenizer.py
+does not build, a folder with only a sentencepiece model), logged as such; the result is saved
+once under `$OCTAVO_CACHE/tokenizers/` (keyed by the file's name, size and mtime) and read from
+there on later starts.
 """
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +21,8 @@ from tokenizers import Tokenizer as Backend
 from tokenizers.processors import TemplateProcessing
 
 from octavo.disk_cache import write_dir
-from octavo.model_files import check_gguf
+from octavo.engine.gguf_tokenizer import NotBuiltDirectly, build_gguf_tokenizer
+from octavo.model_files import check_gguf, open_gguf
 from octavo.model_source import ModelSource, cache_dir
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
@@ -26,6 +30,8 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json",
                    "merges.txt"]
+
+logger = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -63,22 +69,26 @@ class Tokenizer:
 
     def _set_bos_eos(self, add_bos: bool, add_eos: bool) -> None:
         """tokenizer_config's add_bos_token/add_eos_token decide the special tokens around a
-        text, as transformers does, whatever tokenizer.json's post-processor says."""
-        single, pair, special = "$A:0", "$A:0 $B:1", []
+        text, as transformers does, whatever tokenizer.json's post-processor says: each text of
+        a pair gets its own."""
+        around, special = {}, []
         for add, name, tok_id in ((add_bos, "bos_token", self.bos_token_id),
                                   (add_eos, "eos_token", self.eos_token_id)):
             if not add:
                 continue
             if tok_id is None:
                 raise ValueError(f"tokenizer: add_{name} is set but the model has no {name}")
-            token = self.special_tokens[name]
-            if name == "bos_token":
-                single, pair = f"{token}:0 {single}", f"{token}:0 $A:0 {token}:1 $B:1"
-            else:
-                single, pair = f"{single} {token}:0", f"{pair} {token}:1"
-            special.append((token, tok_id))
-        self.backend.post_processor = TemplateProcessing(single=single, pair=pair,
-                                                         special_tokens=special)
+            around[name] = self.special_tokens[name]
+            special.append((around[name], tok_id))
+
+        def wrapped(seq: str, type_id: int) -> str:
+            bos, eos = around.get("bos_token"), around.get("eos_token")
+            return " ".join([*([f"{bos}:{type_id}"] if bos else []), f"${seq}:{type_id}",
+                             *([f"{eos}:{type_id}"] if eos else [])])
+
+        self.backend.post_processor = TemplateProcessing(
+            single=wrapped("A", 0), pair=f"{wrapped('A', 0)} {wrapped('B', 1)}",
+            special_tokens=special)
 
     @property
     def vocab_size(self) -> int:
@@ -149,7 +159,7 @@ def load_tokenizer(source: ModelSource, override: str | None = None) -> Tokenize
     if override:
         return _named_tokenizer(override)
     if source.is_gguf:
-        return _converted(source.path, gguf=True)
+        return _from_gguf(source.path)
     if (source.path / "tokenizer.json").is_file():
         return Tokenizer.from_folder(source.path)
     return _converted(source.path, gguf=False)
@@ -171,7 +181,15 @@ def _named_tokenizer(name: str) -> Tokenizer:
             else _converted(folder, gguf=False))
 
 
-def _converted(path: Path, gguf: bool) -> Tokenizer:
+def _from_gguf(path: Path) -> Tokenizer:
+    try:
+        built = build_gguf_tokenizer(open_gguf(path).metadata, str(path))
+    except NotBuiltDirectly as exc:
+        return _converted(path, gguf=True, why=f"its tokenizer ({exc}) is not built directly")
+    return Tokenizer(built.backend, built.config, built.chat_template)
+
+
+def _converted(path: Path, gguf: bool, why: str = "it has no tokenizer.json") -> Tokenizer:
     """The tokenizer transformers makes from a GGUF file or a slow tokenizer, converted once and
     cached as a folder with tokenizer.json."""
     marker = path if gguf else path / "tokenizer_config.json"
@@ -182,6 +200,8 @@ def _converted(path: Path, gguf: bool) -> Tokenizer:
         return Tokenizer.from_folder(saved)
     if gguf:
         check_gguf(path)  # transformers' GGUF reader trusts the sizes a corrupt file states
+    logger.info("tokenizer: converting %s with transformers, as %s (cached under %s)",
+                path, why, saved.parent)
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 

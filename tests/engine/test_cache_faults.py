@@ -124,8 +124,8 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer_folder(smollm_gguf, tmp_path_factory) -> Path:
-    """SmolLM2's tokenizer as a folder (from the user's cache, converted once), so that the tiny
-    model's starts skip the 7 s conversion; the conversion has its own test below."""
+    """SmolLM2's tokenizer as a folder, for the tiny model (its GGUF holds no vocabulary); a
+    conversion by transformers has its own test below."""
     tok = load_tokenizer(ModelSource("smollm", smollm_gguf))
     folder = tmp_path_factory.mktemp("tokenizer")
     tok.backend.save(str(folder / "tokenizer.json"))
@@ -193,11 +193,16 @@ def test_a_start_with_every_cache_write_failing(tiny_gguf, tokenizer_folder, tmp
 
 
 @pytest.mark.parametrize("fault", ["full tmpfs", "EROFS on flush"])
-def test_a_tokenizer_converted_without_a_cache(smollm_gguf, tmp_path, monkeypatch, caplog,
-                                               request, fault):
-    """The conversion's cache fails (tokenizers reports ENOSPC as a plain Exception): the
+def test_a_tokenizer_converted_without_a_cache(tmp_path, monkeypatch, caplog, request, fault):
+    """A GGUF tokenizer only transformers builds (StableLM's class, SmolLM2's 3.5 MB vocabulary)
+    whose conversion cannot be cached (tokenizers reports ENOSPC as a plain Exception): the
     tokenizer still loads, from a temporary folder that is gone afterwards."""
-    expected = load_tokenizer(ModelSource("smollm", smollm_gguf))  # the user's cache
+    from tests.engine.test_gguf_tokenizer import smollm_like, write_tokenizer_gguf
+
+    model = write_tokenizer_gguf(tmp_path / "stablelm.gguf", "stablelm",
+                                 smollm_like("smollm", count=49135))
+    monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path / "working-cache"))
+    expected = load_tokenizer(ModelSource("stablelm", model))
     if fault == "full tmpfs":
         mnt, _ = request.getfixturevalue("tmpfs")
         cache = mnt / "octavo"
@@ -209,7 +214,7 @@ def test_a_tokenizer_converted_without_a_cache(smollm_gguf, tmp_path, monkeypatc
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr("tempfile.tempdir", None)  # TMPDIR is read again
     with caplog.at_level(logging.WARNING):
-        tok = load_tokenizer(ModelSource("smollm", smollm_gguf))
+        tok = load_tokenizer(ModelSource("stablelm", model))
     text = "Hello world, héllo 日本"
     assert tok.encode(text) == expected.encode(text)
     assert tok.chat_template == expected.chat_template
