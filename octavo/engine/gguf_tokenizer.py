@@ -267,9 +267,9 @@ def _add_file_tokens(backend: Backend, tokens: list[str], token_types: list[int]
                if kind == _CONTROL and (alphabet is None or set(t) <= alphabet)]
     if control:
         backend.add_special_tokens(control)
-    vocab = backend.get_vocab(with_added_tokens=True)
-    user = [AddedToken(t, normalized=False, special=False)
-            for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED and t in vocab]
+    # only a token the vocabulary spells as stored (Gemma respells its space tokens)
+    user = [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, token_types)
+            if kind == _USER_DEFINED and backend.token_to_id(t) is not None]
     if user:
         backend.add_tokens(user)
 
