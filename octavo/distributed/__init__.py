@@ -1,0 +1,1 @@
+"""Parallel execution across ranks: process groups, collectives, rank placement."""

@@ -1,0 +1,140 @@
+"""Which rank this process is and the collectives between ranks (torch.distributed: gloo on the
+CPU, nccl on CUDA).
+
+Ranks are laid out as vLLM lays them out: rank = pp_rank * tp_size + tp_rank, so a tensor-parallel
+group is tp_size consecutive ranks and a pipeline group is the ranks with the same tp_rank. A
+process that never called `init` is the only rank of both groups: every collective is then the
+identity, so the model code calls them unconditionally.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where one rank sits in a tp_size x pp_size layout."""
+
+    rank: int
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.pp_size < 1:
+            raise ValueError(f"tensor and pipeline parallel sizes must be >= 1, got "
+                             f"{self.tp_size} and {self.pp_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside a world of {self.world_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    def tp_ranks(self) -> list[int]:
+        first = self.pp_rank * self.tp_size
+        return list(range(first, first + self.tp_size))
+
+    def pp_ranks(self) -> list[int]:
+        return [stage * self.tp_size + self.tp_rank for stage in range(self.pp_size)]
+
+
+_SINGLE = RankPlacement(0)
+_placement = _SINGLE
+_tp_group = None
+_pp_group = None
+
+
+def placement() -> RankPlacement:
+    return _placement
+
+
+def tp_rank() -> int:
+    return _placement.tp_rank
+
+
+def tp_size() -> int:
+    return _placement.tp_size
+
+
+def pp_rank() -> int:
+    return _placement.pp_rank
+
+
+def pp_size() -> int:
+    return _placement.pp_size
+
+
+def init(where: RankPlacement, init_method: str, backend: str = "gloo",
+         timeout_s: float = 600.0) -> None:
+    """Join the world at `init_method` (tcp://host:port) as `where.rank` and make the groups.
+    Every rank must call it with the same sizes."""
+    global _placement, _tp_group, _pp_group
+    import datetime
+
+    import torch.distributed as dist
+    dist.init_process_group(backend, init_method=init_method, rank=where.rank,
+                            world_size=where.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    # new_group is collective: every rank creates every group, in the same order.
+    for stage in range(where.pp_size):
+        ranks = list(range(stage * where.tp_size, (stage + 1) * where.tp_size))
+        group = dist.new_group(ranks)
+        if where.rank in ranks:
+            _tp_group = group
+    for tp in range(where.tp_size):
+        ranks = [stage * where.tp_size + tp for stage in range(where.pp_size)]
+        group = dist.new_group(ranks)
+        if where.rank in ranks:
+            _pp_group = group
+    _placement = where
+
+
+def destroy() -> None:
+    global _placement, _tp_group, _pp_group
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _placement, _tp_group, _pp_group = _SINGLE, None, None
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over the tensor-parallel group, in place."""
+    if _placement.tp_size == 1:
+        return x
+    import torch.distributed as dist
+    dist.all_reduce(x, group=_tp_group)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Every tensor-parallel rank's `x`, concatenated along `dim` in rank order."""
+    if _placement.tp_size == 1:
+        return x
+    import torch.distributed as dist
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_placement.tp_size)]
+    dist.all_gather(parts, x, group=_tp_group)
+    return torch.cat(parts, dim)
+
+
+def pp_send(x: torch.Tensor, stage: int) -> None:
+    """Send `x` to pipeline stage `stage` (same tp_rank)."""
+    import torch.distributed as dist
+    dist.send(x.contiguous(), _placement.pp_ranks()[stage])
+
+
+def pp_recv(x: torch.Tensor, stage: int) -> torch.Tensor:
+    """Receive into `x` from pipeline stage `stage` (same tp_rank)."""
+    import torch.distributed as dist
+    dist.recv(x, _placement.pp_ranks()[stage])
+    return x
