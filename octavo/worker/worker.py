@@ -12,6 +12,8 @@ import torch
 from octavo.arch_config import ArchConfig, read_arch_config
 from octavo.config import EngineConfig
 from octavo.core.contract import ModelOutput, SchedulerOutput
+from octavo.distributed import parallel_state
+from octavo.distributed.parallel_state import RankPlacement
 from octavo.kernels import fused
 from octavo.model import decode_stack
 from octavo.model.loader import load_model
@@ -48,16 +50,31 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 class Worker:
+    """One rank's worker. With `placement.world_size` > 1 it joins the other ranks at
+    `distributed_init_method` (tcp://host:port) before anything is loaded, and holds its share of
+    the model (tensor parallel: its heads and slices; pipeline parallel: its layers)."""
+
     def __init__(self, config: EngineConfig, source: ModelSource, arch: ArchConfig,
-                 max_model_len: int, eos_token_ids: list[int]) -> None:
+                 max_model_len: int, eos_token_ids: list[int],
+                 placement: RankPlacement = RankPlacement(0),
+                 distributed_init_method: str | None = None) -> None:
         self.config = config
+        self.placement = placement
         self.source = source
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.device = torch.device(config.device.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: cuda was asked for but torch sees no CUDA device")
+        if self.device.type == "cuda" and placement.world_size > 1:  # one device per local rank
+            self.device = torch.device("cuda", placement.rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
         torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
+        if placement.world_size > 1:
+            if distributed_init_method is None:
+                raise ValueError("a worker of a parallel world needs distributed_init_method")
+            parallel_state.init(placement, distributed_init_method,
+                                "nccl" if self.device.type == "cuda" else "gloo")
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.kv_dtype = {"auto": self.dtype, "bfloat16": torch.bfloat16,
                          "fp8_e4m3": torch.float8_e4m3fn}[config.cache.kv_cache_dtype]
