@@ -141,6 +141,53 @@ class DeviceConfig:
                              f"got {self.native_kernels!r}")
 
 
+EXECUTOR_BACKENDS = ("uniproc", "mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = field(default=1, metadata=_opt(
+        "ranks that split every layer (attention heads, MLP columns and rows, the vocabulary)",
+        aliases=("-tp",)))
+    pipeline_parallel_size: int = field(default=1, metadata=_opt(
+        "ranks that each run a contiguous range of the layers", aliases=("-pp",)))
+    distributed_executor_backend: str | None = field(default=None, metadata=_opt(
+        "how the ranks run: uniproc (in this process; one rank only), mp (one local process "
+        "per rank), ray (Ray actors); default: uniproc for one rank, else mp",
+        choices=list(EXECUTOR_BACKENDS)))
+    cpu_binding: str = field(default="auto", metadata=_opt(
+        "with several ranks on the CPU: auto gives each local rank an equal share of this "
+        "process's allowed cores (and as many torch threads); none leaves every rank all of "
+        "them", choices=["auto", "none"]))
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(EXECUTOR_BACKENDS)} (or unset), got {backend!r}")
+        if backend == "uniproc" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend uniproc runs one rank in process; "
+                             f"tensor_parallel_size x pipeline_parallel_size is "
+                             f"{self.world_size}: use mp or ray")
+        if self.cpu_binding not in ("auto", "none"):
+            raise ValueError(f"cpu_binding must be auto or none, got {self.cpu_binding!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """The backend that runs: the one given, else uniproc for one rank and mp for more."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uniproc" if self.world_size == 1 else "mp"
+
+
 _EAGLE_METHODS = ("eagle", "eagle3", "medusa", "mtp")
 
 
@@ -210,6 +257,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @classmethod
@@ -243,7 +291,8 @@ class EngineConfig:
 
 
 _SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig}
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+    "device": DeviceConfig, "parallel": ParallelConfig}
 
 
 def _parse_bytes(text: str) -> int:
@@ -262,17 +311,17 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
             if f.name in skip:
                 continue
             meta = dict(f.metadata)
-            flag = "--" + f.name.replace("_", "-")
+            flags = ("--" + f.name.replace("_", "-"), *meta.pop("aliases", ()))
             default = f.default
             if f.name == "kv_cache_memory":
-                group.add_argument(flag, type=_parse_bytes, default=default,
+                group.add_argument(*flags, type=_parse_bytes, default=default,
                                    help=meta["help"] + " (e.g. 2GiB)")
             elif isinstance(default, bool):
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default,
                                    help=meta["help"])
             else:
                 kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
-                group.add_argument(flag, type=kind, default=default, **meta)
+                group.add_argument(*flags, type=kind, default=default, **meta)
     if "speculative_config" not in skip:
         parser.add_argument_group("SpeculativeConfig").add_argument(
             "--speculative-config", default=None,

@@ -1,0 +1,63 @@
+"""ParallelConfig: validation naming the field, the default backend, the derived flags and vLLM's
+keyword names."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from octavo.config import EngineConfig, ParallelConfig, add_engine_args
+from octavo.engine.arg_utils import EngineArgs, engine_config
+
+
+def test_the_default_backend_follows_the_world_size():
+    assert ParallelConfig().executor_backend == "uniproc"
+    assert ParallelConfig(tensor_parallel_size=2).executor_backend == "mp"
+    assert ParallelConfig(pipeline_parallel_size=2).world_size == 2
+    assert ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=3).world_size == 6
+    assert ParallelConfig(distributed_executor_backend="mp").executor_backend == "mp"
+    assert ParallelConfig(tensor_parallel_size=2,
+                          distributed_executor_backend="ray").executor_backend == "ray"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"tensor_parallel_size": True}, "tensor_parallel_size"),
+    ({"pipeline_parallel_size": -1}, "pipeline_parallel_size"),
+    ({"pipeline_parallel_size": 1.5}, "pipeline_parallel_size"),
+    ({"distributed_executor_backend": "threads"}, "distributed_executor_backend"),
+    ({"cpu_binding": "numa"}, "cpu_binding"),
+])
+def test_bad_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ParallelConfig(**kwargs)
+
+
+def test_uniproc_holds_one_rank_only():
+    with pytest.raises(ValueError, match="uniproc"):
+        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uniproc")
+    with pytest.raises(ValueError, match="uniproc"):
+        EngineConfig.from_kwargs(pipeline_parallel_size=2, distributed_executor_backend="uniproc")
+
+
+def test_flags_are_derived_with_vllms_short_aliases():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["-tp", "2", "-pp", "3", "--distributed-executor-backend", "mp",
+                              "--cpu-binding", "none"])
+    assert EngineConfig.from_cli(args).parallel == ParallelConfig(2, 3, "mp", "none")
+    args = parser.parse_args(["--tensor-parallel-size", "4", "--pipeline-parallel-size", "1"])
+    assert EngineConfig.from_cli(args).parallel == ParallelConfig(4, 1)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--distributed-executor-backend", "threads"])
+
+
+def test_vllm_keywords_reach_the_parallel_config():
+    config = engine_config("m", tensor_parallel_size=2, pipeline_parallel_size=2,
+                           distributed_executor_backend="mp")
+    assert config.parallel == ParallelConfig(2, 2, "mp")
+    assert config.replace(max_num_seqs=3).parallel == config.parallel
+    assert EngineArgs("m", tensor_parallel_size=2).create_engine_config().parallel \
+        .executor_backend == "mp"
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineArgs("m", tensor_parallel_size=0)
