@@ -37,54 +37,17 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from dataclasses import dataclass
 
 from octavo.config import SchedulerConfig
 from octavo.core.contract import (
     CachedRequestData, ModelOutput, NewRequestData, SchedulerOutput, TopLogprobs)
 from octavo.core.kv_manager import KVCacheManager, cdiv
 from octavo.core.ngram import NgramProposer
+from octavo.core.protocol import EngineCoreOutput, SchedulerStats
 from octavo.core.request import Request, RequestStatus
 from octavo.core.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineCoreOutput:
-    """What one step produced for one request."""
-
-    req_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: TopLogprobs | None = None
-    prompt_logprobs: TopLogprobs | None = None
-    num_cached_tokens: int = 0
-    first_scheduled_time: float | None = None  # on a request's first output only
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
-    prefix_cache_hits: int = 0  # of those, found cached
-    kv_slots_allocated: int = 0  # slots held by finished block tables (cumulative)
-    kv_slots_unwritten: int = 0  # of those, never written
-    peak_running: int = 0
-    spec_draft_tokens: int = 0  # draft tokens proposed and verified (cumulative)
-    spec_accepted_tokens: int = 0  # of those, accepted
-    spec_num_drafts: int = 0  # verifications (request-steps with drafts)
-
-    @property
-    def spec_mean_acceptance_length(self) -> float | None:
-        """Tokens emitted per verification (accepted drafts + the one sampled after them)."""
-        if not self.spec_num_drafts:
-            return None
-        return 1 + self.spec_accepted_tokens / self.spec_num_drafts
 
 
 class Scheduler:
