@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from octavo.distributed import parallel_state
 from octavo.kernels import fused
 from octavo.kernels.paged_attention import AttentionPlan
 from octavo.model.layers.linear import Linear
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 def unsupported_reason(layers: nn.ModuleList) -> str | None:
     """Why these decoder layers cannot run as one stack (None: they can)."""
+    if parallel_state.tp_size() > 1:
+        return "tensor parallelism (the stack has no all-reduce between layers yet)"
     eps: set[float] = set()
     for layer in layers:
         if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:

@@ -16,6 +16,7 @@ from octavo.distributed import parallel_state
 from octavo.distributed.parallel_state import RankPlacement
 from octavo.kernels import fused
 from octavo.model import decode_stack
+from octavo.model.layers.linear import local_heads
 from octavo.model.loader import load_model
 from octavo.model.loader.gemm_packing import StepwisePacking
 from octavo.model_source import ModelSource, resolve_model
@@ -148,7 +149,7 @@ class Worker:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return sum(2 * block_size * a.num_kv_heads * a.head_dim * elem for a in self._kv_layers())
+        return sum(2 * block_size * _kv_heads(a) * a.head_dim * elem for a in self._kv_layers())
 
     def available_memory(self) -> int | None:
         free = available_memory(self.device)
@@ -160,7 +161,7 @@ class Worker:
             raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than one "
                              f"block ({self.kv_bytes_per_block(block_size)} bytes)")
         _check_kv_fits(kv_cache_memory, self.device)
-        caches = [_zeros((2, num_blocks, block_size, a.num_kv_heads, a.head_dim), self.kv_dtype,
+        caches = [_zeros((2, num_blocks, block_size, _kv_heads(a), a.head_dim), self.kv_dtype,
                          self.device) for a in self._kv_layers()]
         self.runner.kv_caches = caches[:self.arch.num_layers]
         if self.runner.drafter is not None:
@@ -176,6 +177,11 @@ class Worker:
         if self.packing is not None and self.packing.pack_some():
             self.packing = None
         return self.packing is not None
+
+
+def _kv_heads(arch: ArchConfig) -> int:
+    """The KV heads this rank caches (tensor parallel: its share, or one replicated head)."""
+    return local_heads(arch.num_heads, arch.num_kv_heads)[1]
 
 
 def available_memory(device: torch.device) -> tuple[int, str] | None:

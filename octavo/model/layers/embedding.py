@@ -1,37 +1,80 @@
-"""Token embedding and the LM head that may share its weight."""
+"""Token embedding and the LM head that may share its weight; both vocabulary-parallel under
+tensor parallelism.
+
+With N tensor-parallel ranks each holds ceil(vocab / N) consecutive vocabulary rows (the last
+rank's past the vocabulary are zeros): the embedding looks up the ids in its rows and the ranks'
+results are summed; the LM head computes its rows' logits and the ranks' logits are gathered.
+Checkpoint tensors are cut to a rank's rows as they load (`weight_loader`), so no rank holds the
+whole matrix.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from octavo.distributed import parallel_state
 from octavo.model.quant.decode_weights import make_decode_weight, small_batch_linear
+
+
+def _vocab_rows(vocab_size: int) -> tuple[int, int]:
+    """(first row, rows) of this rank's share of the vocabulary."""
+    size, rank = parallel_state.tp_size(), parallel_state.tp_rank()
+    rows = -(-vocab_size // size)
+    return rank * rows, rows
+
+
+def _load_vocab_rows(param: nn.Parameter, tensor: torch.Tensor, vocab_size: int) -> None:
+    if tensor.shape != (vocab_size, param.shape[1]):
+        raise ValueError(f"checkpoint shape {tuple(tensor.shape)}, model shape "
+                         f"{(vocab_size, param.shape[1])}")
+    first, rows = _vocab_rows(vocab_size)
+    have = max(0, min(rows, vocab_size - first))
+    param.data[:have].copy_(tensor[first:first + have])
+    param.data[have:].zero_()
 
 
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.vocab_size = vocab_size
+        self.first_row, rows = _vocab_rows(vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+        self.weight.weight_loader = lambda param, tensor: _load_vocab_rows(param, tensor,
+                                                                           vocab_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if parallel_state.tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.first_row
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return parallel_state.tp_all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
 
 class LMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: Embedding | None) -> None:
         super().__init__()
+        self.vocab_size = vocab_size
         self.decode_weight = None
         self.tied = tied_to is not None
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+            _, rows = _vocab_rows(vocab_size)
+            self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+            self.weight.weight_loader = lambda param, tensor: _load_vocab_rows(param, tensor,
+                                                                               vocab_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]"""
         if self.weight is None:  # packed only (packed_only())
-            return self.decode_weight.matmul(hidden).float()
-        return small_batch_linear(hidden, self.weight, None, self.decode_weight).float()
+            logits = self.decode_weight.matmul(hidden).float()
+        else:
+            logits = small_batch_linear(hidden, self.weight, None, self.decode_weight).float()
+        if parallel_state.tp_size() == 1:
+            return logits
+        return parallel_state.tp_all_gather(logits, -1)[:, :self.vocab_size]
 
     def set_decode_bits(self, bits: int) -> None:
         self.decode_weight = make_decode_weight(self.weight.data, bits)

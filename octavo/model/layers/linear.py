@@ -1,29 +1,84 @@
-"""Linear layers whose weights may be packed from several checkpoint tensors (q/k/v, gate/up).
+"""Linear layers whose weights may be packed from several checkpoint tensors (q/k/v, gate/up),
+and their tensor-parallel forms.
 
 The weight belongs to the layer's `quant_method` (octavo/model/quant/base.py): dense by default,
 or the packed int4/int8 form of a quantized checkpoint or of --quantization. A dense layer may also
 hold `decode_weight`, a packed copy for small batches made from a GGUF's codes (quant/gguf.py).
 The bias stays dense.
+
+Tensor parallelism shards a layer as its checkpoint tensors come in (`load_shard`), before the
+quant method sees them, so each rank only ever holds its own slice: a column-parallel layer
+(`column_parallel`, `qkv_parallel`) keeps its rows of every packed slot, a row-parallel one
+(`row_parallel`) its columns, and sums its partial output over the tensor-parallel ranks. The
+quant method says which dimension of each of its tensors is the output and which the input
+(`QuantMethod.tensor_dims`), so codes, scales and packed formats shard by the same rule.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from octavo.distributed import parallel_state
 from octavo.model.quant.base import UNQUANTIZED, QuantMethod
 
 
-class Linear(nn.Module):
-    """y = x W^T (+ b). `shards` are the output widths of the checkpoint tensors packed in W."""
+@dataclass(frozen=True)
+class Span:
+    """This rank's rows (or columns) [start, start + width) of a checkpoint dimension `full`."""
 
-    def __init__(self, in_features: int, shards: list[int], bias: bool = False) -> None:
+    start: int
+    width: int
+    full: int
+
+    @classmethod
+    def whole(cls, full: int) -> Span:
+        return cls(0, full, full)
+
+    def take(self, tensor: torch.Tensor, dim: int | None, what: str) -> torch.Tensor:
+        """The span of `tensor` along `dim`, scaled to that dimension's size (a scale per 32
+        inputs spans a 32nd as many columns)."""
+        if dim is None or self.width == self.full or tensor.dim() <= dim:
+            return tensor
+        size = tensor.shape[dim]
+        if size == 1:  # one value for the whole dimension (a per-tensor scale): every rank's
+            return tensor
+        if (self.start * size) % self.full or (self.width * size) % self.full:
+            raise ValueError(f"{what}: dimension {dim} of size {size} does not split into this "
+                             f"rank's share [{self.start}, {self.start + self.width}) of "
+                             f"{self.full}; lower tensor_parallel_size")
+        return tensor.narrow(dim, self.start * size // self.full, self.width * size // self.full)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). `shards` are the output widths of the checkpoint tensors packed in W (this
+    rank's). `slot_spans`: each slot's rows in its checkpoint tensor (None: all of them);
+    `input_span`: this rank's columns, the output then summed over the tensor-parallel ranks."""
+
+    def __init__(self, in_features: int, shards: list[int], bias: bool = False,
+                 slot_spans: list[Span] | None = None, input_span: Span | None = None,
+                 reduce: bool = True) -> None:
         super().__init__()
         self.in_features = in_features
         self.shards = shards
+        self.slot_spans = slot_spans
+        self.input_span = input_span
+        self.reduce = reduce  # False: the caller sums the partial outputs (an MoE's experts)
         self.bias = nn.Parameter(torch.zeros(sum(shards)), requires_grad=False) if bias else None
         self.decode_weight = None  # a GGUF layer's packed copy for decode (quant/gguf.py)
         self.quant_method: QuantMethod = UNQUANTIZED
         UNQUANTIZED.create_weights(self)
+
+    @property
+    def splits_input(self) -> bool:
+        return self.input_span is not None and self.input_span.width < self.input_span.full
+
+    @property
+    def splits_packed_tensor(self) -> bool:
+        """A checkpoint tensor spanning every slot is cut into its slots before loading."""
+        return self.slot_spans is not None and len(self.shards) > 1 and any(
+            s.width < s.full for s in self.slot_spans)
 
     def set_quant_method(self, method: QuantMethod) -> None:
         """Before loading: hand the weight to `method` (creates what it will be loaded into)."""
@@ -32,7 +87,24 @@ class Linear(nn.Module):
 
     def load_shard(self, name: str, index: int | None, tensor: torch.Tensor) -> None:
         """Checkpoint tensor `name` (weight, bias, qweight, scales, ...) of packed slot `index`
-        (None: a tensor spanning all slots)."""
+        (None: a tensor spanning all slots), whole: this rank's part is cut here."""
+        out_dim, in_dim = (0, None) if name == "bias" else self.quant_method.tensor_dims(name)
+        if index is None and self.splits_packed_tensor:
+            full = sum(s.full for s in self.slot_spans)
+            start = 0
+            for slot, span in enumerate(self.slot_spans):
+                self.load_shard(name, slot, Span(start, span.full, full).take(
+                    tensor, out_dim, f"{name} of a packed layer"))
+                start += span.full
+            return
+        if self.slot_spans is not None:
+            spans = self.slot_spans if index is None else [self.slot_spans[index]]
+            if len(spans) == 1:
+                tensor = spans[0].take(tensor, out_dim, name)
+        if self.input_span is not None:
+            tensor = self.input_span.take(tensor, in_dim, name)
+            if name == "g_idx" and self.splits_input:  # groups counted from this rank's first
+                tensor = tensor - tensor.min()
         if name != "bias":
             self.quant_method.load_shard(self, name, index, tensor)
             return
@@ -51,4 +123,53 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x)
+        if self.reduce and self.splits_input:
+            y = parallel_state.tp_all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+def even_span(full: int, what: str) -> Span:
+    """This rank's equal share of `full` rows or columns."""
+    size, rank = parallel_state.tp_size(), parallel_state.tp_rank()
+    if full % size:
+        raise ValueError(f"{what} ({full}) is not divisible by tensor_parallel_size {size}")
+    return Span(rank * full // size, full // size, full)
+
+
+def column_parallel(in_features: int, shards: list[int], bias: bool = False,
+                    what: str = "output width") -> Linear:
+    """Each packed slot's rows split evenly over the tensor-parallel ranks."""
+    spans = [even_span(width, what) for width in shards]
+    return Linear(in_features, [s.width for s in spans], bias, slot_spans=spans)
+
+
+def row_parallel(in_features: int, out_features: int, bias: bool = False,
+                 what: str = "input width", reduce: bool = True) -> Linear:
+    """The input columns split evenly; the partial outputs summed over the ranks (by the caller
+    with `reduce` False)."""
+    span = even_span(in_features, what)
+    return Linear(span.width, [out_features], bias, input_span=span, reduce=reduce)
+
+
+def local_heads(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """This rank's query and KV heads: queries split evenly, KV heads split too, or replicated
+    when there are fewer than ranks (each rank then keeps the one its queries read)."""
+    size = parallel_state.tp_size()
+    if num_heads % size:
+        raise ValueError(f"num_attention_heads ({num_heads}) is not divisible by "
+                         f"tensor_parallel_size {size}")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(f"num_key_value_heads ({num_kv_heads}) and tensor_parallel_size "
+                         f"{size}: neither divides the other")
+    return num_heads // size, max(1, num_kv_heads // size)
+
+
+def qkv_parallel(hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> Linear:
+    """q, k and v packed, split by heads (`local_heads`)."""
+    heads, kv_heads = local_heads(num_heads, num_kv_heads)
+    rank, size = parallel_state.tp_rank(), parallel_state.tp_size()
+    kv_first = rank * num_kv_heads // size  # split: its own; replicated: the one its queries read
+    q = Span(rank * heads * head_dim, heads * head_dim, num_heads * head_dim)
+    kv = Span(kv_first * head_dim, kv_heads * head_dim, num_kv_heads * head_dim)
+    return Linear(hidden_size, [q.width, kv.width, kv.width], bias, slot_spans=[q, kv, kv])

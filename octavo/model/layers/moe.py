@@ -5,6 +5,10 @@ its tokens (a loop over experts, never over tokens), then the outputs are weight
 per token with one index_add. Quantized experts (a GPTQ/AWQ/FP8 checkpoint's, or --quantization)
 become one `Linear` per expert and projection (gate/up packed, down), each with the quant method
 any other linear layer gets, replacing the stacked dense tensors.
+
+Under tensor parallelism every rank holds every expert's share of the intermediate width (gate and
+up rows, down columns: `even_span`), and the layer's output is summed over the ranks once, after
+the experts' outputs are combined.
 """
 from __future__ import annotations
 
@@ -14,8 +18,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from octavo.distributed import parallel_state
 from octavo.model.layers.activation import gated_act
-from octavo.model.layers.linear import Linear
+from octavo.model.layers.linear import Linear, column_parallel, even_span, row_parallel
 from octavo.model.quant.base import QuantMethod
 
 # checkpoint projection name -> (packed parameter, slot): Mixtral's w1/w3/w2 and Qwen's names
@@ -32,7 +37,9 @@ class FusedMoE(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.intermediate_size = intermediate_size
+        self.full_intermediate_size = intermediate_size
+        self.span = even_span(intermediate_size, "moe_intermediate_size")
+        intermediate_size = self.intermediate_size = self.span.width
         # [E, 2 * I, H]: gate rows then up rows; [E, H, I]: down
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
                                 requires_grad=False)
@@ -44,8 +51,10 @@ class FusedMoE(nn.Module):
     def quantize_experts(self, method_for: Callable[[Linear], QuantMethod | None]) -> int:
         """Before loading: per-expert Linears with `method_for`'s methods replace w13 and w2
         (left dense when it has none for them). Returns the number of quantized Linears."""
-        hidden, inter = self.w13.shape[2], self.intermediate_size
-        experts = [nn.ModuleList([Linear(hidden, [inter, inter]), Linear(inter, [hidden])])
+        hidden, inter = self.w13.shape[2], self.full_intermediate_size
+        what = "moe_intermediate_size"
+        experts = [nn.ModuleList([column_parallel(hidden, [inter, inter], what=what),
+                                  row_parallel(inter, hidden, what=what, reduce=False)])
                    for _ in range(self.num_experts)]
         methods = [method_for(layer) for layer in experts[0]]
         if any(m is None for m in methods):
@@ -72,8 +81,10 @@ class FusedMoE(nn.Module):
         i = self.intermediate_size
         if name == "w2":
             dest = self.w2.data[expert]
+            tensor = self.span.take(tensor, 1, f"expert {expert}.{proj}")
         else:
             dest = self.w13.data[expert, slot * i:(slot + 1) * i]
+            tensor = self.span.take(tensor, 0, f"expert {expert}.{proj}")
         if dest.shape != tensor.shape:
             raise ValueError(f"expert {expert}.{proj}: checkpoint shape {tuple(tensor.shape)}, "
                              f"layer shape {tuple(dest.shape)}")
@@ -106,4 +117,4 @@ class FusedMoE(nn.Module):
                     ys[start:start + n] = self.act(rows @ self.w13[e].t()) @ self.w2[e].t()
                 start += n
         ys = ys * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token, ys)
+        return parallel_state.tp_all_reduce(torch.zeros_like(x).index_add_(0, token, ys))

@@ -104,10 +104,17 @@ class CausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {ckpt_name} has no place in "
                                  f"{type(self).__name__}")
             param = params[name]
-            if param.shape != tensor.shape:
+            loader = getattr(param, "weight_loader", None)  # cuts a rank's share (vocab rows)
+            if loader is not None:
+                try:
+                    loader(param, tensor)
+                except ValueError as exc:
+                    raise ValueError(f"{ckpt_name}: {exc}") from None
+            elif param.shape != tensor.shape:
                 raise ValueError(f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)}, "
                                  f"model shape {tuple(param.shape)}")
-            param.data.copy_(tensor)
+            else:
+                param.data.copy_(tensor)
             loaded.add(name)
         for moe, filled in experts.items():
             if len(filled) == modules[moe].num_expert_tensors():

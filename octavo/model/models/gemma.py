@@ -11,21 +11,27 @@ from octavo.arch_config import ArchConfig
 from octavo.model.layers.activation import gated_act
 from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.embedding import Embedding
-from octavo.model.layers.linear import Linear
+from octavo.model.layers.linear import (
+    column_parallel,
+    local_heads,
+    qkv_parallel,
+    row_parallel,
+)
 from octavo.model.layers.norm import GemmaRMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
-from octavo.model.models.base import CausalLM, QKV_GATE_UP
+from octavo.model.models.base import QKV_GATE_UP, CausalLM
 
 
 class GemmaAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding,
                  qk_norm: bool) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.num_heads, self.num_kv_heads = local_heads(cfg.num_heads, cfg.num_kv_heads)
         self.head_dim = cfg.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias)
-        self.o_proj = Linear(q_size, [cfg.hidden_size], bias=cfg.attention_bias)
+        self.qkv_proj = qkv_parallel(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                     cfg.num_kv_heads, bias=cfg.attention_bias)
+        self.o_proj = row_parallel(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                   bias=cfg.attention_bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -49,8 +55,10 @@ class GemmaAttention(nn.Module):
 class GemmaMLP(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = Linear(cfg.intermediate_size, [cfg.hidden_size])
+        self.gate_up_proj = column_parallel(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                            what="intermediate_size")
+        self.down_proj = row_parallel(cfg.intermediate_size, cfg.hidden_size,
+                                      what="intermediate_size")
         self.act = gated_act(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

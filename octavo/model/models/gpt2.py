@@ -11,7 +11,7 @@ from octavo.arch_config import ArchConfig
 from octavo.model.layers.activation import activation
 from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.embedding import Embedding, LMHead
-from octavo.model.layers.linear import Linear
+from octavo.model.layers.linear import column_parallel, local_heads, row_parallel
 from octavo.model.models.base import CausalLM
 
 _CONV1D = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")
@@ -21,10 +21,11 @@ _MASK_BUFFER = re.compile(r"\.attn\.(bias|masked_bias)$")
 class GPT2Attention(nn.Module):
     def __init__(self, cfg: ArchConfig, layer_index: int) -> None:
         super().__init__()
-        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.num_heads, _ = local_heads(cfg.num_heads, cfg.num_heads)
+        self.head_dim = cfg.head_dim
         h = cfg.hidden_size
-        self.c_attn = Linear(h, [h, h, h], bias=True)
-        self.c_proj = Linear(h, [h], bias=True)
+        self.c_attn = column_parallel(h, [h, h, h], bias=True, what="hidden_size")
+        self.c_proj = row_parallel(h, h, bias=True, what="hidden_size")
         scale = self.head_dim ** -0.5 if cfg.extra.get("scale_attn_weights", True) else 1.0
         if cfg.extra.get("scale_attn_by_inverse_layer_idx"):
             scale /= layer_index + 1
@@ -41,8 +42,10 @@ class GPT2Attention(nn.Module):
 class GPT2MLP(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
-        self.c_fc = Linear(cfg.hidden_size, [cfg.intermediate_size], bias=True)
-        self.c_proj = Linear(cfg.intermediate_size, [cfg.hidden_size], bias=True)
+        self.c_fc = column_parallel(cfg.hidden_size, [cfg.intermediate_size], bias=True,
+                                    what="intermediate_size")
+        self.c_proj = row_parallel(cfg.intermediate_size, cfg.hidden_size, bias=True,
+                                   what="intermediate_size")
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

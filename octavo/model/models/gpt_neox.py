@@ -9,7 +9,7 @@ from octavo.arch_config import ArchConfig
 from octavo.model.layers.activation import activation
 from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.embedding import Embedding
-from octavo.model.layers.linear import Linear
+from octavo.model.layers.linear import column_parallel, local_heads, row_parallel
 from octavo.model.layers.rotary import RotaryEmbedding, make_rotary
 from octavo.model.models.base import CausalLM
 
@@ -17,10 +17,13 @@ from octavo.model.models.base import CausalLM
 class NeoXAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        width = self.num_heads * self.head_dim
-        self.query_key_value = Linear(cfg.hidden_size, [width] * 3, bias=cfg.attention_bias)
-        self.dense = Linear(width, [cfg.hidden_size], bias=cfg.attention_bias)
+        self.num_heads, _ = local_heads(cfg.num_heads, cfg.num_heads)
+        self.head_dim = cfg.head_dim
+        width = cfg.num_heads * self.head_dim
+        self.query_key_value = column_parallel(cfg.hidden_size, [width] * 3,
+                                               bias=cfg.attention_bias, what="attention width")
+        self.dense = row_parallel(width, cfg.hidden_size, bias=cfg.attention_bias,
+                                  what="attention width")
         self.rotary = rotary
         self.attn = PagedAttention(layer_index, self.num_heads, self.num_heads, self.head_dim,
                                    scale=self.head_dim ** -0.5)
@@ -36,8 +39,10 @@ class NeoXAttention(nn.Module):
 class NeoXMLP(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
-        self.dense_h_to_4h = Linear(cfg.hidden_size, [cfg.intermediate_size], bias=True)
-        self.dense_4h_to_h = Linear(cfg.intermediate_size, [cfg.hidden_size], bias=True)
+        self.dense_h_to_4h = column_parallel(cfg.hidden_size, [cfg.intermediate_size],
+                                             bias=True, what="intermediate_size")
+        self.dense_4h_to_h = row_parallel(cfg.intermediate_size, cfg.hidden_size, bias=True,
+                                          what="intermediate_size")
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

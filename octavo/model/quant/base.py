@@ -31,6 +31,12 @@ class QuantMethod:
                    tensor: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def tensor_dims(self, name: str) -> tuple[int | None, int | None]:
+        """Which dimension of checkpoint tensor `name` runs along the layer's outputs and which
+        along its inputs (None: neither), so tensor parallelism can cut a rank's share of any
+        format by one rule (layers/linear.py)."""
+        return 0, 1
+
     def process_after_load(self, layer: nn.Module) -> None:
         """Called once every checkpoint tensor is in."""
 
@@ -93,6 +99,13 @@ class CheckpointMethod(QuantMethod):
             del layer._parameters["weight"]  # never filled: the packed form replaces it
         layer.weight = None
         layer.checkpoint_parts = {}
+
+    # GPTQ and AWQ store [inputs (or groups), outputs]; g_idx gives each input's group.
+    _DIMS = {"qweight": (1, 0), "qzeros": (1, 0), "scales": (1, 0), "g_idx": (None, 0),
+             "input_scale": (None, None)}
+
+    def tensor_dims(self, name: str) -> tuple[int | None, int | None]:
+        return self._DIMS.get(name, (0, 1))
 
     def load_shard(self, layer: nn.Module, name: str, index: int | None,
                    tensor: torch.Tensor) -> None:
