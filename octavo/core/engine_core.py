@@ -140,9 +140,7 @@ def create_engine_core(config: EngineConfig, source: ModelSource, arch: ArchConf
                        grammar_backend: BackendFactory | None = None) -> EngineCore:
     """Build the executor (loading the model) and the core around it."""
     with collector_paused():  # torch's import and the load are a start (see startup_gc)
-        from octavo.executor.uniproc import UniprocExecutor  # the torch side loads only here
-
-        executor = UniprocExecutor(config, source, arch, max_model_len, eos_token_ids)
+        executor = Executor.create(config, source, arch, max_model_len, eos_token_ids)
     window = arch.sliding_window if arch.all_layers_sliding else None
     return EngineCore(config, executor, max_model_len, window, grammar_backend,
                       arch.vocab_size)

@@ -1,27 +1,51 @@
-"""The executor interface the core talks to. Torch-free, so the core can import it."""
+"""The executor interface the core talks to. Torch-free, so the core can import it; the concrete
+executors (and torch with them) are imported only by `Executor.create`."""
 from __future__ import annotations
 
 import abc
 
+from octavo.arch_config import ArchConfig
+from octavo.config import EngineConfig
 from octavo.core.contract import ModelOutput, SchedulerOutput
+from octavo.model_source import ModelSource
 
 
 class Executor(abc.ABC):
+    # Batches the core may have in flight at once: 1 until pipeline stages overlap.
+    max_concurrent_batches: int = 1
+
+    @staticmethod
+    def create(config: EngineConfig, source: ModelSource, arch: ArchConfig,
+               max_model_len: int, eos_token_ids: list[int]) -> Executor:
+        """The executor `config.parallel` asks for, its workers started and the model loaded."""
+        backend = config.parallel.executor_backend
+        if backend == "uniproc":
+            from octavo.executor.uniproc import UniprocExecutor
+            return UniprocExecutor(config, source, arch, max_model_len, eos_token_ids)
+        if backend == "mp":
+            from octavo.executor.multiproc import MultiprocExecutor
+            return MultiprocExecutor(config, source, arch, max_model_len, eos_token_ids)
+        raise NotImplementedError(
+            f"distributed_executor_backend {backend!r}: the Ray executor is not built yet; "
+            f"use mp (local worker processes)")
+
     @abc.abstractmethod
     def init_kv_cache(self, kv_cache_memory: int, block_size: int) -> int:
-        """Allocate the KV cache within `kv_cache_memory` bytes; returns the number of blocks."""
+        """Allocate the KV cache within `kv_cache_memory` bytes (per rank); returns the number
+        of blocks, the same on every rank."""
 
     @abc.abstractmethod
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput: ...
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        """Run one step on every rank; the output rank's result."""
 
     def kv_bytes_per_block(self, block_size: int) -> int | None:
-        """Bytes of one KV block over all layers (None: unknown; the core then takes the
-        default budget)."""
+        """Bytes of one KV block over all layers, on the rank that needs the most (None:
+        unknown; the core then takes the default budget)."""
         return None
 
     def available_memory(self) -> int | None:
-        """Bytes the KV cache could take on the device now, the weights loaded (None: the
-        system does not say)."""
+        """Bytes the KV cache could take now, the weights loaded, on the rank with the least
+        (None: the system does not say)."""
         return None
 
     def describe(self) -> str:
@@ -33,5 +57,9 @@ class Executor(abc.ABC):
         is left. The engine calls it only when idle, so no step waits on it."""
         return False
 
+    def check_health(self) -> None:
+        """Raise a RuntimeError naming the worker if one is dead or failed (an executor whose
+        workers live in this process is always healthy)."""
+
     def shutdown(self) -> None:
-        pass
+        """Stop the workers; returns within seconds whatever state they are in."""
