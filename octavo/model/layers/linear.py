@@ -151,25 +151,58 @@ def row_parallel(in_features: int, out_features: int, bias: bool = False,
     return Linear(span.width, [out_features], bias, input_span=span, reduce=reduce)
 
 
+@dataclass(frozen=True)
+class HeadShare:
+    """This rank's attention heads: query heads [q_first, q_first + q_heads) and the KV heads
+    [kv_first, kv_first + kv_heads) they read, each KV head serving q_heads // kv_heads of them."""
+
+    q_first: int
+    q_heads: int
+    kv_first: int
+    kv_heads: int
+
+
+def head_share(num_heads: int, num_kv_heads: int) -> HeadShare:
+    """KV heads (with their query heads) split over the ranks as evenly as they go: 9 query heads
+    over 3 KV heads give two ranks 1 and 2 KV heads, never a query head without its KV head in the
+    cache. With fewer KV heads than ranks each rank keeps one KV head and an equal share of its
+    query heads."""
+    size, rank = parallel_state.tp_size(), parallel_state.tp_rank()
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads ({num_heads}) is not a multiple of "
+                         f"num_key_value_heads ({num_kv_heads})")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= size:
+        first, end = rank * num_kv_heads // size, (rank + 1) * num_kv_heads // size
+        return HeadShare(first * group, (end - first) * group, first, end - first)
+    if size % num_kv_heads or group % (size // num_kv_heads):
+        raise ValueError(f"tensor_parallel_size {size} cannot split {num_kv_heads} KV heads of "
+                         f"{group} query heads each: use a size that divides "
+                         f"num_key_value_heads, or a multiple of it that divides the query heads")
+    ranks_per_kv = size // num_kv_heads
+    kv, part = divmod(rank, ranks_per_kv)
+    heads = group // ranks_per_kv
+    return HeadShare(kv * group + part * heads, heads, kv, 1)
+
+
 def local_heads(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
-    """This rank's query and KV heads: queries split evenly, KV heads split too, or replicated
-    when there are fewer than ranks (each rank then keeps the one its queries read)."""
-    size = parallel_state.tp_size()
-    if num_heads % size:
-        raise ValueError(f"num_attention_heads ({num_heads}) is not divisible by "
-                         f"tensor_parallel_size {size}")
-    if num_kv_heads % size and size % num_kv_heads:
-        raise ValueError(f"num_key_value_heads ({num_kv_heads}) and tensor_parallel_size "
-                         f"{size}: neither divides the other")
-    return num_heads // size, max(1, num_kv_heads // size)
+    """This rank's query and KV heads (`head_share`)."""
+    share = head_share(num_heads, num_kv_heads)
+    return share.q_heads, share.kv_heads
 
 
 def qkv_parallel(hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False) -> Linear:
-    """q, k and v packed, split by heads (`local_heads`)."""
-    heads, kv_heads = local_heads(num_heads, num_kv_heads)
-    rank, size = parallel_state.tp_rank(), parallel_state.tp_size()
-    kv_first = rank * num_kv_heads // size  # split: its own; replicated: the one its queries read
-    q = Span(rank * heads * head_dim, heads * head_dim, num_heads * head_dim)
-    kv = Span(kv_first * head_dim, kv_heads * head_dim, num_kv_heads * head_dim)
+    """q, k and v packed, split by heads (`head_share`)."""
+    share = head_share(num_heads, num_kv_heads)
+    q = Span(share.q_first * head_dim, share.q_heads * head_dim, num_heads * head_dim)
+    kv = Span(share.kv_first * head_dim, share.kv_heads * head_dim, num_kv_heads * head_dim)
     return Linear(hidden_size, [q.width, kv.width, kv.width], bias, slot_spans=[q, kv, kv])
+
+
+def heads_output(head_dim: int, num_heads: int, num_kv_heads: int, out_features: int,
+                 bias: bool = False) -> Linear:
+    """The attention output projection, row-parallel over this rank's query heads."""
+    share = head_share(num_heads, num_kv_heads)
+    span = Span(share.q_first * head_dim, share.q_heads * head_dim, num_heads * head_dim)
+    return Linear(span.width, [out_features], bias, input_span=span)

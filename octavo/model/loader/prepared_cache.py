@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from octavo.disk_cache import write_file
+from octavo.distributed import parallel_state
 from octavo.model.quant.gguf import GGUFMethod
 from octavo.model.quant.packed import PACKED_KINDS, packed_kind
 from octavo.model_source import ModelSource, cache_dir
@@ -35,6 +36,9 @@ def prepared_path(source: ModelSource, dtype: torch.dtype, decode_weights: str,
                   quantization: str | None = None) -> Path:
     stat = source.path.stat()
     mode = quantization or decode_weights  # a GGUF's int4/int8 ignore decode_weights
+    where = parallel_state.placement()  # a tensor-parallel rank prepares its own share
+    if where.tp_size > 1:
+        mode = f"{mode}-tp{where.tp_rank}of{where.tp_size}"
     h = hashlib.sha256()
     for part in (str(source.path.resolve()), stat.st_size, stat.st_mtime_ns, str(dtype),
                  mode, torch.__version__):

@@ -11,7 +11,13 @@ from octavo.arch_config import ArchConfig
 from octavo.model.layers.activation import activation
 from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.embedding import Embedding, LMHead
-from octavo.model.layers.linear import column_parallel, local_heads, row_parallel
+from octavo.model.layers.linear import (
+    column_parallel,
+    heads_output,
+    local_heads,
+    qkv_parallel,
+    row_parallel,
+)
 from octavo.model.models.base import CausalLM
 
 _CONV1D = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")
@@ -24,8 +30,8 @@ class GPT2Attention(nn.Module):
         self.num_heads, _ = local_heads(cfg.num_heads, cfg.num_heads)
         self.head_dim = cfg.head_dim
         h = cfg.hidden_size
-        self.c_attn = column_parallel(h, [h, h, h], bias=True, what="hidden_size")
-        self.c_proj = row_parallel(h, h, bias=True, what="hidden_size")
+        self.c_attn = qkv_parallel(h, self.head_dim, cfg.num_heads, cfg.num_heads, bias=True)
+        self.c_proj = heads_output(self.head_dim, cfg.num_heads, cfg.num_heads, h, bias=True)
         scale = self.head_dim ** -0.5 if cfg.extra.get("scale_attn_weights", True) else 1.0
         if cfg.extra.get("scale_attn_by_inverse_layer_idx"):
             scale /= layer_index + 1

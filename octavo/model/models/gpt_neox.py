@@ -9,7 +9,13 @@ from octavo.arch_config import ArchConfig
 from octavo.model.layers.activation import activation
 from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.embedding import Embedding
-from octavo.model.layers.linear import column_parallel, local_heads, row_parallel
+from octavo.model.layers.linear import (
+    column_parallel,
+    heads_output,
+    local_heads,
+    qkv_parallel,
+    row_parallel,
+)
 from octavo.model.layers.rotary import RotaryEmbedding, make_rotary
 from octavo.model.models.base import CausalLM
 
@@ -19,11 +25,10 @@ class NeoXAttention(nn.Module):
         super().__init__()
         self.num_heads, _ = local_heads(cfg.num_heads, cfg.num_heads)
         self.head_dim = cfg.head_dim
-        width = cfg.num_heads * self.head_dim
-        self.query_key_value = column_parallel(cfg.hidden_size, [width] * 3,
-                                               bias=cfg.attention_bias, what="attention width")
-        self.dense = row_parallel(width, cfg.hidden_size, bias=cfg.attention_bias,
-                                  what="attention width")
+        self.query_key_value = qkv_parallel(cfg.hidden_size, self.head_dim, cfg.num_heads,
+                                            cfg.num_heads, bias=cfg.attention_bias)
+        self.dense = heads_output(self.head_dim, cfg.num_heads, cfg.num_heads, cfg.hidden_size,
+                                  bias=cfg.attention_bias)
         self.rotary = rotary
         self.attn = PagedAttention(layer_index, self.num_heads, self.num_heads, self.head_dim,
                                    scale=self.head_dim ** -0.5)

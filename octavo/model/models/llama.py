@@ -13,6 +13,7 @@ from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.embedding import Embedding
 from octavo.model.layers.linear import (
     column_parallel,
+    heads_output,
     local_heads,
     qkv_parallel,
     row_parallel,
@@ -30,7 +31,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.qkv_proj = qkv_parallel(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
                                      cfg.num_kv_heads, bias=cfg.attention_bias)
-        self.o_proj = row_parallel(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.o_proj = heads_output(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                   cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary

@@ -226,8 +226,9 @@ class GGUFPlan:
             layer = modules[name]
             if name.endswith(".gate") or name.endswith("shared_expert_gate"):
                 continue  # MoE routers stay dense, as with on-the-fly quantization
-            if None in typed:  # one tensor for every slot (Phi-3's attn_qkv)
-                ordered = [typed[None]]
+            if None in typed:  # one tensor for every slot (Phi-3's attn_qkv), cut into its
+                # slots where tensor parallelism takes a share of each (Linear.load_shard)
+                ordered = [typed[None]] * (len(layer.shards) if layer.splits_packed_tensor else 1)
             elif sorted(typed) == list(range(len(layer.shards))):
                 ordered = [typed[s] for s in sorted(typed)]
             else:
