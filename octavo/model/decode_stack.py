@@ -11,7 +11,8 @@ needs exactly what those kernels need: dense weights (with or without a GGUF's i
 for small batches) or packed int4 / symmetric int8 weights alone (--quantization). Anything else
 (steps with long prefills, sliding windows, softcaps, an fp8 KV cache, act-order or asymmetric int8
 weights, partial rotary, MoE layers, kernels not loaded yet) runs the Python layers.
-`--enforce-eager` turns it off.
+`--enforce-eager` turns it off. Under tensor parallelism it computes a rank's heads and slices and
+calls the ranks' all-reduce after each o and down projection, as the Python layers do.
 """
 from __future__ import annotations
 
@@ -37,8 +38,6 @@ logger = logging.getLogger(__name__)
 
 def unsupported_reason(layers: nn.ModuleList) -> str | None:
     """Why these decoder layers cannot run as one stack (None: they can)."""
-    if parallel_state.tp_size() > 1:
-        return "tensor parallelism (the stack has no all-reduce between layers yet)"
     eps: set[float] = set()
     for layer in layers:
         if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
@@ -159,6 +158,8 @@ class DecodeStack:
         stack = native.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim,
                                    self.layers[0].input_layernorm.eps, first.attn.scale,
                                    rotary.cos, rotary.sin)
+        if parallel_state.tp_size() > 1:  # the row-parallel projections' partial sums
+            stack.set_all_reduce(parallel_state.tp_all_reduce)
         for layer in self.layers:
             attn = layer.self_attn
             stack.add_layer(

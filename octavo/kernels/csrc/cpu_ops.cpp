@@ -334,14 +334,27 @@ class DecodeStack {
       auto attn = torch::empty({t, heads_, head_dim_}, x.options());
       decode_attention(attn, q, l.k_cache, l.v_cache, token_index, block_table, seq_lens, scale_,
                        0.0, 0);
-      auto h = l.gate_up(add_rms_norm(x, l.o(attn.view({t, q_size})), l.post_norm));
+      auto o = l.o(attn.view({t, q_size}));
+      reduce(o);
+      auto h = l.gate_up(add_rms_norm(x, o, l.post_norm));
       pending = l.down(silu_and_mul(h));
+      reduce(pending);
     }
     if (pending.defined()) x += pending;
     return x;
   }
 
+  // Tensor parallelism: each rank's o and down projections give partial sums, which `fn`
+  // (the ranks' all-reduce, in place) adds up before the residual stream takes them.
+  void set_all_reduce(py::function fn) { all_reduce_ = std::move(fn); }
+
  private:
+  void reduce(const torch::Tensor& partial) const {
+    if (!all_reduce_) return;
+    py::gil_scoped_acquire gil;  // forward runs without the GIL; the collective is Python's
+    all_reduce_(partial);
+  }
+
   // x += delta in place; returns rms_norm(x) with `weight`.
   torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& delta,
                              const torch::Tensor& weight) const {
@@ -360,6 +373,7 @@ class DecodeStack {
   double eps_, scale_;
   torch::Tensor cos_, sin_;
   std::vector<StackLayer> layers_;
+  py::function all_reduce_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -393,5 +407,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_all_reduce", &DecodeStack::set_all_reduce)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
 }
