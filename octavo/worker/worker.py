@@ -14,6 +14,7 @@ from octavo.config import EngineConfig
 from octavo.core.contract import ModelOutput, SchedulerOutput
 from octavo.distributed import parallel_state
 from octavo.distributed.parallel_state import RankPlacement
+from octavo.distributed.placement import bind_rank_cpus
 from octavo.kernels import fused
 from octavo.model import decode_stack
 from octavo.model.layers.linear import local_heads
@@ -70,7 +71,12 @@ class Worker:
         if self.device.type == "cuda" and placement.world_size > 1:  # one device per local rank
             self.device = torch.device("cuda", placement.rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
-        torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
+        # Ranks on this machine each get their own cores and as many threads (distributed/
+        # placement.py); one process takes them all. Ranks placed elsewhere (Ray) count alike.
+        if self.device.type != "cpu" or bind_rank_cpus(
+                placement.rank, placement.world_size, config.parallel.cpu_binding,
+                config.device.num_threads) is None:
+            torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
         if placement.world_size > 1:
             if distributed_init_method is None:
                 raise ValueError("a worker of a parallel world needs distributed_init_method")
