@@ -60,6 +60,10 @@ class Worker:
                  max_model_len: int, eos_token_ids: list[int],
                  placement: RankPlacement = RankPlacement(0),
                  distributed_init_method: str | None = None) -> None:
+        if placement.pp_size > 1:
+            raise NotImplementedError(
+                "pipeline_parallel_size > 1: layer ranges per stage and hidden states sent "
+                "between stages are not built yet; use tensor_parallel_size")
         self.config = config
         self.placement = placement
         self.source = source
