@@ -1,5 +1,10 @@
 """EngineCore.step() = schedule → grammar bitmask → execute → update; a step that raises is
-attributed to a request, which is aborted, and the engine goes on (faults.py)."""
+attributed to a request, which is aborted, and the engine goes on (faults.py).
+
+The core speaks the protocol (protocol.py) to whoever hosts it: requests come in as
+`EngineCoreRequest`s and become the core's own `Request`s here; outputs and stats go out as
+protocol structs. `create_engine_core` is how a host builds one (the in-process client and the
+core process loop, octavo/engine/client.py and core_process.py, are its only callers)."""
 from __future__ import annotations
 
 import logging
@@ -11,8 +16,9 @@ from octavo.core.faults import StepFaults
 from octavo.core.kv_budget import plan_kv
 from octavo.core.kv_manager import KVCacheManager, cdiv
 from octavo.core.ngram import NgramProposer
+from octavo.core.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from octavo.core.request import Request
-from octavo.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from octavo.core.scheduler import Scheduler
 from octavo.core.structured import BackendFactory, StructuredOutputManager
 from octavo.executor.base import Executor
 from octavo.model_source import ModelSource
@@ -81,8 +87,14 @@ class EngineCore:
                                    lookahead)
         self.faults = StepFaults(self.scheduler)
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a front end's request as the core's own Request (ValueError: its id is in
+        use). Its token lists are taken over, not copied: the sender never changes them."""
+        self.scheduler.add_request(Request(
+            request.req_id, request.prompt_token_ids, request.sampling_params,
+            request.eos_token_ids, request.max_tokens, priority=request.priority,
+            arrival_time=request.arrival_time, cache_salt=request.cache_salt,
+            bad_words_token_ids=request.bad_words_token_ids))
 
     def abort_requests(self, req_ids: list[str]) -> list[str]:
         return self.scheduler.abort_requests(req_ids)
@@ -124,6 +136,10 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def describe(self) -> str:
+        """What the executor loaded (for the host's ready message and logs)."""
+        return self.executor.describe()
+
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()
@@ -138,7 +154,8 @@ def import_model_side() -> None:
 def create_engine_core(config: EngineConfig, source: ModelSource, arch: ArchConfig,
                        max_model_len: int, eos_token_ids: list[int],
                        grammar_backend: BackendFactory | None = None) -> EngineCore:
-    """Build the executor (loading the model) and the core around it."""
+    """The core's entry point for its hosts: build the executor (loading the model) and the
+    core around it."""
     with collector_paused():  # torch's import and the load are a start (see startup_gc)
         executor = Executor.create(config, source, arch, max_model_len, eos_token_ids)
     window = arch.sliding_window if arch.all_layers_sliding else None

@@ -58,10 +58,10 @@ class Shutdown(msgspec.Struct, tag=True):
 CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown
 
 
-# The per-step structs are arrays on the wire (both ends run the same code), with trailing
-# defaults left out: a decoding request's output is [req_id, [token]], not eight named fields.
-# gc=False: one is made per request per step, and none is ever part of a reference cycle.
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+# The per-step structs are arrays on the wire (both ends run the same code): no field names
+# repeated for every request of every step. gc=False: one is made per request per step, and
+# none is ever part of a reference cycle.
+class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     """What one step produced for one request."""
 
     req_id: str

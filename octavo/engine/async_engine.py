@@ -20,15 +20,14 @@ import zmq
 import zmq.asyncio
 
 from octavo.config import EngineConfig
-from octavo.core.scheduler import SchedulerStats
+from octavo.core.protocol import AbortRequests, CoreOutputs, SchedulerStats, Shutdown, UtilityCall
 from octavo.engine.core_launch import CoreLaunch, launch_core
 from octavo.engine.llm_engine import ModelSetup
-from octavo.engine.messages import (
-    AbortRequests, AddRequest, CoreOutputs, Shutdown, UtilityCall, encoder, output_decoder)
+from octavo.engine.messages import encoder, output_decoder
 from octavo.engine.offload import Offload
 from octavo.engine.outputs import OutputProcessor, ParentState
-from octavo.engine.request_stream import RequestStream
 from octavo.engine.processor import PreparedRequest, RequestLimits
+from octavo.engine.request_stream import RequestStream
 from octavo.metrics import EngineMetrics
 from octavo.params import RequestOutput, SamplingParams
 
@@ -306,8 +305,7 @@ class AsyncEngine:
         if self._queued_requests and self._queued_tokens + tokens > self.max_queued_tokens:
             raise QueueFullError(f"server busy: {self._queued_tokens} prompt tokens are queued "
                                  f"(max_queued_tokens={self.max_queued_tokens})")
-        return [encoder.encode(AddRequest.of(req, req.arrival_time))
-                for req in prepared.core_requests]
+        return [encoder.encode(req) for req in prepared.core_requests]
 
     def check_size(self, prompts: int, n: int, best_of: int | None = None) -> None:
         """Before any tokenizing: n and best_of within --max-n, and the request's sequences

@@ -4,6 +4,9 @@ It never waits on HTTP, tokenization or detokenization: the front end sends read
 and gets one message per step with every request's new tokens (outputs are coalesced per step).
 It dies with its front end: the kernel sends it SIGKILL when the parent exits (Linux's
 PR_SET_PDEATHSIG), and the loop also checks its parent at least once a second.
+
+This is one of the core's two hosts (with client.py): it builds the core through its entry point
+(`create_engine_core`) and speaks to it, and to the front end, only in the protocol's messages.
 """
 from __future__ import annotations
 
@@ -12,22 +15,22 @@ import os
 import signal
 from multiprocessing.connection import Connection
 
+import msgspec
 import zmq
 
 from octavo import startup_gc
 from octavo.config import EngineConfig
 from octavo.core.engine_core import EngineCore, create_engine_core, import_model_side
-from octavo.core.scheduler import EngineCoreOutput
-from octavo.engine.grammar import XgrammarBackend
-from octavo.engine.messages import (
+from octavo.core.protocol import (
     AbortRequests,
-    AddRequest,
     CoreOutputs,
+    EngineCoreOutput,
+    EngineCoreRequest,
     Shutdown,
     UtilityCall,
-    encoder,
-    input_decoder,
 )
+from octavo.engine.grammar import XgrammarBackend
+from octavo.engine.messages import encoder, input_decoder
 from octavo.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -63,7 +66,7 @@ class EngineCoreProcess:
             timeout = 0 if busy or idle_work else IDLE_POLL_MS
             changed = False
             while poller.poll(timeout):
-                self._handle(input_decoder.decode(self.inputs.recv()))
+                self._receive(self.inputs.recv())
                 changed = True
                 timeout = 0
                 if not self.running:
@@ -73,15 +76,30 @@ class EngineCoreProcess:
             elif changed:
                 self._send(CoreOutputs([], self.core.stats()))  # e.g. usage after an abort
 
+    def _receive(self, data: bytes) -> None:
+        try:
+            msg = input_decoder.decode(data)
+        except msgspec.DecodeError as exc:  # validated by the front end; never kill the loop
+            req_id = _request_id(data)
+            if req_id is None:
+                logger.error("dropped a message the core cannot read: %s", exc)
+                return
+            self._reject(req_id, exc)
+            return
+        self._handle(msg)
+
+    def _reject(self, req_id: str, exc: Exception) -> None:
+        logger.error("rejected request %s: %s", req_id, exc)
+        self._send(CoreOutputs([EngineCoreOutput(
+            req_id, [], "abort", f"error: {type(exc).__name__}: {exc}"[:500])],
+            self.core.stats()))
+
     def _handle(self, msg) -> None:
-        if isinstance(msg, AddRequest):
+        if isinstance(msg, EngineCoreRequest):
             try:
-                self.core.add_request(msg.to_request())
+                self.core.add_request(msg)
             except Exception as exc:  # validated by the front end; never kill the loop
-                logger.error("rejected request %s: %s", msg.req_id, exc)
-                self._send(CoreOutputs([EngineCoreOutput(
-                    msg.req_id, [], "abort", f"error: {type(exc).__name__}: {exc}"[:500])],
-                    self.core.stats()))
+                self._reject(msg.req_id, exc)
         elif isinstance(msg, AbortRequests):
             self.core.abort_requests(msg.req_ids)
         elif isinstance(msg, UtilityCall):
@@ -107,6 +125,19 @@ class EngineCoreProcess:
         self.inputs.close(linger=0)
         self.outputs.close(linger=0)
         self.ctx.term()
+
+
+def _request_id(data: bytes) -> str | None:
+    """The id of the request in a message that did not decode as its type (its sampling
+    parameters, say), so that the request is answered instead of left waiting."""
+    try:
+        msg = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(msg, dict) and msg.get("type") == "EngineCoreRequest" \
+            and isinstance(msg.get("req_id"), str):
+        return msg["req_id"]
+    return None
 
 
 def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, output_addr: str,
@@ -145,7 +176,7 @@ def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, ou
     startup_gc.settle()
     ready.send(("ready", {"num_blocks": core.num_blocks, "pid": os.getpid(),
                           "max_model_len": core.max_model_len,
-                          "loaded": core.executor.describe()}))
+                          "loaded": core.describe()}))
     try:
         proc.run()
     finally:

@@ -98,7 +98,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.client = InprocClient(config, *self.setup.core_args(),
                                    grammar_backend=self.setup.grammar_backend)
-        self.setup.adopt_max_model_len(self.client.core.max_model_len)
+        self.setup.adopt_max_model_len(self.client.max_model_len)
         self._ids = itertools.count()
 
     def next_request_id(self) -> str:

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from octavo.core.contract import TopLogprobs
-from octavo.core.scheduler import EngineCoreOutput
+from octavo.core.protocol import EngineCoreOutput, TopLogprobs
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.processor import PreparedRequest
 from octavo.params import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, SamplingParams

@@ -1,4 +1,4 @@
-"""Validate and tokenize inputs; turn them into core requests."""
+"""Validate and tokenize inputs; turn them into the core's protocol requests (EngineCoreRequest)."""
 from __future__ import annotations
 
 import numbers
@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from octavo.core.request import Request
+from octavo.core.protocol import EngineCoreRequest
 from octavo.engine.grammar import check_structured
 from octavo.inputs import unwrap_prompt
 from octavo.params import SamplingParams
@@ -226,9 +226,10 @@ class Processor:
         count = params.num_samples
         ids = [request_id] if count == 1 else [f"{request_id}#{i}" for i in range(count)]
         now = time.time()
-        reqs = [Request(cid, prompt_ids, self.child_params(params, i), self.eos_token_ids,
-                        max_tokens, priority=priority, arrival_time=now, cache_salt=cache_salt,
-                        bad_words_token_ids=bad_words)
+        reqs = [EngineCoreRequest(cid, prompt_ids, self.child_params(params, i),
+                                  self.eos_token_ids, max_tokens, arrival_time=now,
+                                  priority=priority, cache_salt=cache_salt,
+                                  bad_words_token_ids=bad_words)
                 for i, cid in enumerate(ids)]
         return PreparedRequest(request_id, text, prompt_ids, params, reqs)
 
@@ -239,7 +240,7 @@ class PreparedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    core_requests: list[Request]
+    core_requests: list[EngineCoreRequest]
 
     @property
     def child_ids(self) -> list[str]:

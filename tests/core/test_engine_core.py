@@ -7,6 +7,7 @@ from octavo.config import EngineConfig
 from octavo.core.contract import ModelOutput, SchedulerOutput
 from octavo.core.engine_core import EngineCore
 from octavo.executor.base import Executor
+from tests.core.core_requests import submit
 from tests.core.fakes import EOS, FakeWorker, make_request, token_at
 
 
@@ -62,7 +63,7 @@ def test_kv_cache_smaller_than_max_model_len_raises(num_blocks, block_size, max_
 
 def test_kv_cache_exactly_max_model_len_is_enough():
     core, _ = make_core(num_blocks=4, block_size=16, max_model_len=64)
-    core.add_request(make_request("a", 63, max_tokens=1))
+    submit(core, make_request("a", 63, max_tokens=1))
     outs = []
     while core.has_unfinished_requests():
         outs += core.step()
@@ -79,11 +80,11 @@ def test_step_without_work_does_not_call_the_executor():
 def test_requests_run_to_completion():
     core, ex = make_core(token_fn=lambda req_id, i: EOS if (req_id, i) == ("b", 2) else token_at(i),
                          max_num_batched_tokens=16, max_num_seqs=2)
-    core.add_request(make_request("a", 30, max_tokens=5))
-    core.add_request(make_request("b", 5, max_tokens=10))
-    core.add_request(make_request("c", 5, max_tokens=3))
+    submit(core, make_request("a", 30, max_tokens=5))
+    submit(core, make_request("b", 5, max_tokens=10))
+    submit(core, make_request("c", 5, max_tokens=3))
     with pytest.raises(ValueError):
-        core.add_request(make_request("a", 3))
+        submit(core, make_request("a", 3))
     tokens, reasons = {}, {}
     for _ in range(100):
         if not core.has_unfinished_requests():
@@ -104,8 +105,8 @@ def test_requests_run_to_completion():
 
 def test_abort_through_the_core():
     core, ex = make_core()
-    core.add_request(make_request("a", 8))
-    core.add_request(make_request("b", 8))
+    submit(core, make_request("a", 8))
+    submit(core, make_request("b", 8))
     core.step()
     assert core.abort_requests(["a", "zzz"]) == ["a"]
     core.step()
@@ -116,7 +117,7 @@ def test_abort_through_the_core():
 def test_finished_ids_reach_the_worker_even_when_nothing_else_runs():
     """The worker must hear of every finished request, or it keeps its state forever."""
     core, ex = make_core()
-    core.add_request(make_request("a", 8, max_tokens=50))
+    submit(core, make_request("a", 8, max_tokens=50))
     core.step()
     assert "a" in ex.worker.reqs
     core.abort_requests(["a"])
@@ -132,7 +133,7 @@ def test_finished_ids_reach_the_worker_even_when_nothing_else_runs():
 
 def test_finished_ids_after_a_natural_finish_reach_the_worker():
     core, ex = make_core()
-    core.add_request(make_request("a", 8, max_tokens=2))
+    submit(core, make_request("a", 8, max_tokens=2))
     outs = core.step() + core.step()
     assert outs[-1].finish_reason == "length"
     core.step()
@@ -180,10 +181,10 @@ def _run(core, limit=400):
                                                   (10, True)])
 def test_a_request_whose_step_raises_is_aborted_and_the_others_finish(after, before_worker):
     core, ex = _make_poison_core(after, before_worker=before_worker)
-    core.add_request(make_request("earlier", prompt_len=6, max_tokens=2))
+    submit(core, make_request("earlier", prompt_len=6, max_tokens=2))
     _run(core)  # its drop reaches the worker with the next step, the one that fails
     for req_id in ("a", "bad", "b", "c"):
-        core.add_request(make_request(req_id, prompt_len=6, max_tokens=8))
+        submit(core, make_request(req_id, prompt_len=6, max_tokens=8))
     outs = _run(core)
     # Whatever the worker still holds is told to go with the next step: nothing leaks.
     assert set(ex.worker.reqs) <= core.scheduler._finished_ids
@@ -199,8 +200,8 @@ def test_a_request_whose_step_raises_is_aborted_and_the_others_finish(after, bef
 
 def test_a_failed_step_leaves_nothing_findable_in_the_prefix_cache():
     core, ex = _make_poison_core(0, enable_prefix_caching=True)
-    core.add_request(make_request("ok", prompt_len=12, max_tokens=2))
-    core.add_request(make_request("bad", prompt_len=12, max_tokens=2))  # same prompt tokens
+    submit(core, make_request("ok", prompt_len=12, max_tokens=2))
+    submit(core, make_request("bad", prompt_len=12, max_tokens=2))  # same prompt tokens
     pool = core.scheduler.kv.pool
     assert core.step() == [] and ex.failures == 1  # both ran: both requeued, none blamed
     assert not pool.cached, "blocks of the failed step are still findable by their hash"
@@ -216,7 +217,7 @@ def test_steps_that_fail_whatever_runs_fail_the_engine():
 
     core, ex = _make_poison_core(0)
     for i in range(MAX_LONE_FAILURES + 1):
-        core.add_request(make_request(f"bad{i}", prompt_len=4, max_tokens=2))
+        submit(core, make_request(f"bad{i}", prompt_len=4, max_tokens=2))
     with pytest.raises(EngineFault, match="the engine, not a request"):
         _run(core)
 

@@ -20,6 +20,7 @@ from octavo.core.hashing import extend_block_hashes, hash_block
 from octavo.core.kv_manager import KVCacheManager, cdiv
 from octavo.core.request import Request, RequestStatus
 from octavo.params import SamplingParams
+from tests.core.core_requests import submit
 from tests.core.fakes import EOS, FakeWorker, make_scheduler, step
 
 BS = 4
@@ -632,7 +633,7 @@ def test_engine_core_reset_prefix_cache():
     core, _ = make_core(num_blocks=32, block_size=BS, max_model_len=64)
     assert core.scheduler.kv.enable_caching
     tokens = prompt_of(20)
-    core.add_request(req("a", tokens, max_tokens=3))
+    submit(core, req("a", tokens, max_tokens=3))
     core.step()
     assert core.reset_prefix_cache() is False  # a is still running
     while core.has_unfinished_requests():
@@ -640,7 +641,7 @@ def test_engine_core_reset_prefix_cache():
     assert core.scheduler.kv.pool.cached
     assert core.reset_prefix_cache() is True
     assert core.scheduler.kv.pool.cached == {}
-    core.add_request(req("b", tokens, max_tokens=1))
+    submit(core, req("b", tokens, max_tokens=1))
     outs = core.step()
     assert [o.num_cached_tokens for o in outs] == [0]
 

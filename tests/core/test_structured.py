@@ -16,6 +16,7 @@ from octavo.core.engine_core import EngineCore
 from octavo.core.structured import StructuredOutputManager
 from octavo.executor.base import Executor
 from octavo.params import ReasoningEndRule, StructuredOutputsParams
+from tests.core.core_requests import submit
 from tests.core.fakes import EOS, FakeWorker, make_request
 
 VOCAB = 2048
@@ -153,10 +154,10 @@ def text(tokens: list[int]) -> str:
 
 def test_output_follows_the_grammar_and_stops_at_its_end():
     core, _ = make_core(FakeBackend())
-    core.add_request(make_request("a", 5, structured_outputs=choice("yes", "no")))
-    core.add_request(make_request("b", 5, structured_outputs=choice("yes", "no"),
-                                  ignore_eos=True))  # an ended grammar stops it all the same
-    core.add_request(make_request("free", 5, max_tokens=6))
+    submit(core, make_request("a", 5, structured_outputs=choice("yes", "no")))
+    submit(core, make_request("b", 5, structured_outputs=choice("yes", "no"),
+                              ignore_eos=True))  # an ended grammar stops it all the same
+    submit(core, make_request("free", 5, max_tokens=6))
     done = run(core)
     assert text(done["a"][0]) == "no" and done["a"][0][-1] == EOS and done["a"][1] == "stop"
     assert text(done["b"][0]) == "no" and done["b"][1] == "stop"
@@ -165,8 +166,8 @@ def test_output_follows_the_grammar_and_stops_at_its_end():
 
 def test_highest_token_path_and_max_tokens_cut():
     core, _ = make_core(FakeBackend(), highest=True)
-    core.add_request(make_request("a", 3, structured_outputs=choice("yes", "no")))
-    core.add_request(make_request("cut", 3, max_tokens=2, structured_outputs=choice("yes")))
+    submit(core, make_request("a", 3, structured_outputs=choice("yes", "no")))
+    submit(core, make_request("cut", 3, max_tokens=2, structured_outputs=choice("yes")))
     done = run(core)
     assert text(done["a"][0]) == "yes" and done["a"][1] == "stop"
     assert done["cut"][0] == [ord("y"), ord("e")] and done["cut"][1] == "length"
@@ -176,8 +177,8 @@ def test_a_request_waits_while_its_grammar_compiles_and_others_run():
     backend = FakeBackend()
     backend.gate = threading.Event()
     core, ex = make_core(backend)
-    core.add_request(make_request("slow", 4, structured_outputs=choice("ok")))
-    core.add_request(make_request("free", 4, max_tokens=3))
+    submit(core, make_request("slow", 4, structured_outputs=choice("ok")))
+    submit(core, make_request("free", 4, max_tokens=3))
     for _ in range(4):
         core.step()
     assert core.structured.is_compiling("slow")
@@ -195,10 +196,10 @@ def test_compiles_are_cached_by_key():
     backend = FakeBackend()
     core, _ = make_core(backend)
     for i in range(3):
-        core.add_request(make_request(f"r{i}", 4, structured_outputs=choice("ab", "c")))
-    core.add_request(make_request("other", 4, structured_outputs=choice("c", "ab")))
+        submit(core, make_request(f"r{i}", 4, structured_outputs=choice("ab", "c")))
+    submit(core, make_request("other", 4, structured_outputs=choice("c", "ab")))
     run(core)
-    core.add_request(make_request("later", 4, structured_outputs=choice("ab", "c")))
+    submit(core, make_request("later", 4, structured_outputs=choice("ab", "c")))
     run(core)
     assert backend.compiles == [("choice", '["ab", "c"]', False), ("choice", '["c", "ab"]', False)]
 
@@ -227,9 +228,9 @@ def test_cache_keeps_the_most_recent_grammars_within_its_bounds():
 
 def test_failed_compile_aborts_only_that_request():
     core, _ = make_core(FakeBackend())
-    core.add_request(make_request("bad", 4, structured_outputs=StructuredOutputsParams(
+    submit(core, make_request("bad", 4, structured_outputs=StructuredOutputsParams(
         regex="fail")))
-    core.add_request(make_request("good", 4, structured_outputs=choice("ok")))
+    submit(core, make_request("good", 4, structured_outputs=choice("ok")))
     done = run(core)
     assert done["bad"] == [[], "abort", "structured_outputs: no such grammar"]
     assert text(done["good"][0]) == "ok"
@@ -239,13 +240,13 @@ def test_failed_compile_aborts_only_that_request():
 def test_no_backend_refuses_constrained_requests():
     core, _ = make_core(None)
     with pytest.raises(ValueError, match="structured_outputs"):
-        core.add_request(make_request("a", 4, structured_outputs=choice("x")))
+        submit(core, make_request("a", 4, structured_outputs=choice("x")))
     assert not core.has_unfinished_requests()
 
 
 def test_chunked_prefill_gets_a_bitmask_only_on_its_last_chunk():
     core, ex = make_core(FakeBackend(), max_num_batched_tokens=8)
-    core.add_request(make_request("long", 30, structured_outputs=choice("hi")))
+    submit(core, make_request("long", 30, structured_outputs=choice("hi")))
     done = run(core)
     assert text(done["long"][0]) == "hi"
     with_mask = [s for s in ex.steps if s.grammar is not None]
@@ -258,8 +259,8 @@ def test_preempted_request_resumes_its_grammar():
     # 6 blocks of 4 tokens: two requests growing past 12 tokens each cannot both stay.
     core, ex = make_core(FakeBackend(), num_blocks=6, max_model_len=24)
     long = "abcdefghij"
-    core.add_request(make_request("a", 8, max_tokens=12, structured_outputs=choice(long)))
-    core.add_request(make_request("b", 8, max_tokens=12, structured_outputs=choice(long)))
+    submit(core, make_request("a", 8, max_tokens=12, structured_outputs=choice(long)))
+    submit(core, make_request("b", 8, max_tokens=12, structured_outputs=choice(long)))
     done = run(core)
     assert core.scheduler.num_preemptions > 0
     for rid in ("a", "b"):
@@ -268,7 +269,7 @@ def test_preempted_request_resumes_its_grammar():
 
 def test_a_token_outside_the_grammar_aborts_the_request():
     core, ex = make_core(FakeBackend())
-    core.add_request(make_request("a", 4, structured_outputs=choice("xy")))
+    submit(core, make_request("a", 4, structured_outputs=choice("xy")))
     core.structured.wait_for_compiles(5)
     assert core.scheduler.finish_failed_grammars() == []
     sched = core.scheduler.schedule()
@@ -285,7 +286,7 @@ def test_grammar_waits_until_reasoning_ends():
     # DeepSeek-R1 style: the fake worker's free tokens 1000, 1001, 1002 are reasoning; 1002 is
     # the end tag, so the grammar applies from the fourth token.
     core, ex = make_core(FakeBackend())
-    core.add_request(make_request("r1", 4, structured_outputs=gated(
+    submit(core, make_request("r1", 4, structured_outputs=gated(
         ReasoningEndRule(start_id=999, end_id=1002, start_required=False), "yes", "no")))
     done = run(core)
     assert done["r1"][0][:3] == [1000, 1001, 1002] and text(done["r1"][0][3:]) == "no"
@@ -298,7 +299,7 @@ def test_gate_that_requires_the_start_tag():
     # Qwen3 style: the first token may open reasoning (token 50 is the lowest allowed) or be
     # the grammar's; reasoning then runs to the end tag 1003.
     core, ex = make_core(FakeBackend())
-    core.add_request(make_request("think", 4, structured_outputs=gated(
+    submit(core, make_request("think", 4, structured_outputs=gated(
         ReasoningEndRule(start_id=50, end_id=1003, start_required=True), "yes", "no")))
     done = run(core)
     assert done["think"][0][:4] == [50, 1001, 1002, 1003]
@@ -308,7 +309,7 @@ def test_gate_that_requires_the_start_tag():
                                                                                  ord("y")]
     # Without reasoning the first token is already the grammar's (the highest allowed is "y").
     core, ex = make_core(FakeBackend(), highest=True)
-    core.add_request(make_request("direct", 4, structured_outputs=gated(
+    submit(core, make_request("direct", 4, structured_outputs=gated(
         ReasoningEndRule(start_id=50, end_id=1003, start_required=True), "yes", "no")))
     done = run(core)
     assert text(done["direct"][0]) == "yes" and done["direct"][1] == "stop"
@@ -328,11 +329,11 @@ def test_a_compile_past_its_timeout_fails_only_its_request():
     backend = FakeBackend()
     backend.gate = threading.Event()  # the compile never finishes on its own
     core, _ = make_core(backend, grammar_compile_timeout=0.05)
-    core.add_request(make_request("stuck", 4, structured_outputs=choice("ok")))
-    core.add_request(make_request("free", 4, max_tokens=3))
+    submit(core, make_request("stuck", 4, structured_outputs=choice("ok")))
+    submit(core, make_request("free", 4, max_tokens=3))
     done = run(core)
     assert done["stuck"][1] == "abort" and "did not compile within 0.05 s" in done["stuck"][2]
     assert done["free"][1] == "length"
     backend.gate.set()
-    core.add_request(make_request("again", 4, structured_outputs=choice("ok")))
+    submit(core, make_request("again", 4, structured_outputs=choice("ok")))
     assert text(run(core)["again"][0]) == "ok"  # compiled anew, not the failed entry

@@ -11,6 +11,7 @@ from octavo.core.contract import ModelOutput, SchedulerOutput
 from octavo.core.engine_core import EngineCore
 from octavo.core.structured import StructuredOutputManager
 from octavo.core.token_mask import TokenMask, clear_bits, packed_row
+from tests.core.core_requests import submit
 from tests.core.fakes import EOS, make_request
 from tests.core.test_structured import (
     VOCAB, FakeBackend, GrammarExecutor, allowed_tokens, choice, run, text)
@@ -72,8 +73,8 @@ def test_bad_words_match_only_the_generated_tail():
 
 def test_allowed_token_ids_restrict_every_step():
     core, ex = make_core()
-    core.add_request(masked("a", allowed_token_ids=[300, 301, 900], max_tokens=6))
-    core.add_request(make_request("free", 5, max_tokens=6))
+    submit(core, masked("a", allowed_token_ids=[300, 301, 900], max_tokens=6))
+    submit(core, make_request("free", 5, max_tokens=6))
     done = run(core)
     assert done["a"][0] == [900] * 6  # the highest allowed, every step
     assert done["free"][0] == [1000, 1001, 1002, 1003, 1004, 1005]
@@ -84,22 +85,22 @@ def test_allowed_token_ids_restrict_every_step():
 def test_bad_words_never_complete():
     core, _ = make_core()
     # highest allowed: 12 is banned alone; 11 may not follow 11
-    core.add_request(masked("a", bad_words=[[12], [11, 11]], allowed_token_ids=[10, 11, 12],
-                            max_tokens=6))
+    submit(core, masked("a", bad_words=[[12], [11, 11]], allowed_token_ids=[10, 11, 12],
+                        max_tokens=6))
     done = run(core)
     assert done["a"][0] == [11, 10, 11, 10, 11, 10]
     core, _ = make_core()
-    core.add_request(masked("b", allowed_token_ids=[10, 11, 12], max_tokens=3))
+    submit(core, masked("b", allowed_token_ids=[10, 11, 12], max_tokens=3))
     assert run(core)["b"][0] == [12, 12, 12]  # without bad words
 
 
 def test_token_mask_intersects_the_grammar():
     core, _ = make_core(FakeBackend(), highest=False)
-    core.add_request(masked("g", structured_outputs=choice("ax", "bx")))
-    core.add_request(masked("both", structured_outputs=choice("ax", "bx"),
-                            allowed_token_ids=[ord("b"), ord("x"), EOS]))
-    core.add_request(masked("bad", structured_outputs=choice("ax", "bx"),
-                            bad_words=[[ord("a")]]))
+    submit(core, masked("g", structured_outputs=choice("ax", "bx")))
+    submit(core, masked("both", structured_outputs=choice("ax", "bx"),
+                        allowed_token_ids=[ord("b"), ord("x"), EOS]))
+    submit(core, masked("bad", structured_outputs=choice("ax", "bx"),
+                        bad_words=[[ord("a")]]))
     done = run(core)
     assert text(done["g"][0]) == "ax"  # the lowest token the grammar allows
     assert text(done["both"][0]) == "bx" and done["both"][1] == "stop"
@@ -108,8 +109,8 @@ def test_token_mask_intersects_the_grammar():
 
 def test_a_mask_that_leaves_nothing_stops_only_that_request():
     core, _ = make_core()
-    core.add_request(masked("a", allowed_token_ids=[10], bad_words=[[10, 10]], max_tokens=5))
-    core.add_request(make_request("other", 5, max_tokens=3))
+    submit(core, masked("a", allowed_token_ids=[10], bad_words=[[10, 10]], max_tokens=5))
+    submit(core, make_request("other", 5, max_tokens=3))
     done = run(core)
     assert done["a"][0] == [10, 0] and done["a"][1] == "abort"
     assert "allowed_token_ids" in done["a"][2]
@@ -133,7 +134,7 @@ def test_drafts_get_rows_after_each_verified_draft():
 def test_a_core_without_the_vocabulary_size_refuses_token_masks():
     core, _ = make_core(vocab_size=None)
     with pytest.raises(ValueError, match="allowed_token_ids"):
-        core.add_request(masked("a", allowed_token_ids=[3]))
+        submit(core, masked("a", allowed_token_ids=[3]))
     with pytest.raises(ValueError, match="bad_words"):
-        core.add_request(masked("b", bad_words=[[3]]))
+        submit(core, masked("b", bad_words=[[3]]))
     assert not core.has_unfinished_requests()

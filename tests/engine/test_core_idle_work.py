@@ -6,8 +6,9 @@ import time
 
 import zmq
 
+from octavo.core.protocol import Shutdown, UtilityCall
 from octavo.engine import core_process
-from octavo.engine.messages import Shutdown, UtilityCall, encoder
+from octavo.engine.messages import encoder
 
 
 class _IdleCore:

@@ -50,10 +50,9 @@ from octavo.config import EngineConfig
 from octavo.engine import core_process as cp
 
 seen = {}
-class Executor:
-    def describe(self): return "stand-in"
 class Core:
-    num_blocks, max_model_len, executor = 1, 64, Executor()
+    num_blocks, max_model_len = 1, 64
+    def describe(self): return "stand-in"
 def create(*args, **kwargs):
     seen["loading"] = gc.isenabled()
     return Core()

@@ -277,14 +277,15 @@ def test_grammar_waits_for_the_end_of_reasoning_on_the_real_model(smollm_llm):
 
 
 def test_reasoning_gate_crosses_to_the_core_process():
-    from octavo.core.request import Request
-    from octavo.engine.messages import AddRequest, encoder, input_decoder
+    from octavo.core.protocol import EngineCoreRequest
+    from octavo.engine.messages import encoder, input_decoder
     from octavo.params import ReasoningEndRule
 
     rule = ReasoningEndRule(7, 8, start_required=True)
     spec = StructuredOutputsParams(json={"type": "object"}, reasoning_end=rule)
-    req = Request("r", [1, 2], SamplingParams(structured_outputs=spec), frozenset({0}), 16)
-    back = input_decoder.decode(encoder.encode(AddRequest.of(req, 0.0))).to_request()
+    req = EngineCoreRequest("r", [1, 2], SamplingParams(structured_outputs=spec), frozenset({0}),
+                            16, 0.0)
+    back = input_decoder.decode(encoder.encode(req))
     got = back.sampling_params.structured_outputs
     assert got.reasoning_end == rule and got.key() == spec.key()
     assert StructuredOutputsParams(json={"type": "object"}).key() == spec.key()

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
 from octavo.engine.detokenizer import IncrementalDetokenizer
-from octavo.engine.messages import AddRequest, encoder, input_decoder
+from octavo.engine.messages import encoder, input_decoder
 from octavo.engine.processor import Processor, RequestLimits
 from octavo.params import SamplingParams
 
@@ -71,7 +71,7 @@ def test_the_fields_cross_to_the_core_untouched(smollm_llm):
     prepared = smollm_llm.engine.processor.build("r", "Hello there you", params)
     req = prepared.core_requests[0]
     assert req.bad_words_token_ids  # tokenized by the front end
-    back = input_decoder.decode(encoder.encode(AddRequest.of(req, 0.0))).to_request()
+    back = input_decoder.decode(encoder.encode(req))
     assert back.bad_words_token_ids == req.bad_words_token_ids
     for name in ("allowed_token_ids", "bad_words", "detokenize", "truncate_prompt_tokens",
                  "spaces_between_special_tokens", "logprob_token_ids", "extra_args"):
