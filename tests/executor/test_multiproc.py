@@ -172,3 +172,32 @@ def test_a_worker_that_cannot_load_fails_the_start_naming_its_error(tiny_llama, 
     assert "safetensors" in str(info.value)
     assert time.monotonic() - started < FAILURE_BOUND_S * 2
     assert _children() == set()
+
+
+def test_a_tensor_parallel_rank_killed_mid_run_fails_its_peer_too(tiny_llama):
+    """Rank 1 dies while rank 0 may be waiting on it in an all-reduce: neither hangs."""
+    llm = _mp(tiny_llama, tensor_parallel_size=2)
+    executor = _executor(llm)
+    assert len(_children()) == 2
+    execute, steps = executor.execute, []
+
+    def kill_rank_1_on_the_third_step(sched):
+        steps.append(sched)
+        if len(steps) == 3:
+            os.kill(executor.procs[1].pid, signal.SIGKILL)
+        return execute(sched)
+
+    executor.execute = kill_rank_1_on_the_third_step
+    started = time.monotonic()
+    try:
+        outs = llm.generate(_prompts(), SamplingParams(max_tokens=50, temperature=0,
+                                                       ignore_eos=True), use_tqdm=False)
+    except RuntimeError as exc:
+        assert "worker rank" in str(exc)
+    else:
+        assert all(o.outputs[0].finish_reason == "abort" for o in outs)
+    assert time.monotonic() - started < FAILURE_BOUND_S
+    with pytest.raises(WorkerFailed, match=r"worker rank [01]"):
+        executor.check_health()
+    assert _children() == set()
+    llm.engine.shutdown()
