@@ -20,6 +20,7 @@ from octavo.model import decode_stack
 from octavo.model.layers.linear import local_heads
 from octavo.model.loader import load_model
 from octavo.model.loader.gemm_packing import StepwisePacking
+from octavo.model.pipeline import stage_range
 from octavo.model_source import ModelSource, resolve_model
 from octavo.worker.model_runner import ModelRunner
 from octavo.worker.spec.draft import DraftModel
@@ -60,10 +61,6 @@ class Worker:
                  max_model_len: int, eos_token_ids: list[int],
                  placement: RankPlacement = RankPlacement(0),
                  distributed_init_method: str | None = None) -> None:
-        if placement.pp_size > 1:
-            raise NotImplementedError(
-                "pipeline_parallel_size > 1: layer ranges per stage and hidden states sent "
-                "between stages are not built yet; use tensor_parallel_size")
         self.config = config
         self.placement = placement
         self.source = source
@@ -143,8 +140,9 @@ class Worker:
                           self.config.device.seed, arch.sliding_window)
 
     def _kv_layers(self) -> list[ArchConfig]:
-        """One entry per KV layer: the target's, then the draft model's (same blocks)."""
-        layers = [self.arch] * self.arch.num_layers
+        """One entry per KV layer: the target's on this pipeline stage, then the draft model's
+        (same blocks)."""
+        layers = [self.arch] * len(stage_range(self.arch.num_layers))
         if self.draft_arch is not None:
             layers += [self.draft_arch] * self.draft_arch.num_layers
         return layers
@@ -173,7 +171,7 @@ class Worker:
         _check_kv_fits(kv_cache_memory, self.device)
         caches = [_zeros((2, num_blocks, block_size, _kv_heads(a), a.head_dim), self.kv_dtype,
                          self.device) for a in self._kv_layers()]
-        self.runner.kv_caches = caches[:self.arch.num_layers]
+        self.runner.kv_caches = caches[:len(stage_range(self.arch.num_layers))]
         if self.runner.drafter is not None:
             self.runner.drafter.kv_caches = caches[self.arch.num_layers:]
         return num_blocks

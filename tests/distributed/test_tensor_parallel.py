@@ -133,9 +133,3 @@ def test_smollm2_gguf_on_two_ranks(smollm_gguf):
     finally:
         llm.engine.shutdown()
 
-
-def test_pipeline_parallel_is_refused_by_name(tmp_path, smollm_oracle_folder):
-    """Not built yet: a clear error, never a full model computed on every stage."""
-    folder, _ = _build(tmp_path, smollm_oracle_folder, "llama-default")
-    with pytest.raises(Exception, match="pipeline_parallel_size > 1"):
-        LLM(str(folder), dtype="float32", kv_cache_memory=16 << 20, pipeline_parallel_size=2)

@@ -36,9 +36,9 @@ def prepared_path(source: ModelSource, dtype: torch.dtype, decode_weights: str,
                   quantization: str | None = None) -> Path:
     stat = source.path.stat()
     mode = quantization or decode_weights  # a GGUF's int4/int8 ignore decode_weights
-    where = parallel_state.placement()  # a tensor-parallel rank prepares its own share
-    if where.tp_size > 1:
-        mode = f"{mode}-tp{where.tp_rank}of{where.tp_size}"
+    where = parallel_state.placement()  # a rank prepares its own share and stage
+    if where.world_size > 1:
+        mode = f"{mode}-tp{where.tp_rank}of{where.tp_size}-pp{where.pp_rank}of{where.pp_size}"
     h = hashlib.sha256()
     for part in (str(source.path.resolve()), stat.st_size, stat.st_mtime_ns, str(dtype),
                  mode, torch.__version__):

@@ -10,6 +10,7 @@ from torch import nn
 from octavo.arch_config import ArchConfig
 from octavo.model.layers.embedding import Embedding, LMHead
 from octavo.model.layers.moe import EXPERT_TENSOR
+from octavo.model.pipeline import local_layer_name, run_stage
 
 
 # Checkpoint q/k/v and gate/up projections, packed into one matrix each (slot = checkpoint order).
@@ -27,6 +28,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.dtype = torch.get_default_dtype()  # the activations' (load_model sets it)
 
     def make_lm_head(self, embedding: Embedding) -> LMHead:
         """The output projection, sharing `embedding`'s weights when the config ties them."""
@@ -34,8 +36,9 @@ class CausalLM(nn.Module):
         return LMHead(self.cfg.vocab_size, self.cfg.hidden_size, tied)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden]"""
-        return self.model(input_ids, positions)
+        """input_ids, positions: [T] -> hidden states [T, hidden] (a pipeline stage before the
+        last: its layers' output, sent on to the next stage)"""
+        return run_stage(self.model, input_ids, positions, self.cfg.hidden_size, self.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -47,7 +50,7 @@ class CausalLM(nn.Module):
         """The parameter name a checkpoint tensor maps to, or None to skip it."""
         if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
             return None
-        return name
+        return local_layer_name(name, self.cfg.num_layers)
 
     def linear_name(self, ckpt_name: str) -> str | None:
         """The module (a packed Linear for q/k/v and gate/up) that checkpoint tensor fills."""

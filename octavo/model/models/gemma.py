@@ -21,6 +21,7 @@ from octavo.model.layers.linear import (
 from octavo.model.layers.norm import GemmaRMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
 from octavo.model.models.base import QKV_GATE_UP, CausalLM
+from octavo.model.pipeline import is_last_stage, stage_layers
 
 
 class GemmaAttention(nn.Module):
@@ -93,18 +94,21 @@ class GemmaModel(nn.Module):
         # Rope scaling (long-context Gemma 3) applies to the global layers only.
         local = glob if cfg.rope_local_theta is None else RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_local_theta)
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(cfg, i, local if cfg.layer_window(i) else glob, qk_norm)
-            for i in range(cfg.num_layers))
+        self.layers = stage_layers(cfg.num_layers, lambda i: GemmaDecoderLayer(
+            cfg, i, local if cfg.layer_window(i) else glob, qk_norm))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        # The scale is rounded to the model dtype first, as the reference does (55.4 -> 55.5).
-        x = x * torch.tensor(self.hidden_size ** 0.5, dtype=x.dtype)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        if hidden is None:
+            x = self.embed_tokens(input_ids)
+            # The scale is rounded to the model dtype first, as the reference does (55.4 -> 55.5).
+            x = x * torch.tensor(self.hidden_size ** 0.5, dtype=x.dtype)
+        else:
+            x = hidden
         for layer in self.layers:
             x = layer(positions, x)
-        return self.norm(x)
+        return self.norm(x) if is_last_stage() else x
 
 
 class Gemma2ForCausalLM(CausalLM):

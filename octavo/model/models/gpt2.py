@@ -19,6 +19,7 @@ from octavo.model.layers.linear import (
     row_parallel,
 )
 from octavo.model.models.base import CausalLM
+from octavo.model.pipeline import is_last_stage, stage_layers
 
 _CONV1D = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")
 _MASK_BUFFER = re.compile(r"\.attn\.(bias|masked_bias)$")
@@ -79,14 +80,15 @@ class GPT2Model(nn.Module):
                              f"{cfg.max_position_embeddings} positions GPT-2 learned")
         self.wte = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.wpe = Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))
+        self.h = stage_layers(cfg.num_layers, lambda i: GPT2Block(cfg, i))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.wte(input_ids) + self.wpe(positions) if hidden is None else hidden
         for block in self.h:
             x = block(x)
-        return self.ln_f(x)
+        return self.ln_f(x) if is_last_stage() else x
 
 
 class GPT2LMHeadModel(CausalLM):

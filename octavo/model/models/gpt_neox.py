@@ -18,6 +18,7 @@ from octavo.model.layers.linear import (
 )
 from octavo.model.layers.rotary import RotaryEmbedding, make_rotary
 from octavo.model.models.base import CausalLM
+from octavo.model.pipeline import is_last_stage, stage_layers
 
 
 class NeoXAttention(nn.Module):
@@ -77,14 +78,15 @@ class NeoXModel(nn.Module):
         self.embed_in = Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = make_rotary(cfg.head_dim, cfg.rotary_dim or cfg.head_dim, max_positions,
                              cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        self.layers = nn.ModuleList(NeoXLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.layers = stage_layers(cfg.num_layers, lambda i: NeoXLayer(cfg, i, rotary))
         self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_in(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_in(input_ids) if hidden is None else hidden
         for layer in self.layers:
             x = layer(positions, x)
-        return self.final_layer_norm(x)
+        return self.final_layer_norm(x) if is_last_stage() else x
 
 
 class GPTNeoXForCausalLM(CausalLM):

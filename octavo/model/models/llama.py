@@ -21,6 +21,7 @@ from octavo.model.layers.linear import (
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding, make_rotary
 from octavo.model.models.base import QKV_GATE_UP, CausalLM
+from octavo.model.pipeline import is_last_stage, stage_layers
 
 
 class LlamaAttention(nn.Module):
@@ -80,15 +81,16 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, the decoder layers (built by the family: dense or mixture of experts), RMSNorm."""
 
-    def __init__(self, cfg: ArchConfig, layers: list[nn.Module]) -> None:
+    def __init__(self, cfg: ArchConfig, layers: nn.ModuleList) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layers)
+        self.layers = layers
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.decode_stack = None  # octavo/model/decode_stack.py attaches one where it fits
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
         ctx = get_forward_context()
         stack = self.decode_stack
         if stack is not None and stack.usable(x, ctx.plan, ctx.sliding_plan, ctx.kv_caches):
@@ -96,7 +98,7 @@ class LlamaModel(nn.Module):
         else:
             for layer in self.layers:
                 x = layer(positions, x)
-        return self.norm(x)
+        return self.norm(x) if is_last_stage() else x
 
 
 class LlamaForCausalLM(CausalLM):
@@ -107,8 +109,8 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(cfg)
         rotary = make_rotary(cfg.head_dim, cfg.rotary_dim or cfg.head_dim, max_positions,
                              cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        self.model = LlamaModel(cfg, [LlamaDecoderLayer(cfg, i, rotary, self.qk_norm)
-                                      for i in range(cfg.num_layers)])
+        self.model = LlamaModel(cfg, stage_layers(
+            cfg.num_layers, lambda i: LlamaDecoderLayer(cfg, i, rotary, self.qk_norm)))
         self.lm_head = self.make_lm_head(self.model.embed_tokens)
 
 

@@ -14,6 +14,7 @@ from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding, make_rotary
 from octavo.model.models.base import CausalLM, QKV_GATE_UP
 from octavo.model.models.llama import LlamaAttention, LlamaMLP, LlamaModel
+from octavo.model.pipeline import stage_layers
 
 
 def _moe_setting(cfg: ArchConfig, key: str, *aliases: str):
@@ -68,8 +69,8 @@ class _MoeForCausalLM(CausalLM):
         super().__init__(cfg)
         rotary = make_rotary(cfg.head_dim, cfg.rotary_dim or cfg.head_dim, max_positions,
                              cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        layers = [MoeDecoderLayer(cfg, i, rotary, self.qk_norm, self._mlp(cfg, i), self.mlp_name)
-                  for i in range(cfg.num_layers)]
+        layers = stage_layers(cfg.num_layers, lambda i: MoeDecoderLayer(
+            cfg, i, rotary, self.qk_norm, self._mlp(cfg, i), self.mlp_name))
         self.model = LlamaModel(cfg, layers)
         self.lm_head = self.make_lm_head(self.model.embed_tokens)
 
