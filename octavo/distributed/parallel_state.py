@@ -52,6 +52,7 @@ _SINGLE = RankPlacement(0)
 _placement = _SINGLE
 _tp_group = None
 _pp_group = None
+_tp_shm = None  # the tp group's shared-memory all-reduce, where its ranks share this machine
 
 
 def placement() -> RankPlacement:
@@ -78,7 +79,7 @@ def init(where: RankPlacement, init_method: str, backend: str = "gloo",
          timeout_s: float = 600.0) -> None:
     """Join the world at `init_method` (tcp://host:port) as `where.rank` and make the groups.
     Every rank must call it with the same sizes."""
-    global _placement, _tp_group, _pp_group
+    global _placement, _tp_group, _pp_group, _tp_shm
     import datetime
 
     import torch.distributed as dist
@@ -96,12 +97,19 @@ def init(where: RankPlacement, init_method: str, backend: str = "gloo",
         group = dist.new_group(ranks)
         if where.rank in ranks:
             _pp_group = group
+    if backend == "gloo" and where.tp_size > 1:
+        from octavo.distributed import shm_all_reduce
+        _tp_shm = shm_all_reduce.open_for_group(_tp_group, where.tp_ranks(), where.tp_rank,
+                                                timeout_s=timeout_s)
     _placement = where
 
 
 def destroy() -> None:
-    global _placement, _tp_group, _pp_group
+    global _placement, _tp_group, _pp_group, _tp_shm
     import torch.distributed as dist
+    if _tp_shm is not None:
+        _tp_shm.close()
+        _tp_shm = None
     if dist.is_initialized():
         dist.destroy_process_group()
     _placement, _tp_group, _pp_group = _SINGLE, None, None
@@ -111,6 +119,8 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of `x` over the tensor-parallel group, in place."""
     if _placement.tp_size == 1:
         return x
+    if _tp_shm is not None and _tp_shm.fits(x):
+        return _tp_shm.all_reduce(x)
     import torch.distributed as dist
     dist.all_reduce(x, group=_tp_group)
     return x
