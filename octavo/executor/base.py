@@ -25,9 +25,10 @@ class Executor(abc.ABC):
         if backend == "mp":
             from octavo.executor.multiproc import MultiprocExecutor
             return MultiprocExecutor(config, source, arch, max_model_len, eos_token_ids)
-        raise NotImplementedError(
-            f"distributed_executor_backend {backend!r}: the Ray executor is not built yet; "
-            f"use mp (local worker processes)")
+        if backend == "ray":
+            from octavo.executor.ray_executor import RayExecutor
+            return RayExecutor(config, source, arch, max_model_len, eos_token_ids)
+        raise ValueError(f"distributed_executor_backend {backend!r}: not an executor")
 
     @abc.abstractmethod
     def init_kv_cache(self, kv_cache_memory: int, block_size: int) -> int:

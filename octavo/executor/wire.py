@@ -1,4 +1,5 @@
-"""Messages between the mp executor and its worker processes (msgpack via msgspec, never pickle).
+"""Messages between an executor (mp, ray) and its ranks' workers (msgpack via msgspec, never
+pickle).
 
 The executor sends every rank the same calls in the same order; each rank answers each call with
 one reply. The core↔worker dataclasses (SchedulerOutput, ModelOutput, the SamplingParams inside)
@@ -21,20 +22,28 @@ from octavo.model_source import ModelSource
 
 
 class WorkerSpec(msgspec.Struct):
-    """What one worker process needs to build its rank's Worker, written to its stdin."""
+    """What one rank needs to build its Worker, wherever it runs."""
 
     rank: int
     tp_size: int
     pp_size: int
+    local_rank: int  # the rank's index among the ranks on its machine (its share of the cores)
+    local_world_size: int  # the ranks on its machine
     distributed_init_method: str
-    address: str  # the executor's ZeroMQ socket
-    parent_pid: int
     log_level: int
     config: EngineConfig
     source: ModelSource
     arch: ArchConfig
     max_model_len: int
     eos_token_ids: list[int]
+
+
+class ProcessStart(msgspec.Struct):
+    """An mp worker process's stdin: its rank's spec and where its executor is."""
+
+    address: str  # the executor's ZeroMQ socket
+    parent_pid: int
+    spec: WorkerSpec
 
 
 # --- calls, executor -> every rank ------------------------------------------------------------
@@ -67,12 +76,18 @@ class Execute(msgspec.Struct, tag=True):
     scheduler_output: SchedulerOutput
 
 
+class CheckHealth(msgspec.Struct, tag=True):
+    """Answered at once by a live rank (where the executor cannot see its process)."""
+
+    call_id: int
+
+
 class Shutdown(msgspec.Struct, tag=True):
     call_id: int
 
 
 Call = Union[InitKVCache, KVBytesPerBlock, AvailableMemory, Describe, DoIdleWork, Execute,
-             Shutdown]
+             CheckHealth, Shutdown]
 
 
 # --- replies, each rank -> executor -----------------------------------------------------------
@@ -124,3 +139,4 @@ encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 call_decoder = msgspec.msgpack.Decoder(Call, dec_hook=_dec_hook)
 reply_decoder = msgspec.msgpack.Decoder(WorkerReply, dec_hook=_dec_hook)
 spec_decoder = msgspec.msgpack.Decoder(WorkerSpec, dec_hook=_dec_hook)
+start_decoder = msgspec.msgpack.Decoder(ProcessStart, dec_hook=_dec_hook)

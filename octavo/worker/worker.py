@@ -55,12 +55,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 class Worker:
     """One rank's worker. With `placement.world_size` > 1 it joins the other ranks at
     `distributed_init_method` (tcp://host:port) before anything is loaded, and holds its share of
-    the model (tensor parallel: its heads and slices; pipeline parallel: its layers)."""
+    the model (tensor parallel: its heads and slices; pipeline parallel: its layers).
+    `local_rank` of `local_world_size` is its place among the ranks on this machine (default:
+    every rank is on this machine), which decides its share of the cores and its device."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, arch: ArchConfig,
                  max_model_len: int, eos_token_ids: list[int],
                  placement: RankPlacement = RankPlacement(0),
-                 distributed_init_method: str | None = None) -> None:
+                 distributed_init_method: str | None = None, local_rank: int | None = None,
+                 local_world_size: int | None = None) -> None:
+        local_rank = placement.rank if local_rank is None else local_rank
+        local_world_size = placement.world_size if local_world_size is None else local_world_size
         self.config = config
         self.placement = placement
         self.source = source
@@ -70,12 +75,12 @@ class Worker:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: cuda was asked for but torch sees no CUDA device")
         if self.device.type == "cuda" and placement.world_size > 1:  # one device per local rank
-            self.device = torch.device("cuda", placement.rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", local_rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         # Ranks on this machine each get their own cores and as many threads (distributed/
-        # placement.py); one process takes them all. Ranks placed elsewhere (Ray) count alike.
+        # placement.py); one process takes them all.
         if self.device.type != "cpu" or bind_rank_cpus(
-                placement.rank, placement.world_size, config.parallel.cpu_binding,
+                local_rank, local_world_size, config.parallel.cpu_binding,
                 config.device.num_threads) is None:
             torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
         if placement.world_size > 1:

@@ -15,6 +15,7 @@ from octavo import LLM, SamplingParams, StructuredOutputsParams
 from octavo.core.contract import CachedRequestData, SchedulerOutput
 from octavo.executor import multiproc
 from octavo.executor.multiproc import MultiprocExecutor, WorkerFailed
+from tests.executor.procs import children as _children
 
 KW = dict(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20, num_threads=1,
           native_kernels="off", max_num_batched_tokens=32)  # prompts span several chunks
@@ -30,22 +31,6 @@ def _executor(llm: LLM) -> MultiprocExecutor:
     executor = llm.engine.client.core.executor
     assert isinstance(executor, MultiprocExecutor)
     return executor
-
-
-def _children() -> set[int]:
-    """Pids of this process's live (not zombie) children."""
-    me, pids = os.getpid(), set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, ...
-        if int(fields[1]) == me and fields[0] != "Z":
-            pids.add(int(entry.name))
-    return pids
 
 
 def _prompts() -> list[list[int]]:

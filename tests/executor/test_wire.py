@@ -111,9 +111,11 @@ def test_a_worker_spec_comes_back_equal():
                       rope_scaling={"rope_type": "llama3", "factor": 8.0},
                       eos_token_ids=(1, 2), layer_types=("full_attention",) * 2,
                       sampling_defaults={"temperature": 0.6})
-    spec = wire.WorkerSpec(1, 2, 1, "tcp://127.0.0.1:1234", "ipc:///tmp/x", 99, 20, config,
+    spec = wire.WorkerSpec(1, 2, 1, 0, 1, "tcp://127.0.0.1:1234", 20, config,
                            ModelSource("m", Path("/models/m.gguf")), arch, 256, [1, 2])
     got = wire.spec_decoder.decode(wire.encoder.encode(spec))
     assert got == spec
+    start = wire.ProcessStart("ipc:///tmp/x", 99, spec)
+    assert wire.start_decoder.decode(wire.encoder.encode(start)) == start
     assert isinstance(got.source.path, Path) and got.source.is_gguf
     assert got.config.parallel.tensor_parallel_size == 2 and got.arch.eos_token_ids == (1, 2)
