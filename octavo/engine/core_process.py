@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -36,6 +37,7 @@ from octavo.lifetime import die_with_parent
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
+HEALTH_CHECK_S = 1.0  # while idle, how often the executor's workers are checked
 
 
 class EngineCoreProcess:
@@ -53,12 +55,18 @@ class EngineCoreProcess:
         poller = zmq.Poller()
         poller.register(self.inputs, zmq.POLLIN)
         idle_work = True  # until the executor says it has none left
+        checked = time.monotonic()
         while self.running:
             if os.getppid() != self.parent:  # the front end is gone (and PDEATHSIG missed it)
                 logger.error("the front end (pid %d) is gone; the engine core exits",
                              self.parent)
                 return
             busy = self.core.has_unfinished_requests()
+            if not busy and time.monotonic() - checked >= HEALTH_CHECK_S:
+                # A worker that died while nothing ran ends the core now (the front end then
+                # answers /health with 503), not at the next request; a step sees it itself.
+                self.core.executor.check_health()
+                checked = time.monotonic()
             if not busy and idle_work:
                 # Deferred set-up (packing weights) in slices of a few ms between polls: a
                 # server started ahead of its traffic meets the first requests fully set up.

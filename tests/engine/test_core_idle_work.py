@@ -29,6 +29,13 @@ class _IdleCore:
     def stats(self):
         return None
 
+    @property
+    def executor(self):  # the loop checks the workers' health while idle
+        return self
+
+    def check_health(self) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass
 
