@@ -1,8 +1,11 @@
 """The only types that cross between the core and the workers.
 
 SchedulerOutput is diff-shaped: a request the worker has not seen (new, or resumed after
-preemption) arrives in full; a running one arrives as a delta. ModelOutput carries back only the
-sampled token ids and the logprobs that were asked for, as numpy arrays. A step with constrained
+preemption) arrives in full, with its EOS ids; a running one arrives as a delta, with the tokens
+the core appended to it since the worker last saw it. A worker's token state is built from these
+alone, never from what it sampled, so every rank (tensor-parallel peers, earlier pipeline stages
+that do not sample) stays in step. ModelOutput carries back only the sampled token ids and the
+logprobs that were asked for, as numpy arrays; one rank returns it. A step with constrained
 requests (a grammar, allowed_token_ids, bad_words) also carries their token bitmask (numpy; the
 worker turns it into a tensor).
 """
@@ -23,6 +26,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_ids: list[int]  # the request's own; the worker masks them under min_tokens
 
 
 @dataclass(slots=True)
@@ -30,6 +34,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Appended since the worker last saw the request: the tokens the core accepted from the
+    # steps since (a step's sampled token, or its accepted drafts and the token after them).
+    new_token_ids: list[int]
 
 
 @dataclass(slots=True)

@@ -50,6 +50,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_sent_tokens: int = 0  # of its tokens, those the worker holds (sent in SchedulerOutputs)
     num_preemptions: int = 0
     num_prompt_logprobs_sent: int = 0  # prompt positions whose logprobs went out already
     arrival_time: float = 0.0  # wall clock, set by the front end
@@ -77,6 +78,14 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def take_unsent_tokens(self) -> list[int]:
+        """The tokens appended since the worker last saw the request (for its next delta), now
+        counted as sent. Only a running request's outputs are ever unsent: a new or resumed one
+        is sent whole."""
+        unsent = self.output_token_ids[self.num_sent_tokens - len(self.prompt_token_ids):]
+        self.num_sent_tokens += len(unsent)
+        return unsent
 
     def cache_extra_keys(self) -> tuple[object, ...]:
         return ("salt", self.cache_salt) if self.cache_salt is not None else ()

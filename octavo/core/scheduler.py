@@ -31,6 +31,11 @@ the next steps). Only real tokens are ever hashed into the prefix cache. A const
 drafts are cut to the prefix its grammar accepts. With a draft model, a request that samples this
 step also gets `lookahead` KV slots past its scheduled tokens: the draft model writes its own KV
 there (its layers share the target's blocks) while it proposes the next drafts.
+
+What the workers get is all they hold: a request they have not seen (new, or resumed after
+preemption) whole, with its EOS ids; a running one as its new blocks, its computed count and the
+tokens it was given since last scheduled (`Request.take_unsent_tokens`: a slice of its output,
+O(tokens changed)). A rejected draft is never sent: only accepted tokens reach the workers.
 """
 from __future__ import annotations
 
@@ -175,7 +180,8 @@ class Scheduler:
                 new_blocks = self.kv.allocate_slots(req, num_new + extra)
             if new_blocks is None:
                 break
-            cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens))
+            cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed_tokens,
+                                                 req.take_unsent_tokens()))
             if drafts:
                 spec[req.req_id] = drafts
             num_scheduled[req.req_id] = num_new
@@ -216,9 +222,12 @@ class Scheduler:
                 req.first_scheduled_time = time.time()
             bisect.insort(self.running, req, key=Request.sort_key)
             self.peak_running = max(self.peak_running, len(self.running))
+            token_ids = req.all_token_ids
+            req.num_sent_tokens = len(token_ids)
             new_reqs.append(NewRequestData(
-                req.req_id, req.all_token_ids, req.num_prompt_tokens, req.sampling_params,
-                list(self.kv.blocks_of(req.req_id)), req.num_computed_tokens))
+                req.req_id, token_ids, req.num_prompt_tokens, req.sampling_params,
+                list(self.kv.blocks_of(req.req_id)), req.num_computed_tokens,
+                sorted(req.eos_token_ids)))
             num_scheduled[req.req_id] = num_new
             budget -= num_new
 

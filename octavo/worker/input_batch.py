@@ -1,7 +1,9 @@
 """Persistent per-request state of the worker, one row per running request.
 
 Token ids, block tables and sampling parameters live in preallocated numpy arrays, so that each
-step's inputs are gathered with vectorized indexing instead of per-request Python work.
+step's inputs are gathered with vectorized indexing instead of per-request Python work. The
+state is built from the SchedulerOutputs alone (a running request's new tokens come in its
+delta), never from what this worker sampled: every rank holds the same rows.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class InputBatch:
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
-    def add(self, req: NewRequestData, eos_token_ids: list[int]) -> None:
+    def add(self, req: NewRequestData) -> None:
         row = self._free_rows.pop()
         self.row_of[req.req_id] = row
         n = len(req.token_ids)
@@ -55,12 +57,25 @@ class InputBatch:
         self.presence[row] = p.presence_penalty
         self.frequency[row] = p.frequency_penalty
         self.repetition[row] = p.repetition_penalty
-        self.eos[row] = ([] if p.ignore_eos else eos_token_ids) + p.stop_token_ids
+        self.eos[row] = ([] if p.ignore_eos else req.eos_token_ids) + p.stop_token_ids
 
-    def update(self, req: CachedRequestData) -> None:
-        row = self.row_of[req.req_id]
-        self.num_computed[row] = req.num_computed_tokens
-        self._append_blocks(row, req.new_block_ids)
+    def update(self, reqs: list[CachedRequestData]) -> None:
+        """Running requests' deltas: computed counts, new blocks, and the tokens appended to
+        each since the worker last saw it (all rows' in one vectorized write)."""
+        if not reqs:
+            return
+        rows = [self.row_of[req.req_id] for req in reqs]
+        self.num_computed[rows] = [req.num_computed_tokens for req in reqs]
+        token_rows: list[int] = []
+        tokens: list[int] = []
+        for row, req in zip(rows, reqs):
+            if req.new_block_ids:
+                self._append_blocks(row, req.new_block_ids)
+            if req.new_token_ids:
+                token_rows += [row] * len(req.new_token_ids)
+                tokens += req.new_token_ids
+        if tokens:
+            self.append_tokens(np.array(token_rows), np.array(tokens))
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
@@ -86,6 +101,11 @@ class InputBatch:
         """Put draft tokens after a request's tokens (inputs of the verification; not counted)."""
         n = self.num_tokens[row]
         self.token_ids[row, n:n + len(drafts)] = drafts
+
+    def write_ahead(self, rows: np.ndarray, offsets: np.ndarray, tokens: np.ndarray) -> None:
+        """tokens[i] at offsets[i] past rows[i]'s tokens, not counted: the tokens a step just
+        emitted, for the draft model to run over; the next step's delta appends them."""
+        self.token_ids[rows, self.num_tokens[rows] + offsets] = tokens
 
     def sampling_batch(self, rows: np.ndarray, device: torch.device,
                        lengths: np.ndarray | None = None) -> SamplingBatch:

@@ -6,6 +6,11 @@ the logits at every position of its span are sampled by the request's own pipeli
 after the drafts before it, and `spec.rejection.accept_drafts` keeps what is accepted. With a draft
 model (`spec.draft`), the verification uses the draft's distribution of each draft, and after the
 step the draft model proposes the next step's drafts, which go back in the output.
+
+The batch's tokens come only from the SchedulerOutputs (a running request's delta carries the
+tokens the core accepted from its previous step): what this rank samples goes back to the core
+and nowhere else, so a rank that does not sample holds the same state. The tokens a step emits
+are written past the counted ones only for the draft model, which runs over them right away.
 """
 from __future__ import annotations
 
@@ -23,12 +28,11 @@ from octavo.worker.spec.rejection import accept_drafts
 
 class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, max_num_seqs: int,
-                 max_model_len: int, block_size: int, vocab_size: int, eos_token_ids: list[int],
-                 seed: int, sliding_window: int | None = None) -> None:
+                 max_model_len: int, block_size: int, vocab_size: int, seed: int,
+                 sliding_window: int | None = None) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
-        self.eos_token_ids = eos_token_ids
         self.sliding_window = sliding_window
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, vocab_size)
         self.sampler = Sampler(seed, device)
@@ -41,9 +45,8 @@ class ModelRunner:
             if self.drafter is not None:
                 self.drafter.forget(req_id)
         for new in sched.new_requests:
-            self.batch.add(new, self.eos_token_ids)
-        for cached in sched.cached_requests:
-            self.batch.update(cached)
+            self.batch.add(new)
+        self.batch.update(sched.cached_requests)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -70,11 +73,11 @@ class ModelRunner:
                                           self.block_size, self.kv_caches, self.sliding_window,
                                           self.device)):
             hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions_t)
-        b.num_computed[rows] = seq_lens
 
         sampling = seq_lens >= b.num_tokens[rows]
         sample_idx = np.flatnonzero(sampling)
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
+        num_emitted = np.zeros(len(req_ids), np.int64)
         logprobs: dict[str, TopLogprobs] = {}
         if len(sample_idx):
             req_drafts = [drafts.get(req_ids[i], []) for i in sample_idx]
@@ -96,10 +99,13 @@ class ModelRunner:
             tokens, top = self.sampler(logits, batch)
             tokens_np = tokens.cpu().numpy()
             emitted, emitted_idx = accept_drafts(tokens_np, req_drafts)
-            b.append_tokens(entry_rows[emitted_idx], tokens_np[emitted_idx])
+            if self.drafter is not None:
+                b.write_ahead(entry_rows[emitted_idx], entry_pos[emitted_idx],
+                              tokens_np[emitted_idx])
             offset = 0
             for j, i in enumerate(sample_idx):
                 sampled_lists[i] = emitted[j]
+                num_emitted[i] = len(emitted[j])
                 sel = emitted_idx[offset:offset + len(emitted[j])]
                 offset += len(emitted[j])
                 if top is not None and b.params[rows[i]].logprobs is not None:
@@ -109,7 +115,7 @@ class ModelRunner:
         if self.drafter is not None:
             # The draft runs over this step's real tokens: the whole chunk of a request that
             # did not sample, else up to and including the tokens it just emitted.
-            ends = np.where(sampling, b.num_tokens[rows], seq_lens)
+            ends = np.where(sampling, b.num_tokens[rows] + num_emitted, seq_lens)
             proposed = self.drafter.propose(b, req_ids, rows, computed, ends, sampling)
         return ModelOutput(req_ids, sampled_lists, logprobs, prompt_logprobs, proposed)
 

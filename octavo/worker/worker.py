@@ -114,13 +114,16 @@ class Worker:
         sched = self.config.scheduler
         self.runner = ModelRunner(
             model, self.device, sched.max_num_seqs, self.max_model_len,
-            self.config.cache.block_size, self.arch.vocab_size, self.eos_token_ids,
-            self.config.device.seed, self.arch.sliding_window)
+            self.config.cache.block_size, self.arch.vocab_size, self.config.device.seed,
+            self.arch.sliding_window)
         spec = self.config.speculative
         if spec is not None and spec.method == "draft_model":
             self.runner.drafter = self._load_draft(spec.model, spec.num_speculative_tokens)
 
     def _load_draft(self, name: str, k: int) -> DraftModel:
+        if self.placement.pp_size > 1:
+            raise NotImplementedError("speculative_config.model with pipeline_parallel_size > 1: "
+                                      "the draft model runs on no stage yet")
         try:
             source = resolve_model(name)
             arch = read_arch_config(source)

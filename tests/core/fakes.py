@@ -1,8 +1,9 @@
 """Torch-free stand-ins for the worker side, shared by the core tests.
 
 `FakeWorker` mirrors what the model runner keeps per request (token ids, computed count, block
-table), built only from the diff-shaped SchedulerOutput, and checks the contract as it goes. It
-samples a token for a request exactly when the scheduled chunk reaches the end of its tokens.
+table), built only from the diff-shaped SchedulerOutput (a running request's new tokens come in
+its delta, never from what the fake sampled), and checks the contract as it goes. It samples a
+token for a request exactly when the scheduled chunk reaches the end of its tokens.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class _WorkerRequest:
     num_computed: int
     block_ids: list[int]
     sampling_params: SamplingParams = field(repr=False)
+    sampled: list[int] = field(default_factory=list)  # sampled, not yet sent back in a delta
 
 
 class FakeWorker:
@@ -78,6 +80,7 @@ class FakeWorker:
         for new in sched.new_requests:
             assert new.req_id not in self.reqs, f"{new.req_id} sent in full twice"
             assert 0 < new.num_prompt_tokens <= len(new.token_ids)
+            assert new.eos_token_ids, f"{new.req_id} sent without its EOS ids"
             self.reqs[new.req_id] = _WorkerRequest(
                 list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
                 list(new.block_ids), new.sampling_params)
@@ -85,6 +88,10 @@ class FakeWorker:
             assert cached.req_id in self.reqs, f"delta for unknown request {cached.req_id}"
             state = self.reqs[cached.req_id]
             assert state.num_computed == cached.num_computed_tokens
+            # The core sends back what it kept of the sampled tokens (all of it, as it runs on).
+            assert cached.new_token_ids == state.sampled, cached.req_id
+            state.token_ids.extend(cached.new_token_ids)
+            state.sampled = []
             state.block_ids.extend(cached.new_block_ids)
         # Batch order: the running requests first, then the newly admitted ones.
         assert list(sched.num_scheduled_tokens) == (
@@ -98,13 +105,13 @@ class FakeWorker:
             state = self.reqs[req_id]
             assert n >= 1
             state.num_computed += n
-            assert state.num_computed <= len(state.token_ids)
+            assert state.num_computed <= len(state.token_ids) and not state.sampled
             # Every computed token has a KV slot.
             assert len(state.block_ids) * self.block_size >= state.num_computed
             req_ids.append(req_id)
             if state.num_computed == len(state.token_ids):
                 tok = self.token_fn(req_id, len(state.token_ids) - state.num_prompt_tokens)
-                state.token_ids.append(tok)
+                state.sampled = [tok]
                 sampled.append([tok])
             else:
                 sampled.append([])  # a prefill chunk that did not reach the end

@@ -699,7 +699,7 @@ class SimWorker(FakeWorker):
             req_ids.append(req_id)
             if state.num_computed == len(state.token_ids):
                 tok = sim_token(req_id, state.token_ids)
-                state.token_ids.append(tok)
+                state.sampled = [tok]  # the worker holds it once the core sends it back
                 sampled.append([tok])
             else:
                 sampled.append([])

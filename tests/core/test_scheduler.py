@@ -616,7 +616,8 @@ def simulate(seed: int, abort_prob: float = 0.0, num_requests: int = 40,
                 assert o.req_id not in s.requests
         for req_id in sched.num_scheduled_tokens:
             if req_id in s.requests:
-                assert worker.reqs[req_id].token_ids == s.requests[req_id].all_token_ids
+                state = worker.reqs[req_id]  # its sampled token comes back in the next delta
+                assert state.token_ids + state.sampled == s.requests[req_id].all_token_ids
 
     sched = s.schedule()
     assert sched.finished_req_ids == finished_pending

@@ -118,7 +118,7 @@ class GrammarExecutor(Executor):
                 tok = allowed[-1] if self.highest else allowed[0]
                 j = out.req_ids.index(rid)
                 out.sampled_token_ids[j] = [tok]
-                self.worker.reqs[rid].token_ids[-1] = tok
+                self.worker.reqs[rid].sampled = [tok]
         return out
 
 

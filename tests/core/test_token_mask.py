@@ -32,7 +32,7 @@ class MaskExecutor(GrammarExecutor):
                 allowed = allowed_tokens(grammar.bitmask[i])
                 tok = (allowed[-1] if self.highest else allowed[0]) if allowed else 0
                 out.sampled_token_ids[out.req_ids.index(rid)] = [tok]
-                self.worker.reqs[rid].token_ids[-1] = tok
+                self.worker.reqs[rid].sampled = [tok]
         return out
 
 

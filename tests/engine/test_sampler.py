@@ -99,12 +99,13 @@ def support(p: np.ndarray | torch.Tensor) -> set[int]:
 
 
 def new_request(req_id: str, prompt: list[int], output: list[int] | None = None,
-                **params) -> NewRequestData:
+                eos_token_ids: list[int] | None = None, **params) -> NewRequestData:
     output = output or []
     return NewRequestData(req_id=req_id, token_ids=list(prompt) + list(output),
                           num_prompt_tokens=len(prompt),
                           sampling_params=SamplingParams(**params), block_ids=[],
-                          num_computed_tokens=0)
+                          num_computed_tokens=0,
+                          eos_token_ids=[0] if eos_token_ids is None else eos_token_ids)
 
 
 def input_batch(vocab: int, max_reqs: int = 8, max_len: int = 64) -> InputBatch:
@@ -291,8 +292,8 @@ def test_greedy_rows_return_argmax():
 def test_greedy_sampling_params_via_input_batch():
     vocab = 40
     b = input_batch(vocab)
-    b.add(new_request("g", [1, 2, 3], temperature=0.0), eos_token_ids=[0])
-    b.add(new_request("r", [4, 5], temperature=1.0), eos_token_ids=[0])
+    b.add(new_request("g", [1, 2, 3], temperature=0.0))
+    b.add(new_request("r", [4, 5], temperature=1.0))
     sb = b.sampling_batch(rows_of(b, ["g"]), CPU)
     assert sb.all_greedy and bool(sb.greedy[0])
     sb = b.sampling_batch(rows_of(b, ["g", "r"]), CPU)
@@ -380,7 +381,7 @@ def _generate(context: list[tuple[str, dict]], target: str, steps: int, sampler_
     b = input_batch(vocab, max_reqs=8, max_len=64)
     sampler = Sampler(sampler_seed)
     for req_id, params in context:
-        b.add(new_request(req_id, prompt_of(req_id), **params), eos_token_ids=[0])
+        b.add(new_request(req_id, prompt_of(req_id), **params))
     order = [r for r, _ in context]
     out: list[int] = []
     for step in range(steps):
@@ -388,7 +389,7 @@ def _generate(context: list[tuple[str, dict]], target: str, steps: int, sampler_
             # preempted and resumed: it comes back with its output so far in token_ids
             params = dict(context)[target]
             b.remove(target)
-            b.add(new_request(target, prompt_of(target), out, **params), eos_token_ids=[0])
+            b.add(new_request(target, prompt_of(target), out, **params))
         rows = rows_of(b, order)
         num_out = b.num_tokens[rows] - b.num_prompt_tokens[rows]
         logits = torch.stack([_step_logits(r, int(n), vocab) for r, n in zip(order, num_out)])
@@ -430,10 +431,10 @@ def test_same_seed_same_position_same_draw_and_different_seeds_differ():
     vocab = 500
     logits = torch.zeros(1, vocab)  # uniform: the draw is decided by the seeded noise alone
     b = input_batch(vocab)
-    b.add(new_request("a", [1, 2], seed=5), eos_token_ids=[0])
-    b.add(new_request("b", [7, 8, 9], seed=5), eos_token_ids=[0])  # other prompt, same seed
-    b.add(new_request("c", [1, 2], [4, 4], seed=5), eos_token_ids=[0])  # two outputs already
-    b.add(new_request("d", [1, 2], seed=6), eos_token_ids=[0])
+    b.add(new_request("a", [1, 2], seed=5))
+    b.add(new_request("b", [7, 8, 9], seed=5))  # other prompt, same seed
+    b.add(new_request("c", [1, 2], [4, 4], seed=5))  # two outputs already
+    b.add(new_request("d", [1, 2], seed=6))
     sb = b.sampling_batch(rows_of(b, ["a", "b", "c", "d"]), CPU)
     assert sb.seeds[0] == sb.seeds[1]
     assert len({sb.seeds[0], sb.seeds[2], sb.seeds[3]}) == 3
@@ -441,14 +442,14 @@ def test_same_seed_same_position_same_draw_and_different_seeds_differ():
     assert tokens[0] == tokens[1]
     # b alone, in another row, with another global sampler seed
     b2 = input_batch(vocab)
-    b2.add(new_request("x", [0], temperature=1.0), eos_token_ids=[0])
-    b2.add(new_request("b", [7, 8, 9], seed=5), eos_token_ids=[0])
+    b2.add(new_request("x", [0], temperature=1.0))
+    b2.add(new_request("b", [7, 8, 9], seed=5))
     t2, _ = Sampler(77)(logits.repeat(1, 1), b2.sampling_batch(rows_of(b2, ["b"]), CPU))
     assert int(t2[0]) == int(tokens[1])
     # different seeds over many requests: the draws are spread out, not all equal
     b3 = input_batch(vocab, max_reqs=40)
     for s in range(40):
-        b3.add(new_request(f"r{s}", [1], seed=s), eos_token_ids=[0])
+        b3.add(new_request(f"r{s}", [1], seed=s))
     t3, _ = Sampler(0)(logits.repeat(40, 1),
                        b3.sampling_batch(rows_of(b3, [f"r{s}" for s in range(40)]), CPU))
     assert len(set(t3.tolist())) > 25
@@ -456,9 +457,9 @@ def test_same_seed_same_position_same_draw_and_different_seeds_differ():
 
 def test_seed_mixing_is_deterministic_and_positive():
     b = input_batch(10)
-    b.add(new_request("a", [1], seed=-(2**63)), eos_token_ids=[0])
-    b.add(new_request("b", [1], seed=2**63 - 1), eos_token_ids=[0])
-    b.add(new_request("c", [1]), eos_token_ids=[0])
+    b.add(new_request("a", [1], seed=-(2**63)))
+    b.add(new_request("b", [1], seed=2**63 - 1))
+    b.add(new_request("c", [1]))
     sb = b.sampling_batch(rows_of(b, ["a", "b", "c"]), CPU)
     assert sb.seeds[2] is None
     for s in sb.seeds[:2]:
@@ -498,7 +499,7 @@ def test_penalties_change_logits_as_defined():
     vocab = 32
     b = input_batch(vocab)
     for req_id, prompt, output, params in PENALTY_REQS:
-        b.add(new_request(req_id, prompt, output, **params), eos_token_ids=[0])
+        b.add(new_request(req_id, prompt, output, **params))
     ids = [r[0] for r in PENALTY_REQS]
     rows = rows_of(b, ids)
     sb = b.sampling_batch(rows, CPU)
@@ -526,10 +527,10 @@ def test_penalties_change_logits_as_defined():
 def test_penalty_counts_ignore_stale_tokens_of_a_reused_row():
     vocab = 16
     b = input_batch(vocab, max_reqs=1, max_len=32)
-    b.add(new_request("old", list(range(1, 15)), [15, 15, 14]), eos_token_ids=[0])
+    b.add(new_request("old", list(range(1, 15)), [15, 15, 14]))
     b.remove("old")
     b.add(new_request("new", [2], [3, 3], frequency_penalty=1.0, presence_penalty=0.5,
-                      repetition_penalty=2.0), eos_token_ids=[0])
+                      repetition_penalty=2.0))
     sb = b.sampling_batch(rows_of(b, ["new"]), CPU)
     want_counts = torch.zeros(1, vocab)
     want_counts[0, 3] = 2
@@ -544,7 +545,7 @@ def test_penalty_counts_ignore_stale_tokens_of_a_reused_row():
 
 def test_no_penalties_means_no_penalty_tensors():
     b = input_batch(20)
-    b.add(new_request("a", [1, 2], [3]), eos_token_ids=[0])
+    b.add(new_request("a", [1, 2], [3]))
     sb = b.sampling_batch(rows_of(b, ["a"]), CPU)
     assert sb.frequency is None and sb.repetition is None and sb.output_counts is None
     logits = torch.randn(1, 20)
@@ -555,8 +556,7 @@ def test_penalties_reach_the_sampled_distribution():
     """Through Sampler.__call__: a huge presence penalty removes every output token."""
     vocab = 20
     b = input_batch(vocab)
-    b.add(new_request("a", [1], [2, 3, 4], presence_penalty=2.0, temperature=0.0),
-          eos_token_ids=[0])
+    b.add(new_request("a", [1], [2, 3, 4], presence_penalty=2.0, temperature=0.0))
     logits = torch.zeros(1, vocab)
     logits[0, 2:5] = 1.0  # output tokens lead by 1; presence 2 drops them below the rest
     tokens, _ = Sampler(0)(logits, b.sampling_batch(rows_of(b, ["a"]), CPU))
@@ -568,9 +568,9 @@ def test_penalties_reach_the_sampled_distribution():
 def test_logit_bias_adds_to_logits():
     vocab = 30
     b = input_batch(vocab)
-    b.add(new_request("a", [1], logit_bias={3: 5.0, 7: -2.5}), eos_token_ids=[0])
-    b.add(new_request("b", [1]), eos_token_ids=[0])
-    b.add(new_request("c", [1], logit_bias={"3": -100, 29: 100}), eos_token_ids=[0])
+    b.add(new_request("a", [1], logit_bias={3: 5.0, 7: -2.5}))
+    b.add(new_request("b", [1]))
+    b.add(new_request("c", [1], logit_bias={"3": -100, 29: 100}))
     rows = rows_of(b, ["a", "b", "c"])
     gen = torch.Generator().manual_seed(12)
     logits = torch.randn(3, vocab, generator=gen)
@@ -588,8 +588,8 @@ def test_logit_bias_adds_to_logits():
 def test_logit_bias_greedy_picks_biased_token():
     vocab = 30
     b = input_batch(vocab)
-    b.add(new_request("a", [1], temperature=0.0, logit_bias={11: 50.0}), eos_token_ids=[0])
-    b.add(new_request("b", [1], temperature=0.0, logit_bias={4: -100.0}), eos_token_ids=[0])
+    b.add(new_request("a", [1], temperature=0.0, logit_bias={11: 50.0}))
+    b.add(new_request("b", [1], temperature=0.0, logit_bias={4: -100.0}))
     logits = torch.zeros(2, vocab)
     logits[:, 4] = 10.0
     logits[:, 5] = 9.0
@@ -602,8 +602,8 @@ def test_min_tokens_bans_eos_and_stop_token_ids(ignore_eos):
     vocab, eos = 25, [2, 3]
     b = input_batch(vocab)
     params = dict(min_tokens=3, max_tokens=10, stop_token_ids=[7], ignore_eos=ignore_eos)
-    b.add(new_request("m", [1, 4], **params), eos_token_ids=eos)
-    b.add(new_request("free", [1, 4], stop_token_ids=[8]), eos_token_ids=eos)
+    b.add(new_request("m", [1, 4], eos_token_ids=eos, **params))
+    b.add(new_request("free", [1, 4], eos_token_ids=eos, stop_token_ids=[8]))
     banned_ids = [7] if ignore_eos else [2, 3, 7]
     logits = torch.zeros(2, vocab)
     logits[:, banned_ids] = 20.0  # the banned tokens would otherwise win
@@ -626,7 +626,7 @@ def test_min_tokens_bans_eos_and_stop_token_ids(ignore_eos):
 def test_min_tokens_greedy():
     vocab = 12
     b = input_batch(vocab)
-    b.add(new_request("m", [1], temperature=0.0, min_tokens=2, max_tokens=5), eos_token_ids=[0])
+    b.add(new_request("m", [1], temperature=0.0, min_tokens=2, max_tokens=5))
     logits = torch.zeros(1, vocab)
     logits[0, 0] = 5.0  # eos is the argmax
     logits[0, 6] = 4.0
@@ -677,9 +677,9 @@ def test_sampler_logprobs_are_of_the_raw_distribution():
     vocab = 60
     b = input_batch(vocab)
     b.add(new_request("a", [1, 2], [3], logprobs=3, temperature=0.5, top_k=5,
-                      repetition_penalty=1.5, logit_bias={9: 3.0}), eos_token_ids=[0])
-    b.add(new_request("b", [1], temperature=0.0, logprobs=0), eos_token_ids=[0])
-    b.add(new_request("c", [1], temperature=1.0), eos_token_ids=[0])
+                      repetition_penalty=1.5, logit_bias={9: 3.0}))
+    b.add(new_request("b", [1], temperature=0.0, logprobs=0))
+    b.add(new_request("c", [1], temperature=1.0))
     rows = rows_of(b, ["a", "b", "c"])
     sb = b.sampling_batch(rows, CPU)
     assert sb.max_num_logprobs == 3
@@ -706,8 +706,8 @@ def test_sampling_batch_tensors_on_requested_device():
     """Every tensor in the SamplingBatch lives on the device given (meta stands in for a GPU)."""
     b = input_batch(40)
     b.add(new_request("a", [1, 2], [3], seed=1, repetition_penalty=1.2, logit_bias={5: 1.0},
-                      min_tokens=2, stop_token_ids=[6]), eos_token_ids=[0])
-    b.add(new_request("b", [4], temperature=0.0), eos_token_ids=[0])
+                      min_tokens=2, stop_token_ids=[6]))
+    b.add(new_request("b", [4], temperature=0.0))
     meta = torch.device("meta")
     sb = b.sampling_batch(rows_of(b, ["a", "b"]), meta)
     tensors = {k: v for k, v in vars(sb).items() if isinstance(v, torch.Tensor)}

@@ -61,9 +61,10 @@ class DraftModel:
     def propose(self, b: InputBatch, req_ids: list[str], rows: np.ndarray, computed: np.ndarray,
                 ends: np.ndarray, sampled: np.ndarray) -> dict[str, list[int]]:
         """Run the draft over positions [computed, ends) of each scheduled request (its real
-        tokens of this step, including those just sampled) and propose up to k drafts for the
-        requests that sampled (`sampled`: bool per request), within their allocated slots.
-        rows: the requests' batch rows. Returns request id -> drafts."""
+        tokens of this step, including those just sampled: the runner writes them past the
+        batch's counted tokens, and the next step's delta appends them) and propose up to k
+        drafts for the requests that sampled (`sampled`: bool per request), within their
+        allocated slots. rows: the requests' batch rows. Returns request id -> drafts."""
         for req_id in req_ids:
             self.forget(req_id)
         slots = b.num_blocks[rows] * self.block_size
