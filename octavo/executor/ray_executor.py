@@ -54,6 +54,7 @@ class RayExecutor(RankExecutor):
         self.pending: dict = {}  # ObjectRef of a call's reply -> its rank
         self.deaths: dict[int, str] = {}  # rank -> how its actor failed
         self.names = [f"worker rank {rank}" for rank in range(self.world_size)]
+        self.nodes: list[str] = []  # each rank's Ray node id
         self.placement_group = None
         try:
             self._start(config, source, arch, max_model_len, eos_token_ids)
@@ -95,10 +96,10 @@ class RayExecutor(RankExecutor):
                             timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.RayError as exc:
             self._fail(f"the rank actors did not start: {_why(exc)}")
-        nodes = [node for node, _, _ in where]
+        self.nodes = [node for node, _, _ in where]
         self.names = [f"worker rank {rank} (pid {pid}, node {ip})"
                       for rank, (_, ip, pid) in enumerate(where)]
-        places = local_ranks(nodes)
+        places = local_ranks(self.nodes)
         if cpu:  # ranks on one node share its memory
             self.memory_sharers = [size for _, size in places]
         port = ray.get(self.actors[0].free_port.remote(), timeout=PLACEMENT_TIMEOUT_S)
@@ -112,8 +113,8 @@ class RayExecutor(RankExecutor):
         self._gather(wire.READY_CALL_ID, "start-up (loading the model)")
 
     def describe(self) -> str:
-        nodes = len({name.rsplit("node ", 1)[-1] for name in self.names})
-        return (f"{super().describe()}, {self.world_size} Ray actors on {nodes} node(s) "
+        return (f"{super().describe()}, {self.world_size} Ray actors on {len(set(self.nodes))} "
+                f"node(s) "
                 f"(tp {self.tp_size}, pp {self.pp_size})")
 
     def check_health(self) -> None:
