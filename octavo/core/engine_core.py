@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 from octavo.arch_config import ArchConfig
 from octavo.config import EngineConfig
+from octavo.core.contract import SchedulerOutput
 from octavo.core.faults import StepFaults
 from octavo.core.kv_budget import plan_kv
 from octavo.core.kv_manager import KVCacheManager, cdiv
@@ -20,7 +22,7 @@ from octavo.core.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerS
 from octavo.core.request import Request
 from octavo.core.scheduler import Scheduler
 from octavo.core.structured import BackendFactory, StructuredOutputManager
-from octavo.executor.base import Executor
+from octavo.executor.base import Executor, PendingOutput
 from octavo.model_source import ModelSource
 from octavo.startup_gc import collector_paused
 
@@ -42,6 +44,8 @@ class EngineCore:
         vocab_size: the model's, the width of token masks (None: allowed_token_ids and
         bad_words are refused)."""
         self.executor = executor
+        # Batches started and not yet taken back, oldest first: (its schedule, its pending output).
+        self.batches: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         block_size = config.cache.block_size
 
         def tokens_needed(max_len: int) -> int:
@@ -100,25 +104,47 @@ class EngineCore:
         return self.scheduler.abort_requests(req_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Also while a batch is in flight: its output must be taken back, even of requests
+        aborted since."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batches)
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule a batch and start it, then take the outputs of the oldest batch in flight.
+        With one batch at a time (one pipeline stage) that is schedule, execute, update; with
+        several (`max_concurrent_batches`), the next batch is scheduled from the requests not in
+        flight while the earlier ones run, and a step returns without waiting while there is
+        room for another batch and the oldest has not finished."""
         failed = self.scheduler.finish_failed_grammars() if self.structured.has_compiling() \
             else []
-        self.faults.before_schedule()
-        sched = self.scheduler.schedule()
-        if (sched.total_num_scheduled_tokens == 0 and not sched.finished_req_ids
-                and not sched.preempted_req_ids):
+        started = False
+        if len(self.batches) < self.executor.max_concurrent_batches:
+            self.faults.before_schedule()
+            sched = self.scheduler.schedule()
+            if (sched.total_num_scheduled_tokens or sched.finished_req_ids
+                    or sched.preempted_req_ids):
+                try:
+                    # The matchers are up to date with every token so far (a constrained
+                    # request is in one batch at a time): fill its bitmask now (microseconds)
+                    # so that the worker only applies it.
+                    sched.grammar = self.structured.bitmask_for(sched, self.scheduler.requests)
+                    self.batches.append((sched, self.executor.execute_async(sched)))
+                    started = True
+                except Exception as exc:  # noqa: BLE001 - attributed to a request, or EngineFault
+                    self.scheduler.batch_landed(sched)
+                    return failed + self.faults.failed(sched, exc)
+        if not self.batches:
             if not failed and self.structured.has_compiling():
                 self.structured.wait_for_compiles(GRAMMAR_WAIT_S)
             return failed  # nothing to run and nothing for the workers to drop
+        sched, pending = self.batches[0]
+        if started and len(self.batches) < self.executor.max_concurrent_batches \
+                and not pending.done():
+            return failed  # room for another batch while this one runs
+        self.batches.popleft()
         try:
-            # The matchers are up to date with every token so far: fill the constrained
-            # requests' bitmask now (microseconds each) so that the worker only applies it.
-            sched.grammar = self.structured.bitmask_for(sched, self.scheduler.requests)
-            out = self.executor.execute(sched)
-            outputs = self.scheduler.update_from_output(sched, out)
+            outputs = self.scheduler.update_from_output(sched, pending.result())
         except Exception as exc:  # noqa: BLE001 - attributed to a request, or EngineFault
+            self.scheduler.batch_landed(sched)
             return failed + self.faults.failed(sched, exc)
         self.faults.succeeded(sched)
         return failed + outputs

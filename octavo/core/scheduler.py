@@ -80,6 +80,9 @@ class Scheduler:
         self.lookahead = lookahead
         self.spec_counts = [0, 0, 0]  # draft tokens, accepted, verifications
         self.isolated: str | None = None  # set: a step schedules only this request (faults.py)
+        # Requests of batches scheduled but whose output has not come back (pipeline stages
+        # run several batches at once): never scheduled again, nor preempted, until it has.
+        self.in_flight: set[str] = set()
 
     @property
     def speculating(self) -> bool:
@@ -161,7 +164,7 @@ class Scheduler:
         preempted_running = False
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if isolated is not None and req.req_id != isolated:
+            if (isolated is not None and req.req_id != isolated) or req.req_id in self.in_flight:
                 i += 1
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -170,8 +173,9 @@ class Scheduler:
             extra = self._lookahead(req, req.num_computed_tokens + num_new)
             new_blocks = self.kv.allocate_slots(req, num_new + extra)
             while new_blocks is None:
-                # The tail of `running` has not been scheduled yet this step (it is at or after i).
-                victim = self.running.pop()
+                # The tail of `running` has not been scheduled yet this step (it is at or after i;
+                # req itself is the last candidate).
+                victim = self._pop_victim(num_scheduled)
                 self._preempt(victim)
                 preempted.add(victim.req_id)
                 preempted_running = True
@@ -203,10 +207,10 @@ class Scheduler:
             num_new = min(req.num_tokens - num_hit, budget)
             extra = self._lookahead(req, num_hit + num_new)
             allocated = self.kv.allocate_slots(req, num_new + extra, hits)
-            while allocated is None and isolated is not None and self.running:
+            while allocated is None and isolated is not None and self._has_victim(num_scheduled):
                 # A suspect run alone may need blocks that requests set aside for it hold
                 # (a prefix they shared left the cache with the failed step): they make room.
-                victim = self.running.pop()
+                victim = self._pop_victim(num_scheduled)
                 self._preempt(victim)
                 preempted.add(victim.req_id)
                 allocated = self.kv.allocate_slots(req, num_new + extra, hits)
@@ -235,11 +239,24 @@ class Scheduler:
             req = self.requests[req_id]
             req.num_computed_tokens += n
             req.draft_token_ids = []  # used now, or stale: the worker proposes again
+        self.in_flight.update(num_scheduled)
         finished, self._finished_ids = self._finished_ids, set()
         self.num_steps += 1
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                self.max_num_batched_tokens - budget, finished, preempted,
                                spec_token_ids=spec)
+
+    def _has_victim(self, scheduled: dict[str, int]) -> bool:
+        return any(r.req_id not in self.in_flight and r.req_id not in scheduled
+                   for r in self.running)
+
+    def _pop_victim(self, scheduled: dict[str, int]) -> Request:
+        """The last running request neither in flight nor scheduled in this step."""
+        for j in range(len(self.running) - 1, -1, -1):
+            req = self.running[j]
+            if req.req_id not in self.in_flight and req.req_id not in scheduled:
+                return self.running.pop(j)
+        raise AssertionError("no running request to preempt")  # callers check first
 
     def resend_dropped(self, req_ids: set[str]) -> None:
         """A step that raised may not have reached the worker: the finished and preempted
@@ -286,7 +303,8 @@ class Scheduler:
             return set()
         eff = self.effective_priority(head)
         victims = [r for r in reversed(self.running)
-                   if r.priority > head.priority and self.effective_priority(r) > eff]
+                   if r.priority > head.priority and self.effective_priority(r) > eff
+                   and r.req_id not in self.in_flight]
         if not victims:
             return set()
         kv, pool = self.kv, self.kv.pool
@@ -358,7 +376,12 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, req, key=Request.sort_key)
 
+    def batch_landed(self, sched: SchedulerOutput) -> None:
+        """A batch's output came back (or its step failed): its requests may be scheduled."""
+        self.in_flight.difference_update(sched.num_scheduled_tokens)
+
     def update_from_output(self, sched: SchedulerOutput, out: ModelOutput) -> list[EngineCoreOutput]:
+        self.batch_landed(sched)
         outputs = []
         for req_id, sampled in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(req_id)

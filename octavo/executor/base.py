@@ -10,8 +10,22 @@ from octavo.core.contract import ModelOutput, SchedulerOutput
 from octavo.model_source import ModelSource
 
 
+class PendingOutput:
+    """A step started on the ranks: `done()` without waiting, `result()` waits for it (and
+    raises what the step raised)."""
+
+    def __init__(self, output: ModelOutput) -> None:
+        self.output = output
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> ModelOutput:
+        return self.output
+
+
 class Executor(abc.ABC):
-    # Batches the core may have in flight at once: 1 until pipeline stages overlap.
+    # Batches the core may have in flight at once: pipeline stages work on several (one each).
     max_concurrent_batches: int = 1
 
     @staticmethod
@@ -38,6 +52,11 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Run one step on every rank; the output rank's result."""
+
+    def execute_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """Start one step; its output when it is done. An executor that runs one batch at a
+        time returns it done."""
+        return PendingOutput(self.execute(scheduler_output))
 
     def kv_bytes_per_block(self, block_size: int) -> int | None:
         """Bytes of one KV block over all layers, on the rank that needs the most (None:

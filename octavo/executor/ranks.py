@@ -25,7 +25,7 @@ import time
 from octavo.config import EngineConfig
 from octavo.core.contract import ModelOutput, SchedulerOutput
 from octavo.executor import wire
-from octavo.executor.base import Executor
+from octavo.executor.base import Executor, PendingOutput
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,12 @@ class RankExecutor(Executor):
         self.stopped = False
         self.calls = 0
         self._kv_bytes: dict[int, list[int]] = {}
+        # Pipeline stages work on a batch each: the core may have pp_size steps in flight, whose
+        # replies can arrive in any order across ranks (a first stage answers its next step
+        # before the last answers this one); those of a step not gathered yet wait here.
+        self.max_concurrent_batches = self.pp_size
+        self._in_flight: set[int] = set()
+        self._early: dict[int, list[wire.Reply | wire.ExecuteReply]] = {}
         # How many ranks share each rank's memory (those on one machine, on the CPU); a subclass
         # that knows where its ranks run says.
         self.memory_sharers = [1] * self.world_size
@@ -116,8 +122,13 @@ class RankExecutor(Executor):
         return any(self._broadcast(wire.DoIdleWork(self._next_id()), "do_idle_work"))
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
-        return self._broadcast(wire.Execute(self._next_id(), scheduler_output),
-                               "execute")[self.output_rank]
+        return self.execute_async(scheduler_output).result()
+
+    def execute_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        call = wire.Execute(self._next_id(), scheduler_output)
+        self._broadcast(call, "execute", gather=False)
+        self._in_flight.add(call.call_id)
+        return _PendingStep(self, call.call_id)
 
     def check_health(self) -> None:
         if self.failure is not None:
@@ -181,13 +192,16 @@ class RankExecutor(Executor):
         errors: dict[int, str] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         grace_until: float | None = None
+        early = self._early.pop(call_id, [])
+        self._in_flight.discard(call_id)
         while len(values) + len(errors) < self.world_size:
-            replies = self._receive(POLL_S)
-            for data in replies:
-                reply = wire.reply_decoder.decode(data)
+            replies = early or [wire.reply_decoder.decode(data)
+                                for data in self._receive(POLL_S)]
+            early = []
+            for reply in replies:
                 if reply.call_id != call_id:
-                    self._fail(f"worker rank {reply.rank} answered call {reply.call_id} while "
-                               f"{what} (call {call_id}) was waiting")
+                    self._keep_early(reply, what, call_id)
+                    continue
                 if reply.error is not None:
                     errors[reply.rank] = reply.error
                     grace_until = grace_until or time.monotonic() + ERROR_GRACE_S
@@ -216,6 +230,23 @@ class RankExecutor(Executor):
             self.ready = True
         return [values[rank] for rank in range(self.world_size)]
 
+    def _keep_early(self, reply: wire.Reply | wire.ExecuteReply, what: str,
+                    call_id: int) -> None:
+        if reply.call_id not in self._in_flight:
+            self._fail(f"worker rank {reply.rank} answered call {reply.call_id} while "
+                       f"{what} (call {call_id}) was waiting")
+        self._early.setdefault(reply.call_id, []).append(reply)
+
+    def _step_done(self, call_id: int) -> bool:
+        """Whether every rank has answered step `call_id`, without waiting."""
+        while len(self._early.get(call_id, ())) < self.world_size:
+            replies = self._receive(0)
+            if not replies:
+                return False
+            for data in replies:
+                self._keep_early(wire.reply_decoder.decode(data), "execute", call_id)
+        return True
+
     def _fail(self, message: str) -> None:
         """The executor cannot go on: kill every worker, remember why, raise it."""
         if self.failure is None:
@@ -237,3 +268,16 @@ def _first_error(errors: dict[int, str]) -> str:
     rank = min(errors)
     lines = errors[rank].strip().splitlines()
     return f"; worker rank {rank} raised {lines[-1]}\n{errors[rank]}"
+
+
+class _PendingStep(PendingOutput):
+    """A step sent to every rank; its output rank's ModelOutput once gathered."""
+
+    def __init__(self, executor: RankExecutor, call_id: int) -> None:
+        self.executor, self.call_id = executor, call_id
+
+    def done(self) -> bool:
+        return self.executor.failure is not None or self.executor._step_done(self.call_id)
+
+    def result(self) -> ModelOutput:
+        return self.executor._gather(self.call_id, "execute")[self.executor.output_rank]

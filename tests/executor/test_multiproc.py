@@ -103,15 +103,15 @@ def test_a_worker_killed_mid_run_is_a_clear_error_and_leaves_no_process(tiny_lla
     executor = _executor(llm)
     pid = executor.procs[0].pid
     assert _children() == {pid}
-    execute, steps = executor.execute, []
+    execute, start, steps = executor.execute, executor.execute_async, []
 
     def kill_on_the_fourth_step(sched):
         steps.append(sched)
         if len(steps) == 4:
             os.kill(pid, signal.SIGKILL)
-        return execute(sched)
+        return start(sched)
 
-    executor.execute = kill_on_the_fourth_step
+    executor.execute_async = kill_on_the_fourth_step
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
     started = time.monotonic()
     try:
@@ -164,15 +164,15 @@ def test_a_tensor_parallel_rank_killed_mid_run_fails_its_peer_too(tiny_llama):
     llm = _mp(tiny_llama, tensor_parallel_size=2)
     executor = _executor(llm)
     assert len(_children()) == 2
-    execute, steps = executor.execute, []
+    start, steps = executor.execute_async, []
 
     def kill_rank_1_on_the_third_step(sched):
         steps.append(sched)
         if len(steps) == 3:
             os.kill(executor.procs[1].pid, signal.SIGKILL)
-        return execute(sched)
+        return start(sched)
 
-    executor.execute = kill_rank_1_on_the_third_step
+    executor.execute_async = kill_rank_1_on_the_third_step
     started = time.monotonic()
     try:
         outs = llm.generate(_prompts(), SamplingParams(max_tokens=50, temperature=0,

@@ -110,16 +110,16 @@ def test_an_actor_killed_mid_run_is_a_clear_error_within_seconds(tiny_llama, ray
     llm = LLM(str(tiny_llama), distributed_executor_backend="ray", **KW)
     executor = _executor(llm)
     pids, group = _pids(executor), executor.placement_group
-    execute, steps, killed = executor.execute, [], []
+    start, steps, killed = executor.execute_async, [], []
 
     def kill_rank_1_on_the_third_step(sched):
         steps.append(sched)
         if len(steps) == 3:
             os.kill(pids[1], signal.SIGKILL)
             killed.append(time.monotonic())
-        return execute(sched)
+        return start(sched)
 
-    executor.execute = kill_rank_1_on_the_third_step
+    executor.execute_async = kill_rank_1_on_the_third_step
     try:
         outs = llm.generate(_prompts(), SamplingParams(max_tokens=50, temperature=0,
                                                        ignore_eos=True), use_tqdm=False)
