@@ -20,6 +20,7 @@ from torch import nn
 
 from octavo.core.contract import GrammarBitmask, ModelOutput, SchedulerOutput, TopLogprobs
 from octavo.model.context import forward_context, step_context
+from octavo.model.pipeline import is_last_stage
 from octavo.worker.input_batch import InputBatch
 from octavo.worker.sampler import Sampler, SamplingBatch, gather_logprobs
 from octavo.worker.spec.draft import DraftModel
@@ -73,6 +74,8 @@ class ModelRunner:
                                           self.block_size, self.kv_caches, self.sliding_window,
                                           self.device)):
             hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions_t)
+        if not is_last_stage():  # its hidden states went on to the next stage, which samples
+            return ModelOutput(req_ids, [[] for _ in req_ids])
 
         sampling = seq_lens >= b.num_tokens[rows]
         sample_idx = np.flatnonzero(sampling)
