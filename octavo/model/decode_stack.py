@@ -2,13 +2,14 @@
 
 It takes the steps whose attention the in-place kernel computes whole: decodes, speculative
 verification, and prompts (of any length in bf16, else up to paged_attention.KERNEL_CONTEXT_LEN
-tokens; a step with a padded SDPA group runs the Python layers). In a decode step every request brings one token, and
-for a small model the Python around each kernel costs as much as the kernel: about a dozen module
-calls and dispatches a layer, about 3 ms a step for SmolLM2's 30 layers against roughly 5 ms of
-arithmetic. The stack runs the same
-kernels in the same order from C++ (the CPU analogue of replaying a captured CUDA graph), so it
-needs exactly what those kernels need: dense weights (with or without a GGUF's int4/int8 copy
-for small batches) or packed int4 / symmetric int8 weights alone (--quantization). Anything else
+tokens; a step with a padded SDPA group runs the Python layers). In a decode step every request
+brings one token, and for a small model the Python around each kernel costs as much as the
+kernel: about a dozen module calls and dispatches a layer, about 3 ms a step for SmolLM2's 30
+layers against roughly 5 ms of arithmetic. The stack runs the same kernels in the same order
+from C++ (the CPU analogue of replaying a captured CUDA graph), so it needs exactly what those
+kernels need, read from each layer's typed weights (`_forms`): dense weights (with or without a
+GGUF's int4/int8 copy for small batches) or packed int4 / symmetric int8 weights alone
+(--quantization). Anything else
 (steps with long prefills, sliding windows, softcaps, an fp8 KV cache, act-order or asymmetric int8
 weights, partial rotary, MoE layers, kernels not loaded yet) runs the Python layers.
 `--enforce-eager` turns it off. Under tensor parallelism it computes a rank's heads and slices and
@@ -29,9 +30,9 @@ from octavo.model.layers.linear import Linear
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
 from octavo.model.models.llama import LlamaDecoderLayer, LlamaMLP
-from octavo.model.quant.base import UNQUANTIZED
 from octavo.model.quant.decode_weights import max_rows
-from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed
+from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed, PackedWeight
+from octavo.model.quant.weights import DenseWeights, PackedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -71,17 +72,29 @@ def _linears(layer: nn.Module) -> list[Linear]:
     return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
 
 
+def _forms(lin: Linear) -> tuple[torch.Tensor | None, PackedWeight | None] | None:
+    """The two forms the stack computes a linear layer with: its dense weight (None: packed
+    only) and a low-bit weight (its copy for small batches, or the packed weight alone); None
+    for weights of another type."""
+    weights = lin.weights
+    if isinstance(weights, DenseWeights):
+        return weights.weight, weights.small_batch
+    if isinstance(weights, PackedWeights):
+        return None, weights.packed
+    return None
+
+
 def _weight_reason(lin: Linear, dtype: torch.dtype) -> str | None:
     """What the stack cannot compute of a linear layer: a dense weight (the activation dtype)
     with at most a low-bit copy for small batches beside it, or a packed weight alone (what
     --quantization int4/int8 and packed checkpoints leave): int4, or symmetric int8 with a
     scale per channel or per group."""
-    dense = lin.weight is not None
-    if dense and lin.quant_method is not UNQUANTIZED and lin.decode_weight is not None:
-        return f"a {type(lin.quant_method).__name__} linear layer"
-    low = lin.decode_weight if dense else getattr(lin, "packed", None)
+    forms = _forms(lin)
+    if forms is None:
+        return f"{type(lin.weights).__name__} linear weights"
+    _, low = forms
     if low is None:
-        return None if dense else f"a {type(lin.quant_method).__name__} linear layer"
+        return None
     if low.perm is not None:
         return "a permuted (act-order) packed weight"
     if isinstance(low, Int4Packed):
@@ -95,15 +108,16 @@ def _weight_reason(lin: Linear, dtype: torch.dtype) -> str | None:
 
 def _row_limit(lin: Linear) -> int | None:
     """The most rows the stack computes of `lin` as its Python layer does (None: any)."""
-    if lin.weight is not None:
+    dense, low = _forms(lin)
+    if dense is not None:
         return None
     # Packed alone: the Python layer takes dequantized tiles above an int4 or grouped int8
     # weight's dense_rows, and torch's int8 kernel for per-channel int8 above 8 rows.
-    return 8 if isinstance(lin.packed, Int8Packed) else lin.packed.dense_rows
+    return 8 if isinstance(low, Int8Packed) else low.dense_rows
 
 
 def _linear(native: Any, lin: Linear) -> Any:
-    low = lin.decode_weight if lin.weight is not None else lin.packed
+    dense, low = _forms(lin)
     if isinstance(low, Int4Packed) and fused.int4_gemm_ready(low.dtype):  # octavo's int4 kernel
         kind, a, b = 5, *low.native_layout()
     elif isinstance(low, Int4Packed):  # torch's kernel, groups of 32
@@ -114,9 +128,9 @@ def _linear(native: Any, lin: Linear) -> Any:
         kind, a, b = 8, low.q, low.scale
     else:
         kind, a, b = 0, None, None
-    out = lin.weight.shape[0] if lin.weight is not None else low.out_features
+    out = dense.shape[0] if dense is not None else low.out_features
     rows = max_rows(low) if low is not None else 0
-    return native.StackLinear(lin.weight, lin.bias, kind, a, b, out, rows)
+    return native.StackLinear(dense, lin.bias, kind, a, b, out, rows)
 
 
 class DecodeStack:

@@ -20,10 +20,9 @@ def _bytes(model: torch.nn.Module) -> tuple[int, int]:
     seen: set[int] = set()
     for name, module in model.named_modules():
         tensors = [p for p in module.parameters(recurse=False)]
-        for attr in ("decode_weight", "packed"):
-            packed = getattr(module, attr, None)
-            if packed is not None:
-                tensors += list(packed.tensors().values())
+        weights = getattr(module, "weights", None)  # linear layers', the LM head's
+        if weights is not None:
+            tensors += list(weights.tensors().values())
         for t in tensors:
             if id(t) in seen:
                 continue

@@ -10,6 +10,7 @@ from octavo import LLM, SamplingParams
 from octavo.model import decode_stack
 from octavo.model.quant.decode_weights import make_decode_weight
 from octavo.model.quant.packed import Int4Packed, Int8Grouped
+from octavo.model.quant.weights import DenseWeights
 from tests.parity.test_tiny_models import _build
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
@@ -39,7 +40,8 @@ def test_stack_matches_the_python_layers(tmp_path, smollm_oracle_folder, name, b
         for layer in model.model.layers:
             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                         layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                lin.decode_weight = make_decode_weight(lin.weight.data, bits)
+                dense = lin.weights.weight
+                lin.set_weights(DenseWeights(dense, make_decode_weight(dense, bits)))
     stack = decode_stack.attach(model)
     assert stack is not None
     calls = [0]

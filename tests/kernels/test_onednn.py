@@ -52,7 +52,7 @@ def test_a_cpu_model_loads_packed_in_bf16_only(tmp_path, smollm_oracle_folder, d
         pass
     assert worker.packing is None and not worker.do_idle_work()
     model = worker.runner.model
-    weights = [m.weight for m in model.modules() if isinstance(m, (Linear, LMHead))]
+    weights = [m.weights.weight for m in model.modules() if isinstance(m, (Linear, LMHead))]
     packs = dtype == "bfloat16" and onednn.bf16_packing_available()
     assert weights and all(w.is_mkldnn == packs for w in weights)
     assert not model.model.embed_tokens.weight.is_mkldnn  # the table the embedding indexes
@@ -85,18 +85,19 @@ def test_weights_packed_step_by_step_change_no_output(tmp_path, smollm_oracle_fo
 
     packing, worker.packing = worker.packing, None  # held back: plain weights only
     plain = run()
-    assert not any(m.weight.is_mkldnn for m in linears)
+    assert not any(m.weights.weight.is_mkldnn for m in linears)
     stack = model.model.decode_stack
     built_plain = stack._stack
     assert built_plain is not None  # its C++ layers hold the plain weights
     worker.packing = packing
     packing.per_step = 1  # this model has 9 weights: one before each of the next steps
     partly = run()
-    packed_now = sum(m.weight.is_mkldnn for m in linears)
+    packed_now = sum(m.weights.weight.is_mkldnn for m in linears)
     assert 0 < packed_now < len(linears) and worker.packing is not None
     while worker.packing is not None:
         packed = run()
-    assert all(m.weight.is_mkldnn for m in linears) and model.lm_head.weight.is_mkldnn
+    assert all(m.weights.weight.is_mkldnn for m in linears)
+    assert model.lm_head.weights.weight.is_mkldnn
     assert stack._stack is not None and stack._stack is not built_plain
     assert plain == partly == packed
 

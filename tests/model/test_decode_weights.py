@@ -13,8 +13,9 @@ import torch
 from octavo import LLM, SamplingParams
 from octavo.model.quant.decode_weights import (INT4_ROWS, INT4_ROWS_AMX, INT4_ROWS_F32,
                                                INT8_ROWS_F32, MAX_ROWS, make_decode_weight,
-                                               max_rows, small_batch_linear)
+                                               max_rows)
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, quantize_int8
+from octavo.model.quant.weights import DenseWeights
 
 
 def _q4_weight(n: int, k: int) -> torch.Tensor:
@@ -122,8 +123,9 @@ def test_only_small_bf16_batches_take_the_low_bit_path(native_kernels, native, a
     assert limit == (int4_limit if native and fused.int4_gemm_ready(torch.bfloat16) else MAX_ROWS)
     small = torch.randn(limit, 128).bfloat16()
     large = torch.randn(limit + 1, 128).bfloat16()
-    assert torch.equal(small_batch_linear(small, w, None, decode), decode.matmul(small))
-    assert torch.equal(small_batch_linear(large, w, None, decode),
+    weights = DenseWeights(w, decode)
+    assert torch.equal(weights.matmul(small), decode.matmul(small))
+    assert torch.equal(weights.matmul(large),
                        torch.nn.functional.linear(large, w))
     assert make_decode_weight(w, 16) is None  # wide sources stay dense
 
@@ -144,11 +146,11 @@ def test_float32_runs_take_the_low_bit_path_up_to_their_own_limits(native_kernel
         limit = max_rows(decode)
         assert limit == (fast if on else MAX_ROWS)
         small, large = torch.randn(limit, 128), torch.randn(limit + 1, 128)
-        out = small_batch_linear(small, w, None, decode)
+        out = DenseWeights(w, decode).matmul(small)
         assert torch.equal(out, decode.matmul(small))
         ref = torch.nn.functional.linear(small, w)
         assert (out - ref).norm() / ref.norm() < 1e-2  # w re-quantized (test_quant_kernels)
-        assert torch.equal(small_batch_linear(large, w, None, decode),
+        assert torch.equal(DenseWeights(w, decode).matmul(large),
                            torch.nn.functional.linear(large, w))
 
 
@@ -163,9 +165,9 @@ def test_decode_copies_exist_only_when_asked(bf16_pair):
     fast_model = fast.engine.client.core.executor.worker.runner.model
     dense_model = dense.engine.client.core.executor.worker.runner.model
     layer = fast_model.model.layers[0]
-    assert isinstance(layer.mlp.gate_up_proj.decode_weight, Int4Packed)  # Q4_1 source
-    assert isinstance(fast_model.lm_head.decode_weight, Int8Grouped)  # tied Q8_0 embedding
-    assert dense_model.model.layers[0].mlp.gate_up_proj.decode_weight is None
+    assert isinstance(layer.mlp.gate_up_proj.weights.small_batch, Int4Packed)  # Q4_1 source
+    assert isinstance(fast_model.lm_head.weights.small_batch, Int8Grouped)  # tied Q8_0 embedding
+    assert dense_model.model.layers[0].mlp.gate_up_proj.weights.small_batch is None
 
 
 def test_greedy_output_matches_dense_bf16(bf16_pair, smollm_llm):
@@ -220,10 +222,14 @@ def _prompt_logprob_error(llm, ref, chunks: list[list[int]]) -> float:
 
 
 def test_prepared_weights_reload_identically(smollm_gguf, tmp_path, monkeypatch):
-    """The second start reads the prepared file: same parameters, same decode copies."""
+    """The second start reads the prepared file: same parameters, same typed weights with the
+    same decode copies."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
     from octavo.arch_config import read_arch_config
-    from octavo.kernels import onednn
     from octavo.model.loader import load_model
+    from octavo.model.loader.prepared_cache import FORMAT
     from octavo.model_source import resolve_model
 
     monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path))  # prepared weights and GGUF types
@@ -244,18 +250,41 @@ def test_prepared_weights_reload_identically(smollm_gguf, tmp_path, monkeypatch)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "[]"
     reloaded = load_model(*args)
-    for (name, a), (_, b) in zip(fresh.named_parameters(), reloaded.named_parameters()):
-        assert torch.equal(onednn.dense(a), onednn.dense(b)), name
-    for name, module in fresh.named_modules():
-        if getattr(module, "decode_weight", None) is not None:
-            other = dict(reloaded.named_modules())[name].decode_weight
-            assert type(other) is type(module.decode_weight)
-            x = torch.randn(2, module.weight.shape[1]).bfloat16()
-            assert torch.equal(other.matmul(x), module.decode_weight.matmul(x)), name
+    _assert_same_weights(fresh, reloaded)
+    plain = load_model(*args, pack_gemm=False)  # the tied head's weight is its embedding's
+    assert plain.lm_head.weights.weight is plain.model.embed_tokens.weight
+    # A file without this code's layout (what the attribute-based code before it wrote, with no
+    # metadata) is rebuilt, not misread.
+    save_file(load_file(prepared), prepared)
+    _assert_same_weights(fresh, load_model(*args))
+    with safe_open(str(prepared), "pt") as f:
+        assert f.metadata()["format"] == FORMAT  # written anew
     prepared.write_bytes(b"not a safetensors file")  # a broken entry is rebuilt, not trusted
     rebuilt = load_model(*args)
     assert torch.equal(rebuilt.model.embed_tokens.weight, fresh.model.embed_tokens.weight)
     assert prepared.stat().st_size > 1000
+
+
+def _assert_same_weights(fresh, reloaded) -> None:
+    """The same parameters and the same typed weights, computing the same products."""
+    from octavo.kernels import onednn
+
+    for (name, a), (_, b) in zip(fresh.named_parameters(), reloaded.named_parameters()):
+        assert torch.equal(onednn.dense(a), onednn.dense(b)), name
+    others = dict(reloaded.named_modules())
+    count = 0
+    for name, module in fresh.named_modules():
+        weights = getattr(module, "weights", None)
+        if weights is None:
+            continue
+        other = others[name].weights
+        assert type(other) is type(weights), name
+        small = getattr(weights, "small_batch", None)
+        assert type(getattr(other, "small_batch", None)) is type(small), name
+        x = torch.randn(2, weights.shape[1]).bfloat16()
+        assert torch.equal(other.matmul(x), weights.matmul(x)), name
+        count += small is not None
+    assert count > 0  # the GGUF's decode copies came back
 
 
 def test_a_new_prepared_entry_replaces_the_stale_one(tmp_path):

@@ -26,6 +26,7 @@ from gguf.quants import dequantize
 from octavo.arch_config import ArchConfig
 from octavo.model.loader.gguf_weights import iterate_gguf_weights
 from octavo.model.quant.packed import Int4Packed
+from octavo.model.quant.weights import DenseWeights, PackedWeights
 
 NAME = "model.layers.0.mlp.up_proj.weight"
 
@@ -182,8 +183,9 @@ def test_tiny_gguf_int4_and_int8_agree_with_dense(tiny_gguf, smollm_oracle_folde
                               dtype="float32", quantization="int4")
     model = llm.engine.client.core.executor.worker.runner.model
     for lin in (model.model.layers[1].self_attn.qkv_proj, model.model.layers[1].mlp.down_proj):
-        assert isinstance(lin.quant_method, GGUFMethod) and lin.weight is None  # no dense copy
-        assert isinstance(lin.packed, Int4Packed)
+        assert isinstance(lin.quant_method, GGUFMethod) and not hasattr(lin, "weight")
+        assert isinstance(lin.weights, PackedWeights)  # no dense copy
+        assert isinstance(lin.weights.packed, Int4Packed)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF ")]
     assert sorted(lines) == sorted([
         "GGUF Q4_0 weights -> int4 group 32, its codes, scales and offsets copied (exact)",
@@ -195,7 +197,7 @@ def test_tiny_gguf_int4_and_int8_agree_with_dense(tiny_gguf, smollm_oracle_folde
     int8, llm = _generate(tiny_gguf, smollm_oracle_folder, monkeypatch, tmp_path,
                           dtype="float32", quantization="int8")
     model = llm.engine.client.core.executor.worker.runner.model
-    assert isinstance(model.model.layers[0].mlp.gate_up_proj.packed, Int8Grouped)
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj.weights.packed, Int8Grouped)
     _top5_agree(int8, dense)  # (int4 re-quantizes the Q8_0 tensors: the next test is exact)
 
 
@@ -220,16 +222,15 @@ def test_tiny_gguf_exact_int4_layers_give_dense_logprobs(tiny_gguf, smollm_oracl
 
 def test_tiny_gguf_bf16_decode_copies_agree_with_dense(tiny_gguf, smollm_oracle_folder,
                                                       monkeypatch, tmp_path):
-    from octavo.model.quant.base import UNQUANTIZED
     from octavo.model.quant.packed import Int8Grouped
 
     fast, llm = _generate(tiny_gguf, smollm_oracle_folder, monkeypatch, tmp_path,
                           dtype="bfloat16")
     layer = llm.engine.client.core.executor.worker.runner.model.model.layers[0]
-    assert layer.self_attn.qkv_proj.quant_method is UNQUANTIZED  # dense, with its copy
-    assert isinstance(layer.self_attn.qkv_proj.decode_weight, Int8Grouped)  # widest: Q8_0 v
-    assert isinstance(layer.self_attn.o_proj.decode_weight, Int4Packed)  # Q4_K
-    assert isinstance(layer.mlp.gate_up_proj.decode_weight, Int4Packed)  # Q4_1
+    assert isinstance(layer.self_attn.qkv_proj.weights, DenseWeights)  # dense, with its copy
+    assert isinstance(layer.self_attn.qkv_proj.weights.small_batch, Int8Grouped)  # widest: v
+    assert isinstance(layer.self_attn.o_proj.weights.small_batch, Int4Packed)  # Q4_K
+    assert isinstance(layer.mlp.gate_up_proj.weights.small_batch, Int4Packed)  # Q4_1
     dense, _ = _generate(tiny_gguf, smollm_oracle_folder, monkeypatch, tmp_path,
                          dtype="bfloat16", decode_weights="none")
     _top5_agree(fast, dense)
@@ -246,7 +247,8 @@ def test_untied_lm_head_is_packed_only_with_quantization(smollm_oracle_folder, m
     packed, llm = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path,
                             dtype="bfloat16", quantization="int8")
     head = llm.engine.client.core.executor.worker.runner.model.lm_head
-    assert head.weight is None and isinstance(head.decode_weight, Int8Grouped)
+    assert not hasattr(head, "weight") and isinstance(head.weights, PackedWeights)
+    assert isinstance(head.weights.packed, Int8Grouped)
     dense, _ = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path, dtype="bfloat16",
                          decode_weights="none")
     _top5_agree(packed, dense)
@@ -285,7 +287,8 @@ def test_every_layout_keeps_its_codes_in_place(tmp_path, smollm_oracle_folder, m
     int4, llm = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path, dtype="float32",
                           quantization="int4")
     model = llm.engine.client.core.executor.worker.runner.model
-    assert any(isinstance(getattr(m, "packed", None), Int4Packed) for m in model.modules())
+    assert any(isinstance(getattr(getattr(m, "weights", None), "packed", None), Int4Packed)
+               for m in model.modules())
     moe = [m for m in model.modules() if hasattr(m, "quantize_experts")]
     assert all(m.quantized is not None for m in moe)  # experts packed too (one Linear each)
     for a, b in zip(int4, dense):

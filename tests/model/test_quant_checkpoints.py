@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from octavo import LLM, SamplingParams
+from octavo.model.quant.weights import PackedWeights
 
 _CONFIG = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -178,12 +179,12 @@ def _assert_packed(llm, arch):
     """The packed weights replace the dense ones (experts too)."""
     layer = llm.engine.client.core.executor.worker.runner.model.model.layers[0]
     if arch == "llama":
-        assert layer.mlp.gate_up_proj.weight is None
+        assert isinstance(layer.mlp.gate_up_proj.weights, PackedWeights)
         assert "weight" not in dict(layer.mlp.gate_up_proj.named_parameters())
     else:
         moe = getattr(layer, "block_sparse_moe", None) or layer.mlp
         assert moe.experts.quantized is not None and not hasattr(moe.experts, "w13")
-        assert moe.experts.quantized[0][0].weight is None
+        assert isinstance(moe.experts.quantized[0][0].weights, PackedWeights)
 
 
 def test_awq_checkpoint_matches_dequantized_model(tmp_path, smollm_oracle_folder):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from octavo import LLM, SamplingParams
+from octavo.model.quant.weights import PackedWeights
 
 TEXT = Path(__file__).parent.parent / "data" / "perplexity_text.txt"
 WINDOW = 1100  # tokens scored per request; the text has about 2200
@@ -79,7 +80,8 @@ def gguf_perplexity(path: Path, dtype: str, quantization: str | None) -> float:
               max_model_len=QWEN_TOKENS + 8, kv_cache_memory=64 << 20,
               max_num_batched_tokens=QWEN_TOKENS)
     head = llm.engine.client.core.executor.worker.runner.model.lm_head
-    assert (head.weight is None) == (quantization is not None)  # untied: packed head alone
+    packed_head = isinstance(head.weights, PackedWeights)
+    assert packed_head == (quantization is not None)  # untied: the packed head alone
     ids = llm.tokenizer.encode(TEXT.read_text())[:QWEN_TOKENS]
     out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     nll = [-out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))]

@@ -74,12 +74,11 @@ def weights_mb(llm) -> float | None:
 
     for p in model.parameters():
         add(p)
-    for module in model.modules():
-        for attr in ("packed", "decode_weight"):
-            packed = getattr(module, attr, None)
-            if packed is not None and hasattr(packed, "tensors"):
-                for t in packed.tensors().values():
-                    add(t)
+    for module in model.modules():  # linear layers' and the LM head's typed weights
+        weights = getattr(module, "weights", None)
+        if hasattr(weights, "tensors"):
+            for t in weights.tensors().values():
+                add(t)
     return round(total / 2 ** 20, 1)
 
 

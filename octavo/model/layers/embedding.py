@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.distributed import parallel_state
-from octavo.model.quant.decode_weights import make_decode_weight, small_batch_linear
+from octavo.model.quant.decode_weights import make_decode_weight
+from octavo.model.quant.weights import DenseWeights, LinearWeights, PackedWeights
 
 
 def _vocab_rows(vocab_size: int) -> tuple[int, int]:
@@ -53,11 +54,17 @@ class Embedding(nn.Module):
 
 
 class LMHead(nn.Module):
+    """Logits from the final hidden states. Its `weight` is where the checkpoint's tensor loads
+    (or the tied embedding's); after loading it computes with one typed weights object
+    (quant/weights.py): dense, maybe with a low-bit copy for small batches (a GGUF's, made at
+    the width of its source: `set_decode_bits`), or that copy alone (`packed_only`). An untied
+    head's parameter goes once its weights are made; a tied one's stays the embedding's."""
+
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: Embedding | None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
-        self.decode_weight = None
         self.tied = tied_to is not None
+        self.weights: LinearWeights | None = None  # set once loaded
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
@@ -65,25 +72,37 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
             self.weight.weight_loader = lambda param, tensor: _load_vocab_rows(param, tensor,
                                                                                vocab_size)
+        self.weights_shape = tuple(self.weight.shape)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]"""
-        if self.weight is None:  # packed only (packed_only())
-            logits = self.decode_weight.matmul(hidden).float()
-        else:
-            logits = small_batch_linear(hidden, self.weight, None, self.decode_weight).float()
+        logits = self.weights.matmul(hidden).float()
         if parallel_state.tp_size() == 1:
             return logits
         return parallel_state.tp_all_gather(logits, -1)[:, :self.vocab_size]
 
+    def process_after_load(self) -> None:
+        self.set_weights(DenseWeights(self.weight if self.tied else self.weight.data))
+
+    def set_weights(self, weights: LinearWeights) -> None:
+        """The finished weights (after loading, or read back from prepared weights)."""
+        if weights.shape != self.weights_shape:
+            raise ValueError(f"weights of shape {weights.shape} for an LM head of "
+                             f"{self.weights_shape}")
+        if not self.tied:
+            self._parameters.pop("weight", None)
+        self.weights = weights
+
     def set_decode_bits(self, bits: int) -> None:
-        self.decode_weight = make_decode_weight(self.weight.data, bits)
+        """The low-bit copy for small batches of a head whose source had `bits` per weight."""
+        dense = self.weights.weight
+        self.weights = DenseWeights(dense, make_decode_weight(dense.data, bits))
 
     def packed_only(self) -> bool:
-        """Drop the dense weight of an untied head that has a packed copy, which then serves
-        every batch (a GGUF with --quantization int4|int8); True if it was dropped."""
-        if self.tied or self.decode_weight is None or self.weight is None:
+        """Keep only the low-bit copy of an untied head, which then serves every batch (a GGUF
+        with --quantization int4|int8); True if the dense weight was dropped."""
+        if self.tied or not isinstance(self.weights, DenseWeights) or (
+                self.weights.small_batch is None):
             return False
-        del self._parameters["weight"]
-        self.weight = None
+        self.weights = PackedWeights(self.weights.small_batch)
         return True

@@ -1,10 +1,11 @@
 """Linear layers whose weights may be packed from several checkpoint tensors (q/k/v, gate/up),
 and their tensor-parallel forms.
 
-The weight belongs to the layer's `quant_method` (octavo/model/quant/base.py): dense by default,
-or the packed int4/int8 form of a quantized checkpoint or of --quantization. A dense layer may also
-hold `decode_weight`, a packed copy for small batches made from a GGUF's codes (quant/gguf.py).
-The bias stays dense.
+The weights belong to the layer's `quant_method` (octavo/model/quant/base.py), which loads the
+checkpoint's tensors and, once they are all in, gives the layer one typed weights object
+(`weights`, quant/weights.py): dense, maybe with a low-bit copy for small batches (a GGUF's
+codes), or packed int4/int8 alone (a quantized checkpoint, --quantization). Its type is its
+kernel, chosen then, so `forward` is one call on it. The bias stays dense.
 
 Tensor parallelism shards a layer as its checkpoint tensors come in (`load_shard`), before the
 quant method sees them, so each rank only ever holds its own slice: a column-parallel layer
@@ -21,7 +22,8 @@ import torch
 from torch import nn
 
 from octavo.distributed import parallel_state
-from octavo.model.quant.base import UNQUANTIZED, QuantMethod
+from octavo.model.quant.base import UNQUANTIZED, Loading, QuantMethod
+from octavo.model.quant.weights import LinearWeights
 
 
 @dataclass(frozen=True)
@@ -66,9 +68,7 @@ class Linear(nn.Module):
         self.input_span = input_span
         self.reduce = reduce  # False: the caller sums the partial outputs (an MoE's experts)
         self.bias = nn.Parameter(torch.zeros(sum(shards)), requires_grad=False) if bias else None
-        self.decode_weight = None  # a GGUF layer's packed copy for decode (quant/gguf.py)
-        self.quant_method: QuantMethod = UNQUANTIZED
-        UNQUANTIZED.create_weights(self)
+        self.set_quant_method(UNQUANTIZED)
 
     @property
     def splits_input(self) -> bool:
@@ -81,9 +81,26 @@ class Linear(nn.Module):
             s.width < s.full for s in self.slot_spans)
 
     def set_quant_method(self, method: QuantMethod) -> None:
-        """Before loading: hand the weight to `method` (creates what it will be loaded into)."""
+        """Before loading: hand the weights to `method` (creates what they load into)."""
+        self._parameters.pop("weight", None)
+        self.loading: Loading | None = None
+        self.weights: LinearWeights | None = None  # set once loaded
         self.quant_method = method
         method.create_weights(self)
+
+    @property
+    def weights_shape(self) -> tuple[int, int]:
+        return sum(self.shards), self.in_features
+
+    def set_weights(self, weights: LinearWeights) -> None:
+        """The finished weights (by the quant method, or read back from prepared weights):
+        they replace what the checkpoint's tensors were loaded into."""
+        if weights.shape != self.weights_shape:
+            raise ValueError(f"weights of shape {weights.shape} for a linear layer of "
+                             f"{self.weights_shape}")
+        self._parameters.pop("weight", None)
+        self.loading = None
+        self.weights = weights
 
     def load_shard(self, name: str, index: int | None, tensor: torch.Tensor) -> None:
         """Checkpoint tensor `name` (weight, bias, qweight, scales, ...) of packed slot `index`
@@ -119,10 +136,11 @@ class Linear(nn.Module):
         dest.copy_(tensor)
 
     def process_after_load(self) -> None:
-        self.quant_method.process_after_load(self)
+        if self.weights is None:  # on-the-fly quantization finishes a layer while loading
+            self.quant_method.process_after_load(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x)
+        y = self.weights.matmul(x)
         if self.reduce and self.splits_input:
             y = parallel_state.tp_all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -1,5 +1,14 @@
-"""Build a model and stream its checkpoint tensors (safetensors or GGUF) into it."""
+"""Build a model and stream its checkpoint tensors (safetensors or GGUF) into it.
+
+The formats differ only in how their files are checked and read (`_Safetensors`, `_GGUF`): what
+the quantization plan learns of the tensors before loading, the tensors themselves, and whether
+the loaded model is worth keeping on disk (a GGUF's dequantized and repacked weights are: see
+prepared_cache). Everything else is the same for both: the plan hands linear layers their quant
+methods, each layer's method turns the tensors it got into its weights (model/quant), and on the
+CPU dense bf16 weights are packed for oneDNN's GEMM (gemm_packing)."""
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -9,14 +18,54 @@ from octavo.model.registry import model_class
 from octavo.model_source import ModelSource
 
 
+class _Safetensors:
+    prepared = False  # read as stored: nothing to keep
+
+    def __init__(self, source: ModelSource, cfg: ArchConfig) -> None:
+        self.path = source.path
+        self.bits: dict[str, int] = {}
+        self.names: list[str] = []
+
+    def check(self) -> None:
+        from octavo.model.loader.safetensors_weights import safetensors_names
+        self.names = safetensors_names(self.path)  # safetensors checks each header and range
+
+    def plan_input(self) -> list[str]:
+        return self.names
+
+    def tensors(self, codes: set[str], plan) -> Iterator[tuple[str, torch.Tensor]]:
+        from octavo.model.loader.safetensors_weights import iterate_safetensors_weights
+        return iterate_safetensors_weights(self.path)
+
+
+class _GGUF:
+    prepared = True  # dequantizing and packing take seconds: the result is kept
+
+    def __init__(self, source: ModelSource, cfg: ArchConfig) -> None:
+        self.path, self.cfg = source.path, cfg
+        self.bits: dict[str, int] = {}  # bits per weight of each tensor, filled as it is read
+
+    def check(self) -> None:
+        from octavo.model_files import check_gguf
+        check_gguf(self.path)
+
+    def plan_input(self) -> dict:
+        from octavo.model.loader.gguf_weights import gguf_tensor_types
+        return gguf_tensor_types(self.path, self.cfg)
+
+    def tensors(self, codes: set[str], plan) -> Iterator[tuple[str, torch.Tensor]]:
+        from octavo.model.loader.gguf_weights import iterate_gguf_weights
+        return iterate_gguf_weights(self.path, self.cfg, self.bits, codes,
+                                    dense_too=plan is None or plan.keep_dense)
+
+
 def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
                decode_weights: str = "auto", quantization: str | None = None,
                pack_gemm: bool = True) -> nn.Module:
     """Build the model and fill it. A GGUF's linear layers keep packed int4/int8 weights made
     from its codes (model/quant/gguf.py): beside the dense ones for small (decode) batches with
-    decode_weights="auto" in bf16, alone with `quantization` int4 or int8. A GGUF's prepared
-    weights are cached on disk (see prepared_cache) for the next start. A quantized checkpoint
+    decode_weights="auto" in bf16, alone with `quantization` int4 or int8. A quantized checkpoint
     (config.json's quantization_config) or `quantization` (int8, int4, fp8: quantize at load)
     hands linear layers their quant methods before the tensors stream in (see model/quant).
     On the CPU, dense bf16 weights are packed for oneDNN's GEMM unless `pack_gemm` is False: the
@@ -24,25 +73,21 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
     from octavo.model.quant.config import plan_quantization
     plan = plan_quantization(source, quantization, dtype, decode_weights)
     if plan is not None and device.type != "cpu":
-        if quantization is None and source.is_gguf:
+        if not plan.required:
             plan = None  # the decode copies are a CPU matter: dense weights elsewhere
         else:
             raise NotImplementedError(f"quantized weights ({plan.fmt}) run on the CPU only; "
                                       f"device={device.type}")
     cls = model_class(cfg.architecture)
+    checkpoint = _GGUF(source, cfg) if source.is_gguf else _Safetensors(source, cfg)
     prepared = None
-    if source.is_gguf and device.type == "cpu":
+    if checkpoint.prepared and device.type == "cpu":
         from octavo.model.loader.prepared_cache import prepared_path
         prepared = prepared_path(source, dtype, decode_weights, quantization)
     # A truncated or corrupt checkpoint fails here, naming its file, before the model's memory is
     # allocated (a start from prepared weights never reads the GGUF, nor imports gguf).
-    names: list[str] = []
-    if not source.is_gguf:
-        from octavo.model.loader.safetensors_weights import safetensors_names
-        names = safetensors_names(source.path)  # safetensors checks each header and range
-    elif prepared is None or not prepared.is_file():
-        from octavo.model_files import check_gguf
-        check_gguf(source.path)
+    if prepared is None or not prepared.is_file():
+        checkpoint.check()
     with torch.device(device):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -50,62 +95,25 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
             model = cls(cfg, max_positions)
         finally:
             torch.set_default_dtype(prev)
-    codes: set[str] = set()
-    if source.is_gguf and plan is not None:
-        from octavo.model.loader.gguf_weights import gguf_tensor_types
-        codes = plan.apply(model, gguf_tensor_types(source.path, cfg))
+    codes = plan.apply(model, checkpoint.plan_input()) if plan is not None else set()
     if prepared is not None:
         from octavo.model.loader.prepared_cache import load_prepared
         if load_prepared(model, prepared):
-            return _finish(model, plan, device, quantization, pack_gemm)
-    bits: dict[str, int] = {}
-    if source.is_gguf:
-        from octavo.model.loader.gguf_weights import iterate_gguf_weights
-        weights = iterate_gguf_weights(source.path, cfg, bits, codes,
-                                       dense_too=plan is None or plan.keep_dense)
-    else:
-        from octavo.model.loader.safetensors_weights import iterate_safetensors_weights
-        if plan is not None:
-            plan.apply(model, names)
-        weights = iterate_safetensors_weights(source.path)
-    model.load_weights(weights)
-    packed_only = getattr(plan, "keep_dense", True) is False  # a GGUF with int4|int8
-    if (decode_weights == "auto" or packed_only) and bits:
-        _set_decode_bits(model, bits)
+            return _finish(model, device, quantization, pack_gemm)
+    model.load_weights(checkpoint.tensors(codes, plan))
+    if plan is not None:
+        plan.finish_lm_head(model, checkpoint.bits)
     if prepared is not None:
         from octavo.model.loader.prepared_cache import save_prepared
         save_prepared(model, prepared)
-    return _finish(model, plan, device, quantization, pack_gemm)
+    return _finish(model, device, quantization, pack_gemm)
 
 
-def _finish(model: nn.Module, plan, device: torch.device, quantization: str | None,
+def _finish(model: nn.Module, device: torch.device, quantization: str | None,
             pack_gemm: bool) -> nn.Module:
-    """With a GGUF's packed weights only (--quantization int4|int8, whatever decode_weights
-    says), an untied LM head keeps its packed copy alone too (after the prepared weights were
-    saved with it dense, as the model is built). On the CPU, with `pack_gemm`, dense bf16
-    weights of linear layers and the LM head are then packed for oneDNN's GEMM (gemm_packing)."""
-    head = getattr(model, "lm_head", None)
-    if getattr(plan, "keep_dense", True) is False and hasattr(head, "packed_only"):
-        head.packed_only()
+    """On the CPU, with `pack_gemm`, dense bf16 weights of linear layers and the LM head are
+    packed for oneDNN's GEMM (gemm_packing)."""
     if device.type == "cpu" and pack_gemm:
         from octavo.model.loader.gemm_packing import pack_now
         pack_now(model, quantization)
     return model.eval()
-
-
-def _set_decode_bits(model: nn.Module, bits: dict[str, int]) -> None:
-    """The LM head's low-bit copy (linear layers get theirs from quant/gguf.py)."""
-    per_module: dict[str, int] = {}
-    for ckpt_name, b in bits.items():
-        module = model.linear_name(ckpt_name)  # the module it fills (GPT-2: transformer.h...)
-        if module is None:
-            continue
-        per_module[module] = max(per_module.get(module, 0), b)  # the widest shard decides
-    modules = dict(model.named_modules())
-    head = modules.get("lm_head")
-    if head is not None and "lm_head" not in per_module:  # a tied head: its embedding's width
-        per_module.update({"lm_head": b for name, b in per_module.items()
-                           if getattr(modules.get(name), "weight", None) is head.weight})
-    for name, module in modules.items():
-        if hasattr(module, "set_decode_bits") and name in per_module:
-            module.set_decode_bits(per_module[name])

@@ -1,6 +1,8 @@
 """Dense bf16 weights packed into oneDNN's GEMM layout (kernels/onednn.py), at load or step by step.
 
-Packing SmolLM2-135M's 121 weights takes 0.13-0.18 s on 2 cores: a tenth of a server's start.
+Packing is a step of a layer's dense weights (`DenseWeights.pack_for_onednn`, quant/weights.py):
+the Linear and LMHead modules whose weights are dense take it. Packing SmolLM2-135M's 121
+weights takes 0.13-0.18 s on 2 cores: a tenth of a server's start.
 Packed and plain weights give the same products bit for bit (only the time differs), so the
 worker reports ready with plain weights and packs a few of them at a time (`StepwisePacking`,
 about 5 ms each time): while the engine has no request (the core process's loop calls
@@ -15,37 +17,30 @@ packed aborted (std::terminate in a daemon thread).
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from octavo.kernels import onednn
+from octavo.model.quant.weights import DenseWeights
 
 
-def packable_modules(model: nn.Module, quantization: str | None) -> list[nn.Module]:
-    """The Linear and LMHead modules whose dense weight oneDNN packs. A tied LM head would need a
-    packed copy of its own (the embedding indexes the plain table): included unless
-    --quantization asked for smaller weights."""
-    from octavo.model.layers.embedding import LMHead
-    from octavo.model.layers.linear import Linear
-
+def packable_weights(model: nn.Module, quantization: str | None) -> list[DenseWeights]:
+    """The dense weights oneDNN packs. A tied LM head's would be a packed copy of its own (the
+    embedding indexes the plain table): included unless --quantization asked for smaller
+    weights."""
     found = []
     for module in model.modules():
-        if isinstance(module, (Linear, LMHead)):
-            weight = getattr(module, "weight", None)
-            if getattr(module, "tied", False) and quantization is not None:
-                continue
-            if weight is not None and onednn.packable(weight):
-                found.append(module)
+        weights = getattr(module, "weights", None)
+        if not isinstance(weights, DenseWeights):
+            continue
+        if getattr(module, "tied", False) and quantization is not None:
+            continue
+        if weights.packable():
+            found.append(weights)
     return found
 
 
-def install(module: nn.Module, packed: torch.Tensor) -> None:
-    module.weight = nn.Parameter(packed, requires_grad=False)
-
-
 def pack_now(model: nn.Module, quantization: str | None) -> None:
-    for module in packable_modules(model, quantization):
-        install(module, onednn.pack(module.weight.data))
+    for weights in packable_weights(model, quantization):
+        weights.pack_for_onednn()
 
 
 class StepwisePacking:
@@ -56,14 +51,14 @@ class StepwisePacking:
 
     def __init__(self, model: nn.Module, quantization: str | None, per_step: int = 4) -> None:
         self.model = model
-        self.pending = packable_modules(model, quantization)
+        self.pending = packable_weights(model, quantization)
         self.per_step = per_step
 
     def pack_some(self) -> bool:
         """Pack the next few weights; whether every weight is now packed."""
         batch, self.pending = self.pending[:self.per_step], self.pending[self.per_step:]
-        for module in batch:
-            install(module, onednn.pack(module.weight.data))
+        for weights in batch:
+            weights.pack_for_onednn()
         if self.pending:
             return False
         stack = getattr(getattr(self.model, "model", None), "decode_stack", None)

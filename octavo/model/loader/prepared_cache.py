@@ -2,34 +2,36 @@
 
 Loading a GGUF means dequantizing every tensor, un-permuting q/k and packing the low-bit weights
 (quant/gguf.py): seconds of work that gives the same result on every start. After the first load
-the model's parameters, decode copies (`decode_weight`) and packed weights (`packed`, with
---quantization) are written to one safetensors file under `$OCTAVO_CACHE/prepared/`, keyed by the
-GGUF file (path, size, mtime), the dtype, the decode mode or quantization, torch's version and the
-source of octavo's model code, so any change to one of them makes a new entry (and removes the
-entry it replaces). Later starts read that file instead. A file that fails to load is rebuilt.
+the model's parameters and each linear layer's and LM head's typed weights (quant/weights.py:
+`tensors()` under `<module>::<kind>::<field>`, a tensor that is a parameter, such as a tied
+head's, named in the metadata instead) are written to one safetensors file under
+`$OCTAVO_CACHE/prepared/`, keyed by the GGUF file (path, size, mtime), the dtype, the decode
+mode or quantization, torch's version and the source of octavo's model code, so any change to
+one of them makes a new entry (and removes the entry it replaces). Later starts read that file
+instead. A file that fails to load, or does not match the model (another layout, a file of
+older code), is rebuilt.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from octavo.disk_cache import write_file
 from octavo.distributed import parallel_state
-from octavo.model.quant.gguf import GGUFMethod
-from octavo.model.quant.packed import PACKED_KINDS, packed_kind
+from octavo.model.quant.weights import WEIGHT_KINDS, LinearWeights
 from octavo.model_source import ModelSource, cache_dir
 
 logger = logging.getLogger(__name__)
 
 _MODEL_CODE = Path(__file__).resolve().parents[1]  # octavo/model
-# module attribute holding a packed weight -> its key prefix in the file
-_PACKED_ATTRS = {"decode_weight": "__decode__", "packed": "__packed__"}
+FORMAT = "octavo-prepared-2"  # the layout of the file (1: decode_weight / packed attributes)
 
 
 def prepared_path(source: ModelSource, dtype: torch.dtype, decode_weights: str,
@@ -50,17 +52,28 @@ def prepared_path(source: ModelSource, dtype: torch.dtype, decode_weights: str,
             / f"{source.path.stem}-{dtype_name}-{mode}-{h.hexdigest()[:16]}.safetensors")
 
 
+def _takers(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules whose weights are one typed object (linear layers, the LM head)."""
+    return {n: m for n, m in model.named_modules() if hasattr(m, "set_weights")}
+
+
 def save_prepared(model: nn.Module, path: Path) -> None:
-    tensors = {name: p.data.contiguous() for name, p in model.named_parameters()}
-    for name, module in model.named_modules():
-        for attr, prefix in _PACKED_ATTRS.items():
-            packed = getattr(module, attr, None)
-            if packed is not None:
-                for key, t in packed.tensors().items():
-                    tensors[f"{prefix}.{packed_kind(packed)}.{name}.{key}"] = t.contiguous()
+    params = dict(model.named_parameters())
+    param_names = {id(p): name for name, p in params.items()}
+    tensors = {name: p.data.contiguous() for name, p in params.items()}
+    shared: dict[str, str] = {}
+    for name, module in _takers(model).items():
+        weights = module.weights
+        for field, t in weights.tensors().items():
+            key = f"{name}::{weights.kind}::{field}"
+            if id(t) in param_names:
+                shared[key] = param_names[id(t)]
+            else:
+                tensors[key] = t.contiguous()
+    metadata = {"format": FORMAT, "shared": json.dumps(shared)}
     # Whole or not at all (disk_cache): a full disk or a read-only cache costs the next start
     # the dequantizing, never this one. safetensors reports I/O errors as SafetensorError.
-    if write_file(path, lambda tmp: save_file(tensors, str(tmp)), "prepared weights",
+    if write_file(path, lambda tmp: save_file(tensors, str(tmp), metadata), "prepared weights",
                   errors=(SafetensorError,)):
         _remove_stale(path)
 
@@ -79,33 +92,67 @@ def load_prepared(model: nn.Module, path: Path) -> bool:
     if not path.is_file():
         return False
     try:
-        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
     except Exception as exc:  # a truncated or foreign file: rebuild it
         logger.warning("prepared weights %s unreadable (%s); rebuilding", path, exc)
         return False
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    packed: dict[tuple[str, str, str], dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        prefix, _, rest = key.partition(".")
-        if prefix in _PACKED_ATTRS.values():
-            kind, rest = rest.split(".", 1)
-            module, field = rest.rsplit(".", 1)
-            packed.setdefault((prefix, kind, module), {})[field] = t
-    # layers waiting for their GGUF codes (quant/gguf.py) must all get a packed weight here
-    waiting = {n for n, m in modules.items() if isinstance(getattr(m, "quant_method", None),
-                                                           GGUFMethod)}
-    if (not set(params) <= set(tensors) or not waiting <= {m for _, _, m in packed}
-            or any(m not in modules for _, _, m in packed)):
-        logger.warning("prepared weights %s do not match the model; rebuilding", path)
+    try:
+        fill, weights = _restore(model, tensors, metadata)
+    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+        logger.warning("prepared weights %s do not match the model (%s); rebuilding", path, exc)
         return False
-    for name, p in params.items():
-        p.data = tensors[name]
-    for (prefix, kind, name), parts in packed.items():
-        weight = PACKED_KINDS[kind].from_tensors(parts)
-        module = modules[name]
-        if name in waiting:
-            module.quant_method.restore(module, weight)
-        else:
-            setattr(module, next(a for a, p in _PACKED_ATTRS.items() if p == prefix), weight)
+    for param, t in fill:
+        param.data = t
+    takers = _takers(model)
+    for name, w in weights.items():
+        takers[name].set_weights(w)
     return True
+
+
+def _restore(model: nn.Module, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+             ) -> tuple[list[tuple[nn.Parameter, torch.Tensor]], dict[str, LinearWeights]]:
+    """What the file gives the model, checked against it before anything is changed: each kept
+    parameter's tensor and each taker's weights."""
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"format {metadata.get('format')!r}, this code reads {FORMAT!r}")
+    params = dict(model.named_parameters())
+    takers = _takers(model)
+    parts: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
+
+    def add(key: str, t: torch.Tensor) -> None:
+        module, kind, field = key.split("::", 2)
+        entry = parts.setdefault(module, (kind, {}))
+        if entry[0] != kind:
+            raise ValueError(f"{module}: weights of kinds {entry[0]} and {kind}")
+        entry[1][field] = t
+
+    plain = {}
+    for key, t in tensors.items():
+        if "::" in key:
+            add(key, t)
+        else:
+            plain[key] = t
+    for key, name in json.loads(metadata.get("shared", "{}")).items():
+        add(key, params[name])
+    if set(parts) != set(takers):
+        raise ValueError(f"weights of {sorted(set(parts) ^ set(takers))[:3]}")
+    weights = {}
+    for name, (kind, fields) in parts.items():
+        weights[name] = WEIGHT_KINDS[kind].from_tensors(fields)
+        if weights[name].shape != tuple(takers[name].weights_shape):
+            raise ValueError(f"{name}: weights of shape {weights[name].shape}")
+    # A taker's own `weight` parameter is only where its checkpoint tensor loads (a tied LM
+    # head's is the embedding's, which stays).
+    replaced = {id(m._parameters["weight"]) for m in takers.values()
+                if "weight" in m._parameters and not getattr(m, "tied", False)}
+    kept = {name: p for name, p in params.items() if id(p) not in replaced}
+    if set(plain) != set(kept):
+        raise ValueError(f"parameters {sorted(set(plain) ^ set(kept))[:3]}")
+    fill = []
+    for name, p in kept.items():
+        if plain[name].shape != p.shape or plain[name].dtype != p.dtype:
+            raise ValueError(f"{name}: {plain[name].dtype} {tuple(plain[name].shape)}")
+        fill.append((p, plain[name]))
+    return fill, weights

@@ -1,27 +1,43 @@
-"""Quantization as a strategy of the linear layer: a `QuantMethod` creates the layer's weights,
-takes the checkpoint's tensors, turns them into the form it computes with once they are all in
-(`process_after_load`), and computes `apply`. A new format adds a method, never a model file.
+"""Quantization as a strategy of the linear layer: a `QuantMethod` creates what the layer's
+checkpoint tensors load into, takes them, and once they are all in (`process_after_load`) gives
+the layer its one typed weights object (quant/weights.py), whose kernel is bound from then on.
+A new format adds a method, never a model file.
 
-- `UnquantizedMethod`: a dense weight [N, K], and maybe a packed copy for small batches.
-- `GGUFMethod` (gguf.py): a GGUF's codes as int4/int8, alone or as the dense layer's copy.
+- `UnquantizedMethod`: a dense weight [N, K] -> `DenseWeights`.
+- `GGUFMethod` (gguf.py): a GGUF's codes as int4/int8 -> `PackedWeights`, or `DenseWeights`
+  with them as its small-batch copy.
 - `CheckpointMethod`: collects a pre-quantized checkpoint's tensors per packed slot (q, k, v...)
   and builds one packed weight for the whole layer (GPTQ/AWQ in gptq.py, FP8 in fp8.py).
 - `OnTheFlyMethod`: loads dense and quantizes each layer as soon as all its slots are in, so at
   most one layer is held dense beside the packed ones (--quantization int8|int4|fp8).
+
+While loading, a dense weight is the layer's `weight` parameter (so a checkpoint that lacks one
+is named by the model's loader) and a method's collected tensors sit in `layer.loading`; the
+weights object replaces both (`Linear.set_weights`).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from octavo.model.quant.decode_weights import small_batch_linear
 from octavo.model.quant.packed import PackedWeight
+from octavo.model.quant.weights import DenseWeights, LinearWeights, PackedWeights
+
+
+@dataclass
+class Loading:
+    """What a method holds of one layer while its checkpoint tensors stream in: tensors per
+    packed slot (None: one tensor spanning every slot), and what it built once all were in."""
+
+    parts: dict[int | None, dict[str, torch.Tensor]] = field(default_factory=dict)
+    built: PackedWeight | None = None
 
 
 class QuantMethod:
-    """The strategy a `Linear` delegates its weight to. `index` is the packed slot (q, k, v...),
+    """The strategy a `Linear` delegates its weights to. `index` is the packed slot (q, k, v...),
     or None for a checkpoint tensor that already spans every slot (Phi-3's qkv_proj)."""
 
     def create_weights(self, layer: nn.Module) -> None:
@@ -38,10 +54,7 @@ class QuantMethod:
         return 0, 1
 
     def process_after_load(self, layer: nn.Module) -> None:
-        """Called once every checkpoint tensor is in."""
-
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N], without the bias (the layer adds it)."""
+        """Called once every checkpoint tensor is in: `layer.set_weights(...)`."""
         raise NotImplementedError
 
 
@@ -51,34 +64,43 @@ def _slot(layer: nn.Module, index: int | None) -> tuple[int, int]:
     return sum(layer.shards[:index]), layer.shards[index]
 
 
+def dense_destination(layer: nn.Module, dtype: torch.dtype | None = None) -> None:
+    """The `weight` parameter [N, K] a dense checkpoint weight loads into (the default dtype and
+    device unless `dtype` is given)."""
+    layer.weight = nn.Parameter(torch.empty(sum(layer.shards), layer.in_features, dtype=dtype),
+                                requires_grad=False)
+
+
+def load_dense(layer: nn.Module, index: int | None, tensor: torch.Tensor) -> None:
+    start, width = _slot(layer, index)
+    dest = layer.weight.data.narrow(0, start, width)
+    if dest.shape != tensor.shape:
+        raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)}, "
+                         f"layer slot {tuple(dest.shape)}")
+    dest.copy_(tensor)
+
+
+def built_weights(built: PackedWeight | torch.Tensor) -> LinearWeights:
+    """A format's result: a packed weight, or a dense tensor it computes in the activation dtype."""
+    return DenseWeights(built) if isinstance(built, torch.Tensor) else PackedWeights(built)
+
+
 class UnquantizedMethod(QuantMethod):
     def create_weights(self, layer: nn.Module) -> None:
-        layer.weight = nn.Parameter(torch.empty(sum(layer.shards), layer.in_features),
-                                    requires_grad=False)
+        dense_destination(layer)
 
     def load_shard(self, layer: nn.Module, name: str, index: int | None,
                    tensor: torch.Tensor) -> None:
         if name != "weight":
             raise ValueError(f"checkpoint tensor {name!r} on an unquantized layer (is the "
                              "checkpoint's quantization_config missing?)")
-        start, width = _slot(layer, index)
-        dest = layer.weight.data.narrow(0, start, width)
-        if dest.shape != tensor.shape:
-            raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)}, "
-                             f"layer slot {tuple(dest.shape)}")
-        dest.copy_(tensor)
+        load_dense(layer, index, tensor)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return small_batch_linear(x, layer.weight, None, layer.decode_weight)
+    def process_after_load(self, layer: nn.Module) -> None:
+        layer.set_weights(DenseWeights(layer.weight.data))
 
 
 UNQUANTIZED = UnquantizedMethod()
-
-
-def packed_apply(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
-    lead = x.shape[:-1]
-    y = packed.matmul(x.reshape(-1, x.shape[-1]))
-    return y.reshape(*lead, y.shape[-1])
 
 
 # A format's builder: (per-slot checkpoint tensors, slot widths, in_features, dtype) -> either a
@@ -95,10 +117,7 @@ class CheckpointMethod(QuantMethod):
         self.fmt, self.builder, self.dtype = fmt, builder, dtype
 
     def create_weights(self, layer: nn.Module) -> None:
-        if "weight" in layer._parameters:
-            del layer._parameters["weight"]  # never filled: the packed form replaces it
-        layer.weight = None
-        layer.checkpoint_parts = {}
+        layer.loading = Loading()
 
     # GPTQ and AWQ store [inputs (or groups), outputs]; g_idx gives each input's group.
     _DIMS = {"qweight": (1, 0), "qzeros": (1, 0), "scales": (1, 0), "g_idx": (None, 0),
@@ -109,10 +128,10 @@ class CheckpointMethod(QuantMethod):
 
     def load_shard(self, layer: nn.Module, name: str, index: int | None,
                    tensor: torch.Tensor) -> None:
-        layer.checkpoint_parts.setdefault(index, {})[name] = tensor
+        layer.loading.parts.setdefault(index, {})[name] = tensor
 
     def process_after_load(self, layer: nn.Module) -> None:
-        parts = layer.checkpoint_parts
+        parts = layer.loading.parts
         if None in parts:
             slots, widths = [parts[None]], [sum(layer.shards)]
         else:
@@ -121,17 +140,8 @@ class CheckpointMethod(QuantMethod):
                 raise ValueError(f"{self.fmt} checkpoint lacks the tensors of slot(s) "
                                  f"{missing} of a packed layer")
             slots, widths = [parts[i] for i in range(len(layer.shards))], layer.shards
-        built = self.builder(slots, widths, layer.in_features, self.dtype)
-        del layer.checkpoint_parts
-        if isinstance(built, torch.Tensor):
-            layer.weight = nn.Parameter(built, requires_grad=False)
-        else:
-            layer.packed = built
-
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if layer.weight is not None:
-            return small_batch_linear(x, layer.weight, None, None)
-        return packed_apply(layer.packed, x)
+        layer.set_weights(built_weights(self.builder(slots, widths, layer.in_features,
+                                                     self.dtype)))
 
 
 class OnTheFlyMethod(QuantMethod):
@@ -143,29 +153,18 @@ class OnTheFlyMethod(QuantMethod):
         self.name, self.quantize, self.dtype = name, quantize, dtype
 
     def create_weights(self, layer: nn.Module) -> None:
-        UNQUANTIZED.create_weights(layer)
-        layer.slots_loaded = set()
+        dense_destination(layer)
+        layer.loading = Loading()
 
     def load_shard(self, layer: nn.Module, name: str, index: int | None,
                    tensor: torch.Tensor) -> None:
         UNQUANTIZED.load_shard(layer, name, index, tensor)
-        layer.slots_loaded.update(range(len(layer.shards)) if index is None else [index])
-        if len(layer.slots_loaded) == len(layer.shards):
+        parts = layer.loading.parts  # the slots filled so far
+        parts.update(dict.fromkeys(range(len(layer.shards)) if index is None else [index], {}))
+        if len(parts) == len(layer.shards):
             self.process_after_load(layer)
 
     def process_after_load(self, layer: nn.Module) -> None:
-        if layer.slots_loaded is None:  # already quantized when its last slot came in
+        if layer.loading is None:  # quantized already, when its last slot came in
             return
-        layer.slots_loaded = None
-        built = self.quantize(layer.weight.data, self.dtype)
-        if isinstance(built, torch.Tensor):
-            layer.weight.data = built
-        else:
-            layer.packed = built
-            del layer._parameters["weight"]
-            layer.weight = None
-
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if layer.weight is not None:
-            return small_batch_linear(x, layer.weight, None, None)
-        return packed_apply(layer.packed, x)
+        layer.set_weights(built_weights(self.quantize(layer.weight.data, self.dtype)))

@@ -49,6 +49,8 @@ def checkpoint_quantization(source: ModelSource) -> dict[str, Any] | None:
 class QuantPlan:
     """What the loader applies: a format name and the method of each chosen linear layer."""
 
+    required = True  # the model cannot load without its methods (GGUFPlan's may be dropped)
+
     def __init__(self, fmt: str, dtype: torch.dtype, *, spec: GPTQSpec | FP8Spec | None = None,
                  on_the_fly: str | None = None) -> None:
         self.fmt, self.dtype, self.spec, self.on_the_fly = fmt, dtype, spec, on_the_fly
@@ -90,8 +92,10 @@ class QuantPlan:
                     f"only, not on {name}")
         return chosen
 
-    def apply(self, model: nn.Module, checkpoint_names: Iterable[str]) -> None:
-        """Before loading: give the chosen layers their methods."""
+    def apply(self, model: nn.Module, checkpoint_names: Iterable[str]) -> set[str]:
+        """Before loading: give the chosen layers their methods. Returns the checkpoint names
+        whose integer codes the loader should yield beside their weights: none here (GGUFPlan's
+        have some)."""
         count = 0
         for layer in self.layers(model, checkpoint_names).values():
             if hasattr(layer, "quantize_experts"):
@@ -102,6 +106,10 @@ class QuantPlan:
                 layer.set_quant_method(method)
                 count += 1
         logger.info("quantization %s: %d linear layers", self.fmt, count)
+        return set()
+
+    def finish_lm_head(self, model: nn.Module, bits: dict[str, int]) -> None:
+        """The LM head keeps its dense weight: checkpoints quantize linear layers only."""
 
 
 def plan_quantization(source: ModelSource, requested: str | None, dtype: torch.dtype,

@@ -3,7 +3,8 @@
 A decode step multiplies a handful of rows by every weight of the model, so its speed is the
 speed of reading the weights from memory. When a GGUF's tensors are 4- or 8-bit, octavo keeps,
 beside the dense bf16 weight, a packed int4 (groups of 32, scale and minimum) or int8
-(groups of 32, a scale each) copy and uses it whenever the layer sees at most `max_rows` rows;
+(groups of 32, a scale each) copy and uses it whenever the layer sees at most `max_rows` rows
+(`DenseWeights`' small-batch copy, quant/weights.py);
 larger batches (prefill) keep the dense bf16 weights, where those kernels are slower than bf16
 GEMM. A linear layer's copy is built from the GGUF's own codes where the layouts match
 (quant/gguf.py); the LM head's copy here, from its dense weight at the source's granularity.
@@ -16,7 +17,7 @@ import torch
 
 from octavo.kernels import fused, onednn
 from octavo.model.quant.packed import (Int4Packed, Int8Grouped, PackedWeight, quantize_int4,
-                                        quantize_int8_grouped)
+                                       quantize_int8_grouped)
 
 # The most rows a low-bit copy takes before the (oneDNN-packed) bf16 GEMM wins. octavo's int4
 # kernel reads 4-bit codes at memory speed and reuses each unpacked code for every row: for
@@ -81,11 +82,3 @@ def max_rows(decode: PackedWeight) -> int:
         return INT8_ROWS_F32
     return MAX_ROWS
 
-
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       decode: PackedWeight | None) -> torch.Tensor:
-    if (decode is not None and x.dim() == 2 and x.dtype == decode.dtype
-            and x.shape[0] <= max_rows(decode)):
-        y = decode.matmul(x)
-        return y if bias is None else y + bias
-    return onednn.linear(x, weight, bias)

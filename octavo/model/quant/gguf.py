@@ -28,10 +28,11 @@ import torch
 from torch import nn
 
 from octavo.model.layers.moe import EXPERT_TENSOR
+from octavo.model.quant.base import Loading, QuantMethod, dense_destination, load_dense
 from octavo.model.quant.ggml_types import GGMLType as Q
-from octavo.model.quant.base import UNQUANTIZED, QuantMethod, packed_apply
 from octavo.model.quant.packed import (Int4Packed, PackedWeight, minmax_int4, quantize_int8,
                                       quantize_int8_grouped)
+from octavo.model.quant.weights import DenseWeights, PackedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +99,9 @@ def _how(qtype: Q, target: str, in_features: int) -> str:
 
 
 class GGUFMethod(QuantMethod):
-    """A linear layer from GGUF tensors of `types` (one per slot): packed `target` weights, and
-    with `keep_dense` the dense weight too (used above max_rows rows)."""
+    """A linear layer from GGUF tensors of `types` (one per slot): packed `target` weights
+    (`PackedWeights`), or with `keep_dense` the dense weight with them as its small-batch copy
+    (`DenseWeights`, the dense GEMM above max_rows rows)."""
 
     def __init__(self, types: list[Q], target: str, keep_dense: bool,
                  dtype: torch.dtype) -> None:
@@ -107,14 +109,8 @@ class GGUFMethod(QuantMethod):
 
     def create_weights(self, layer: nn.Module) -> None:
         if self.keep_dense:  # created after the model, outside its default dtype
-            layer.weight = nn.Parameter(torch.empty(sum(layer.shards), layer.in_features,
-                                                    dtype=self.dtype), requires_grad=False)
-        else:
-            if "weight" in layer._parameters:
-                del layer._parameters["weight"]
-            layer.weight = None
-        layer.packed = layer.decode_weight = None
-        layer.gguf_parts = {}
+            dense_destination(layer, self.dtype)
+        layer.loading = Loading()
 
     def _needs(self, slot: int) -> tuple[str, ...]:
         exact = self.target == "int4" and self.types[slot] in INT4_EXACT
@@ -125,46 +121,35 @@ class GGUFMethod(QuantMethod):
         if name not in ("weight", *CODE_KINDS):
             raise ValueError(f"checkpoint tensor {name!r} on a GGUF linear layer")
         if name == "weight" and self.keep_dense:
-            UNQUANTIZED.load_shard(layer, name, index, tensor)
+            load_dense(layer, index, tensor)
         slot = 0 if index is None else index
-        if layer.gguf_parts is None or name not in self._needs(slot):
+        loading = layer.loading
+        if loading.built is not None or name not in self._needs(slot):
             return
-        layer.gguf_parts.setdefault(slot, {})[name] = tensor
-        if all(set(self._needs(s)) <= set(layer.gguf_parts.get(s, ()))
+        loading.parts.setdefault(slot, {})[name] = tensor
+        if all(set(self._needs(s)) <= set(loading.parts.get(s, ()))
                for s in range(len(self.types))):
-            self._build(layer)
+            loading.built = self._build([loading.parts[s] for s in range(len(self.types))])
+            loading.parts = {}  # built as soon as its codes are in: the parts go at once
 
-    def _build(self, layer: nn.Module) -> None:
-        parts = [layer.gguf_parts[s] for s in range(len(self.types))]
+    def _build(self, parts: list[dict[str, torch.Tensor]]) -> PackedWeight:
         if self.target == "int8":
             w = torch.cat([p["weight"].float() for p in parts])
-            self.restore(layer, quantize_int8_grouped(w, GROUP, self.dtype) if
-                         w.shape[1] % GROUP == 0 else quantize_int8(w, self.dtype))
-            return
+            return (quantize_int8_grouped(w, GROUP, self.dtype) if w.shape[1] % GROUP == 0
+                    else quantize_int8(w, self.dtype))
         q, scale, low = zip(*[(p["gguf_q4"], p["gguf_q4_scale"], p["gguf_q4_low"])
                               if "gguf_q4" in p else minmax_int4(p["weight"], GROUP)
                               for p in parts])
-        self.restore(layer, Int4Packed.from_affine(torch.cat(q), torch.cat(scale),
-                                                   torch.cat(low), GROUP, self.dtype))
-
-    def restore(self, layer: nn.Module, packed: PackedWeight) -> None:
-        """The layer's packed weight is built (or read back from prepared weights). With the
-        dense weight kept, the layer is a dense one from here on, with a copy for decode
-        (UnquantizedMethod.apply, and the C++ decode stack, read `decode_weight`)."""
-        layer.gguf_parts = None
-        if self.keep_dense:
-            layer.decode_weight = packed
-            layer.quant_method = UNQUANTIZED
-        else:
-            layer.packed = packed
+        return Int4Packed.from_affine(torch.cat(q), torch.cat(scale), torch.cat(low), GROUP,
+                                      self.dtype)
 
     def process_after_load(self, layer: nn.Module) -> None:
-        if layer.gguf_parts is not None:
+        built = layer.loading.built
+        if built is None:
             raise ValueError(f"GGUF linear layer is missing tensors: slots loaded "
-                             f"{sorted(layer.gguf_parts)} of {len(self.types)}")
-
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return packed_apply(layer.packed, x)
+                             f"{sorted(layer.loading.parts)} of {len(self.types)}")
+        layer.set_weights(DenseWeights(layer.weight.data, built) if self.keep_dense
+                          else PackedWeights(built))
 
 
 def _slot(model: nn.Module, ckpt_name: str) -> tuple[str, int | None] | None:
@@ -188,6 +173,9 @@ class GGUFPlan:
             raise ValueError(f"quantization for a GGUF must be int4 or int8, got {mode!r}")
         self.mode, self.dtype, self.keep_dense = mode, dtype, mode == "auto"
         self.fmt = f"gguf {mode}"
+        # The dense weights stay for prefill in auto mode, so the copies only make decode
+        # faster: a device without their kernels loads without them.
+        self.required = not self.keep_dense
 
     def apply(self, model: nn.Module, tensor_types: dict[str, Q]) -> set[str]:
         """Before loading: give the layers their methods; `tensor_types` maps each checkpoint
@@ -249,6 +237,27 @@ class GGUFPlan:
                         layer, g if len(layer.shards) == 2 else [d]))
         logger.info("quantization %s: %d linear layers", self.fmt, count)
         return wants
+
+    def finish_lm_head(self, model: nn.Module, bits: dict[str, int]) -> None:
+        """After loading: the LM head's low-bit copy, at the width of its checkpoint tensor
+        (`bits`: bits per weight of each checkpoint weight; a tied head's is its embedding's).
+        With packed weights only (int4 | int8) an untied head keeps its copy alone."""
+        per_module: dict[str, int] = {}
+        for ckpt_name, b in bits.items():
+            module = model.linear_name(ckpt_name)  # the module it fills (GPT-2: transformer.h...)
+            if module is not None:
+                per_module[module] = max(per_module.get(module, 0), b)  # the widest shard
+        modules = dict(model.named_modules())
+        head = modules.get("lm_head")
+        if head is None or not hasattr(head, "set_decode_bits"):
+            return
+        if "lm_head" not in per_module and head.tied:  # its embedding's width
+            per_module.update({"lm_head": b for name, b in per_module.items()
+                               if getattr(modules.get(name), "weight", None) is head.weight})
+        if "lm_head" in per_module:
+            head.set_decode_bits(per_module["lm_head"])
+        if not self.keep_dense:
+            head.packed_only()
 
 
 def gguf_plan(requested: str | None, decode_weights: str, dtype: torch.dtype) -> GGUFPlan | None:
