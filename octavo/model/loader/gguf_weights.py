@@ -6,6 +6,12 @@ interleaved RoPE, Gemma's norms stored as 1 + w, GPT-2's Conv1D weights transpos
 per-head q/k/v regrouped into q | k | v. This module undoes each, so a model file loads a GGUF
 exactly as it loads the Hugging Face checkpoint. RoPE factor tensors (rope_freqs,
 rope_factors_long/short) are read into the ArchConfig instead (see arch_config).
+
+Matrices come as lazy tensors (lazy_tensor.py): the layout changes above are reorderings of whole
+rows (q/k per head, GPT-NeoX's qkv per head) or a transpose, so they stay lazy, and only the
+region a layer keeps is dequantized: a range of rows is a range of the row-major blocks, a range
+of columns the blocks covering it in each row. A tensor-parallel rank thus dequantizes its share
+only, and another pipeline stage's tensors are never read. Vectors (norms, biases) are read whole.
 """
 from __future__ import annotations
 
@@ -20,8 +26,9 @@ import torch
 
 from octavo.arch_config import ArchConfig
 from octavo.disk_cache import write_text
+from octavo.model.loader.lazy_tensor import lazy, note_read
 from octavo.model.quant.ggml_types import GGMLType
-from octavo.model_files import open_gguf
+from octavo.model_files import GGUFTensor, open_gguf
 from octavo.model_source import cache_dir
 
 _LLAMA = {
@@ -101,13 +108,13 @@ def hf_name(gguf_name: str, architecture: str) -> str:
     return f"{global_names[stem]}.{kind}"
 
 
-def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo the converter's row permutation (interleaved pairs -> rotate-half halves)."""
     half = w.shape[0] // num_heads // 2
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _to_hf_layout(name: str, w: np.ndarray, cfg: ArchConfig) -> np.ndarray:
+def _to_hf_layout(name: str, w: torch.Tensor, cfg: ArchConfig) -> torch.Tensor:
     """`w` (named `name`, Hugging Face style) in the layout of the Hugging Face checkpoint."""
     arch = cfg.gguf_arch
     if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
@@ -151,7 +158,7 @@ def gguf_tensor_types(path: Path, cfg: ArchConfig) -> dict[str, GGMLType]:
     return types
 
 
-def _code_layout(name: str, a: np.ndarray, cfg: ArchConfig) -> np.ndarray:
+def _code_layout(name: str, a: torch.Tensor, cfg: ArchConfig) -> torch.Tensor:
     """_to_hf_layout's row reorderings, for per-row codes or scales [.., rows, columns] (the
     codes of GPT-2's Conv1D weights are [out, in] already, the layout octavo computes with)."""
     if cfg.gguf_arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -161,17 +168,109 @@ def _code_layout(name: str, a: np.ndarray, cfg: ArchConfig) -> np.ndarray:
     return a
 
 
+class _DequantizedReader:
+    """A GGUF tensor [leading dimensions flattened into rows, row length], dequantized by
+    rectangles (float types copied)."""
+
+    def __init__(self, name: str, t: GGUFTensor, rows: int, cols: int) -> None:
+        from gguf.constants import GGML_QUANT_SIZES
+
+        self.name, self.rows, self.cols = name, rows, cols
+        self._raw, self._type = t.data.reshape(rows, -1), t.tensor_type
+        self._plain = t.tensor_type in (GGMLType.F32, GGMLType.F16)
+        self.dtype = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16}.get(
+            t.tensor_type, torch.float32)  # dequantized: float32
+        self._block, self._block_bytes = GGML_QUANT_SIZES[t.tensor_type]
+
+    def read(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        if self._plain:
+            note_read(self.name, (r1 - r0) * (c1 - c0))
+            return torch.from_numpy(np.array(self._raw[r0:r1, c0:c1]))  # a copy: read-only mmap
+        from gguf.quants import dequantize
+
+        b0, b1 = c0 // self._block, -(-c1 // self._block)  # the blocks covering the columns
+        note_read(self.name, (r1 - r0) * (b1 - b0) * self._block)
+        raw = self._raw[r0:r1]
+        if (b0, b1) != (0, self._raw.shape[1] // self._block_bytes):
+            raw = np.ascontiguousarray(raw[:, b0 * self._block_bytes:b1 * self._block_bytes])
+        w = dequantize(raw, self._type).reshape(r1 - r0, -1)
+        first = c0 - b0 * self._block
+        if first or w.shape[1] != c1 - c0:
+            w = np.ascontiguousarray(w[:, first:first + c1 - c0])
+        return torch.from_numpy(w)
+
+
+class _Int4Blocks:
+    """A Q4_0/Q4_1/Q4_K tensor's raw blocks [rows, row bytes], turned into its int4 codes, scales
+    and offsets (quant/gguf.py's int4_codes) by rectangles of whole blocks. One conversion gives
+    all three kinds: the ones not asked for yet are kept for their readers."""
+
+    def __init__(self, t: GGUFTensor, rows: int) -> None:
+        from gguf.constants import GGML_QUANT_SIZES
+
+        from octavo.model.quant.gguf import CODE_KINDS, int4_codes
+
+        self._convert, self._kinds = int4_codes, CODE_KINDS
+        self._raw, self._type = t.data.reshape(rows, -1), t.tensor_type
+        self._block_bytes = GGML_QUANT_SIZES[t.tensor_type][1]
+        self.blocks = self._raw.shape[1] // self._block_bytes
+        first = int4_codes(self._type, np.ascontiguousarray(self._raw[:1, :self._block_bytes]))
+        self.columns_per_block = {k: a.shape[1] for k, a in zip(CODE_KINDS, first)}
+        self._kept: dict[tuple[int, int, int, int], dict[str, np.ndarray]] = {}
+
+    def kind(self, kind: str, r0: int, r1: int, b0: int, b1: int) -> np.ndarray:
+        key = (r0, r1, b0, b1)
+        kept = self._kept.get(key)
+        if kept is None or kind not in kept:
+            raw = self._raw[r0:r1]
+            if (b0, b1) != (0, self.blocks):
+                raw = np.ascontiguousarray(raw[:, b0 * self._block_bytes:b1 * self._block_bytes])
+            kept = self._kept[key] = dict(zip(self._kinds, self._convert(self._type, raw)))
+        out = kept.pop(kind)
+        if not kept:
+            del self._kept[key]
+        return out
+
+
+class _CodesReader:
+    """One kind (codes, scales or offsets) of an `_Int4Blocks`, [rows, the kind's columns]."""
+
+    def __init__(self, name: str, blocks: _Int4Blocks, kind: str, rows: int) -> None:
+        self.name, self._blocks, self._kind, self.rows = name, blocks, kind, rows
+        self._per_block = blocks.columns_per_block[kind]
+        self.cols = blocks.blocks * self._per_block
+        self.dtype = torch.uint8 if kind == "gguf_q4" else torch.float32
+
+    def read(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        b0, b1 = c0 // self._per_block, -(-c1 // self._per_block)
+        note_read(self.name, (r1 - r0) * (b1 - b0) * self._per_block)
+        a = self._blocks.kind(self._kind, r0, r1, b0, b1)
+        first = c0 - b0 * self._per_block
+        if first or a.shape[1] != c1 - c0:
+            a = np.ascontiguousarray(a[:, first:first + c1 - c0])
+        return torch.from_numpy(a)
+
+
+def _dense(name: str, t: GGUFTensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor dequantized: lazy for a matrix, read now for a vector."""
+    if len(shape) >= 2:
+        return lazy(_DequantizedReader(name, t, int(np.prod(shape[:-1])), shape[-1]), shape)
+    if t.tensor_type in (GGMLType.F32, GGMLType.F16):
+        return torch.from_numpy(np.array(t.data).reshape(shape))  # a copy: the mmap is read-only
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(shape))
+
+
 def iterate_gguf_weights(path: Path, cfg: ArchConfig, bits: dict[str, int] | None = None,
                          codes: set[str] = frozenset(), dense_too: bool = True,
                          ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, dequantized tensor); `bits` gets each tensor's source width.
-    A stacked expert tensor [E, out, in] is yielded as E per-expert tensors. For the names in
-    `codes` (Q4_0/Q4_1/Q4_K weights; stacked experts with {}), the 4-bit codes, scales and
-    offsets come too, as `<module>.gguf_q4`, `.gguf_q4_scale`, `.gguf_q4_low` (quant/gguf.py),
-    and without `dense_too` instead of the dequantized weight."""
-    from gguf.quants import dequantize
-
-    from octavo.model.quant.gguf import CODE_KINDS, int4_codes
+    """Yield (Hugging Face name, dequantized tensor, lazy for a matrix); `bits` gets each
+    tensor's source width. A stacked expert tensor [E, out, in] is yielded as E per-expert
+    tensors. For the names in `codes` (Q4_0/Q4_1/Q4_K weights; stacked experts with {}), the
+    4-bit codes, scales and offsets come too, as `<module>.gguf_q4`, `.gguf_q4_scale`,
+    `.gguf_q4_low` (quant/gguf.py), and without `dense_too` instead of the dequantized weight."""
+    from octavo.model.quant.gguf import CODE_KINDS
 
     reader = open_gguf(path)  # checked whole first: every tensor's data lies inside the file
     for t in reader.tensors:
@@ -179,22 +278,20 @@ def iterate_gguf_weights(path: Path, cfg: ArchConfig, bits: dict[str, int] | Non
             continue
         shape = tuple(int(d) for d in reversed(t.shape))
         name = hf_name(t.name, cfg.architecture)
-        out: dict[str, np.ndarray] = {}
+        out: dict[str, torch.Tensor] = {}
         if name in codes:
             rows = int(np.prod(shape[:-1]))
-            for kind, a in zip(CODE_KINDS, int4_codes(t.tensor_type, t.data.reshape(rows, -1))):
-                out[name.removesuffix("weight") + kind] = _code_layout(
-                    name, a.reshape(*shape[:-1], -1), cfg)
+            blocks = _Int4Blocks(t, rows)
+            for kind in CODE_KINDS:
+                key = name.removesuffix("weight") + kind
+                part = _CodesReader(key, blocks, kind, rows)
+                out[key] = _code_layout(name, lazy(part, (*shape[:-1], part.cols)), cfg)
         if name not in codes or dense_too:
-            if t.tensor_type in (GGMLType.F32, GGMLType.F16):
-                w = np.array(t.data).reshape(shape)  # a copy: the mmap is read-only
-            else:
-                w = dequantize(t.data, t.tensor_type).reshape(shape)
-            out[name] = _to_hf_layout(name, w, cfg)
+            out[name] = _to_hf_layout(name, _dense(name, t, shape), cfg)
         for key, w in out.items():
             parts = [(key.format(e), w[e]) for e in range(w.shape[0])] if "{}" in key \
                 else [(key, w)]
             for part_name, part in parts:
                 if bits is not None and key == name:
                     bits[part_name] = source_bits(t.tensor_type)
-                yield part_name, torch.from_numpy(part)
+                yield part_name, part
