@@ -48,8 +48,11 @@ class MultiprocExecutor(RankExecutor):
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.procs: list[subprocess.Popen] = []
         # Whatever happens to this object (never shut down, collected, the interpreter
-        # exiting), its processes and socket folder go with it.
-        self._finalizer = weakref.finalize(self, _reap, self.procs, self.ipc_dir)
+        # exiting), its processes, socket and socket folder go with it. The finalizer holds the
+        # socket and its context: left to the collector, a context can be collected after its
+        # socket's weak reference is cleared, and its term() then waits forever on that socket.
+        self._finalizer = weakref.finalize(self, _release, self.procs, self.ipc_dir, self.sock,
+                                           self.ctx)
         try:
             for rank, (local_rank, local_size) in enumerate(
                     local_ranks(["this machine"] * self.world_size)):
@@ -101,9 +104,7 @@ class MultiprocExecutor(RankExecutor):
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        self._finalizer()  # kills what is left, removes the socket folder
-        self.sock.close(linger=0)
-        self.ctx.term()
+        self._finalizer()  # kills what is left, removes the socket folder, closes the socket
 
 
 def _exit(proc: subprocess.Popen) -> str:
@@ -122,6 +123,13 @@ def _start(start: wire.ProcessStart) -> subprocess.Popen:
     except OSError:  # it died already; _gather reports its exit
         pass
     return proc
+
+
+def _release(procs: list[subprocess.Popen], ipc_dir: str, sock: zmq.Socket,
+             ctx: zmq.Context) -> None:
+    _reap(procs, ipc_dir)
+    sock.close(linger=0)
+    ctx.term()
 
 
 def _reap(procs: list[subprocess.Popen], ipc_dir: str | None) -> None:

@@ -186,3 +186,19 @@ def test_a_tensor_parallel_rank_killed_mid_run_fails_its_peer_too(tiny_llama):
         executor.check_health()
     assert _children() == set()
     llm.engine.shutdown()
+
+
+def test_an_engine_left_to_the_collector_never_hangs_it(tiny_llama):
+    """An LLM dropped in a reference cycle without a shutdown: the collector takes the executor,
+    its socket and its ZeroMQ context together. A context collected after its socket's weak
+    reference was cleared waited forever in term() (a test run hung there)."""
+    import subprocess
+    import sys
+
+    code = (f"import gc, time\nfrom octavo import LLM\n"
+            f"llm = LLM({str(tiny_llama)!r}, distributed_executor_backend='mp', **{KW!r})\n"
+            f"cycle = [llm]; cycle.append(cycle); del llm, cycle\n"
+            f"gc.collect(); print('collected')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "collected" in done.stdout, done.stderr[-2000:]
