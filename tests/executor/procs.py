@@ -16,15 +16,26 @@ def _stat(pid: int) -> tuple[str, int] | None:
 
 
 def children(parent: int | None = None) -> set[int]:
-    """Pids of `parent`'s (default: this process's) live (not zombie) children."""
+    """Pids of `parent`'s (default: this process's) live (not zombie) children, but for
+    multiprocessing's resource tracker: an earlier test's use of multiprocessing starts it, and
+    it stays for the life of the process by design."""
     parent = os.getpid() if parent is None else parent
     pids = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             stat = _stat(int(entry.name))
-            if stat is not None and stat[1] == parent and stat[0] != "Z":
+            if stat is not None and stat[1] == parent and stat[0] != "Z" \
+                    and not _is_resource_tracker(int(entry.name)):
                 pids.add(int(entry.name))
     return pids
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"multiprocessing.resource_tracker" in cmdline
 
 
 def descendants(parent: int | None = None) -> set[int]:
