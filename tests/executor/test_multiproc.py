@@ -15,7 +15,21 @@ from octavo import LLM, SamplingParams, StructuredOutputsParams
 from octavo.core.contract import CachedRequestData, SchedulerOutput
 from octavo.executor import multiproc
 from octavo.executor.multiproc import MultiprocExecutor, WorkerFailed
-from tests.executor.procs import children as _children
+from tests.executor.procs import children
+
+_EARLIER: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _earlier_children():
+    """Children other tests of this run left running (a server still exiting, a kernel build):
+    not this test's leftovers."""
+    _EARLIER.clear()
+    _EARLIER.update(children())
+
+
+def _children() -> set[int]:
+    return children() - _EARLIER
 
 KW = dict(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20, num_threads=1,
           native_kernels="off", max_num_batched_tokens=32)  # prompts span several chunks

@@ -29,15 +29,16 @@ EXIT_BOUND_S = 15.0
 @pytest.fixture(scope="module")
 def ray_cluster():
     assert not ray.is_initialized()
+    earlier = descendants()  # other tests' processes still exiting: not the cluster's
     ray.init(num_cpus=2, include_dashboard=False)
-    ray_processes = descendants()
+    ray_processes = descendants() - earlier
     assert ray_processes  # the cluster's own processes, below this one
     yield
-    ray_processes |= descendants()
+    ray_processes |= descendants() - earlier
     ray.shutdown()
     # Orphans would be re-parented away from this process: follow the pids themselves.
     assert _gone(ray_processes), [p for p in ray_processes if alive(p)]
-    assert children() == set()
+    assert children() - earlier == set()
 
 
 def _gone(pids, bound_s: float = EXIT_BOUND_S) -> bool:
