@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from octavo import LLM, SamplingParams
+from octavo import LLM
 from octavo.distributed import parallel_state
 from octavo.distributed.parallel_state import RankPlacement
 from octavo.model.pipeline import local_layer_name, stage_range
-from tests.distributed.test_tensor_parallel import (
-    _agree,
-    _check,
-    _prompt,
-    _reference,
-    _run,
-)
+from tests.distributed.test_tensor_parallel import (_check, _prompt, _reference, _run,
+                                                     compare_smollm2)
 from tests.parity.test_tiny_models import _build
 
 
@@ -72,17 +67,4 @@ def test_int4_stages_with_preemption_match_one_process(tmp_path, smollm_oracle_f
 def test_smollm2_gguf_on_two_stages(smollm_gguf):
     """The real model's 30 layers, 15 a stage, its int4 decode copies and fused decode stack on
     each; float32, so a stage boundary changes nothing."""
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    params = SamplingParams(max_tokens=16, temperature=0, logprobs=5)
-    kwargs = dict(dtype="float32", max_model_len=512, kv_cache_memory=1 << 27)
-    single = LLM("smollm2-135m-instruct", **kwargs)
-    expected = single.generate(prompts, params, use_tqdm=False)
-    single.engine.shutdown()
-    llm = LLM("smollm2-135m-instruct", pipeline_parallel_size=2, **kwargs)
-    try:
-        for out, exp in zip(llm.generate(prompts, params, use_tqdm=False), expected):
-            a, b = out.outputs[0], exp.outputs[0]
-            _agree(a.token_ids, [set(d) for d in a.logprobs], b.token_ids,
-                   [list(d) for d in b.logprobs])
-    finally:
-        llm.engine.shutdown()
+    compare_smollm2(pipeline_parallel_size=2)

@@ -115,16 +115,15 @@ def test_quantized_weights_on_two_ranks(tmp_path, smollm_oracle_folder, quantiza
         llm.engine.shutdown()
 
 
-def test_smollm2_gguf_on_two_ranks(smollm_gguf):
-    """The real model: 9 query heads over 3 KV heads, split 3 + 6 between the ranks; its GGUF's
-    int4 copies for decode cut with the dense weights."""
+def compare_smollm2(**parallel) -> None:
+    """The real SmolLM2 GGUF in float32 split as `parallel` says, against one process."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=5)
     kwargs = dict(dtype="float32", max_model_len=512, kv_cache_memory=1 << 27)
     single = LLM("smollm2-135m-instruct", **kwargs)
     expected = single.generate(prompts, params, use_tqdm=False)
     single.engine.shutdown()
-    llm = LLM("smollm2-135m-instruct", tensor_parallel_size=2, **kwargs)
+    llm = LLM("smollm2-135m-instruct", **parallel, **kwargs)
     try:
         for out, exp in zip(llm.generate(prompts, params, use_tqdm=False), expected):
             a, b = out.outputs[0], exp.outputs[0]
@@ -133,3 +132,8 @@ def test_smollm2_gguf_on_two_ranks(smollm_gguf):
     finally:
         llm.engine.shutdown()
 
+
+def test_smollm2_gguf_on_two_ranks(smollm_gguf):
+    """The real model: 9 query heads over 3 KV heads, split 3 + 6 between the ranks; its GGUF's
+    int4 copies for decode cut with the dense weights."""
+    compare_smollm2(tensor_parallel_size=2)
