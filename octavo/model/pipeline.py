@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from octavo.distributed import parallel_state
+from octavo.model.layers.attention import PagedAttention
 
 _LAYER_NAME = re.compile(r"(^|\.)(layers|h)\.(\d+)\.")
 
@@ -45,8 +46,8 @@ def stage_layers(num_layers: int, make: Callable[[int], nn.Module]) -> nn.Module
     for local, index in enumerate(stage_range(num_layers)):
         layer = make(index)
         for module in layer.modules():
-            if hasattr(module, "layer_index") and hasattr(module, "set_kv_scale"):
-                module.layer_index = local  # PagedAttention
+            if isinstance(module, PagedAttention):
+                module.layer_index = local
         layers.append(layer)
     return layers
 

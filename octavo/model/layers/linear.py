@@ -66,7 +66,9 @@ class Linear(nn.Module):
         self.shards = shards
         self.slot_spans = slot_spans
         self.input_span = input_span
-        self.reduce = reduce  # False: the caller sums the partial outputs (an MoE's experts)
+        # Settled at construction, so a step only reads a flag: with `reduce` False the caller
+        # sums the partial outputs (an MoE's experts).
+        self.sums_output = reduce and self.splits_input
         self.bias = nn.Parameter(torch.zeros(sum(shards)), requires_grad=False) if bias else None
         self.set_quant_method(UNQUANTIZED)
 
@@ -141,7 +143,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weights.matmul(x)
-        if self.reduce and self.splits_input:
+        if self.sums_output:
             y = parallel_state.tp_all_reduce(y)
         return y if self.bias is None else y + self.bias
 
