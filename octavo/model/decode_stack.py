@@ -1,19 +1,22 @@
-"""A step of a Llama-family decoder as one C++ call (octavo/kernels/csrc: DecodeStack).
+"""A step of a decoder (Llama family, Gemma 2 and 3) as one C++ call (csrc/decode_stack.h).
 
 It takes the steps whose attention the in-place kernel computes whole: decodes, speculative
 verification, and prompts (of any length in bf16, else up to paged_attention.KERNEL_CONTEXT_LEN
-tokens; a step with a padded SDPA group runs the Python layers). In a decode step every request
-brings one token, and for a small model the Python around each kernel costs as much as the
-kernel: about a dozen module calls and dispatches a layer, about 3 ms a step for SmolLM2's 30
-layers against roughly 5 ms of arithmetic. The stack runs the same kernels in the same order
-from C++ (the CPU analogue of replaying a captured CUDA graph), so it needs exactly what those
-kernels need, read from each layer's typed weights (`_forms`): dense weights (with or without a
-GGUF's int4/int8 copy for small batches) or packed int4 / symmetric int8 weights alone
-(--quantization). Anything else
-(steps with long prefills, sliding windows, softcaps, an fp8 KV cache, act-order or asymmetric int8
-weights, partial rotary, MoE layers, kernels not loaded yet) runs the Python layers.
-`--enforce-eager` turns it off. Under tensor parallelism it computes a rank's heads and slices and
-calls the ranks' all-reduce after each o and down projection, as the Python layers do.
+tokens; a step with a padded SDPA group, in its plan or its sliding-window plan, runs the Python
+layers). In a decode step every request brings one token, and for a small model the Python
+around each kernel costs as much as the kernel: about a dozen module calls and dispatches a
+layer, about 3 ms a step for SmolLM2's 30 layers against roughly 5 ms of arithmetic. The stack
+runs the same kernels in the same order from C++ (the CPU analogue of replaying a captured CUDA
+graph), so it needs exactly what those kernels need. What a layer is comes from its description
+(`layer.spec()`, model/layer_spec.py): RMSNorm or Gemma's 1 + w, norms before each sublayer or
+around it, q/k norms, silu or gelu(tanh), the attention's scale, sliding window and softcap, and
+its RoPE tables. The weights are read from each linear layer's typed weights (`_forms`): dense
+weights (with or without a GGUF's int4/int8 copy for small batches) or packed int4 / symmetric
+int8 weights alone (--quantization). Anything else (steps with long prefills, an fp8 KV cache,
+act-order or asymmetric int8 weights, partial rotary, MoE layers, kernels not loaded yet) runs
+the Python layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a rank's
+heads and slices and calls the ranks' all-reduce after each o and down projection, as the Python
+layers do.
 """
 from __future__ import annotations
 
@@ -26,10 +29,9 @@ from torch import nn
 from octavo.distributed import parallel_state
 from octavo.kernels import fused
 from octavo.kernels.paged_attention import AttentionPlan
+from octavo.model.layer_spec import LayerSpec, NormKind
 from octavo.model.layers.linear import Linear
-from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
-from octavo.model.models.llama import LlamaDecoderLayer, LlamaMLP
 from octavo.model.quant.decode_weights import max_rows
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed, PackedWeight
 from octavo.model.quant.weights import DenseWeights, PackedWeights
@@ -40,36 +42,35 @@ logger = logging.getLogger(__name__)
 def unsupported_reason(layers: nn.ModuleList) -> str | None:
     """Why these decoder layers cannot run as one stack (None: they can)."""
     eps: set[float] = set()
+    shapes: set[tuple[int, int, int]] = set()
     for layer in layers:
-        if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
-            return f"layer type {type(layer).__name__}/{type(getattr(layer, 'mlp', None)).__name__}"
-        attn = layer.self_attn
-        if layer.mlp.act is not fused.silu_and_mul:
-            return "a gated activation other than silu"
-        if type(attn.rotary) is not RotaryEmbedding:
-            return f"rotary embedding {type(attn.rotary).__name__}"
-        if attn.attn.sliding_window or attn.attn.softcap:
-            return "a sliding window or attention softcap"
-        if attn.o_proj.bias is not None:
+        if not hasattr(layer, "spec"):
+            return f"layer type {type(layer).__name__}"
+        spec: LayerSpec = layer.spec()
+        if spec.activation is None:
+            return "a gated activation other than silu or gelu (tanh)"
+        if type(spec.rotary) is not RotaryEmbedding:
+            return f"rotary embedding {type(spec.rotary).__name__}"
+        if spec.o.bias is not None:
             return "an o_proj bias"
-        for lin in _linears(layer):
-            reason = _weight_reason(lin, layer.input_layernorm.weight.dtype)
+        for lin in _linears(spec):
+            reason = _weight_reason(lin, spec.attn_in_norm.weight.dtype)
             if reason is not None:
                 return reason
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        if attn.q_norm is not None:
-            norms += [attn.q_norm, attn.k_norm]
-        if any(type(n) is not RMSNorm for n in norms):
-            return "a norm other than RMSNorm"
-        eps.update(n.eps for n in norms)
+        if any(type(n) is not spec.norm_kind.value for n in spec.norms):
+            return f"a norm other than {spec.norm_kind.value.__name__}"
+        eps.update(n.eps for n in spec.norms)
+        a = spec.attention
+        shapes.add((a.num_heads, a.num_kv_heads, a.head_dim))
     if len(eps) > 1:
         return "RMSNorm epsilons that differ between norms"
+    if len(shapes) > 1:
+        return "layers with different head counts or sizes"
     return None
 
 
-def _linears(layer: nn.Module) -> list[Linear]:
-    attn, mlp = layer.self_attn, layer.mlp
-    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+def _linears(spec: LayerSpec) -> list[Linear]:
+    return [spec.qkv, spec.o, spec.gate_up, spec.down]
 
 
 def _forms(lin: Linear) -> tuple[torch.Tensor | None, PackedWeight | None] | None:
@@ -138,55 +139,79 @@ class DecodeStack:
 
     def __init__(self, layers: nn.ModuleList) -> None:
         self.layers = layers
-        self.dtype = layers[0].input_layernorm.weight.dtype  # the activations it computes in
+        self.specs: list[LayerSpec] = [layer.spec() for layer in layers]
+        self.dtype = self.specs[0].attn_in_norm.weight.dtype  # the activations it computes in
         self._stack: Any = None
         self._caches: list[torch.Tensor] | None = None
         # Tokens a step may have (packed-only layers compute small batches only); None: any.
-        limits = [n for layer in layers for lin in _linears(layer)
+        limits = [n for spec in self.specs for lin in _linears(spec)
                   if (n := _row_limit(lin)) is not None]
         self.max_tokens: int | None = min(limits) if limits else None
 
     def usable(self, x: torch.Tensor, plan: AttentionPlan, sliding: AttentionPlan | None,
                kv_caches: list[torch.Tensor]) -> bool:
-        return (not plan.groups and plan.decode is not None and sliding is None
+        plans = (plan,) if sliding is None else (plan, sliding)
+        return (all(not p.groups and p.decode is not None for p in plans)
                 and fused.native_active(x) and x.dtype == self.dtype == kv_caches[0].dtype
                 and (self.max_tokens is None or x.shape[0] <= self.max_tokens))
 
     def rebuild(self) -> None:
         """Build the C++ stack anew at the next step: its layers hold the weights they were
         built with, and the model's weights were replaced (model/loader/gemm_packing.py)."""
+        self.specs = [layer.spec() for layer in self.layers]
         self._stack, self._caches = None, None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
-                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
+                 sliding: AttentionPlan | None, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         if self._caches is not kv_caches:
             self._build(kv_caches)
-        d = plan.decode
-        return self._stack.forward(x, positions, d.token_index, d.block_table, d.seq_lens,
-                                   plan.slot_mapping)
+        # A windowed layer reads the sliding plan where the step has one, else the step's plan,
+        # as PagedAttention does.
+        plans = [_kernel_plan(plan)] + ([] if sliding is None else [_kernel_plan(sliding)])
+        return self._stack.forward(x, positions, plan.slot_mapping, plans)
 
     def _build(self, kv_caches: list[torch.Tensor]) -> None:
         native = fused.native_module()
-        first = self.layers[0].self_attn
-        rotary = first.rotary
-        stack = native.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim,
-                                   self.layers[0].input_layernorm.eps, first.attn.scale,
-                                   rotary.cos, rotary.sin)
+        first = self.specs[0]
+        stack = native.DecodeStack(heads=first.attention.num_heads,
+                                   kv_heads=first.attention.num_kv_heads,
+                                   head_dim=first.attention.head_dim,
+                                   eps=first.attn_in_norm.eps)
         if parallel_state.tp_size() > 1:  # the row-parallel projections' partial sums
             stack.set_all_reduce(parallel_state.tp_all_reduce)
-        for layer in self.layers:
-            attn = layer.self_attn
+        for spec in self.specs:
             stack.add_layer(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                attn.q_norm.weight if attn.q_norm is not None else None,
-                attn.k_norm.weight if attn.k_norm is not None else None,
-                [_linear(native, lin) for lin in _linears(layer)],
-                kv_caches[attn.attn.layer_index])
+                norms=[_norm_weight(spec, n) for n in (spec.attn_in_norm, spec.attn_out_norm,
+                                                       spec.mlp_in_norm, spec.mlp_out_norm)],
+                q_norm=_norm_weight(spec, spec.q_norm), k_norm=_norm_weight(spec, spec.k_norm),
+                one_plus_norms=spec.norm_kind is NormKind.ONE_PLUS,
+                linears=[_linear(native, lin) for lin in _linears(spec)],
+                kv_cache=kv_caches[spec.attention.layer_index],
+                cos=spec.rotary.cos, sin=spec.rotary.sin, scale=spec.scale,
+                softcap=spec.softcap or 0.0, plan=_SLIDING if spec.window else _STEP,
+                activation=int(spec.activation))
         self._stack, self._caches = stack, kv_caches
 
 
+_STEP, _SLIDING = 0, 1  # the index of the plan a layer's attention reads in forward's plans
+
+
+def _kernel_plan(plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    d = plan.decode
+    return d.token_index, d.block_table, d.seq_lens, d.window or 0
+
+
+def _norm_weight(spec: LayerSpec, norm: nn.Module | None) -> torch.Tensor | None:
+    """A norm's weight as the C++ stack applies it: Gemma's 1 + w is computed once here, in
+    float32 as GemmaRMSNorm computes it each call."""
+    if norm is None:
+        return None
+    return 1.0 + norm.weight.float() if spec.norm_kind is NormKind.ONE_PLUS else norm.weight
+
+
 def attach(model: nn.Module) -> DecodeStack | None:
-    """Give `model` (a causal LM over a LlamaModel) a decode stack if its layers allow one."""
+    """Give `model` (a causal LM whose inner model has `layers` and a `decode_stack` slot) a
+    decode stack if its layers allow one."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "decode_stack"):

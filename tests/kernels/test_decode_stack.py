@@ -1,12 +1,16 @@
 """The fused decode stack (one C++ call for all decoder layers of a decode step) against the
 Python layers it replaces, on tiny random models: dense weights and int4/int8 low-bit copies,
-q/k norms (Qwen3) and qkv biases (Qwen2); and the models and steps it must leave alone."""
+q/k norms (Qwen3) and qkv biases (Qwen2), Gemma 2 and 3 (sandwich norms of 1 + w, GeGLU,
+softcaps, sliding windows shorter than the prompts, local RoPE tables) and the real Gemma 3 270M;
+and the models and steps it must leave alone."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from octavo import LLM, SamplingParams
+from octavo.kernels import fused as fused_kernels
 from octavo.model import decode_stack
 from octavo.model.quant.decode_weights import make_decode_weight
 from octavo.model.quant.packed import Int4Packed, Int8Grouped
@@ -97,8 +101,7 @@ def test_steps_with_padded_prefills_run_the_layers(tmp_path, smollm_oracle_folde
     assert [o.token_ids for o in _generate(llm)] == [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "phi3-longrope-partial", "mixtral",
-                                  "mistral-sliding-window"])
+@pytest.mark.parametrize("name", ["phi3-longrope-partial", "mixtral"])
 def test_models_the_stack_does_not_fit_keep_their_layers(tmp_path, smollm_oracle_folder, name):
     folder, _ = _build(tmp_path, smollm_oracle_folder, name)
     llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
@@ -134,3 +137,95 @@ def test_packed_only_gguf_layers_run_in_the_stack(smollm_gguf, mode):
         assert a.token_ids == b.token_ids
         assert max(abs(x[t].logprob - y[t].logprob)
                    for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids)) < 2e-2
+
+
+class _Counted:
+    """The stack's __call__ wrapped on its class (instances look special methods up there)."""
+
+    def __init__(self, stack):
+        self.cls, self.calls = stack.__class__, [0]
+        self.forward = self.cls.__call__
+
+    def __enter__(self):
+        forward, calls = self.forward, self.calls
+
+        def counted(this, *args):
+            calls[0] += 1
+            return forward(this, *args)
+
+        self.cls.__call__ = counted
+        return self.calls
+
+    def __exit__(self, *exc):
+        self.cls.__call__ = self.forward
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gemma3-scaled-global-rope",
+                                  "mistral-sliding-window"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_windowed_and_gemma_layers_run_in_the_stack(tmp_path, smollm_oracle_folder, name, dtype):
+    """Gemma's layers (and Mistral's windowed ones) take the stack in every decode step, with
+    the tokens and log-probabilities of the Python layers: windows of 32 behind prompts of up
+    to 38 tokens and 12 generated, so a layer reading the wrong plan or rotary table shows."""
+    folder, _ = _build(tmp_path, smollm_oracle_folder, name)
+    llm = LLM(str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20,
+              enable_prefix_caching=False)
+    model = _model(llm)
+    stack = model.model.decode_stack
+    assert stack is not None, "the model's decode steps run the Python layers"
+    if name.startswith("gemma"):
+        kinds = {spec.window is not None for spec in stack.specs}
+        assert kinds == {True, False}  # local and global layers both in the stack
+    with _Counted(stack) as calls:
+        fused = _generate(llm)
+    assert calls[0] >= 11  # every decode step at least
+    model.model.decode_stack = None
+    layered = _generate(llm)
+    for a, b in zip(fused, layered):
+        assert a.token_ids == b.token_ids
+        diff = max(abs(x[t].logprob - y[t].logprob)
+                   for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids))
+        assert diff < (2e-2 if dtype == "bfloat16" else 1e-4), diff
+
+
+def test_gemma3_270m_gguf_decodes_alike_with_and_without_the_stack():
+    """The real Gemma 3 270M (window 512: 5 local layers to 1 global), 32 greedy tokens."""
+    from octavo.model_source import pull
+
+    path = pull("gemma3-270m")
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    outs = []
+    for eager in (False, True):
+        llm = LLM(str(path), max_model_len=512, kv_cache_memory=64 << 20,
+                  enable_prefix_caching=False, enforce_eager=eager)
+        stack = _model(llm).model.decode_stack
+        assert (stack is None) == eager
+        if eager:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                         use_tqdm=False)])
+        else:
+            with _Counted(stack) as calls:
+                outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                             use_tqdm=False)])
+            assert calls[0] >= 31
+        llm.engine.shutdown()
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul_kernel_matches_torch(dtype):
+    native = fused_kernels.native_module()
+    torch.manual_seed(0)
+    # widths around the 8-lane loop; gates from -100 (gelu below 1e-33) to 10
+    for width in (1, 7, 8, 19, 64, 2048):
+        x = (torch.randn(5, 2 * width) * 4).to(dtype)
+        x[0, :width] = torch.linspace(-100, 10, width).to(dtype)
+        gate, up = x.chunk(2, dim=-1)
+        want = F.gelu(gate, approximate="tanh") * up
+        got = native.gelu_tanh_and_mul(x)
+        # atol: torch's 0.5 g (1 + tanh(u)) cancels to 0 (or a float ulp of 1) below about
+        # g = -4, where the kernel's g / (1 + e^-2u) keeps gelu's tail (under 1e-6 times up).
+        # bf16: gelu rounded to bf16 before the product, as torch does: an ulp at most.
+        rtol = 2e-6 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=2e-5)

@@ -2,7 +2,7 @@
 // dispatch cost, not arithmetic, dominates a decode step of a small model. Every kernel has a
 // pure-PyTorch twin in octavo/kernels/fused.py that the tests compare it with.
 // The kernels live in the headers beside this file; here are the PyTorch bindings and
-// DecodeStack, the decoder layers of a Llama-family decode step in one call.
+// DecodeStack (decode_stack.h), the decoder layers of a decode step in one call.
 #include "layer_ops.h"
 #include "paged_attention.h"
 #include "quant_gemv.h"
@@ -82,6 +82,15 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul",
                                   [&] { silu_and_mul_typed<scalar_t>(out, x); });
+  return out;
+}
+
+torch::Tensor gelu_tanh_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
+              "gelu_tanh_and_mul needs a contiguous [T, 2 * width] input");
+  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_and_mul",
+                                  [&] { gelu_tanh_and_mul_typed<scalar_t>(out, x); });
   return out;
 }
 
@@ -232,11 +241,7 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor q4, torch::Tensor sz) {
   return out;
 }
 
-// The decoder stack of a Llama-family model for a step whose attention the in-place kernel
-// takes whole (decodes, short queries, prompts: one attention entry per query token), as
-// one call: the same kernels the Python layers call, without a Python frame and a dozen
-// dispatches per layer around each of them (about 3 ms a step for a 30-layer model, a third of
-// a batch-1 decode step). octavo/model/decode_stack.py builds it and checks what it supports.
+// A linear layer of DecodeStack (decode_stack.h): its dense weight and/or its low-bit one.
 struct StackLinear {
   torch::Tensor dense;  // [N, K], the weight every batch size can use; undefined: packed only
   torch::Tensor bias;   // [N] or undefined
@@ -273,108 +278,7 @@ struct StackLinear {
   }
 };
 
-struct StackLayer {
-  torch::Tensor input_norm, post_norm, q_norm, k_norm;  // q_norm / k_norm: Qwen3, else undefined
-  StackLinear qkv, o, gate_up, down;
-  torch::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
-};
-
-class DecodeStack {
- public:
-  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
-              torch::Tensor cos, torch::Tensor sin)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        cos_(std::move(cos)), sin_(std::move(sin)) {}
-
-  // Linears are (dense, bias or None, kind, low_a or None, low_b or None) tuples.
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm,
-                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
-                 std::vector<StackLinear> linears, torch::Tensor kv_cache) {
-    TORCH_CHECK(linears.size() == 4, "a layer has qkv, o, gate_up and down projections");
-    TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv cache must be [2, ...]");
-    StackLayer l;
-    l.input_norm = std::move(input_norm);
-    l.post_norm = std::move(post_norm);
-    if (q_norm) l.q_norm = *q_norm;
-    if (k_norm) l.k_norm = *k_norm;
-    l.qkv = linears[0]; l.o = linears[1]; l.gate_up = linears[2]; l.down = linears[3];
-    l.k_cache = kv_cache[0];
-    l.v_cache = kv_cache[1];
-    check_cache(l.k_cache, l.v_cache);
-    layers_.push_back(std::move(l));
-  }
-
-  // x: [T, hidden] embeddings of the step's tokens (token_index maps attention entries to them)
-  // -> hidden states before the final norm.
-  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor token_index,
-                        torch::Tensor block_table, torch::Tensor seq_lens,
-                        torch::Tensor slot_mapping) const {
-    const int64_t t = x.size(0);
-    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    TORCH_CHECK(x.is_contiguous() && positions.is_contiguous() && slot_mapping.is_contiguous(),
-                "the stack takes contiguous inputs");
-    x = x.clone();  // the residual stream, updated in place
-    torch::Tensor pending;  // the last down projection, added with the next layer's norm
-    for (const StackLayer& l : layers_) {
-      auto xn = pending.defined() ? add_rms_norm(x, pending, l.input_norm)
-                                  : rms_norm(x, l.input_norm, eps_);
-      auto qkv = l.qkv(xn);
-      auto q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
-      TORCH_CHECK(qkv.stride(1) == 1, "qkv rows must be contiguous");
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_kv", [&] {
-        const bool normed = l.q_norm.defined();  // Qwen3: q and k normed before the rotation
-        rope_write_kv_typed<scalar_t>(
-            qkv.data_ptr<scalar_t>(), t, qkv.stride(0), heads_, kv_heads_, head_dim_,
-            positions.data_ptr<int64_t>(), cos_.data_ptr<float>(), sin_.data_ptr<float>(),
-            normed ? l.q_norm.data_ptr<scalar_t>() : nullptr,
-            normed ? l.k_norm.data_ptr<scalar_t>() : nullptr, static_cast<float>(eps_),
-            l.k_cache.data_ptr<scalar_t>(), l.v_cache.data_ptr<scalar_t>(),
-            slot_mapping.data_ptr<int64_t>());
-      });
-      auto attn = torch::empty({t, heads_, head_dim_}, x.options());
-      decode_attention(attn, q, l.k_cache, l.v_cache, token_index, block_table, seq_lens, scale_,
-                       0.0, 0);
-      auto o = l.o(attn.view({t, q_size}));
-      reduce(o);
-      auto h = l.gate_up(add_rms_norm(x, o, l.post_norm));
-      pending = l.down(silu_and_mul(h));
-      reduce(pending);
-    }
-    if (pending.defined()) x += pending;
-    return x;
-  }
-
-  // Tensor parallelism: each rank's o and down projections give partial sums, which `fn`
-  // (the ranks' all-reduce, in place) adds up before the residual stream takes them.
-  void set_all_reduce(py::function fn) { all_reduce_ = std::move(fn); }
-
- private:
-  void reduce(const torch::Tensor& partial) const {
-    if (!all_reduce_) return;
-    py::gil_scoped_acquire gil;  // forward runs without the GIL; the collective is Python's
-    all_reduce_(partial);
-  }
-
-  // x += delta in place; returns rms_norm(x) with `weight`.
-  torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& delta,
-                             const torch::Tensor& weight) const {
-    TORCH_CHECK(delta.stride(1) == 1 && delta.scalar_type() == x.scalar_type());
-    auto out = torch::empty_like(x);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms", [&] {
-      add_rms_norm_typed<scalar_t>(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
-                                   delta.stride(0), weight.data_ptr<scalar_t>(),
-                                   out.data_ptr<scalar_t>(), x.size(0), x.size(1),
-                                   static_cast<float>(eps_));
-    });
-    return out;
-  }
-
-  int64_t heads_, kv_heads_, head_dim_;
-  double eps_, scale_;
-  torch::Tensor cos_, sin_;
-  std::vector<StackLayer> layers_;
-  py::function all_reduce_;
-};
+#include "decode_stack.h"  // DecodeStack, over these StackLinears
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv);
@@ -387,6 +291,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("rotary_inplace", &rotary_inplace);
   m.def("silu_and_mul", &silu_and_mul);
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   py::class_<StackLinear>(m, "StackLinear")
       .def(py::init([](c10::optional<torch::Tensor> dense, c10::optional<torch::Tensor> bias,
                        int64_t kind, c10::optional<torch::Tensor> low_a,
@@ -405,8 +310,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return lin;
       }));
   py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor>())
-      .def("add_layer", &DecodeStack::add_layer)
+      .def(py::init<int64_t, int64_t, int64_t, double>(), py::arg("heads"), py::arg("kv_heads"),
+           py::arg("head_dim"), py::arg("eps"))
+      .def("add_layer", &DecodeStack::add_layer, py::arg("norms"), py::arg("q_norm"),
+           py::arg("k_norm"), py::arg("one_plus_norms"), py::arg("linears"), py::arg("kv_cache"),
+           py::arg("cos"), py::arg("sin"), py::arg("scale"), py::arg("softcap"), py::arg("plan"),
+           py::arg("activation"))
       .def("set_all_reduce", &DecodeStack::set_all_reduce)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
 }

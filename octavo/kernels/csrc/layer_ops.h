@@ -1,5 +1,5 @@
-// The elementwise layers of a step: RMSNorm (and with a residual add), rotary
-// embedding, RoPE with the KV write, SiLU-and-mul.
+// The elementwise layers of a step: RMSNorm (plain and Gemma's 1 + w, and with a residual add),
+// rotary embedding, RoPE with the KV write, SiLU-and-mul and GELU(tanh)-and-mul.
 // Included by cpu_ops.cpp only: the kernels are one translation unit, so every call
 // between these files can still be inlined.
 #pragma once
@@ -35,6 +35,34 @@ inline void rms_norm_row(const T* xr, const T* wp, T* orow, int64_t width, float
   // the reference implementations do.
   for (int64_t i = 0; i < width; ++i)
     orow[i] = static_cast<T>(to_f(static_cast<T>(to_f(xr[i]) * inv)) * to_f(wp[i]));
+}
+
+// Gemma's RMSNorm row (octavo/model/layers/norm.py GemmaRMSNorm): the weight is 1 + w, in
+// float32, and the normalized value is not rounded before it is applied; one rounding at the end.
+template <typename T>
+inline void one_plus_norm_row(const T* xr, const float* w1, T* orow, int64_t width, float eps) {
+  float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+  for (int64_t i = 0; i < width; ++i) sq += to_f(xr[i]) * to_f(xr[i]);
+  const float inv = 1.f / std::sqrt(sq / width + eps);
+  for (int64_t i = 0; i < width; ++i) orow[i] = static_cast<T>(to_f(xr[i]) * inv * w1[i]);
+}
+
+// A norm's weight as the decode stack holds it: w itself in T (RMSNorm), or 1 + w in float32
+// (Gemma); neither set: no norm.
+template <typename T>
+struct NormWeight {
+  const T* w = nullptr;
+  const float* one_plus = nullptr;
+  bool defined() const { return w != nullptr || one_plus != nullptr; }
+};
+
+template <typename T>
+inline void norm_row(const NormWeight<T>& n, const T* xr, T* orow, int64_t width, float eps) {
+  if (n.one_plus != nullptr)
+    one_plus_norm_row(xr, n.one_plus, orow, width, eps);
+  else
+    rms_norm_row(xr, n.w, orow, width, eps);
 }
 
 template <typename T>
@@ -90,7 +118,7 @@ void rotary_typed(torch::Tensor& x, const int64_t* pos, const float* cos, const 
 // x + delta is), then out = rms_norm(x) with the rounding of rms_norm_typed. x is [rows, width]
 // contiguous; delta's rows are `delta_stride` apart (a narrowed projection output).
 template <typename T>
-void add_rms_norm_typed(T* x, const T* delta, int64_t delta_stride, const T* weight, T* out,
+void add_rms_norm_typed(T* x, const T* delta, int64_t delta_stride, NormWeight<T> weight, T* out,
                         int64_t rows, int64_t width, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -102,19 +130,20 @@ void add_rms_norm_typed(T* x, const T* delta, int64_t delta_stride, const T* wei
         for (; i + 16 <= width; i += 16) store16(xr + i, _mm512_add_ps(load16(xr + i), load16(dr + i)));
 #endif
       for (; i < width; ++i) xr[i] = static_cast<T>(to_f(xr[i]) + to_f(dr[i]));
-      rms_norm_row(xr, weight, out + r * width, width, eps);
+      norm_row(weight, xr, out + r * width, width, eps);
     }
   });
 }
 
-// The q and k heads of a fused qkv row normed (Qwen3's q_norm / k_norm, when given) and rotated
-// in place, and the k and v rows written to their cache slots: what rms_norm, rotary_typed and
-// write_rows do, without a tensor view per head group. qkv rows are `stride` apart; the cache is
-// T, like the activations.
+// The q and k heads of a fused qkv row normed (the q_norm / k_norm of Qwen3 and Gemma 3, when
+// given) and rotated in place, and the k and v rows written to their cache slots: what rms_norm,
+// rotary_typed and write_rows do, without a tensor view per head group. qkv rows are `stride`
+// apart; the cache is T, like the activations.
 template <typename T>
 void rope_write_kv_typed(T* qkv, int64_t tokens, int64_t stride, int64_t heads, int64_t kv_heads,
                          int64_t dim, const int64_t* pos, const float* cos, const float* sin,
-                         const T* q_norm, const T* k_norm, float eps, T* k_cache, T* v_cache,
+                         NormWeight<T> q_norm, NormWeight<T> k_norm, float eps, T* k_cache,
+                         T* v_cache,
                          const int64_t* slots) {
   const int64_t half = dim / 2, kv_width = kv_heads * dim;
   // A prefill's thousands of tokens are split between the threads; a decode step's few run
@@ -126,8 +155,8 @@ void rope_write_kv_typed(T* qkv, int64_t tokens, int64_t stride, int64_t heads, 
       const float* s = sin + pos[t] * half;
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         T* head = row + h * dim;
-        const T* norm = h < heads ? q_norm : k_norm;
-        if (norm != nullptr) rms_norm_row(head, norm, head, dim, eps);
+        const NormWeight<T>& norm = h < heads ? q_norm : k_norm;
+        if (norm.defined()) norm_row(norm, head, head, dim, eps);
         rotate_half(head, c, s, half);
       }
       std::copy(row + heads * dim, row + heads * dim + kv_width, k_cache + slots[t] * kv_width);
@@ -189,6 +218,47 @@ void silu_and_mul_typed(torch::Tensor& out, const torch::Tensor& x) {
         const float g = to_f(gate[i]);
         // silu is rounded to the input dtype before the product, as in F.silu(gate) * up.
         const float act = to_f(static_cast<T>(g / (1.f + std::exp(-g))));
+        o[i] = static_cast<T>(act * to_f(up[i]));
+      }
+    }
+  });
+}
+
+// gelu(gate, approximate="tanh") * up of a packed [T, 2 * width] row block (Gemma's GeGLU).
+// 0.5 g (1 + tanh(u)) is g / (1 + e^(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3): the form of silu
+// with 2u for g, which keeps its accuracy near 0 (no 1 - 1 cancellation) and needs one exp.
+// gelu is rounded to T before the product, as in F.gelu(gate) * up.
+template <typename T>
+void gelu_tanh_and_mul_typed(torch::Tensor& out, const torch::Tensor& x) {
+  const int64_t rows = x.size(0), width = out.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  constexpr float kTwoBeta = 2.f * 0.7978845608028654f, kKappa = 0.044715f;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = xp + r * 2 * width;
+      const T* up = gate + width;
+      T* o = op + r * width;
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, float>)
+        for (; i + 8 <= width; i += 8) {
+          const __m256 g = _mm256_loadu_ps(gate + i);
+          const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+          // -2u, capped at 80 as silu's exponent is: beyond it gelu is below 1e-33, 0 here.
+          const __m256 neg = _mm256_mul_ps(_mm256_set1_ps(-kTwoBeta),
+                                           _mm256_fmadd_ps(_mm256_set1_ps(kKappa), g3, g));
+          const __m256 live = _mm256_cmp_ps(neg, _mm256_set1_ps(80.f), _CMP_LE_OQ);
+          const __m256 act = _mm256_and_ps(
+              live, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(neg))));
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(act, _mm256_loadu_ps(up + i)));
+        }
+#endif
+      for (; i < width; ++i) {
+        const float g = to_f(gate[i]);
+        const float neg = -kTwoBeta * (g + kKappa * g * g * g);
+        const float act = neg > 80.f ? 0.f : to_f(static_cast<T>(g / (1.f + std::exp(neg))));
         o[i] = static_cast<T>(act * to_f(up[i]));
       }
     }

@@ -22,11 +22,20 @@ def activation(name: str):
     return _ACTIVATIONS[name]
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up of a packed [T, 2 * W] projection (GeGLU; a function of
+    its own so that the decode stack recognizes it: model/layer_spec.py)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def gated_act(name: str):
     if name not in _ACTIVATIONS:
         raise NotImplementedError(f"activation {name!r} is not supported")
     if name == "silu":
         return silu_and_mul
+    if name in ("gelu_pytorch_tanh", "gelu_new"):
+        return gelu_tanh_and_mul
     act = _ACTIVATIONS[name]
 
     def act_and_mul(x: torch.Tensor) -> torch.Tensor:

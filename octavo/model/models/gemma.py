@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
+from octavo.model.context import get_forward_context
+from octavo.model.layer_spec import LayerSpec, NormKind, decoder_spec
 from octavo.model.layers.activation import gated_act
 from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.embedding import Embedding
@@ -83,6 +85,11 @@ class GemmaDecoderLayer(nn.Module):
         x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
+    def spec(self) -> LayerSpec:
+        return decoder_spec(self.self_attn, self.mlp, NormKind.ONE_PLUS, self.input_layernorm,
+                            self.pre_feedforward_layernorm, self.post_attention_layernorm,
+                            self.post_feedforward_layernorm)
+
 
 class GemmaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, max_positions: int, qk_norm: bool) -> None:
@@ -97,6 +104,7 @@ class GemmaModel(nn.Module):
         self.layers = stage_layers(cfg.num_layers, lambda i: GemmaDecoderLayer(
             cfg, i, local if cfg.layer_window(i) else glob, qk_norm))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.decode_stack = None  # octavo/model/decode_stack.py attaches one where it fits
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,8 +114,13 @@ class GemmaModel(nn.Module):
             x = x * torch.tensor(self.hidden_size ** 0.5, dtype=x.dtype)
         else:
             x = hidden
-        for layer in self.layers:
-            x = layer(positions, x)
+        ctx = get_forward_context()
+        stack = self.decode_stack
+        if stack is not None and stack.usable(x, ctx.plan, ctx.sliding_plan, ctx.kv_caches):
+            x = stack(x, positions, ctx.plan, ctx.sliding_plan, ctx.kv_caches)
+        else:
+            for layer in self.layers:
+                x = layer(positions, x)
         return self.norm(x) if is_last_stage() else x
 
 

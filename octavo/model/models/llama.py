@@ -8,6 +8,7 @@ from torch import nn
 
 from octavo.arch_config import ArchConfig
 from octavo.model.context import get_forward_context
+from octavo.model.layer_spec import LayerSpec, NormKind, decoder_spec
 from octavo.model.layers.activation import gated_act
 from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.embedding import Embedding
@@ -77,6 +78,10 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(positions, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def spec(self) -> LayerSpec:
+        return decoder_spec(self.self_attn, self.mlp, NormKind.RMS, self.input_layernorm,
+                            self.post_attention_layernorm)
+
 
 class LlamaModel(nn.Module):
     """Embedding, the decoder layers (built by the family: dense or mixture of experts), RMSNorm."""
@@ -94,7 +99,7 @@ class LlamaModel(nn.Module):
         ctx = get_forward_context()
         stack = self.decode_stack
         if stack is not None and stack.usable(x, ctx.plan, ctx.sliding_plan, ctx.kv_caches):
-            x = stack(x, positions, ctx.plan, ctx.kv_caches)
+            x = stack(x, positions, ctx.plan, ctx.sliding_plan, ctx.kv_caches)
         else:
             for layer in self.layers:
                 x = layer(positions, x)

@@ -1,0 +1,178 @@
+// DecodeStack: the decoder layers of a Llama- or Gemma-family model for a step whose attention
+// the in-place kernel takes whole (decodes, short queries, prompts: one attention entry per query
+// token), as one call: the same kernels the Python layers call, without a Python frame and a
+// dozen dispatches per layer around each of them (about 3 ms a step for a 30-layer model, a
+// third of a batch-1 decode step). octavo/model/decode_stack.py builds it from each layer's
+// description (octavo/model/layer_spec.py) and checks what it supports.
+// Included by cpu_ops.cpp after the kernels and StackLinear it calls (one translation unit).
+#pragma once
+
+// The gated activation of a layer's MLP; the values are layer_spec.Activation's.
+enum class StackActivation : int64_t { kSilu = 0, kGeluTanh = 1 };
+
+// One attention plan of a step as the kernel reads it (paged_attention.DecodeGroup): the
+// entries' tokens, their requests' block tables and context lengths, and the plan's window
+// (0: none).
+using StackPlan = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t>;
+
+struct StackLayer {
+  // Norms: w in the activation dtype, or 1 + w in float32 where one_plus_norms (Gemma).
+  // attn_out / mlp_out: the norms after each sublayer (Gemma's sandwich), else undefined;
+  // q_norm / k_norm: per head before the rotation (Qwen3, Gemma 3), else undefined.
+  torch::Tensor attn_in, attn_out, mlp_in, mlp_out, q_norm, k_norm;
+  bool one_plus_norms = false;
+  StackLinear qkv, o, gate_up, down;
+  torch::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
+  torch::Tensor cos, sin;          // this layer's RoPE tables [positions, head_dim / 2], float32
+  double scale = 1.0, softcap = 0.0;  // softcap 0: none
+  int64_t plan = 0;  // which of forward's plans its attention reads (1: the sliding-window one)
+  StackActivation act = StackActivation::kSilu;
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {}
+
+  // norms: [attn_in, attn_out or None, mlp_in, mlp_out or None]; linears: qkv, o, gate_up, down.
+  void add_layer(std::vector<c10::optional<torch::Tensor>> norms,
+                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+                 bool one_plus_norms, std::vector<StackLinear> linears, torch::Tensor kv_cache,
+                 torch::Tensor cos, torch::Tensor sin, double scale, double softcap,
+                 int64_t plan, int64_t activation) {
+    TORCH_CHECK(norms.size() == 4 && norms[0] && norms[2], "a layer has norms before sublayers");
+    TORCH_CHECK(linears.size() == 4, "a layer has qkv, o, gate_up and down projections");
+    TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv cache must be [2, ...]");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+                cos.size(1) * 2 == head_dim_, "rotary tables must be float32 [P, head_dim / 2]");
+    TORCH_CHECK(activation == 0 || activation == 1, "activation: 0 silu, 1 gelu (tanh)");
+    TORCH_CHECK(plan == 0 || plan == 1, "plan: 0 the step's, 1 the sliding-window one");
+    StackLayer l;
+    l.attn_in = *norms[0];
+    if (norms[1]) l.attn_out = *norms[1];
+    l.mlp_in = *norms[2];
+    if (norms[3]) l.mlp_out = *norms[3];
+    if (q_norm) l.q_norm = *q_norm;
+    if (k_norm) l.k_norm = *k_norm;
+    l.one_plus_norms = one_plus_norms;
+    for (const auto& n : {l.attn_in, l.attn_out, l.mlp_in, l.mlp_out, l.q_norm, l.k_norm})
+      TORCH_CHECK(!n.defined() || (n.is_contiguous() &&
+                                   (!one_plus_norms || n.scalar_type() == at::kFloat)),
+                  "norm weights must be contiguous (1 + w: float32)");
+    l.qkv = linears[0]; l.o = linears[1]; l.gate_up = linears[2]; l.down = linears[3];
+    l.k_cache = kv_cache[0];
+    l.v_cache = kv_cache[1];
+    check_cache(l.k_cache, l.v_cache);
+    l.cos = std::move(cos);
+    l.sin = std::move(sin);
+    l.scale = scale;
+    l.softcap = softcap;
+    l.plan = plan;
+    l.act = static_cast<StackActivation>(activation);
+    layers_.push_back(std::move(l));
+  }
+
+  // x: [T, hidden] embeddings of the step's tokens (each plan's token_index maps attention
+  // entries to them) -> hidden states before the final norm. plans: the step's plan, then the
+  // sliding-window one where the step has it (a layer that reads plan 1 reads plan 0 without
+  // it, as PagedAttention does).
+  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slot_mapping,
+                        std::vector<StackPlan> plans) const {
+    const int64_t t = x.size(0);
+    const int64_t q_size = heads_ * head_dim_;
+    TORCH_CHECK(x.is_contiguous() && positions.is_contiguous() && slot_mapping.is_contiguous(),
+                "the stack takes contiguous inputs");
+    TORCH_CHECK(!plans.empty() && plans.size() <= 2, "one or two attention plans");
+    x = x.clone();  // the residual stream, updated in place
+    torch::Tensor pending;  // the last MLP output, added with the next layer's norm
+    for (const StackLayer& l : layers_) {
+      auto xn = pending.defined() ? add_norm(x, pending, l.attn_in, l.one_plus_norms)
+                                  : norm(x, l.attn_in, l.one_plus_norms);
+      auto qkv = l.qkv(xn);
+      auto q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
+      TORCH_CHECK(qkv.stride(1) == 1, "qkv rows must be contiguous");
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_kv", [&] {
+        rope_write_kv_typed<scalar_t>(
+            qkv.data_ptr<scalar_t>(), t, qkv.stride(0), heads_, kv_heads_, head_dim_,
+            positions.data_ptr<int64_t>(), l.cos.data_ptr<float>(), l.sin.data_ptr<float>(),
+            weight_of<scalar_t>(l.q_norm, l.one_plus_norms),
+            weight_of<scalar_t>(l.k_norm, l.one_plus_norms), static_cast<float>(eps_),
+            l.k_cache.data_ptr<scalar_t>(), l.v_cache.data_ptr<scalar_t>(),
+            slot_mapping.data_ptr<int64_t>());
+      });
+      const auto& [token_index, block_table, seq_lens, window] =
+          plans[l.plan < static_cast<int64_t>(plans.size()) ? l.plan : 0];
+      auto attn = torch::empty({t, heads_, head_dim_}, x.options());
+      decode_attention(attn, q, l.k_cache, l.v_cache, token_index, block_table, seq_lens, l.scale,
+                       l.softcap, window);
+      auto o = l.o(attn.view({t, q_size}));
+      reduce(o);
+      if (l.attn_out.defined()) o = norm(o, l.attn_out, l.one_plus_norms);
+      auto h = l.gate_up(add_norm(x, o, l.mlp_in, l.one_plus_norms));
+      pending = l.down(l.act == StackActivation::kGeluTanh ? gelu_tanh_and_mul(h)
+                                                           : silu_and_mul(h));
+      reduce(pending);
+      if (l.mlp_out.defined()) pending = norm(pending, l.mlp_out, l.one_plus_norms);
+    }
+    if (pending.defined()) x += pending;
+    return x;
+  }
+
+  // Tensor parallelism: each rank's o and down projections give partial sums, which `fn`
+  // (the ranks' all-reduce, in place) adds up before the residual stream takes them.
+  void set_all_reduce(py::function fn) { all_reduce_ = std::move(fn); }
+
+ private:
+  void reduce(const torch::Tensor& partial) const {
+    if (!all_reduce_) return;
+    py::gil_scoped_acquire gil;  // forward runs without the GIL; the collective is Python's
+    all_reduce_(partial);
+  }
+
+  template <typename T>
+  static NormWeight<T> weight_of(const torch::Tensor& w, bool one_plus) {
+    NormWeight<T> n;
+    if (!w.defined()) return n;
+    if (one_plus)
+      n.one_plus = w.data_ptr<float>();
+    else
+      n.w = w.data_ptr<T>();
+    return n;
+  }
+
+  // A norm of x [rows, width] (rows may be apart by more than width: a narrowed projection).
+  torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& weight, bool one_plus) const {
+    TORCH_CHECK(x.stride(1) == 1);
+    auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "stack_norm", [&] {
+      const auto w = weight_of<scalar_t>(weight, one_plus);
+      const scalar_t* xp = x.data_ptr<scalar_t>();
+      scalar_t* op = out.data_ptr<scalar_t>();
+      const int64_t width = x.size(1), stride = x.stride(0);
+      at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+          norm_row(w, xp + r * stride, op + r * width, width, static_cast<float>(eps_));
+      });
+    });
+    return out;
+  }
+
+  // x += delta in place; returns the norm of x with `weight`.
+  torch::Tensor add_norm(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight,
+                         bool one_plus) const {
+    TORCH_CHECK(delta.stride(1) == 1 && delta.scalar_type() == x.scalar_type());
+    auto out = torch::empty_like(x);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_norm", [&] {
+      add_rms_norm_typed<scalar_t>(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
+                                   delta.stride(0), weight_of<scalar_t>(weight, one_plus),
+                                   out.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                                   static_cast<float>(eps_));
+    });
+    return out;
+  }
+
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_;
+  std::vector<StackLayer> layers_;
+  py::function all_reduce_;
+};

@@ -1,0 +1,73 @@
+"""A decoder layer described for the fused decode stack (model/decode_stack.py): which norms sit
+where and how they apply their weight, the attention's scale, window, softcap and RoPE tables,
+the gated activation, and the modules holding the weights. Each family's decoder layer builds
+its own (`spec()`) from what it already has; the stack reads these, not layer types."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from torch import nn
+
+from octavo.kernels import fused
+from octavo.model.layers.activation import gelu_tanh_and_mul
+from octavo.model.layers.attention import PagedAttention
+from octavo.model.layers.linear import Linear
+from octavo.model.layers.norm import GemmaRMSNorm, RMSNorm
+from octavo.model.layers.rotary import RotaryEmbedding
+
+
+class NormKind(enum.Enum):
+    RMS = RMSNorm  # x / rms(x), rounded to the dtype, times w
+    ONE_PLUS = GemmaRMSNorm  # x / rms(x) times (1 + w) in float32, one rounding (Gemma)
+
+
+class Activation(enum.IntEnum):
+    """The gated activation on the packed [gate | up] projection; the values are the C++
+    stack's (csrc/decode_stack.h StackActivation)."""
+
+    SILU = 0
+    GELU_TANH = 1
+
+
+_ACTIVATIONS = {fused.silu_and_mul: Activation.SILU, gelu_tanh_and_mul: Activation.GELU_TANH}
+
+
+@dataclass(frozen=True, eq=False)
+class LayerSpec:
+    norm_kind: NormKind
+    attn_in_norm: nn.Module  # before attention
+    attn_out_norm: nn.Module | None  # on the o projection's output (Gemma's sandwich), else None
+    mlp_in_norm: nn.Module  # before the MLP
+    mlp_out_norm: nn.Module | None  # on the down projection's output (sandwich), else None
+    q_norm: nn.Module | None  # per head, before RoPE (Qwen3, Gemma 3)
+    k_norm: nn.Module | None
+    qkv: Linear  # the projections; their biases come with them
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    activation: Activation | None  # None: one the stack does not compute
+    attention: PagedAttention  # heads, cache layer index
+    rotary: RotaryEmbedding  # this layer's tables (Gemma 3's local layers have their own base)
+    scale: float
+    window: int | None  # sliding window (the layer reads the step's sliding plan), else None
+    softcap: float | None
+
+    @property
+    def norms(self) -> list[nn.Module]:
+        return [n for n in (self.attn_in_norm, self.attn_out_norm, self.mlp_in_norm,
+                            self.mlp_out_norm, self.q_norm, self.k_norm) if n is not None]
+
+
+def decoder_spec(self_attn: nn.Module, mlp: nn.Module, norm_kind: NormKind,
+                 attn_in_norm: nn.Module, mlp_in_norm: nn.Module,
+                 attn_out_norm: nn.Module | None = None,
+                 mlp_out_norm: nn.Module | None = None) -> LayerSpec:
+    """The spec of a layer whose attention has qkv_proj, o_proj, q_norm, k_norm, rotary and a
+    PagedAttention `attn`, and whose MLP has gate_up_proj, down_proj and a gated `act`."""
+    attn = self_attn.attn
+    return LayerSpec(
+        norm_kind, attn_in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm,
+        self_attn.q_norm, self_attn.k_norm, self_attn.qkv_proj, self_attn.o_proj,
+        mlp.gate_up_proj, mlp.down_proj, _ACTIVATIONS.get(mlp.act), attn, self_attn.rotary,
+        attn.scale, attn.sliding_window or None, attn.softcap or None)
