@@ -32,6 +32,10 @@ class ModelConfig:
         "auto: linear layers from 2- to 8-bit GGUF tensors keep an int4/int8 copy, made from "
         "the GGUF's codes, for small batches (bf16 on the CPU); none: dense weights only",
         choices=["auto", "none"]))
+    dense_prefill_weights: bool = field(default=False, metadata=_opt(
+        "a GGUF keeps a dense copy of its weights for prefill beside its int4/int8 codes "
+        "(weights 2.7-6x the file); default: prefill too computes from the codes, the weights "
+        "about the file's size"))
     quantization: str | None = field(default=None, metadata=_opt(
         "quantize an unquantized safetensors checkpoint at load: int8 (per channel), int4 (per "
         "group of 32), fp8 (e4m3 per channel, computed in bf16); on a GGUF, int4/int8 keep only "
@@ -43,6 +47,9 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
         if self.decode_weights not in ("auto", "none"):
             raise ValueError(f"decode_weights must be auto or none, got {self.decode_weights!r}")
+        if not isinstance(self.dense_prefill_weights, bool):
+            raise ValueError(f"dense_prefill_weights must be a bool, "
+                             f"got {self.dense_prefill_weights!r}")
         if self.quantization not in (None, "int8", "int4", "fp8"):
             raise ValueError(f"quantization must be int8, int4 or fp8 (or unset), "
                              f"got {self.quantization!r}")

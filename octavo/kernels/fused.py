@@ -150,6 +150,24 @@ def int4_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> tor
     return _native.int4_gemm(x.contiguous(), codes, scales)
 
 
+def int4_dequantize_ready() -> bool:
+    return _native is not None and hasattr(_native, "int4_dequantize")
+
+
+def int4_dequantize(codes: torch.Tensor, scales: torch.Tensor, first_block: int, blocks: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Row blocks [first_block, first_block + blocks) of int4 weights in octavo's layout, dense
+    [16 * blocks, K] in dtype (bf16 or float32; C++ only: Int4Packed.dequantize is the
+    reference)."""
+    return _native.int4_dequantize(codes, scales, first_block, blocks, dtype == torch.bfloat16)
+
+
+def int4_tiled_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times int4 weights in octavo's layout -> [M, N padded to 16], the weight
+    dequantized tile by tile into the dense GEMM (large batches; C++ only)."""
+    return _native.int4_tiled_linear(x.contiguous(), codes, scales)
+
+
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] times int8 weights q [N, K] with float32 scales: one per row [N], or one per
     group of inputs [N, G] (C++ only; the weights are read once for up to 8 rows of x at a

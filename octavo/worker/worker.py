@@ -104,7 +104,8 @@ class Worker:
         # On the CPU the dense weights are packed for oneDNN's GEMM a few at a time, while idle
         # and before each step (the engine is ready 0.15 s sooner; see gemm_packing).
         model = load_model(self.source, self.arch, self.dtype, self.device, self.max_model_len,
-                           self.config.model.decode_weights, quantization, pack_gemm=False)
+                           self.config.model.decode_weights, quantization, pack_gemm=False,
+                           dense_prefill=self.config.model.dense_prefill_weights)
         logger.info("loaded %s (%s, %s) in %.1f s", self.source.name, self.arch.architecture,
                     self.dtype, time.perf_counter() - start)
         if self.device.type == "cpu" and not self.config.device.enforce_eager:
@@ -138,7 +139,8 @@ class Worker:
                              "layer slides (blocks behind the window are freed) is not supported")
         start = time.perf_counter()
         model = load_model(source, arch, self.dtype, self.device, self.max_model_len,
-                           self.config.model.decode_weights)
+                           self.config.model.decode_weights,
+                           dense_prefill=self.config.model.dense_prefill_weights)
         logger.info("loaded draft model %s (%s, %d layers) in %.1f s", name, arch.architecture,
                     arch.num_layers, time.perf_counter() - start)
         if self.device.type == "cpu" and not self.config.device.enforce_eager:

@@ -13,7 +13,6 @@ from octavo import LLM, SamplingParams
 from octavo.kernels import fused as fused_kernels
 from octavo.model import decode_stack
 from octavo.model.quant.decode_weights import make_decode_weight
-from octavo.model.quant.packed import Int4Packed, Int8Grouped
 from octavo.model.quant.weights import DenseWeights
 from tests.parity.test_tiny_models import _build
 
@@ -130,7 +129,8 @@ def test_packed_only_gguf_layers_run_in_the_stack(smollm_gguf, mode):
     assert stack is not None
     prompts = ["The capital of France is", "def add(a, b):"]
     fused_out = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert stack.max_tokens == (Int4Packed if mode == "int4" else Int8Grouped).dense_rows
+    packed = model.model.layers[0].mlp.down_proj.weights.packed
+    assert stack.max_tokens == packed.dense_rows
     model.model.decode_stack = None
     layered = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     for a, b in zip(fused_out, layered):

@@ -11,11 +11,17 @@ import pytest
 import torch
 
 from octavo import LLM, SamplingParams
-from octavo.model.quant.decode_weights import (INT4_ROWS, INT4_ROWS_AMX, INT4_ROWS_F32,
-                                               INT8_ROWS_F32, MAX_ROWS, make_decode_weight,
-                                               max_rows)
+from octavo.model.quant.decode_weights import (
+    INT4_ROWS,
+    INT4_ROWS_AMX,
+    INT4_ROWS_F32,
+    INT8_ROWS_F32,
+    MAX_ROWS,
+    make_decode_weight,
+    max_rows,
+)
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, quantize_int8
-from octavo.model.quant.weights import DenseWeights
+from octavo.model.quant.weights import DenseWeights, PackedWeights
 
 
 def _q4_weight(n: int, k: int) -> torch.Tensor:
@@ -112,9 +118,9 @@ def test_only_small_bf16_batches_take_the_low_bit_path(native_kernels, native, a
     """Up to max_rows rows: for octavo's int4 kernel INT4_ROWS, or INT4_ROWS_AMX where the bf16
     GEMM runs on AMX tiles; MAX_ROWS for torch's."""
     from octavo.kernels import fused
-    from octavo.model.quant import decode_weights
+    from octavo.model.quant import packed
 
-    monkeypatch.setattr(decode_weights, "_bf16_gemm_on_amx", lambda: amx)
+    monkeypatch.setattr(packed, "_bf16_gemm_on_amx", lambda: amx)
     fused.enable_native(native)
     w = _q4_weight(64, 128)
     decode = make_decode_weight(w, 4)
@@ -165,8 +171,14 @@ def test_decode_copies_exist_only_when_asked(bf16_pair):
     fast_model = fast.engine.client.core.executor.worker.runner.model
     dense_model = dense.engine.client.core.executor.worker.runner.model
     layer = fast_model.model.layers[0]
-    assert isinstance(layer.mlp.gate_up_proj.weights.small_batch, Int4Packed)  # Q4_1 source
-    assert isinstance(fast_model.lm_head.weights.small_batch, Int8Grouped)  # tied Q8_0 embedding
+    # The default: the GGUF's codes alone, no dense weights beside them.
+    assert isinstance(layer.mlp.gate_up_proj.weights, PackedWeights)
+    assert isinstance(layer.mlp.gate_up_proj.weights.packed, Int4Packed)  # Q4_1 source
+    head, embedding = fast_model.lm_head.weights, fast_model.model.embed_tokens
+    assert isinstance(head, PackedWeights) and isinstance(head.packed, Int8Grouped)  # Q8_0
+    # the tied embedding looks its rows up in the same codes
+    assert embedding.weights.packed.q.data_ptr() == head.packed.q.data_ptr()
+    assert not list(fast_model.model.embed_tokens.parameters())  # its dense table is gone
     assert dense_model.model.layers[0].mlp.gate_up_proj.weights.small_batch is None
 
 
@@ -237,7 +249,11 @@ def test_prepared_weights_reload_identically(smollm_gguf, tmp_path, monkeypatch)
     cfg = read_arch_config(source)
     args = (source, cfg, torch.bfloat16, torch.device("cpu"), 256)
     fresh = load_model(*args)
-    (prepared,) = (tmp_path / "prepared").glob("*.safetensors")
+    dense_prefill = load_model(*args, dense_prefill=True)  # its own entry
+    assert isinstance(dense_prefill.model.layers[0].mlp.down_proj.weights, DenseWeights)
+    _assert_same_weights(dense_prefill, load_model(*args, dense_prefill=True))
+    (prepared, _) = sorted((tmp_path / "prepared").glob("*.safetensors"),
+                           key=lambda p: "dense-prefill" in p.name)
     # A start from the prepared file needs no `gguf` import (0.14 s of a start): the core
     # process gets the config from its front end, so only load_model runs there.
     (tmp_path / "args.pkl").write_bytes(pickle.dumps((source, cfg)))
@@ -251,8 +267,8 @@ def test_prepared_weights_reload_identically(smollm_gguf, tmp_path, monkeypatch)
     assert run.stdout.strip().splitlines()[-1] == "[]"
     reloaded = load_model(*args)
     _assert_same_weights(fresh, reloaded)
-    plain = load_model(*args, pack_gemm=False)  # the tied head's weight is its embedding's
-    assert plain.lm_head.weights.weight is plain.model.embed_tokens.weight
+    plain = load_model(*args, pack_gemm=False, dense_prefill=True)  # the tied head's weight
+    assert plain.lm_head.weights.weight is plain.model.embed_tokens.weight  # is its embedding's
     # A file without this code's layout (what the attribute-based code before it wrote, with no
     # metadata) is rebuilt, not misread.
     save_file(load_file(prepared), prepared)
@@ -261,7 +277,7 @@ def test_prepared_weights_reload_identically(smollm_gguf, tmp_path, monkeypatch)
         assert f.metadata()["format"] == FORMAT  # written anew
     prepared.write_bytes(b"not a safetensors file")  # a broken entry is rebuilt, not trusted
     rebuilt = load_model(*args)
-    assert torch.equal(rebuilt.model.embed_tokens.weight, fresh.model.embed_tokens.weight)
+    _assert_same_weights(fresh, rebuilt)
     assert prepared.stat().st_size > 1000
 
 
@@ -281,10 +297,16 @@ def _assert_same_weights(fresh, reloaded) -> None:
         assert type(other) is type(weights), name
         small = getattr(weights, "small_batch", None)
         assert type(getattr(other, "small_batch", None)) is type(small), name
+        if type(weights) is PackedWeights:
+            assert type(other.packed) is type(weights.packed), name
+        ids = torch.tensor([0, 5, 77])
+        if name.endswith("embed_tokens"):
+            assert torch.equal(other.rows(ids), weights.rows(ids)), name
+            continue
         x = torch.randn(2, weights.shape[1]).bfloat16()
         assert torch.equal(other.matmul(x), weights.matmul(x)), name
-        count += small is not None
-    assert count > 0  # the GGUF's decode copies came back
+        count += small is not None or type(weights) is PackedWeights
+    assert count > 0  # the GGUF's packed weights came back
 
 
 def test_a_new_prepared_entry_replaces_the_stale_one(tmp_path):

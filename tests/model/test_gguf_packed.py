@@ -220,17 +220,23 @@ def test_tiny_gguf_exact_int4_layers_give_dense_logprobs(tiny_gguf, smollm_oracl
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
 
 
-def test_tiny_gguf_bf16_decode_copies_agree_with_dense(tiny_gguf, smollm_oracle_folder,
-                                                      monkeypatch, tmp_path):
+@pytest.mark.parametrize("dense_prefill", [False, True])
+def test_tiny_gguf_bf16_packed_weights_agree_with_dense(tiny_gguf, smollm_oracle_folder,
+                                                        monkeypatch, tmp_path, dense_prefill):
+    """The default keeps the GGUF's codes alone (prompts of 17 and 40 tokens take dequantized
+    tiles past the int4 kernel's rows on AMX); --dense-prefill-weights keeps them as the dense
+    weights' copies for small batches."""
     from octavo.model.quant.packed import Int8Grouped
 
     fast, llm = _generate(tiny_gguf, smollm_oracle_folder, monkeypatch, tmp_path,
-                          dtype="bfloat16")
+                          dtype="bfloat16", dense_prefill_weights=dense_prefill)
     layer = llm.engine.client.core.executor.worker.runner.model.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj.weights, DenseWeights)  # dense, with its copy
-    assert isinstance(layer.self_attn.qkv_proj.weights.small_batch, Int8Grouped)  # widest: v
-    assert isinstance(layer.self_attn.o_proj.weights.small_batch, Int4Packed)  # Q4_K
-    assert isinstance(layer.mlp.gate_up_proj.weights.small_batch, Int4Packed)  # Q4_1
+    kind = DenseWeights if dense_prefill else PackedWeights
+    field = "small_batch" if dense_prefill else "packed"
+    assert isinstance(layer.self_attn.qkv_proj.weights, kind)
+    assert isinstance(getattr(layer.self_attn.qkv_proj.weights, field), Int8Grouped)  # widest: v
+    assert isinstance(getattr(layer.self_attn.o_proj.weights, field), Int4Packed)  # Q4_K
+    assert isinstance(getattr(layer.mlp.gate_up_proj.weights, field), Int4Packed)  # Q4_1
     dense, _ = _generate(tiny_gguf, smollm_oracle_folder, monkeypatch, tmp_path,
                          dtype="bfloat16", decode_weights="none")
     _top5_agree(fast, dense)
@@ -263,7 +269,8 @@ def test_fp8_on_a_gguf_is_refused(tiny_gguf):
     with pytest.raises(ValueError, match="must be int4 or int8"):
         GGUFPlan("int2", torch.bfloat16)
     assert gguf_plan(None, "none", torch.bfloat16) is None
-    assert gguf_plan(None, "auto", torch.float32).keep_dense  # copies for decode in float32 too
+    assert not gguf_plan(None, "auto", torch.float32).keep_dense  # the codes alone by default
+    assert gguf_plan(None, "auto", torch.float32, dense_prefill=True).keep_dense
     assert gguf_plan(None, "auto", torch.float16) is None
 
 

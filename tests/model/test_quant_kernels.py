@@ -8,7 +8,7 @@ import torch
 from octavo.model.quant.gptq import unpack_cols, unpack_rows
 from octavo.model.quant.packed import Int4Packed, Int8Packed, quantize_int4, quantize_int8
 
-DENSE_ROWS = Int4Packed.dense_rows  # Int8Packed's is 64
+DENSE_ROWS = 300  # past every int4 crossover (Int4Packed.dense_rows: at most 256)
 
 
 def _reference(q, scale, zero, group, perm=None):
@@ -165,3 +165,55 @@ def test_int8_restored_from_a_misaligned_buffer_runs_torchs_kernel():
     assert restored.q.data_ptr() % 64 == 0
     x = torch.randn(64, 128).bfloat16()
     assert torch.equal(restored.matmul(x), packed.matmul(x))
+
+
+@pytest.mark.parametrize("half_scales", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_int4_dequantize_and_tiles_match_the_reference(native_kernels, half_scales,
+                                                              dtype):
+    """C++ dequantized tiles (prefill from a GGUF's codes, no dense copy) give the Python
+    dequantization's weights, and the tiled GEMM the product with them."""
+    from octavo.kernels import fused
+
+    n, k = 1000, 4096  # several tiles of a million weights, and N not a multiple of 16
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+    low = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+    if half_scales:
+        packed = Int4Packed.from_affine(q, scale, low, 32, dtype)
+    else:
+        packed = Int4Packed(q, scale, torch.rand(n, k // 32, generator=g) * 15, 32, dtype)
+    assert (packed.native_scales.dtype == torch.float16) == half_scales
+    ref = packed.dequantize(0, packed.padded_n, dtype)
+    got = fused.int4_dequantize(packed.native_codes, packed.native_scales, 0,
+                                packed.padded_n // 16, dtype)
+    assert torch.allclose(got.float(), ref.float(), atol=1e-6 if dtype == torch.float32 else 0)
+    part = fused.int4_dequantize(packed.native_codes, packed.native_scales, 3, 5, dtype)
+    assert torch.equal(part, got[48:128])
+    x = torch.randn(DENSE_ROWS, k, generator=g).to(dtype)
+    out = packed.matmul(x)
+    expect = torch.nn.functional.linear(x, ref[:n])
+    assert out.shape == (DENSE_ROWS, n)
+    assert torch.allclose(out.float(), expect.float(), rtol=1e-3, atol=1e-3 if dtype ==
+                          torch.float32 else 0.5)
+
+
+def test_packed_rows_are_the_dequantized_rows():
+    """An embedding kept packed looks its rows up in the codes: the same values as the whole
+    weight dequantized."""
+    from octavo.model.quant.packed import quantize_int8_grouped
+
+    w = torch.randn(70, 96)
+    ids = torch.tensor([0, 69, 17, 17, 33, 16, 15])
+    for packed in (quantize_int4(w, 32, torch.float32),
+                   Int4Packed.from_affine(*[t.half().float() if t.is_floating_point() else t
+                                            for t in _affine(w)], 32, torch.float32),
+                   quantize_int8_grouped(w, 32, torch.float32)):
+        full = packed.dequantize(0, 70, torch.float32)
+        assert torch.equal(packed.rows(ids), full[ids]), type(packed).__name__
+
+
+def _affine(w):
+    from octavo.model.quant.packed import minmax_int4
+    return minmax_int4(w, 32)

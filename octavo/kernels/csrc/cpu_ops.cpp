@@ -3,6 +3,7 @@
 // pure-PyTorch twin in octavo/kernels/fused.py that the tests compare it with.
 // The kernels live in the headers beside this file; here are the PyTorch bindings and
 // DecodeStack (decode_stack.h), the decoder layers of a decode step in one call.
+#include "dequant.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
 #include "quant_gemv.h"
@@ -283,6 +284,8 @@ struct StackLinear {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv);
   m.def("int4_gemm", &int4_gemm);
+  m.def("int4_dequantize", &int4_dequantize);
+  m.def("int4_tiled_linear", &int4_tiled_linear);
   m.attr("has_int4_gemm") = built_with_avx512_bf16();  // a constant of the build: no call per use
   m.attr("has_int4_gemm_f32") = built_with_avx2();
   m.attr("has_prompt_runs") = built_with_avx512_bf16();

@@ -6,11 +6,15 @@ rank's past the vocabulary are zeros): the embedding looks up the ids in its row
 results are summed; the LM head computes its rows' logits and the ranks' logits are gathered.
 Checkpoint tensors are cut to a rank's rows as they load (`weight_loader`), so no rank holds the
 whole matrix.
+
+Both hold one typed weights object after loading (quant/weights.py), as linear layers do: the
+embedding looks its rows up in it (`rows`), the head multiplies by it. A GGUF's embedding keeps
+its low-bit codes (int8 per 32 for Q8_0, code for code; the nearest layout for other types),
+shared with a tied head, so a 262k-token vocabulary costs its file size, not a dense table.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from octavo.distributed import parallel_state
@@ -23,6 +27,18 @@ def _vocab_rows(vocab_size: int) -> tuple[int, int]:
     size, rank = parallel_state.tp_size(), parallel_state.tp_rank()
     rows = -(-vocab_size // size)
     return rank * rows, rows
+
+
+def _set_weights(module: nn.Module, weights: LinearWeights) -> None:
+    """`module.weights = weights`; its own `weight` parameter (where the checkpoint's tensor
+    loaded) goes unless the weights compute from it."""
+    if weights.shape != module.weights_shape:
+        raise ValueError(f"weights of shape {weights.shape} for a {type(module).__name__} of "
+                         f"{module.weights_shape}")
+    param = module._parameters.get("weight")
+    if param is not None and not any(t is param for t in weights.tensors().values()):
+        del module._parameters["weight"]
+    module.weights = weights
 
 
 def _load_vocab_rows(param: nn.Parameter, tensor: torch.Tensor, vocab_size: int) -> None:
@@ -43,14 +59,23 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
         self.weight.weight_loader = lambda param, tensor: _load_vocab_rows(param, tensor,
                                                                            vocab_size)
+        self.weights_shape = tuple(self.weight.shape)
+        self.weights: LinearWeights | None = None  # set once loaded
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if parallel_state.tp_size() == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.weights.rows(input_ids)
         local = input_ids - self.first_row
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        outside = (local < 0) | (local >= self.weights_shape[0])
+        x = self.weights.rows(local.masked_fill(outside, 0))
         return parallel_state.tp_all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def process_after_load(self) -> None:
+        self.set_weights(DenseWeights(self.weight))
+
+    def set_weights(self, weights: LinearWeights) -> None:
+        """The finished weights (after loading, or read back from prepared weights)."""
+        _set_weights(self, weights)
 
 
 class LMHead(nn.Module):
@@ -86,23 +111,22 @@ class LMHead(nn.Module):
 
     def set_weights(self, weights: LinearWeights) -> None:
         """The finished weights (after loading, or read back from prepared weights)."""
-        if weights.shape != self.weights_shape:
-            raise ValueError(f"weights of shape {weights.shape} for an LM head of "
-                             f"{self.weights_shape}")
-        if not self.tied:
-            self._parameters.pop("weight", None)
-        self.weights = weights
+        _set_weights(self, weights)
 
     def set_decode_bits(self, bits: int) -> None:
         """The low-bit copy for small batches of a head whose source had `bits` per weight."""
         dense = self.weights.weight
         self.weights = DenseWeights(dense, make_decode_weight(dense.data, bits))
 
-    def packed_only(self) -> bool:
-        """Keep only the low-bit copy of an untied head, which then serves every batch (a GGUF
-        with --quantization int4|int8); True if the dense weight was dropped."""
-        if self.tied or not isinstance(self.weights, DenseWeights) or (
-                self.weights.small_batch is None):
+    def packed_only(self, embedding: Embedding | None) -> bool:
+        """Keep only the low-bit copy, which then serves every batch (a GGUF's default); a tied
+        head's embedding looks its rows up in the same copy. True if the dense weight went."""
+        if not isinstance(self.weights, DenseWeights) or self.weights.small_batch is None:
             return False
-        self.weights = PackedWeights(self.weights.small_batch)
+        packed = PackedWeights(self.weights.small_batch)
+        if self.tied:
+            if embedding is None:
+                return False
+            embedding.set_weights(packed)
+        self.set_weights(packed)
         return True

@@ -62,16 +62,18 @@ class _GGUF:
 def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
                decode_weights: str = "auto", quantization: str | None = None,
-               pack_gemm: bool = True) -> nn.Module:
-    """Build the model and fill it. A GGUF's linear layers keep packed int4/int8 weights made
-    from its codes (model/quant/gguf.py): beside the dense ones for small (decode) batches with
-    decode_weights="auto" in bf16, alone with `quantization` int4 or int8. A quantized checkpoint
+               pack_gemm: bool = True, dense_prefill: bool = False) -> nn.Module:
+    """Build the model and fill it. A GGUF's linear layers, embedding and LM head keep packed
+    int4/int8 weights made from its codes (model/quant/gguf.py), with decode_weights="auto" (on
+    the CPU, bf16 or float32) in the layout nearest each tensor's type, with `quantization`
+    int4 or int8 in that one; with `dense_prefill` the dense weights stay beside them for
+    prefill. A quantized checkpoint
     (config.json's quantization_config) or `quantization` (int8, int4, fp8: quantize at load)
     hands linear layers their quant methods before the tensors stream in (see model/quant).
     On the CPU, dense bf16 weights are packed for oneDNN's GEMM unless `pack_gemm` is False: the
     caller then packs them itself, e.g. step by step (gemm_packing.StepwisePacking)."""
     from octavo.model.quant.config import plan_quantization
-    plan = plan_quantization(source, quantization, dtype, decode_weights)
+    plan = plan_quantization(source, quantization, dtype, decode_weights, dense_prefill)
     if plan is not None and device.type != "cpu":
         if not plan.required:
             plan = None  # the decode copies are a CPU matter: dense weights elsewhere
@@ -83,7 +85,7 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
     prepared = None
     if checkpoint.prepared and device.type == "cpu":
         from octavo.model.loader.prepared_cache import prepared_path
-        prepared = prepared_path(source, dtype, decode_weights, quantization)
+        prepared = prepared_path(source, dtype, decode_weights, quantization, dense_prefill)
     # A truncated or corrupt checkpoint fails here, naming its file, before the model's memory is
     # allocated (a start from prepared weights never reads the GGUF, nor imports gguf).
     if prepared is None or not prepared.is_file():
@@ -99,21 +101,23 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
     if prepared is not None:
         from octavo.model.loader.prepared_cache import load_prepared
         if load_prepared(model, prepared):
-            return _finish(model, device, quantization, pack_gemm)
+            return _finish(model, source, device, quantization, pack_gemm)
     model.load_weights(checkpoint.tensors(codes, plan))
     if plan is not None:
         plan.finish_lm_head(model, checkpoint.bits)
     if prepared is not None:
         from octavo.model.loader.prepared_cache import save_prepared
         save_prepared(model, prepared)
-    return _finish(model, device, quantization, pack_gemm)
+    return _finish(model, source, device, quantization, pack_gemm)
 
 
-def _finish(model: nn.Module, device: torch.device, quantization: str | None,
-            pack_gemm: bool) -> nn.Module:
+def _finish(model: nn.Module, source: ModelSource, device: torch.device,
+            quantization: str | None, pack_gemm: bool) -> nn.Module:
     """On the CPU, with `pack_gemm`, dense bf16 weights of linear layers and the LM head are
-    packed for oneDNN's GEMM (gemm_packing)."""
+    packed for oneDNN's GEMM (gemm_packing). The log states what the weights take."""
     if device.type == "cpu" and pack_gemm:
         from octavo.model.loader.gemm_packing import pack_now
         pack_now(model, quantization)
+    from octavo.model.loader.weights_plan import log_weights_plan
+    log_weights_plan(model, source.path.stat().st_size if source.is_gguf else None)
     return model.eval()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from octavo.model.layers.embedding import Embedding
 from octavo.model.quant.weights import DenseWeights
 
 
@@ -29,8 +30,8 @@ def packable_weights(model: nn.Module, quantization: str | None) -> list[DenseWe
     found = []
     for module in model.modules():
         weights = getattr(module, "weights", None)
-        if not isinstance(weights, DenseWeights):
-            continue
+        if not isinstance(weights, DenseWeights) or isinstance(module, Embedding):
+            continue  # an embedding indexes its table: no GEMM reads it
         if getattr(module, "tied", False) and quantization is not None:
             continue
         if weights.packable():

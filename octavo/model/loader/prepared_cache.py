@@ -31,13 +31,16 @@ from octavo.model_source import ModelSource, cache_dir
 logger = logging.getLogger(__name__)
 
 _MODEL_CODE = Path(__file__).resolve().parents[1]  # octavo/model
-FORMAT = "octavo-prepared-2"  # the layout of the file (1: decode_weight / packed attributes)
+# The layout of the file (1: decode_weight / packed attributes; 2: no embedding weights objects).
+FORMAT = "octavo-prepared-3"
 
 
 def prepared_path(source: ModelSource, dtype: torch.dtype, decode_weights: str,
-                  quantization: str | None = None) -> Path:
+                  quantization: str | None = None, dense_prefill: bool = False) -> Path:
     stat = source.path.stat()
     mode = quantization or decode_weights  # a GGUF's int4/int8 ignore decode_weights
+    if dense_prefill and quantization is None and decode_weights == "auto":
+        mode = "dense-prefill"
     where = parallel_state.placement()  # a rank prepares its own share and stage
     if where.world_size > 1:
         mode = f"{mode}-tp{where.tp_rank}of{where.tp_size}-pp{where.pp_rank}of{where.pp_size}"
@@ -53,7 +56,8 @@ def prepared_path(source: ModelSource, dtype: torch.dtype, decode_weights: str,
 
 
 def _takers(model: nn.Module) -> dict[str, nn.Module]:
-    """The modules whose weights are one typed object (linear layers, the LM head)."""
+    """The modules whose weights are one typed object (linear layers, embeddings, the LM
+    head)."""
     return {n: m for n, m in model.named_modules() if hasattr(m, "set_weights")}
 
 
@@ -61,15 +65,19 @@ def save_prepared(model: nn.Module, path: Path) -> None:
     params = dict(model.named_parameters())
     param_names = {id(p): name for name, p in params.items()}
     tensors = {name: p.data.contiguous() for name, p in params.items()}
-    shared: dict[str, str] = {}
+    shared: dict[str, str] = {}  # a key -> the parameter or earlier key holding its tensor
+    saved: dict[int, str] = {}  # tensors two takers share (a tied head's and its embedding's)
     for name, module in _takers(model).items():
         weights = module.weights
         for field, t in weights.tensors().items():
             key = f"{name}::{weights.kind}::{field}"
             if id(t) in param_names:
                 shared[key] = param_names[id(t)]
+            elif id(t) in saved:
+                shared[key] = saved[id(t)]
             else:
                 tensors[key] = t.contiguous()
+                saved[id(t)] = key
     metadata = {"format": FORMAT, "shared": json.dumps(shared)}
     # Whole or not at all (disk_cache): a full disk or a read-only cache costs the next start
     # the dequantizing, never this one. safetensors reports I/O errors as SafetensorError.
@@ -134,8 +142,9 @@ def _restore(model: nn.Module, tensors: dict[str, torch.Tensor], metadata: dict[
             add(key, t)
         else:
             plain[key] = t
-    for key, name in json.loads(metadata.get("shared", "{}")).items():
-        add(key, params[name])
+    shared = json.loads(metadata.get("shared", "{}"))
+    for key, name in shared.items():
+        add(key, params[name] if name in params else tensors[name])
     if set(parts) != set(takers):
         raise ValueError(f"weights of {sorted(set(parts) ^ set(takers))[:3]}")
     weights = {}
@@ -143,10 +152,11 @@ def _restore(model: nn.Module, tensors: dict[str, torch.Tensor], metadata: dict[
         weights[name] = WEIGHT_KINDS[kind].from_tensors(fields)
         if weights[name].shape != tuple(takers[name].weights_shape):
             raise ValueError(f"{name}: weights of shape {weights[name].shape}")
-    # A taker's own `weight` parameter is only where its checkpoint tensor loads (a tied LM
-    # head's is the embedding's, which stays).
+    # A taker's own `weight` parameter is only where its checkpoint tensor loads, unless saved
+    # weights compute from it (a dense embedding's table, shared by a tied LM head).
+    kept_ids = {id(params[name]) for name in shared.values() if name in params}
     replaced = {id(m._parameters["weight"]) for m in takers.values()
-                if "weight" in m._parameters and not getattr(m, "tied", False)}
+                if "weight" in m._parameters} - kept_ids
     kept = {name: p for name, p in params.items() if id(p) not in replaced}
     if set(plain) != set(kept):
         raise ValueError(f"parameters {sorted(set(plain) ^ set(kept))[:3]}")

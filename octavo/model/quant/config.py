@@ -113,11 +113,12 @@ class QuantPlan:
 
 
 def plan_quantization(source: ModelSource, requested: str | None, dtype: torch.dtype,
-                      decode_weights: str = "auto") -> QuantPlan | GGUFPlan | None:
+                      decode_weights: str = "auto", dense_prefill: bool = False
+                      ) -> QuantPlan | GGUFPlan | None:
     """The plan for this checkpoint and --quantization (None: everything dense). A GGUF's is
     a GGUFPlan (quant/gguf.py): its own codes, with or without the dense weights."""
     if source.is_gguf:
-        return gguf_plan(requested, decode_weights, dtype)
+        return gguf_plan(requested, decode_weights, dtype, dense_prefill)
     qc = checkpoint_quantization(source)
     if requested is not None:
         if requested not in ON_THE_FLY:

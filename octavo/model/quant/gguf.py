@@ -14,10 +14,13 @@ would be 4.3%; it is copied, 0%). Perplexity on that model: tests/model/test_qua
 layer takes the layout of its widest slot (q/k/v, gate/up). Each choice is logged once per GGML
 type at load.
 
-Modes (`GGUFPlan`): "auto" (the default in bf16 on the CPU) keeps the dense weight for prefill
-and the packed copy for batches of up to max_rows rows (decode_weights.py); "int4" / "int8"
-(--quantization) keep only packed weights of that layout, so memory drops, and run every batch on
-them (PackedWeight.matmul: packed kernels for small batches, dequantized tiles for large ones).
+Modes (`GGUFPlan`): "auto" (the default on the CPU, bf16 or float32) takes each layer's nearest
+layout, "int4" / "int8" (--quantization) that one for every layer. Only the packed weights are
+kept, the linear layers', MoE experts', embedding's and LM head's, and every batch runs on them
+(PackedWeight.matmul: packed kernels for small batches, dequantized tiles into the dense GEMM
+for large ones), so the weights take about the file's size. With --dense-prefill-weights, auto
+keeps the dense weights for prefill beside the packed copies for batches of up to max_rows rows
+(decode_weights.py), the plan of old, 2.7-6x the file.
 """
 from __future__ import annotations
 
@@ -27,11 +30,18 @@ import numpy as np
 import torch
 from torch import nn
 
+from octavo.model.layers.embedding import Embedding
 from octavo.model.layers.moe import EXPERT_TENSOR
 from octavo.model.quant.base import Loading, QuantMethod, dense_destination, load_dense
+from octavo.model.quant.decode_weights import make_decode_weight
 from octavo.model.quant.ggml_types import GGMLType as Q
-from octavo.model.quant.packed import (Int4Packed, PackedWeight, minmax_int4, quantize_int8,
-                                      quantize_int8_grouped)
+from octavo.model.quant.packed import (
+    Int4Packed,
+    PackedWeight,
+    minmax_int4,
+    quantize_int8,
+    quantize_int8_grouped,
+)
 from octavo.model.quant.weights import DenseWeights, PackedWeights
 
 logger = logging.getLogger(__name__)
@@ -166,16 +176,17 @@ def _slot(model: nn.Module, ckpt_name: str) -> tuple[str, int | None] | None:
 
 
 class GGUFPlan:
-    """Which linear layers of a GGUF model get a `GGUFMethod`, in mode auto, int4 or int8."""
+    """Which linear layers of a GGUF model get a `GGUFMethod`, in mode auto, int4 or int8, and
+    whether the dense weights stay for prefill (`keep_dense`)."""
 
-    def __init__(self, mode: str, dtype: torch.dtype) -> None:
+    def __init__(self, mode: str, dtype: torch.dtype, dense_prefill: bool = False) -> None:
         if mode not in ("auto", "int4", "int8"):
             raise ValueError(f"quantization for a GGUF must be int4 or int8, got {mode!r}")
-        self.mode, self.dtype, self.keep_dense = mode, dtype, mode == "auto"
-        self.fmt = f"gguf {mode}"
-        # The dense weights stay for prefill in auto mode, so the copies only make decode
-        # faster: a device without their kernels loads without them.
-        self.required = not self.keep_dense
+        self.mode, self.dtype = mode, dtype
+        self.keep_dense = mode == "auto" and dense_prefill
+        self.fmt = f"gguf {mode}" + (" with dense prefill weights" if self.keep_dense else "")
+        # auto is the CPU's best plan: a device without these kernels loads the dense weights.
+        self.required = mode != "auto"
 
     def apply(self, model: nn.Module, tensor_types: dict[str, Q]) -> set[str]:
         """Before loading: give the layers their methods; `tensor_types` maps each checkpoint
@@ -225,7 +236,7 @@ class GGUFPlan:
             if chosen is not None:
                 layer.set_quant_method(chosen)
                 count += 1
-        if not self.keep_dense:  # experts stay dense in auto mode, as before
+        if not self.keep_dense:  # with dense prefill weights the experts stay dense
             for name, projs in moe.items():
                 gate_up = [projs.get(p) for p in ("gate_proj", "w1", "up_proj", "w3")]
                 gate_up = [t for t in gate_up if t is not None]
@@ -256,13 +267,26 @@ class GGUFPlan:
                                if getattr(modules.get(name), "weight", None) is head.weight})
         if "lm_head" in per_module:
             head.set_decode_bits(per_module["lm_head"])
-        if not self.keep_dense:
-            head.packed_only()
+        if self.keep_dense:
+            return
+        tied_to = None
+        for name, module in modules.items():
+            if not isinstance(module, Embedding) or name not in per_module:
+                continue
+            if head.tied and module.weights.weight is head.weights.weight:
+                tied_to = module  # it shares the head's copy
+                continue
+            copy = make_decode_weight(module.weights.weight, per_module[name])
+            if copy is not None:
+                module.set_weights(PackedWeights(copy))
+        head.packed_only(tied_to)
 
 
-def gguf_plan(requested: str | None, decode_weights: str, dtype: torch.dtype) -> GGUFPlan | None:
-    """--quantization int4|int8 on a GGUF: packed weights only; unset: the packed copies for
-    decode beside the dense weights (bf16 with decode_weights=auto), or nothing."""
+def gguf_plan(requested: str | None, decode_weights: str, dtype: torch.dtype,
+              dense_prefill: bool = False) -> GGUFPlan | None:
+    """--quantization int4|int8 on a GGUF: packed weights of that layout; unset: of each
+    tensor's nearest layout (decode_weights=auto, bf16 or float32), with the dense weights
+    beside them for `dense_prefill`; decode_weights=none: nothing (dense weights only)."""
     if requested is not None:
         if requested not in ("int4", "int8"):
             raise ValueError(f"quantization={requested!r} is not available for a GGUF (its "
@@ -270,6 +294,6 @@ def gguf_plan(requested: str | None, decode_weights: str, dtype: torch.dtype) ->
                              "dense weights with low-bit copies for decode")
         return GGUFPlan(requested, dtype)
     if decode_weights == "auto" and dtype in (torch.bfloat16, torch.float32):
-        return GGUFPlan("auto", dtype)
+        return GGUFPlan("auto", dtype, dense_prefill)
     return None
 

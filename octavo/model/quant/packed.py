@@ -17,12 +17,49 @@ so the int4 kernel is used up to 256 rows and the int8 one up to 64.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from octavo.kernels import fused
 
 _TILE_ELEMS = 1 << 20  # weights dequantized per tile (2 MiB of bf16: stays in L2)
+
+# The most rows a low-bit copy takes before the (oneDNN-packed) bf16 GEMM wins. octavo's int4
+# kernel reads 4-bit codes at memory speed and reuses each unpacked code for every row: for
+# SmolLM2's linear layers (cold weights, 2 threads) 2.6 ms at 1 row against torch's int4
+# kernel's 3.8 and bf16's 13.0; 11.9 vs 16.5 ms at 16 rows, 22.6 vs 26.1 at 32, 35.7 vs 37.9 at
+# 48, 45.4 vs 46.9 at 64 (where both are bound by the multiplies). torch's int4 kernel and the
+# int8 GEMV stop winning at about 4 rows (the LM head in int8: 1.95 vs 2.19 ms at 4 rows, 3.9
+# vs 2.8 at 8).
+INT4_ROWS = 64
+# With AMX, oneDNN's bf16 GEMM runs on the tile units and costs little more than reading its
+# weights well past 64 rows, so the int4 copy wins only for a few. Intel Xeon with AMX (KVM,
+# 2 threads), the same layers: int4 11.3 vs bf16 15.0 ms at 8 rows, 16.1 vs 14.9 at 12, 39.5 vs
+# 17.4 at 32, 78.3 vs 20.7 at 64. (The int8 LM head's crossover stays at 4 rows: 2.06 vs 2.08 ms.)
+INT4_ROWS_AMX = 10
+# With float32 activations (CPUs without AVX-512-BF16; csrc/quant_gemv.h, int4_block_f32) the kernel
+# stays ahead of the float32 GEMM far longer: on an AMD EPYC with AVX2 only (2 threads), the
+# same layers took 3.1 ms at 1 row against 31.2, 46.5 vs 78.5 at 32, 93.5 vs 120.1 at 64, 187.1
+# vs 206.1 at 128 and 393.3 vs 373.4 at 256. The int8 LM head there: 1.8 vs 9.4 ms at 1 row,
+# 22.8 vs 37.7 at 32, 45.1 vs 43.2 at 64.
+INT4_ROWS_F32 = 128
+INT8_ROWS_F32 = 32
+
+
+@functools.cache
+def _bf16_gemm_on_amx() -> bool:
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
+
+
+def int4_rows(dtype: torch.dtype) -> int:
+    """The most rows octavo's int4 kernel takes, with activations of `dtype`, before the dense
+    GEMM (on a dense weight, or on tiles dequantized from the int4 codes) wins on this CPU."""
+    if dtype == torch.float32:
+        return INT4_ROWS_F32
+    return INT4_ROWS_AMX if _bf16_gemm_on_amx() else INT4_ROWS
 
 
 class PackedWeight:
@@ -58,6 +95,11 @@ class PackedWeight:
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of the weight dequantized, [T, K] in the activation dtype (an
+        embedding kept packed looks its tokens up so)."""
+        raise NotImplementedError(f"{type(self).__name__} weights cannot serve an embedding")
+
 
 class Int4Packed(PackedWeight):
     """4-bit codes with a float32 scale and zero per 32 inputs, w = (q - 8) * scale + zero
@@ -73,7 +115,11 @@ class Int4Packed(PackedWeight):
     int4 layout (its kernel serves CPUs without AVX-512-BF16 and runs with the C++ kernels off;
     bf16 scales there) is built from this on first use."""
 
-    dense_rows = 256
+    @property
+    def dense_rows(self) -> int:
+        """With octavo's kernel, its crossover with the dense GEMM on this CPU (int4_rows);
+        torch's int4 kernel (bf16, 2 threads, the table above) stays ahead up to 256 rows."""
+        return int4_rows(self.dtype) if fused.int4_gemm_ready(self.dtype) else 256
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
                  dtype: torch.dtype, perm: torch.Tensor | None = None) -> None:
@@ -154,6 +200,24 @@ class Int4Packed(PackedWeight):
             packed, scales_zeros = self.torch_layout()
             y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, 32, scales_zeros)
         return y[:, :self.out_features] if self.padded_n != self.out_features else y
+
+    def tiled_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.dtype)
+        if x.device.type != "cpu" or not fused.int4_dequantize_ready():
+            return super().tiled_matmul(x)
+        y = fused.int4_tiled_linear(x, self.native_codes, self.native_scales)
+        return y[:, :self.out_features] if self.padded_n != self.out_features else y
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        t, k = ids.shape[0], self.in_features
+        block, r = ids // 16, ids % 16
+        b = self.native_codes[block].view(t, k // 4, 16, 2)[torch.arange(t), :, r]  # [T, c, j]
+        q = torch.stack([b & 15, b >> 4], 2).reshape(t, -1, 32).float() - 8  # 4c + 2h + j
+        sz = self.native_scales[block, :, :, r].float()  # [T, K / 32, 2]
+        scale, zero = sz[..., 0:1], sz[..., 1:2]
+        if self.native_scales.dtype != torch.float32:  # float16 scale and low (see the class)
+            zero = 8 * scale + zero
+        return (q * scale + zero).reshape(t, k).to(self.dtype)
 
     def codes(self, start: int, end: int) -> torch.Tensor:
         """Rows start:end of the 4-bit codes, [end - start, K] uint8."""
@@ -268,6 +332,10 @@ class Int8Grouped(PackedWeight):
 
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return fused.int8_gemv(x, self.q, self.scale)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.q[ids].float().view(ids.shape[0], -1, self.group)
+        return (q * self.scale[ids, :, None]).view(ids.shape[0], -1).to(self.dtype)
 
     def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         q = self.q[start:end].float().view(end - start, -1, self.group)

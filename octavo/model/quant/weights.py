@@ -17,6 +17,7 @@ the fused decode stack reads them by type (model/decode_stack.py).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from octavo.kernels import onednn
 from octavo.model.quant.decode_weights import max_rows
@@ -29,6 +30,10 @@ class LinearWeights:
     kind: str
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight (an embedding's lookup), [*ids.shape, K]."""
         raise NotImplementedError
 
     @property
@@ -83,6 +88,9 @@ class DenseWeights(LinearWeights):
             return small.matmul(x)
         return onednn.linear(x, self.weight)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)  # an embedding's table is never packed for oneDNN
+
     def packable(self) -> bool:
         return onednn.packable(self.weight)
 
@@ -117,6 +125,9 @@ class PackedWeights(LinearWeights):
         lead = x.shape[:-1]
         y = self.packed.matmul(x.reshape(-1, x.shape[-1]))
         return y.reshape(*lead, y.shape[-1])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.packed.rows(ids.reshape(-1)).reshape(*ids.shape, self.packed.in_features)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return _packed_tensors("packed", self.packed)
