@@ -97,7 +97,9 @@ torch::Tensor gelu_tanh_and_mul(torch::Tensor x) {
 
 torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && q.is_contiguous() && scale.is_contiguous());
-  TORCH_CHECK(q.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat);
+  TORCH_CHECK(q.scalar_type() == at::kChar &&
+              (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf),
+              "int8_gemv: int8 codes with float32 or float16 scales");
   TORCH_CHECK(x.size(1) == q.size(1), "int8_gemv: inner sizes differ");
   TORCH_CHECK(scale.size(0) == q.size(0) && (scale.dim() == 1 ||
               (scale.dim() == 2 && q.size(1) % scale.size(1) == 0 &&
@@ -115,9 +117,14 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
     at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
       for (int64_t c = 0; c < rows; c += 8) {
         for_rows(std::min<int64_t>(8, rows - c), [&](auto r) {
-          int8_rows_block<scalar_t, decltype(r)::value>(
-              op + c * n, n, xf.data() + c * k, k, q.data_ptr<int8_t>(), scale.data_ptr<float>(),
-              groups, begin, end);
+          if (scale.scalar_type() == at::kHalf)
+            int8_rows_block<scalar_t, decltype(r)::value>(
+                op + c * n, n, xf.data() + c * k, k, q.data_ptr<int8_t>(),
+                scale.data_ptr<at::Half>(), groups, begin, end);
+          else
+            int8_rows_block<scalar_t, decltype(r)::value>(
+                op + c * n, n, xf.data() + c * k, k, q.data_ptr<int8_t>(),
+                scale.data_ptr<float>(), groups, begin, end);
         });
       }
     });

@@ -63,10 +63,11 @@ inline void int8_row(const int8_t* w, const float* xf, int64_t k, float* dots) {
 }
 
 // The same with a scale per `group` inputs (GGUF's Q8_0: 32): each group's dot products are
-// summed, then scaled into the row's total.
-template <int R>
+// summed, then scaled into the row's total. Scales are float32, or float16 where they are
+// exactly that (Q8_0's own): 2 bytes a group instead of 4.
+template <int R, typename S>
 inline void int8_row_grouped(const int8_t* w, const float* xf, int64_t k, int64_t group,
-                             const float* scales, float* dots) {
+                             const S* scales, float* dots) {
 #if defined(__AVX512F__)
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -79,7 +80,7 @@ inline void int8_row_grouped(const int8_t* w, const float* xf, int64_t k, int64_
       for (int r = 0; r < R; ++r)
         part[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + r * k + i), wv, part[r]);
     }
-    const __m512 s = _mm512_set1_ps(scales[gi]);
+    const __m512 s = _mm512_set1_ps(static_cast<float>(scales[gi]));
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(part[r], s, acc[r]);
   }
   for (int r = 0; r < R; ++r) dots[r] = _mm512_reduce_add_ps(acc[r]);
@@ -88,7 +89,7 @@ inline void int8_row_grouped(const int8_t* w, const float* xf, int64_t k, int64_
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi) {
-    const __m256 s = _mm256_set1_ps(scales[gi]);
+    const __m256 s = _mm256_set1_ps(static_cast<float>(scales[gi]));
     for (int64_t i = g0; i < g0 + group; i += 16) {
       // Each weight scaled first, as the dense weight w = d * q is, then multiplied.
       const __m256 w0 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
@@ -108,26 +109,26 @@ inline void int8_row_grouped(const int8_t* w, const float* xf, int64_t k, int64_
     for (int r = 0; r < R; ++r) {
       float part = 0.f;
       for (int64_t i = g0; i < g0 + group; ++i) part += xf[r * k + i] * static_cast<float>(w[i]);
-      dots[r] += part * scales[gi];
+      dots[r] += part * static_cast<float>(scales[gi]);
     }
 #endif
 }
 
 // R rows of x (float) times output rows [begin, end) of the int8 weights; `groups` = 0: one
 // scale per row, else a scale per k / groups inputs.
-template <typename T, int R>
+template <typename T, int R, typename S>
 void int8_rows_block(T* op, int64_t n, const float* xf, int64_t k, const int8_t* qp,
-                     const float* sp, int64_t groups, int64_t begin, int64_t end) {
+                     const S* sp, int64_t groups, int64_t begin, int64_t end) {
   float dots[R];
   for (int64_t o = begin; o < end; ++o) {
     prefetch_lines(qp + o * k + kPrefetchBytes, k);  // the row kPrefetchBytes on, its scales
     if (groups) {
-      prefetch_lines(sp + o * groups + kPrefetchBytes / (k / groups), groups * 4);
+      prefetch_lines(sp + o * groups + kPrefetchBytes / (k / groups), groups * sizeof(S));
       int8_row_grouped<R>(qp + o * k, xf, k, k / groups, sp + o * groups, dots);
       for (int r = 0; r < R; ++r) op[r * n + o] = static_cast<T>(dots[r]);
     } else {
       int8_row<R>(qp + o * k, xf, k, dots);
-      for (int r = 0; r < R; ++r) op[r * n + o] = static_cast<T>(dots[r] * sp[o]);
+      for (int r = 0; r < R; ++r) op[r * n + o] = static_cast<T>(dots[r] * static_cast<float>(sp[o]));
     }
   }
 }

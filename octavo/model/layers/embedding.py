@@ -88,6 +88,7 @@ class LMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: Embedding | None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.first_row, _ = _vocab_rows(vocab_size)
         self.tied = tied_to is not None
         self.weights: LinearWeights | None = None  # set once loaded
         if tied_to is not None:

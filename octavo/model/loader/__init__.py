@@ -33,6 +33,9 @@ class _Safetensors:
     def plan_input(self) -> list[str]:
         return self.names
 
+    def int8_codes(self, name: str) -> None:
+        return None  # dense tensors: no codes to keep
+
     def tensors(self, codes: set[str], plan) -> Iterator[tuple[str, torch.Tensor]]:
         from octavo.model.loader.safetensors_weights import iterate_safetensors_weights
         return iterate_safetensors_weights(self.path)
@@ -52,6 +55,10 @@ class _GGUF:
     def plan_input(self) -> dict:
         from octavo.model.loader.gguf_weights import gguf_tensor_types
         return gguf_tensor_types(self.path, self.cfg)
+
+    def int8_codes(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        from octavo.model.loader.gguf_weights import gguf_int8_codes
+        return gguf_int8_codes(self.path, self.cfg, name)
 
     def tensors(self, codes: set[str], plan) -> Iterator[tuple[str, torch.Tensor]]:
         from octavo.model.loader.gguf_weights import iterate_gguf_weights
@@ -104,7 +111,7 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
             return _finish(model, source, device, quantization, pack_gemm)
     model.load_weights(checkpoint.tensors(codes, plan))
     if plan is not None:
-        plan.finish_lm_head(model, checkpoint.bits)
+        plan.finish_lm_head(model, checkpoint.bits, checkpoint.int8_codes)
     if prepared is not None:
         from octavo.model.loader.prepared_cache import save_prepared
         save_prepared(model, prepared)

@@ -200,22 +200,32 @@ class _DequantizedReader:
         return torch.from_numpy(w)
 
 
-class _Int4Blocks:
-    """A Q4_0/Q4_1/Q4_K tensor's raw blocks [rows, row bytes], turned into its int4 codes, scales
-    and offsets (quant/gguf.py's int4_codes) by rectangles of whole blocks. One conversion gives
-    all three kinds: the ones not asked for yet are kept for their readers."""
+def code_kinds(qtype: GGMLType) -> tuple[str, ...]:
+    """The checkpoint kinds a tensor of `qtype` yields in place of its weight (quant/gguf.py):
+    int4 codes, scales and offsets, or int8 codes and scales."""
+    from octavo.model.quant.gguf import CODE8_KINDS, CODE_KINDS, INT8_EXACT
+    return CODE8_KINDS if qtype in INT8_EXACT else CODE_KINDS
+
+
+class _CodeBlocks:
+    """A quantized tensor's raw blocks [rows, row bytes], turned into its codes and scales
+    (quant/gguf.py's int4_codes for Q4_0/Q4_1/Q4_K, int8_codes for Q8_0/Q5_0/Q6_K) by
+    rectangles of whole blocks. One conversion gives every kind: the ones not asked for yet are
+    kept for their readers."""
 
     def __init__(self, t: GGUFTensor, rows: int) -> None:
         from gguf.constants import GGML_QUANT_SIZES
 
-        from octavo.model.quant.gguf import CODE_KINDS, int4_codes
+        from octavo.model.quant.gguf import CODE8_KINDS, int4_codes, int8_codes
 
-        self._convert, self._kinds = int4_codes, CODE_KINDS
+        self._kinds = code_kinds(t.tensor_type)
+        self._convert = int8_codes if self._kinds == CODE8_KINDS else int4_codes
         self._raw, self._type = t.data.reshape(rows, -1), t.tensor_type
         self._block_bytes = GGML_QUANT_SIZES[t.tensor_type][1]
         self.blocks = self._raw.shape[1] // self._block_bytes
-        first = int4_codes(self._type, np.ascontiguousarray(self._raw[:1, :self._block_bytes]))
-        self.columns_per_block = {k: a.shape[1] for k, a in zip(CODE_KINDS, first)}
+        first = self._convert(self._type,
+                              np.ascontiguousarray(self._raw[:1, :self._block_bytes]))
+        self.columns_per_block = {k: a.shape[1] for k, a in zip(self._kinds, first)}
         self._kept: dict[tuple[int, int, int, int], dict[str, np.ndarray]] = {}
 
     def kind(self, kind: str, r0: int, r1: int, b0: int, b1: int) -> np.ndarray:
@@ -233,13 +243,13 @@ class _Int4Blocks:
 
 
 class _CodesReader:
-    """One kind (codes, scales or offsets) of an `_Int4Blocks`, [rows, the kind's columns]."""
+    """One kind (codes, scales or offsets) of a `_CodeBlocks`, [rows, the kind's columns]."""
 
-    def __init__(self, name: str, blocks: _Int4Blocks, kind: str, rows: int) -> None:
+    def __init__(self, name: str, blocks: _CodeBlocks, kind: str, rows: int) -> None:
         self.name, self._blocks, self._kind, self.rows = name, blocks, kind, rows
         self._per_block = blocks.columns_per_block[kind]
         self.cols = blocks.blocks * self._per_block
-        self.dtype = torch.uint8 if kind == "gguf_q4" else torch.float32
+        self.dtype = {"gguf_q4": torch.uint8, "gguf_q8": torch.int8}.get(kind, torch.float32)
 
     def read(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
         b0, b1 = c0 // self._per_block, -(-c1 // self._per_block)
@@ -262,16 +272,32 @@ def _dense(name: str, t: GGUFTensor, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(shape))
 
 
+def gguf_int8_codes(path: Path, cfg: ArchConfig, name: str
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Checkpoint weight `name` (a Hugging Face name) as int8 codes [rows, K] and scales
+    [rows, K / group], exactly as the file holds it, if its type is Q8_0, Q5_0 or Q6_K; else
+    None (quant/gguf.py's int8_codes). For the vocabulary tables, which no layout reorders."""
+    from octavo.model.quant.gguf import INT8_EXACT, int8_codes
+
+    for t in open_gguf(path).tensors:
+        if hf_name(t.name, cfg.architecture) == name:
+            if t.tensor_type not in INT8_EXACT:
+                return None
+            rows = int(np.prod([int(d) for d in t.shape[1:]]))
+            q, scale = int8_codes(t.tensor_type, np.asarray(t.data).reshape(rows, -1))
+            return torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(scale))
+    return None
+
+
 def iterate_gguf_weights(path: Path, cfg: ArchConfig, bits: dict[str, int] | None = None,
                          codes: set[str] = frozenset(), dense_too: bool = True,
                          ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, dequantized tensor, lazy for a matrix); `bits` gets each
     tensor's source width. A stacked expert tensor [E, out, in] is yielded as E per-expert
-    tensors. For the names in `codes` (Q4_0/Q4_1/Q4_K weights; stacked experts with {}), the
-    4-bit codes, scales and offsets come too, as `<module>.gguf_q4`, `.gguf_q4_scale`,
-    `.gguf_q4_low` (quant/gguf.py), and without `dense_too` instead of the dequantized weight."""
-    from octavo.model.quant.gguf import CODE_KINDS
-
+    tensors. For the names in `codes` (Q4_0/Q4_1/Q4_K, Q8_0/Q5_0/Q6_K weights; stacked experts
+    with {}), the codes and scales come too, as `<module>.gguf_q4`, `.gguf_q4_scale`,
+    `.gguf_q4_low` or `.gguf_q8`, `.gguf_q8_scale` (quant/gguf.py), and without `dense_too`
+    instead of the dequantized weight."""
     reader = open_gguf(path)  # checked whole first: every tensor's data lies inside the file
     for t in reader.tensors:
         if t.name in _ROPE_TENSORS:
@@ -281,8 +307,8 @@ def iterate_gguf_weights(path: Path, cfg: ArchConfig, bits: dict[str, int] | Non
         out: dict[str, torch.Tensor] = {}
         if name in codes:
             rows = int(np.prod(shape[:-1]))
-            blocks = _Int4Blocks(t, rows)
-            for kind in CODE_KINDS:
+            blocks = _CodeBlocks(t, rows)
+            for kind in code_kinds(t.tensor_type):
                 key = name.removesuffix("weight") + kind
                 part = _CodesReader(key, blocks, kind, rows)
                 out[key] = _code_layout(name, lazy(part, (*shape[:-1], part.cols)), cfg)

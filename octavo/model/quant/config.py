@@ -108,7 +108,7 @@ class QuantPlan:
         logger.info("quantization %s: %d linear layers", self.fmt, count)
         return set()
 
-    def finish_lm_head(self, model: nn.Module, bits: dict[str, int]) -> None:
+    def finish_lm_head(self, model: nn.Module, bits: dict[str, int], codes=None) -> None:
         """The LM head keeps its dense weight: checkpoints quantize linear layers only."""
 
 

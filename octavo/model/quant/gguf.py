@@ -4,13 +4,14 @@ Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m) and Q4_K (per 32 weights w = d * sc
 are 4-bit codes with a scale and an offset per 32 inputs: exactly torch's int4 layout with group
 32, so those codes and scales are copied over, not re-quantized (only scale and torch's zero,
 8 * scale + offset, are rounded to the activation dtype). The other types go to the nearest
-layout the kernels have: Q8_0 (w = d * q, q in -127..127 per 32) to int8 with a scale per 32
-inputs (`Int8Grouped`), which re-quantizing its dequantized weights by absmax per 32 (Q8_0's own
-rule) gives back code for code; Q5_0/Q5_1/Q5_K/Q6_K to the same int8 per 32, re-quantized;
-Q2_K/Q3_K to int4 min/max per 32. Measured on Qwen2.5-0.5B's Q4_K_M file (relative Frobenius
+layout the kernels have: Q8_0 (w = d * q, q in -127..127 per 32), Q5_0 (w = d * (q - 16)) and
+Q6_K (w = d * sc * (q - 32) per 16) to int8 codes with a scale per 32 (16 for a layer with a
+Q6_K slot) inputs (`Int8Grouped`), their codes and scales taken from the file (int8_codes: the
+same weights bit for bit); Q5_1/Q5_K to int8 per 32, re-quantized; Q2_K/Q3_K to int4 min/max
+per 32. Measured on Qwen2.5-0.5B's Q4_K_M file (relative Frobenius
 error against the GGUF's own weights): int8 per 32 Q8_0 0%, and before it existed, int8 per
 channel Q8_0 1.8%, Q6_K 1.6%, Q5_0 1.1%; int4 min/max Q8_0 10.6%, Q5_0 8.5%, Q6_K 8.2% (Q4_K
-would be 4.3%; it is copied, 0%). Perplexity on that model: tests/model/test_quant_perplexity.py. A packed
+would be 4.3%; it is copied, 0%). Perplexity: tests/model/test_quant_perplexity.py. A packed
 layer takes the layout of its widest slot (q/k/v, gate/up). Each choice is logged once per GGML
 type at load.
 
@@ -25,6 +26,7 @@ keeps the dense weights for prefill beside the packed copies for batches of up t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -37,6 +39,7 @@ from octavo.model.quant.decode_weights import make_decode_weight
 from octavo.model.quant.ggml_types import GGMLType as Q
 from octavo.model.quant.packed import (
     Int4Packed,
+    Int8Grouped,
     PackedWeight,
     minmax_int4,
     quantize_int8,
@@ -53,6 +56,12 @@ _INT4_NEAREST = (*INT4_EXACT, Q.Q2_K, Q.Q3_K)
 # checkpoint kinds the loader yields beside `weight` for INT4_EXACT tensors: [N, K] codes 0..15,
 # and [N, K / 32] scale and offset (w = scale * q + offset)
 CODE_KINDS = ("gguf_q4", "gguf_q4_scale", "gguf_q4_low")
+# Types whose codes are int8 values times one scale per 32 (Q8_0, Q5_0) or 16 (Q6_K) inputs: kept
+# code for code as `Int8Grouped` (the loader yields these kinds: [N, K] int8 codes, [N, K / group]
+# float32 scales), where re-quantizing their dequantized weights to int8 per 32 moved them by
+# 0.5% (Gemma 3's Q5_0 and Q6_K), enough to move prompt logprobs by 0.13 against transformers.
+INT8_EXACT = (Q.Q8_0, Q.Q5_0, Q.Q6_K)
+CODE8_KINDS = ("gguf_q8", "gguf_q8_scale")
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -80,6 +89,37 @@ def int4_codes(qtype: Q, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
         scale = d
         low = _f16(b[..., 2:4]) if qtype == Q.Q4_1 else -8 * d
     return q.reshape(rows, -1), scale.reshape(rows, -1), low.reshape(rows, -1)
+
+
+def int8_codes(qtype: Q, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Raw blocks [rows, row bytes] of a Q8_0/Q5_0/Q6_K tensor -> codes [rows, K] int8 and
+    scales [rows, K / group] float32 (group 32, or 16 for Q6_K), with w = scale * code exactly
+    as ggml dequantizes (Q6_K's scale d * sc first, then times the code)."""
+    rows = data.shape[0]
+    size = {Q.Q8_0: 34, Q.Q5_0: 22, Q.Q6_K: 210}[qtype]
+    b = data.reshape(rows, -1, size)
+    if qtype == Q.Q8_0:
+        q = np.ascontiguousarray(b[..., 2:]).view(np.int8)
+        return q.reshape(rows, -1), _f16(b[..., 0:2]).reshape(rows, -1)
+    if qtype == Q.Q5_0:
+        qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")  # [rows, nb, 1]: bit j of weight j
+        bit = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [rows, nb, 32]
+        qs = b[..., 6:22]
+        low = np.concatenate([qs & 15, qs >> 4], -1)  # byte j: weights j (low) and j + 16
+        q = (low | bit).astype(np.int8) - 16
+        return q.reshape(rows, -1), _f16(b[..., 0:2]).reshape(rows, -1)
+    # Q6_K, 256 weights in two halves of 128: ql [2][64], qh [2][32], 16 int8 scales, d. Weight
+    # 32 i + l of a half (i < 4, l < 32) is the low (i < 2) or high nibble of ql byte
+    # 32 (i % 2) + l, with bits 2 i, 2 i + 1 of qh byte l above it, scaled by
+    # d * sc[8 h + 2 i + l / 16].
+    ql = b[..., :128].reshape(rows, -1, 2, 2, 32)  # [.., half, i % 2, l]
+    qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
+    sc = b[..., 192:208].view(np.int8).astype(np.float32).reshape(rows, -1, 16)
+    d = _f16(b[..., 208:210])  # [rows, nb, 1]
+    nib = np.concatenate([ql & 15, ql >> 4], 3)  # [rows, nb, half, i, l]
+    hi = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3
+    q = (nib | (hi << 4)).astype(np.int8) - 32
+    return q.reshape(rows, -1), (d * sc).reshape(rows, -1)
 
 
 def _target(mode: str, types: list[Q], in_features: int) -> str | None:
@@ -123,12 +163,19 @@ class GGUFMethod(QuantMethod):
         layer.loading = Loading()
 
     def _needs(self, slot: int) -> tuple[str, ...]:
-        exact = self.target == "int4" and self.types[slot] in INT4_EXACT
-        return CODE_KINDS if exact else ("weight",)
+        if self.target == "int4" and self.types[slot] in INT4_EXACT:
+            return CODE_KINDS
+        if self._int8_exact():
+            return CODE8_KINDS
+        return ("weight",)
+
+    def _int8_exact(self) -> bool:
+        """Every slot's int8 codes kept as they are (else all re-quantized per 32)."""
+        return self.target == "int8" and all(t in INT8_EXACT for t in self.types)
 
     def load_shard(self, layer: nn.Module, name: str, index: int | None,
                    tensor: torch.Tensor) -> None:
-        if name not in ("weight", *CODE_KINDS):
+        if name not in ("weight", *CODE_KINDS, *CODE8_KINDS):
             raise ValueError(f"checkpoint tensor {name!r} on a GGUF linear layer")
         if name == "weight" and self.keep_dense:
             load_dense(layer, index, tensor)
@@ -143,6 +190,14 @@ class GGUFMethod(QuantMethod):
             loading.parts = {}  # built as soon as its codes are in: the parts go at once
 
     def _build(self, parts: list[dict[str, torch.Tensor]]) -> PackedWeight:
+        if self.target == "int8" and self._int8_exact():
+            # One group for the layer: 16 where a slot is Q6_K, the others' scales repeated.
+            group = 16 if Q.Q6_K in self.types else 32
+            scales = [p["gguf_q8_scale"].float() for p in parts]
+            scales = [sc.repeat_interleave(p["gguf_q8"].shape[1] // group // sc.shape[1], 1)
+                      for sc, p in zip(scales, parts)]
+            return Int8Grouped(torch.cat([p["gguf_q8"] for p in parts]), torch.cat(scales),
+                               self.dtype)
         if self.target == "int8":
             w = torch.cat([p["weight"].float() for p in parts])
             return (quantize_int8_grouped(w, GROUP, self.dtype) if w.shape[1] % GROUP == 0
@@ -216,7 +271,8 @@ class GGUFPlan:
                     logged.add((t, target))
                     logger.info("GGUF %s weights -> %s", t.name, _how(t, target,
                                                                      layer.in_features))
-                if target == "int4" and t in INT4_EXACT:
+                if target == "int4" and t in INT4_EXACT or target == "int8" and all(
+                        u in INT8_EXACT for u, _ in typed):
                     wants.add(ckpt)
             return GGUFMethod(types, target, self.keep_dense, self.dtype)
 
@@ -249,10 +305,14 @@ class GGUFPlan:
         logger.info("quantization %s: %d linear layers", self.fmt, count)
         return wants
 
-    def finish_lm_head(self, model: nn.Module, bits: dict[str, int]) -> None:
+    def finish_lm_head(self, model: nn.Module, bits: dict[str, int],
+                       codes: Callable[[str], tuple[torch.Tensor, torch.Tensor] | None] | None
+                       = None) -> None:
         """After loading: the LM head's low-bit copy, at the width of its checkpoint tensor
         (`bits`: bits per weight of each checkpoint weight; a tied head's is its embedding's).
-        With packed weights only (int4 | int8) an untied head keeps its copy alone."""
+        Without dense prefill weights, the embeddings and the head keep packed int8 codes alone
+        where they are exact (`codes`: a checkpoint weight's int8 codes and scales from the
+        file, or None for other types; layers/embedding.py)."""
         per_module: dict[str, int] = {}
         for ckpt_name, b in bits.items():
             module = model.linear_name(ckpt_name)  # the module it fills (GPT-2: transformer.h...)
@@ -269,17 +329,48 @@ class GGUFPlan:
             head.set_decode_bits(per_module["lm_head"])
         if self.keep_dense:
             return
-        tied_to = None
+        ckpt_of = {model.linear_name(c): c for c in bits}
+
+        def exact(name: str, module: nn.Module) -> PackedWeight | None:
+            """The module's rows as the file's own int8 codes (Q8_0, Q5_0, Q6_K), else a Q8_0
+            table re-quantized (code for code); None for other types, whose re-quantized rows
+            would move every prompt."""
+            got = codes(ckpt_of[name]) if codes is not None and name in ckpt_of else None
+            if got is not None:
+                first, rows = module.first_row, module.weights_shape[0]
+                q, scale = (_rows_share(t, first, rows) for t in got)
+                return Int8Grouped(q, scale, self.dtype)
+            if per_module.get(name) == 8:
+                return make_decode_weight(module.weights.weight, 8)
+            return None
+
         for name, module in modules.items():
             if not isinstance(module, Embedding) or name not in per_module:
                 continue
-            if head.tied and module.weights.weight is head.weights.weight:
-                tied_to = module  # it shares the head's copy
+            tied = head.tied and module.weights.weight is head.weights.weight
+            packed = exact(name, module)
+            if packed is None:
+                logger.info("%s (%d-bit source) stays dense: no exact packed form for its "
+                            "type yet", name, per_module[name])
                 continue
-            copy = make_decode_weight(module.weights.weight, per_module[name])
-            if copy is not None:
-                module.set_weights(PackedWeights(copy))
-        head.packed_only(tied_to)
+            module.set_weights(PackedWeights(packed))
+            if tied:  # the head multiplies by the same codes
+                head.set_weights(PackedWeights(packed))
+        if not head.tied and isinstance(head.weights, DenseWeights):
+            packed = exact("lm_head", head)
+            if packed is not None:
+                head.set_weights(PackedWeights(packed))
+            elif self.mode != "auto":  # an explicit layout: its copy alone, as asked
+                head.packed_only(None)
+
+
+def _rows_share(t: torch.Tensor, first: int, rows: int) -> torch.Tensor:
+    """Rows first:first + rows of a vocabulary table, zeros past its end (a tensor-parallel
+    rank's share, layers/embedding.py)."""
+    part = t[first:first + rows]
+    if part.shape[0] < rows:
+        part = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
+    return part.contiguous()
 
 
 def gguf_plan(requested: str | None, decode_weights: str, dtype: torch.dtype,

@@ -297,8 +297,10 @@ class Int8Packed(PackedWeight):
 
 
 class Int8Grouped(PackedWeight):
-    """w = scale * q with a float32 scale per `group` inputs of a row (q in -127..127): GGUF's
-    Q8_0 as it is (group 32). Codes stay row-major [N, K], so octavo's int8 GEMV reads each row
+    """w = scale * q with a scale per `group` inputs of a row (q in -127..127): GGUF's Q8_0 as
+    it is (group 32). Scales are kept in float16 where float16 holds them exactly (Q8_0's are
+    float16; re-quantized ones are rounded to it, quantize_int8_grouped), else float32. Codes
+    stay row-major [N, K], so octavo's int8 GEMV reads each row
     once and applies the scales group by group, for up to 64 rows in bf16 (8 at a time over
     the same cached block of weights); larger batches (or no C++ kernels) take dequantized
     tiles and the dense GEMM."""
@@ -314,7 +316,8 @@ class Int8Grouped(PackedWeight):
         self.out_features, self.in_features, self.perm = n, k, None
         self.group = k // scale.shape[1]
         self.q = q.to(torch.int8).contiguous()
-        self.scale = scale.float().contiguous()
+        exact_half = scale.dtype == torch.float16 or torch.equal(scale.half().float(), scale)
+        self.scale = (scale.half() if exact_half else scale.float()).contiguous()
         self.dtype = dtype
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -335,11 +338,11 @@ class Int8Grouped(PackedWeight):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         q = self.q[ids].float().view(ids.shape[0], -1, self.group)
-        return (q * self.scale[ids, :, None]).view(ids.shape[0], -1).to(self.dtype)
+        return (q * self.scale[ids, :, None].float()).view(ids.shape[0], -1).to(self.dtype)
 
     def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         q = self.q[start:end].float().view(end - start, -1, self.group)
-        return (q * self.scale[start:end, :, None]).view(end - start, -1).to(dtype)
+        return (q * self.scale[start:end, :, None].float()).view(end - start, -1).to(dtype)
 
 
 def quantize_int8_grouped(w: torch.Tensor, group: int, dtype: torch.dtype) -> Int8Grouped:
@@ -348,6 +351,9 @@ def quantize_int8_grouped(w: torch.Tensor, group: int, dtype: torch.dtype) -> In
     n, k = w.shape
     g = w.float().reshape(n, k // group, group)
     scale = g.abs().amax(-1) / 127
+    normal = scale[scale > 0]
+    if normal.numel() == 0 or normal.min() >= 2 ** -14:  # float16's normal range: held to
+        scale = scale.half().float()  # 11 bits, the codes made with the rounded scale
     q = (g / scale.clamp(min=1e-30)[..., None]).round().clamp(-127, 127).reshape(n, k)
     return Int8Grouped(q, scale, dtype)
 
