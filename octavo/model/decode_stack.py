@@ -29,6 +29,7 @@ from torch import nn
 from octavo.distributed import parallel_state
 from octavo.kernels import fused
 from octavo.kernels.paged_attention import AttentionPlan
+from octavo.model.context import get_forward_context
 from octavo.model.layer_spec import LayerSpec, NormKind
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.rotary import RotaryEmbedding
@@ -224,3 +225,14 @@ def attach(model: nn.Module) -> DecodeStack | None:
         return None
     inner.decode_stack = DecodeStack(layers)
     return inner.decode_stack
+
+
+def run_layers(layers: nn.ModuleList, stack: DecodeStack | None, x: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+    """The decoder layers over x: as one C++ stack where the step allows it, else one by one."""
+    ctx = get_forward_context()
+    if stack is not None and stack.usable(x, ctx.plan, ctx.sliding_plan, ctx.kv_caches):
+        return stack(x, positions, ctx.plan, ctx.sliding_plan, ctx.kv_caches)
+    for layer in layers:
+        x = layer(positions, x)
+    return x

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
-from octavo.model.context import get_forward_context
+from octavo.model.decode_stack import run_layers
 from octavo.model.layer_spec import LayerSpec, NormKind, decoder_spec
 from octavo.model.layers.activation import gated_act
 from octavo.model.layers.attention import PagedAttention
@@ -114,13 +114,7 @@ class GemmaModel(nn.Module):
             x = x * torch.tensor(self.hidden_size ** 0.5, dtype=x.dtype)
         else:
             x = hidden
-        ctx = get_forward_context()
-        stack = self.decode_stack
-        if stack is not None and stack.usable(x, ctx.plan, ctx.sliding_plan, ctx.kv_caches):
-            x = stack(x, positions, ctx.plan, ctx.sliding_plan, ctx.kv_caches)
-        else:
-            for layer in self.layers:
-                x = layer(positions, x)
+        x = run_layers(self.layers, self.decode_stack, x, positions)
         return self.norm(x) if is_last_stage() else x
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
-from octavo.model.context import get_forward_context
+from octavo.model.decode_stack import run_layers
 from octavo.model.layer_spec import LayerSpec, NormKind, decoder_spec
 from octavo.model.layers.activation import gated_act
 from octavo.model.layers.attention import PagedAttention
@@ -96,13 +96,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if hidden is None else hidden
-        ctx = get_forward_context()
-        stack = self.decode_stack
-        if stack is not None and stack.usable(x, ctx.plan, ctx.sliding_plan, ctx.kv_caches):
-            x = stack(x, positions, ctx.plan, ctx.sliding_plan, ctx.kv_caches)
-        else:
-            for layer in self.layers:
-                x = layer(positions, x)
+        x = run_layers(self.layers, self.decode_stack, x, positions)
         return self.norm(x) if is_last_stage() else x
 
 
