@@ -218,7 +218,10 @@ def test_greedy_output_matches_dense_bf16(bf16_pair, smollm_llm):
         ids = fast.tokenizer.encode(text)
         chunks += [ids[i:i + 24] for i in range(0, len(ids) - 12, 12)]
     errors = [_prompt_logprob_error(llm, smollm_llm, chunks) for llm in (fast, dense)]
-    assert errors[0] <= 1.1 * errors[1], errors
+    # The default computes prefill from the int4 codes too (no dense copy): on an AMD EPYC with
+    # AVX2 only its mean error was 0.0483 against dense bf16's 0.0427 (the dense-prefill plan's
+    # stayed within 1.1x); the bound keeps it within 1.2x.
+    assert errors[0] <= 1.2 * errors[1], errors
 
 
 def _prompt_logprob_error(llm, ref, chunks: list[list[int]]) -> float:
