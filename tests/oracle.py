@@ -5,6 +5,7 @@ Hugging Face folder (float32 safetensors + tokenizer) under the octavo cache and
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import shutil
 from pathlib import Path
@@ -26,9 +27,10 @@ def oracle_folder(catalog_name: str) -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         gguf = pull(catalog_name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                     dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with one_metadata_parse():
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                         dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # The model is plain float32 now; drop the GGUF marker that blocks save_pretrained.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -40,3 +42,25 @@ def oracle_folder(catalog_name: str) -> Path:
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     return out
+
+
+@contextlib.contextmanager
+def one_metadata_parse():
+    """transformers opens the GGUF three times (config, weights, tokenizer), and gguf-py's parse
+    of the metadata (the vocabulary, one string at a time) is most of a conversion's time: one
+    reader per file serves all three."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def shared(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original

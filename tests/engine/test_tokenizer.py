@@ -26,15 +26,17 @@ def _same(ours: Tokenizer, ref) -> None:
     assert set(ours.all_special_ids) >= set(ref.all_special_ids)
 
 
-def test_gguf_tokenizer_is_built_without_a_cache_and_matches(smollm_gguf, tmp_path, monkeypatch):
+def test_gguf_tokenizer_is_built_without_a_cache_and_matches(smollm_gguf, smollm_oracle_folder,
+                                                            tmp_path, monkeypatch):
     """Built from the file's metadata each start (tests/engine/test_gguf_tokenizer.py holds it to
-    transformers' tokenizer in full): nothing is converted or cached."""
+    transformers' tokenizer in full): nothing is converted or cached. The reference is what
+    transformers made of the same file, saved by the oracle."""
     from transformers import AutoTokenizer
 
     monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path))
     ours = load_tokenizer(ModelSource("smollm", smollm_gguf))
     assert not (tmp_path / "tokenizers").exists()
-    _same(ours, AutoTokenizer.from_pretrained(str(smollm_gguf.parent), gguf_file=smollm_gguf.name))
+    _same(ours, AutoTokenizer.from_pretrained(smollm_oracle_folder))
 
 
 @pytest.mark.parametrize("catalog", ["qwen2.5-coder-0.5b-instruct", "gemma3-270m"])
