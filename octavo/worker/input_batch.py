@@ -1,7 +1,10 @@
 """Persistent per-request state of the worker, one row per running request.
 
-Token ids, block tables and sampling parameters live in preallocated numpy arrays, so that each
-step's inputs are gathered with vectorized indexing instead of per-request Python work. The
+Token ids, block tables and sampling parameters live in preallocated numpy arrays, set when a
+request joins, so that each step's inputs are gathered with vectorized indexing instead of
+per-request Python work: only the rows that use a sparse extra (logit bias, listed logprob
+tokens, min_tokens, a seed) are visited one by one, and penalty counts persist across steps
+(penalty_counts.py). The
 state is built from the SchedulerOutputs alone (a running request's new tokens come in its
 delta), never from what this worker sampled: every rank holds the same rows.
 """
@@ -12,12 +15,13 @@ import torch
 
 from octavo.core.contract import CachedRequestData, NewRequestData
 from octavo.params import SamplingParams
+from octavo.worker.penalty_counts import PenaltyCounts
 from octavo.worker.sampler import SamplingBatch
 
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, device: torch.device = torch.device("cpu")) -> None:
         self.vocab_size = vocab_size
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int64)
@@ -33,6 +37,15 @@ class InputBatch:
         self.presence = np.zeros(max_num_reqs, np.float32)
         self.frequency = np.zeros(max_num_reqs, np.float32)
         self.repetition = np.ones(max_num_reqs, np.float32)
+        self.seed = np.full(max_num_reqs, -1, np.int64)  # -1: none (the request's own seed)
+        self.has_seed = np.zeros(max_num_reqs, bool)
+        self.num_logprobs = np.full(max_num_reqs, -1, np.int64)  # -1: no logprobs
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, np.int64)  # -1: none
+        self.min_tokens = np.zeros(max_num_reqs, np.int64)
+        self.has_bias = np.zeros(max_num_reqs, bool)
+        self.has_listed = np.zeros(max_num_reqs, bool)
+        self.penalty_slot = np.zeros(max_num_reqs, np.int64)  # 0: no penalties
+        self.penalties = PenaltyCounts(vocab_size, device)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.eos: list[list[int]] = [[] for _ in range(max_num_reqs)]
         self.row_of: dict[str, int] = {}
@@ -57,6 +70,15 @@ class InputBatch:
         self.presence[row] = p.presence_penalty
         self.frequency[row] = p.frequency_penalty
         self.repetition[row] = p.repetition_penalty
+        self.has_seed[row] = p.seed is not None
+        self.seed[row] = 0 if p.seed is None else p.seed
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.min_tokens[row] = p.min_tokens
+        self.has_bias[row] = bool(p.logit_bias)
+        self.has_listed[row] = p.logprob_token_ids is not None
+        prompt, output = np.split(self.token_ids[row, :n], [req.num_prompt_tokens])
+        self.penalty_slot[row] = self.penalties.assign(prompt, output) if p.has_penalties() else 0
         self.eos[row] = ([] if p.ignore_eos else req.eos_token_ids) + p.stop_token_ids
 
     def update(self, reqs: list[CachedRequestData]) -> None:
@@ -81,6 +103,8 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.params[row] = None
+            self.penalties.release(int(self.penalty_slot[row]))
+            self.penalty_slot[row] = 0
             self._free_rows.append(row)
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -96,6 +120,7 @@ class InputBatch:
         offset = np.arange(len(rows)) - first
         self.token_ids[rows, self.num_tokens[rows] + offset] = tokens
         np.add.at(self.num_tokens, rows, 1)
+        self.penalties.append(self.penalty_slot[rows], tokens)
 
     def write_drafts(self, row: int, drafts: list[int]) -> None:
         """Put draft tokens after a request's tokens (inputs of the verification; not counted)."""
@@ -112,38 +137,39 @@ class InputBatch:
         """Sampling inputs for `rows` (the requests that sample this step), in that order.
         lengths: the tokens each entry follows, when not the row's own (speculative verification
         samples a row at several positions, each after the drafts before it)."""
-        params = [self.params[r] for r in rows]
         greedy = self.temperature[rows] < 1e-5
         t = lambda a: torch.from_numpy(a[rows]).to(device)  # noqa: E731
         lengths = self.num_tokens[rows] if lengths is None else lengths
         num_out = lengths - self.num_prompt_tokens[rows]
-        seeds = [None if p.seed is None else _mix(p.seed, int(n)) for p, n in zip(params, num_out)]
-        logprob_ks = [p.logprobs for p in params if p.logprobs is not None]
+        seeds = np.where(self.has_seed[rows], mix_seeds(self.seed[rows], num_out), -1)
+        num_logprobs = self.num_logprobs[rows]
         batch = SamplingBatch(
             temperature=t(self.temperature), top_k=t(self.top_k), top_p=t(self.top_p),
             min_p=t(self.min_p), all_greedy=bool(greedy.all()),
             greedy=torch.from_numpy(greedy).to(device), seeds=seeds,
             presence=None, frequency=None, repetition=None, output_counts=None, seen_mask=None,
             bias_rows=None, bias_tokens=None, bias_values=None, banned_rows=None,
-            banned_tokens=None, max_num_logprobs=max(logprob_ks) if logprob_ks else None)
-        if any(p.has_penalties() for p in params):
+            banned_tokens=None,
+            max_num_logprobs=int(num_logprobs.max()) if num_logprobs.max() >= 0 else None)
+        if self.penalty_slot[rows].any():
             self._add_penalties(batch, rows, lengths, device)
-        bias = [(i, tok, val) for i, p in enumerate(params) for tok, val in
-                (p.logit_bias or {}).items()]
+        sparse = lambda flags: np.flatnonzero(flags).tolist()  # noqa: E731
+        bias = [(i, tok, val) for i in sparse(self.has_bias[rows])
+                for tok, val in self.params[rows[i]].logit_bias.items()]
         if bias:
             r, tok, val = zip(*bias)
             batch.bias_rows = torch.tensor(r, device=device)
             batch.bias_tokens = torch.tensor(tok, device=device)
             batch.bias_values = torch.tensor(val, dtype=torch.float32, device=device)
-        listed = [(i, p.logprob_token_ids) for i, p in enumerate(params)
-                  if p.logprob_token_ids is not None]
+        listed = [(i, self.params[rows[i]].logprob_token_ids)
+                  for i in sparse(self.has_listed[rows])]
         if listed:
             width = max(len(ids) for _, ids in listed)
             batch.listed_rows = torch.tensor([i for i, _ in listed], device=device)
             batch.listed_token_ids = torch.tensor(
                 [ids + ids[-1:] * (width - len(ids)) for _, ids in listed], device=device)
-        banned = [(i, tok) for i, (p, n) in enumerate(zip(params, num_out))
-                  if n < p.min_tokens for tok in self.eos[rows[i]]]
+        banned = [(i, tok) for i in sparse(num_out < self.min_tokens[rows])
+                  for tok in self.eos[rows[i]]]
         if banned:
             r, tok = zip(*banned)
             batch.banned_rows = torch.tensor(r, device=device)
@@ -152,25 +178,28 @@ class InputBatch:
 
     def _add_penalties(self, batch: SamplingBatch, rows: np.ndarray, lengths: np.ndarray,
                        device: torch.device) -> None:
-        num_rows = len(rows)
-        longest = int(lengths.max())
-        tokens = torch.from_numpy(self.token_ids[rows, :longest])  # [R, L]
-        pos = torch.arange(longest).unsqueeze(0)
-        prompt_len = torch.from_numpy(self.num_prompt_tokens[rows]).unsqueeze(1)
-        total_len = torch.from_numpy(lengths).unsqueeze(1)
-        is_output = ((pos >= prompt_len) & (pos < total_len)).float()
-        counts = torch.zeros(num_rows, self.vocab_size).scatter_add_(1, tokens, is_output)
-        seen = torch.zeros(num_rows, self.vocab_size).scatter_add_(
-            1, tokens, (pos < total_len).float()) > 0
-        batch.output_counts, batch.seen_mask = counts.to(device), seen.to(device)
+        # An entry sampled past the row's counted tokens (speculative verification) also counts
+        # the drafts before it.
+        ahead = lengths - self.num_tokens[rows]
+        extra_entries = np.repeat(np.arange(len(rows)), ahead)
+        first = np.cumsum(ahead) - ahead
+        offsets = np.arange(len(extra_entries)) - first[extra_entries]
+        extra_rows = rows[extra_entries]
+        extra_tokens = self.token_ids[extra_rows, self.num_tokens[extra_rows] + offsets]
+        slots = self.penalty_slot[rows]
+        keep = slots[extra_entries] > 0
+        batch.output_counts, batch.seen_mask = self.penalties.gather(
+            slots, extra_entries[keep], extra_tokens[keep], device)
         batch.presence = torch.from_numpy(self.presence[rows]).to(device)
         batch.frequency = torch.from_numpy(self.frequency[rows]).to(device)
         batch.repetition = torch.from_numpy(self.repetition[rows]).to(device)
 
 
-def _mix(seed: int, position: int) -> int:
-    """A per-(seed, position) generator seed: splitmix64 of the pair."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+def mix_seeds(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Per-(seed, position) generator seeds in [0, 2**63): splitmix64 of each pair, computed
+    modulo 2**64 (an int64 seed is taken as its two's-complement bits)."""
+    z = seeds.astype(np.int64).view(np.uint64) * np.uint64(0x9E3779B97F4A7C15) \
+        + positions.astype(np.uint64) + np.uint64(1)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return ((z ^ (z >> np.uint64(31))) & np.uint64(0x7FFFFFFFFFFFFFFF)).astype(np.int64)

@@ -35,7 +35,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.sliding_window = sliding_window
-        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, vocab_size)
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, vocab_size, device)
         self.sampler = Sampler(seed, device)
         self.kv_caches: list[torch.Tensor] = []
         self.drafter: DraftModel | None = None  # draft-model speculative decoding
@@ -111,8 +111,8 @@ class ModelRunner:
                 num_emitted[i] = len(emitted[j])
                 sel = emitted_idx[offset:offset + len(emitted[j])]
                 offset += len(emitted[j])
-                if top is not None and b.params[rows[i]].logprobs is not None:
-                    logprobs[req_ids[i]] = top.select(sel, b.params[rows[i]].logprobs + 1)
+                if top is not None and b.num_logprobs[rows[i]] >= 0:
+                    logprobs[req_ids[i]] = top.select(sel, int(b.num_logprobs[rows[i]]) + 1)
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, computed, seq_lens, starts, hidden)
         proposed = {}
         if self.drafter is not None:
@@ -157,10 +157,8 @@ class ModelRunner:
         """Logprobs of prompt tokens 1.. (position p's logits score token p + 1)."""
         b = self.batch
         out: dict[str, TopLogprobs] = {}
-        for i, row in enumerate(rows):
-            params = b.params[row]
-            if params.prompt_logprobs is None:
-                continue
+        for i in np.flatnonzero(b.num_prompt_logprobs[rows] >= 0).tolist():
+            row = rows[i]
             last = min(int(seq_lens[i]), int(b.num_prompt_tokens[row]) - 1)
             first = int(computed[i])
             if last <= first:
@@ -169,5 +167,5 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[idx])
             targets = torch.from_numpy(b.token_ids[row, first + 1:last + 1]).to(self.device)
             out[req_ids[i]] = gather_logprobs(torch.log_softmax(logits, -1), targets,
-                                              params.prompt_logprobs)
+                                              int(b.num_prompt_logprobs[row]))
         return out

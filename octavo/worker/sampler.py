@@ -29,7 +29,7 @@ class SamplingBatch:
     min_p: torch.Tensor  # [R] float32
     all_greedy: bool
     greedy: torch.Tensor  # [R] bool
-    seeds: list[int | None]  # per row; each already mixed with the output position
+    seeds: np.ndarray  # [R] int64 per row, already mixed with the output position; -1: unseeded
     presence: torch.Tensor | None  # [R] (None: no row has penalties)
     frequency: torch.Tensor | None
     repetition: torch.Tensor | None
@@ -109,13 +109,12 @@ class Sampler:
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
 
-    def exponential_noise(self, probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
-        """Exp(1) noise shaped like probs; a row with a seed draws from that seed alone."""
+    def exponential_noise(self, probs: torch.Tensor, seeds: np.ndarray) -> torch.Tensor:
+        """Exp(1) noise shaped like probs; a row with a seed (>= 0) draws from that seed alone."""
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, seed in enumerate(seeds):
-            if seed is not None:
-                self._row_generator.manual_seed(seed)
-                noise[row].exponential_(generator=self._row_generator)
+        for row in np.flatnonzero(seeds >= 0).tolist():
+            self._row_generator.manual_seed(int(seeds[row]))
+            noise[row].exponential_(generator=self._row_generator)
         return noise
 
 

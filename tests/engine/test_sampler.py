@@ -34,7 +34,7 @@ def make_batch(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, see
     return SamplingBatch(
         temperature=temp, top_k=col(top_k, torch.int64), top_p=col(top_p, torch.float32),
         min_p=col(min_p, torch.float32), all_greedy=bool(greedy.all()), greedy=greedy,
-        seeds=list(seeds) if seeds is not None else [None] * rows,
+        seeds=np.array(seeds if seeds is not None else [-1] * rows, np.int64),
         presence=None, frequency=None, repetition=None, output_counts=None, seen_mask=None,
         bias_rows=None, bias_tokens=None, bias_values=None, banned_rows=None,
         banned_tokens=None, max_num_logprobs=max_num_logprobs)
@@ -461,10 +461,10 @@ def test_seed_mixing_is_deterministic_and_positive():
     b.add(new_request("b", [1], seed=2**63 - 1))
     b.add(new_request("c", [1]))
     sb = b.sampling_batch(rows_of(b, ["a", "b", "c"]), CPU)
-    assert sb.seeds[2] is None
+    assert sb.seeds[2] == -1  # unseeded
     for s in sb.seeds[:2]:
         assert 0 <= s < 2**63
-        torch.Generator().manual_seed(s)  # a valid generator seed
+        torch.Generator().manual_seed(int(s))  # a valid generator seed
 
 
 # ----------------------------------------------------------------------------- penalties
@@ -541,6 +541,46 @@ def test_penalty_counts_ignore_stale_tokens_of_a_reused_row():
     sb = b.sampling_batch(rows_of(b, ["new"]), CPU)
     assert sb.output_counts[0, 5] == 1 and sb.output_counts[0, 3] == 2
     assert bool(sb.seen_mask[0, 5])
+
+
+def test_persistent_penalty_counts_equal_a_rebuild_from_history():
+    """Requests join, grow, leave and reuse rows and penalty slots, and some are sampled past
+    their counted tokens (speculative drafts): the kept counts always equal counts rebuilt from
+    each request's tokens."""
+    vocab, rng = 24, np.random.default_rng(3)
+    b = input_batch(vocab, max_reqs=6, max_len=64)
+    live: dict[str, tuple[int, bool]] = {}  # req_id -> (prompt length, has penalties)
+    for step in range(60):
+        if len(live) < 6 and (not live or rng.random() < 0.4):
+            req_id, prompt = f"r{step}", rng.integers(0, vocab, rng.integers(1, 6)).tolist()
+            pen = bool(rng.random() < 0.7)
+            b.add(new_request(req_id, prompt, rng.integers(0, vocab, rng.integers(0, 4)).tolist(),
+                              **(dict(frequency_penalty=0.5, repetition_penalty=1.2) if pen
+                                 else {})))
+            live[req_id] = (len(prompt), pen)
+        if len(live) > 1 and rng.random() < 0.3:
+            gone = sorted(live)[rng.integers(len(live))]
+            b.remove(gone)
+            del live[gone]
+        ids = sorted(live)
+        rows = rows_of(b, ids)
+        grow = rng.integers(0, 3, len(rows))
+        b.append_tokens(np.repeat(rows, grow), rng.integers(0, vocab, int(grow.sum())))
+        ahead = rng.integers(0, 3, len(rows))  # drafts written past the counted tokens
+        for row, k in zip(rows, ahead):
+            b.write_drafts(row, rng.integers(0, vocab, k).tolist())
+        lengths = b.num_tokens[rows] + ahead
+        sb = b.sampling_batch(rows, CPU, lengths)
+        if not any(live[r][1] for r in ids):
+            assert sb.output_counts is None
+            continue
+        for i, (req_id, row) in enumerate(zip(ids, rows)):
+            prompt_len, pen = live[req_id]
+            tokens = b.token_ids[row, :lengths[i]]
+            want = np.bincount(tokens[prompt_len:], minlength=vocab) if pen else np.zeros(vocab)
+            assert sb.output_counts[i].tolist() == want.tolist(), (step, req_id)
+            seen = set(tokens.tolist()) if pen else set()
+            assert set(torch.nonzero(sb.seen_mask[i]).flatten().tolist()) == seen, (step, req_id)
 
 
 def test_no_penalties_means_no_penalty_tensors():

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from octavo.model.context import forward_context, step_context
-from octavo.worker.input_batch import InputBatch, _mix
+from octavo.worker.input_batch import InputBatch, mix_seeds
 from octavo.worker.sampler import Sampler, SamplingBatch
 
 _DRAFT_SALT = 0x5EED_D4AF  # draft noise is drawn apart from the target's at the same position
@@ -131,8 +131,7 @@ class DraftModel:
         if not keep_q:
             return greedy_tokens.cpu().numpy(), None
         q = Sampler.probabilities(logits, batch)
-        seeds = [None if b.params[r].seed is None else _mix(b.params[r].seed ^ _DRAFT_SALT, int(p))
-                 for r, p in zip(rows, positions)]
+        seeds = np.where(b.has_seed[rows], mix_seeds(b.seed[rows] ^ _DRAFT_SALT, positions), -1)
         drawn = (q / self.sampler.exponential_noise(q, seeds)).argmax(dim=-1)
         return torch.where(batch.greedy, greedy_tokens, drawn).cpu().numpy(), q
 
@@ -142,5 +141,5 @@ def _draft_batch(b: InputBatch, rows: np.ndarray, device: torch.device) -> Sampl
     t = lambda a: torch.from_numpy(a[rows]).to(device)  # noqa: E731
     greedy = b.temperature[rows] < 1e-5
     return SamplingBatch(t(b.temperature), t(b.top_k), t(b.top_p), t(b.min_p), bool(greedy.all()),
-                         torch.from_numpy(greedy).to(device), [], None, None, None, None, None,
-                         None, None, None, None, None, None)
+                         torch.from_numpy(greedy).to(device), np.full(len(rows), -1), None, None,
+                         None, None, None, None, None, None, None, None, None)
