@@ -24,6 +24,7 @@ from pathlib import Path
 from types import ModuleType
 
 from octavo.disk_cache import describe, make_dirs, write_text
+from octavo.platform import cpu_platform
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +48,7 @@ def _build_key() -> str:
     for header in _HEADERS:
         h.update(header.name.encode() + header.read_bytes())
     h.update(torch.__version__.encode())
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    h.update(flags.encode())
+    h.update(cpu_platform().key().encode())
     return h.hexdigest()[:16]
 
 

@@ -22,34 +22,23 @@ from octavo.model.loader import load_model
 from octavo.model.loader.gemm_packing import StepwisePacking
 from octavo.model.pipeline import stage_range
 from octavo.model_source import ModelSource, resolve_model
+from octavo.platform import cpu_platform
 from octavo.worker.model_runner import ModelRunner
 from octavo.worker.spec.draft import DraftModel
 
 logger = logging.getLogger(__name__)
 
 
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU's feature flags as the kernel lists them (empty where it cannot be read)."""
-    try:
-        with open(cpuinfo) as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
-
-
-def cpu_has_native_bf16() -> bool:
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "float32":
-        return torch.float32
-    if dtype == "bfloat16":
-        return torch.bfloat16
+def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The compute dtype `dtype` ("auto", "float32", "bfloat16") means on `device`, and why."""
+    if dtype in ("float32", "bfloat16"):
+        return getattr(torch, dtype), "asked for"
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "the GPU computes bf16"
+        return torch.float16, "the GPU has no bf16"
+    name, why = cpu_platform().auto_dtype()
+    return getattr(torch, name), why
 
 
 class Worker:
@@ -88,7 +77,9 @@ class Worker:
                 raise ValueError("a worker of a parallel world needs distributed_init_method")
             parallel_state.init(placement, distributed_init_method,
                                 "nccl" if self.device.type == "cuda" else "gloo")
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.dtype, why = resolve_dtype(config.model.dtype, self.device)
+        if placement.rank == 0:
+            logger.info("dtype %s: %s", str(self.dtype).removeprefix("torch."), why)
         self.kv_dtype = {"auto": self.dtype, "bfloat16": torch.bfloat16,
                          "fp8_e4m3": torch.float8_e4m3fn}[config.cache.kv_cache_dtype]
         self.arch = arch

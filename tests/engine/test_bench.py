@@ -93,17 +93,9 @@ def test_llama_cpp_calls_take_one_thread_of_their_own_only_where_asked():
     assert LlamaCaller(own_thread=False)(threading.get_ident) == threading.get_ident()
 
 
-def test_llama_cpp_takes_a_thread_of_its_own_only_with_amx_and_extra_buffers(tmp_path,
-                                                                             monkeypatch):
+def test_llama_cpp_takes_a_thread_of_its_own_only_with_amx_and_extra_buffers(monkeypatch):
     from octavo.entrypoints.cli import bench_peers
 
-    amd = tmp_path / "amd"
-    amd.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n")
-    intel = tmp_path / "intel"
-    intel.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n")
-    assert not bench_peers.cpu_has_amx(str(amd))
-    assert bench_peers.cpu_has_amx(str(intel))
-    assert not bench_peers.cpu_has_amx(str(tmp_path / "missing"))
     for has_amx in (False, True):
         monkeypatch.setattr(bench_peers, "cpu_has_amx", lambda has=has_amx: has)
         assert (bench_peers.LlamaCaller.for_llama(no_repack=False)._thread is not None) == has_amx

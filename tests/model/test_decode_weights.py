@@ -119,8 +119,10 @@ def test_only_small_bf16_batches_take_the_low_bit_path(native_kernels, native, a
     GEMM runs on AMX tiles; MAX_ROWS for torch's."""
     from octavo.kernels import fused
     from octavo.model.quant import packed
+    from octavo.platform import CpuPlatform
 
-    monkeypatch.setattr(packed, "_bf16_gemm_on_amx", lambda: amx)
+    flags = {"amx_tile", "amx_bf16"} if amx else {"avx2", "fma"}
+    monkeypatch.setattr(packed, "cpu_platform", lambda: CpuPlatform(frozenset(flags)))
     fused.enable_native(native)
     w = _q4_weight(64, 128)
     decode = make_decode_weight(w, 4)

@@ -40,7 +40,7 @@ def load_transformers(llm):
     from octavo.worker.worker import resolve_dtype
 
     source = llm.engine.source
-    dtype = resolve_dtype(llm.engine.config.model.dtype, torch.device("cpu"))
+    dtype, _ = resolve_dtype(llm.engine.config.model.dtype, torch.device("cpu"))
     if source.is_gguf:
         model = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.path.name,
                                                      dtype=dtype)
@@ -105,10 +105,10 @@ class LlamaCaller:
             self._thread.shutdown()
 
 
-def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    from octavo.worker.worker import cpu_flags
+def cpu_has_amx() -> bool:
+    from octavo.platform import cpu_platform
 
-    return "amx_tile" in cpu_flags(cpuinfo)
+    return cpu_platform().amx
 
 
 NO_REPACK_HELP = ("llama.cpp without its extra buffer types (its --no-repack: "

@@ -17,12 +17,11 @@ so the int4 kernel is used up to 256 rows and the int8 one up to 64.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from octavo.kernels import fused
+from octavo.platform import cpu_platform
 
 _TILE_ELEMS = 1 << 20  # weights dequantized per tile (2 MiB of bf16: stays in L2)
 
@@ -48,18 +47,12 @@ INT4_ROWS_F32 = 128
 INT8_ROWS_F32 = 32
 
 
-@functools.cache
-def _bf16_gemm_on_amx() -> bool:
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe and probe())
-
-
 def int4_rows(dtype: torch.dtype) -> int:
     """The most rows octavo's int4 kernel takes, with activations of `dtype`, before the dense
     GEMM (on a dense weight, or on tiles dequantized from the int4 codes) wins on this CPU."""
     if dtype == torch.float32:
         return INT4_ROWS_F32
-    return INT4_ROWS_AMX if _bf16_gemm_on_amx() else INT4_ROWS
+    return INT4_ROWS_AMX if cpu_platform().amx else INT4_ROWS
 
 
 class PackedWeight:
