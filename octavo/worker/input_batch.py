@@ -141,7 +141,9 @@ class InputBatch:
         t = lambda a: torch.from_numpy(a[rows]).to(device)  # noqa: E731
         lengths = self.num_tokens[rows] if lengths is None else lengths
         num_out = lengths - self.num_prompt_tokens[rows]
-        seeds = np.where(self.has_seed[rows], mix_seeds(self.seed[rows], num_out), -1)
+        seeded = self.has_seed[rows]
+        seeds = (np.where(seeded, mix_seeds(self.seed[rows], num_out), -1) if seeded.any()
+                 else np.full(len(rows), -1))
         num_logprobs = self.num_logprobs[rows]
         batch = SamplingBatch(
             temperature=t(self.temperature), top_k=t(self.top_k), top_p=t(self.top_p),
