@@ -4,9 +4,8 @@ Token ids, block tables and sampling parameters live in preallocated numpy array
 request joins, so that each step's inputs are gathered with vectorized indexing instead of
 per-request Python work: only the rows that use a sparse extra (logit bias, listed logprob
 tokens, min_tokens, a seed) are visited one by one, and penalty counts persist across steps
-(penalty_counts.py). The
-state is built from the SchedulerOutputs alone (a running request's new tokens come in its
-delta), never from what this worker sampled: every rank holds the same rows.
+(penalty_counts.py). The state is built from the SchedulerOutputs alone (a running request's new
+tokens come in its delta), never from what this worker sampled: every rank holds the same rows.
 """
 from __future__ import annotations
 
@@ -37,7 +36,7 @@ class InputBatch:
         self.presence = np.zeros(max_num_reqs, np.float32)
         self.frequency = np.zeros(max_num_reqs, np.float32)
         self.repetition = np.ones(max_num_reqs, np.float32)
-        self.seed = np.full(max_num_reqs, -1, np.int64)  # -1: none (the request's own seed)
+        self.seed = np.zeros(max_num_reqs, np.int64)  # the request's seed, where has_seed
         self.has_seed = np.zeros(max_num_reqs, bool)
         self.num_logprobs = np.full(max_num_reqs, -1, np.int64)  # -1: no logprobs
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, np.int64)  # -1: none
@@ -141,9 +140,7 @@ class InputBatch:
         t = lambda a: torch.from_numpy(a[rows]).to(device)  # noqa: E731
         lengths = self.num_tokens[rows] if lengths is None else lengths
         num_out = lengths - self.num_prompt_tokens[rows]
-        seeded = self.has_seed[rows]
-        seeds = (np.where(seeded, mix_seeds(self.seed[rows], num_out), -1) if seeded.any()
-                 else np.full(len(rows), -1))
+        seeds = self.row_seeds(rows, num_out)
         num_logprobs = self.num_logprobs[rows]
         batch = SamplingBatch(
             temperature=t(self.temperature), top_k=t(self.top_k), top_p=t(self.top_p),
@@ -177,6 +174,14 @@ class InputBatch:
             batch.banned_rows = torch.tensor(r, device=device)
             batch.banned_tokens = torch.tensor(tok, device=device)
         return batch
+
+    def row_seeds(self, rows: np.ndarray, positions: np.ndarray, salt: int = 0) -> np.ndarray:
+        """Each row's generator seed at `positions` (its seed ^ salt mixed with the position),
+        -1 for a row without a seed."""
+        seeded = self.has_seed[rows]
+        if not seeded.any():
+            return np.full(len(rows), -1, np.int64)
+        return np.where(seeded, mix_seeds(self.seed[rows] ^ salt, positions), -1)
 
     def _add_penalties(self, batch: SamplingBatch, rows: np.ndarray, lengths: np.ndarray,
                        device: torch.device) -> None:

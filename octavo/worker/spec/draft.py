@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from octavo.model.context import forward_context, step_context
-from octavo.worker.input_batch import InputBatch, mix_seeds
+from octavo.worker.input_batch import InputBatch
 from octavo.worker.sampler import Sampler, SamplingBatch
 
 _DRAFT_SALT = 0x5EED_D4AF  # draft noise is drawn apart from the target's at the same position
@@ -131,7 +131,7 @@ class DraftModel:
         if not keep_q:
             return greedy_tokens.cpu().numpy(), None
         q = Sampler.probabilities(logits, batch)
-        seeds = np.where(b.has_seed[rows], mix_seeds(b.seed[rows] ^ _DRAFT_SALT, positions), -1)
+        seeds = b.row_seeds(rows, positions, _DRAFT_SALT)
         drawn = (q / self.sampler.exponential_noise(q, seeds)).argmax(dim=-1)
         return torch.where(batch.greedy, greedy_tokens, drawn).cpu().numpy(), q
 
