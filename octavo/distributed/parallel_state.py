@@ -126,6 +126,18 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _tp_all_reduce_op(x: torch.Tensor) -> None:
+    tp_all_reduce(x)
+
+
+# tp_all_reduce as an op of torch's dispatcher, for the callers outside Python: the C++ decode
+# stack (model/decode_stack.py) calls it by this name after each row-parallel projection.
+TP_ALL_REDUCE_OP = "octavo_parallel::tp_all_reduce"
+_ops = torch.library.Library("octavo_parallel", "DEF")
+_ops.define("tp_all_reduce(Tensor(a!) x) -> ()")
+_ops.impl("tp_all_reduce", _tp_all_reduce_op, "CompositeExplicitAutograd")
+
+
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Every tensor-parallel rank's `x`, concatenated along `dim` in rank order."""
     if _placement.tp_size == 1:

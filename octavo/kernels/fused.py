@@ -2,14 +2,13 @@
 CPU, otherwise the PyTorch reference next to it (which the tests compare the kernel with)."""
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 
 from octavo.kernels import native
+from octavo.kernels.native import Kernels
 
-_native: ModuleType | None = None
+_native: Kernels | None = None
 _mode = "off"
 
 
@@ -27,7 +26,7 @@ def enable_native(mode: str | bool = "on") -> bool:
     return _native is not None
 
 
-def _switch_on(module: ModuleType) -> None:
+def _switch_on(module: Kernels) -> None:
     global _native
     if _mode == "background":  # unless the kernels were turned off since
         _native = module
@@ -37,7 +36,7 @@ def native_ready() -> bool:
     return _native is not None
 
 
-def native_module() -> ModuleType:
+def native_module() -> Kernels:
     """The loaded C++ module (for callers that keep its objects, such as the decode stack)."""
     if _native is None:
         raise RuntimeError("octavo's C++ kernels are not loaded")

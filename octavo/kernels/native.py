@@ -1,5 +1,6 @@
 """octavo's C++ CPU kernels (csrc/cpu_ops.cpp and the headers it includes), compiled once per
-machine and cached on disk.
+machine and cached on disk, and registered with PyTorch's dispatcher as `torch.ops.octavo.*` and
+`torch.classes.octavo.DecodeStack` (so the profiler names them and the compiler can call them).
 
 `pip install` builds them (setup.py runs `octavo.kernels.build` against the installing
 environment's torch), as does `octavo build-kernels`; a start then loads the cached library in
@@ -13,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib.util
 import logging
 import os
 import shutil
@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 from octavo.disk_cache import describe, make_dirs, write_text
 from octavo.platform import cpu_platform
@@ -31,7 +30,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"  # one translation unit: it includes
 _HEADERS = sorted(_SOURCE.parent.glob("*.h"))  # the kernels' headers, part of the build key
 _lock = threading.Lock()
-_state: dict[str, ModuleType | str | None] = {}
+_state: dict[str, Kernels | threading.Thread | None] = {}
 
 
 def _cache_root() -> Path:
@@ -53,7 +52,7 @@ def _build_key() -> str:
 
 
 def load(block: bool = True,
-         on_ready: Callable[[ModuleType], None] | None = None) -> ModuleType | None:
+         on_ready: Callable[[Kernels], None] | None = None) -> Kernels | None:
     """The compiled module, building it on first use; None (with the reason logged) when it
     cannot be had. With block=False and no cached build, a build starts in a child process at
     idle priority, None is returned now and `on_ready` gets the module when it is loaded."""
@@ -68,7 +67,7 @@ def load(block: bool = True,
         return None
 
 
-def _start_build_beside_engine(on_ready: Callable[[ModuleType], None] | None
+def _start_build_beside_engine(on_ready: Callable[[Kernels], None] | None
                                ) -> threading.Thread | None:
     failure = last_failure()
     if failure is not None:
@@ -86,7 +85,7 @@ def _start_build_beside_engine(on_ready: Callable[[ModuleType], None] | None
     return thread
 
 
-def _build_beside_engine(on_ready: Callable[[ModuleType], None] | None) -> None:
+def _build_beside_engine(on_ready: Callable[[Kernels], None] | None) -> None:
     from octavo.kernels import build
 
     start = time.perf_counter()
@@ -129,16 +128,51 @@ def cached_library() -> Path | None:
     return _library(_build_key()) if _is_cached() else None
 
 
-def _import_library(name: str, path: Path) -> ModuleType:
-    import torch  # noqa: F401  (the library links against torch's, which must be loaded first)
+class Kernels:
+    """A loaded build: each op of `torch.ops.octavo` as an attribute (its one overload, which
+    skips the overload lookup of every call), what the build computes natively, and the
+    DecodeStack class."""
 
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    _OPS = ("write_kv", "decode_attention", "rms_norm", "rotary_inplace", "silu_and_mul",
+            "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_dequantize", "int4_tiled_linear")
+
+    def __init__(self, library: Path) -> None:
+        import torch
+
+        self.library = library
+        ops = torch.ops.octavo
+        for name in self._OPS:
+            setattr(self, name, getattr(ops, name).default)
+        features = set(ops.features())
+        self.has_int4_gemm = "int4_gemm_bf16" in features
+        self.has_int4_gemm_f32 = "int4_gemm_f32" in features
+        self.has_prompt_runs = "prompt_runs" in features
+        self.DecodeStack = torch.classes.octavo.DecodeStack
 
 
-def build() -> ModuleType | None:
+# The build each key loaded in this process. A library registers the `octavo` op namespace when
+# it is opened, once per process: a build of the same key found elsewhere (another cache
+# folder) is the same code and is not opened again, and one of another key cannot be.
+_opened: dict[str, Kernels] = {}
+
+
+def _check_openable(key: str) -> None:
+    if _opened and key not in _opened:
+        raise RuntimeError(f"octavo's kernels {next(iter(_opened))} are already loaded in this "
+                           f"process; a build of {key} (another source, torch or CPU) cannot be")
+
+
+def _open_library(key: str, path: Path) -> Kernels:
+    import torch
+
+    _check_openable(key)
+    if key not in _opened:
+        torch.ops.load_library(str(path))
+        _opened[key] = Kernels(path)
+    return _opened[key]
+
+
+def build() -> Kernels | None:
     """Build (or load the cached build of) the kernels in this process, now."""
     key = _build_key()
     build_dir = _cache_root() / key
@@ -165,27 +199,30 @@ def build() -> ModuleType | None:
         return _compile(key, build_dir)
 
 
-def _load_built(key: str, library: Path) -> ModuleType:
-    # The key already covers source, torch and CPU: import the library itself rather than let
+def _load_built(key: str, library: Path) -> Kernels:
+    # The key already covers source, torch and CPU: open the library itself rather than let
     # cpp_extension import its build machinery and run ninja (0.2 s of a start).
     start = time.perf_counter()
-    module = _import_library(f"octavo_cpu_ops_{key}", library)
+    module = _open_library(key, library)
     logger.info("native CPU kernels loaded in %.2f s", time.perf_counter() - start)
     return module
 
 
-def _compile(key: str, build_dir: Path) -> ModuleType | None:
+def _compile(key: str, build_dir: Path) -> Kernels | None:
+    _check_openable(key)  # before the build opens its library
     start = time.perf_counter()
     logger.info("building the native CPU kernels for this machine (once; `pip install` and "
                 "`octavo build-kernels` do it ahead of a start)")
     from torch.utils import cpp_extension
 
     try:
-        module = cpp_extension.load(
+        # Not a Python module: the library registers its ops with torch when opened, and
+        # without torch/extension.h (pybind11) it compiles in a fraction of the time.
+        cpp_extension.load(
             name=f"octavo_cpu_ops_{key}", sources=[str(_SOURCE)], build_directory=str(build_dir),
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
                           "-mprefer-vector-width=512"], extra_ldflags=["-fopenmp"],
-            verbose=False)
+            is_python_module=False, verbose=False)
     except Exception as exc:  # a missing compiler or headers, a full disk: fall back, loudly
         errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
         reason = f"{type(exc).__name__}: {' | '.join(errors[:3] or [str(exc)])[:600]}"
@@ -198,7 +235,7 @@ def _compile(key: str, build_dir: Path) -> ModuleType | None:
     # Without the stamp (a full disk) the next start only checks the build again.
     write_text(build_dir / _READY, "", "the native kernels' ready stamp")
     (build_dir / _FAILED).unlink(missing_ok=True)
-    return module
+    return _open_library(key, _library(key))  # opened by the build: registered once
 
 
 def _remove_outputs(build_dir: Path) -> None:

@@ -118,21 +118,24 @@ def _row_limit(lin: Linear) -> int | None:
     return 8 if isinstance(low, Int8Packed) else low.dense_rows
 
 
-def _linear(native: Any, lin: Linear) -> Any:
+def _linear(lin: Linear) -> tuple:
+    """A linear layer as the C++ stack takes it (csrc/stack_linear.h): dense weight, bias, the
+    low-bit kind and its two tensors, output features, and the most rows the low-bit weight
+    serves beside a dense one."""
     dense, low = _forms(lin)
     if isinstance(low, Int4Packed) and fused.int4_gemm_ready(low.dtype):  # octavo's int4 kernel
-        kind, a, b = 5, *low.native_layout()
+        kind, a, b = "int4", *low.native_layout()
     elif isinstance(low, Int4Packed):  # torch's kernel, groups of 32
-        kind, a, b = 4, *low.torch_layout()
+        kind, a, b = "int4_torch", *low.torch_layout()
     elif isinstance(low, Int8Packed):
-        kind, a, b = 8, low.q[0], low.scale[0]
+        kind, a, b = "int8", low.q[0], low.scale[0]
     elif isinstance(low, Int8Grouped):  # scales [N, G]: the GEMV applies them per group
-        kind, a, b = 8, low.q, low.scale
+        kind, a, b = "int8", low.q, low.scale
     else:
-        kind, a, b = 0, None, None
+        kind, a, b = "none", None, None
     out = dense.shape[0] if dense is not None else low.out_features
     rows = max_rows(low) if low is not None else 0
-    return native.StackLinear(dense, lin.bias, kind, a, b, out, rows)
+    return dense, lin.bias, kind, a, b, out, rows
 
 
 class DecodeStack:
@@ -172,29 +175,24 @@ class DecodeStack:
         return self._stack.forward(x, positions, plan.slot_mapping, plans)
 
     def _build(self, kv_caches: list[torch.Tensor]) -> None:
-        native = fused.native_module()
         first = self.specs[0]
-        stack = native.DecodeStack(heads=first.attention.num_heads,
-                                   kv_heads=first.attention.num_kv_heads,
-                                   head_dim=first.attention.head_dim,
-                                   eps=first.attn_in_norm.eps)
+        stack = fused.native_module().DecodeStack(
+            first.attention.num_heads, first.attention.num_kv_heads, first.attention.head_dim,
+            first.attn_in_norm.eps)
         if parallel_state.tp_size() > 1:  # the row-parallel projections' partial sums
-            stack.set_all_reduce(parallel_state.tp_all_reduce)
+            stack.set_all_reduce(parallel_state.TP_ALL_REDUCE_OP)
         for spec in self.specs:
+            # One list per StackLinear field, over qkv, o, gate_up and down.
+            linears = [list(field) for field in zip(*map(_linear, _linears(spec)))]
             stack.add_layer(
-                norms=[_norm_weight(spec, n) for n in (spec.attn_in_norm, spec.attn_out_norm,
-                                                       spec.mlp_in_norm, spec.mlp_out_norm)],
-                q_norm=_norm_weight(spec, spec.q_norm), k_norm=_norm_weight(spec, spec.k_norm),
-                one_plus_norms=spec.norm_kind is NormKind.ONE_PLUS,
-                linears=[_linear(native, lin) for lin in _linears(spec)],
-                kv_cache=kv_caches[spec.attention.layer_index],
-                cos=spec.rotary.cos, sin=spec.rotary.sin, scale=spec.scale,
-                softcap=spec.softcap or 0.0, plan=_SLIDING if spec.window else _STEP,
-                activation=int(spec.activation))
+                [_norm_weight(spec, n) for n in (spec.attn_in_norm, spec.attn_out_norm,
+                                                 spec.mlp_in_norm, spec.mlp_out_norm)],
+                _norm_weight(spec, spec.q_norm), _norm_weight(spec, spec.k_norm),
+                spec.norm_kind is NormKind.ONE_PLUS, *linears,
+                kv_caches[spec.attention.layer_index], spec.rotary.cos, spec.rotary.sin,
+                spec.scale, spec.softcap or 0.0, "sliding" if spec.window else "step",
+                spec.activation.value)
         self._stack, self._caches = stack, kv_caches
-
-
-_STEP, _SLIDING = 0, 1  # the index of the plan a layer's attention reads in forward's plans
 
 
 def _kernel_plan(plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

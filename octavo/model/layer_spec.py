@@ -22,12 +22,12 @@ class NormKind(enum.Enum):
     ONE_PLUS = GemmaRMSNorm  # x / rms(x) times (1 + w) in float32, one rounding (Gemma)
 
 
-class Activation(enum.IntEnum):
-    """The gated activation on the packed [gate | up] projection; the values are the C++
-    stack's (csrc/decode_stack.h StackActivation)."""
+class Activation(enum.Enum):
+    """The gated activation on the packed [gate | up] projection; the values are the names the
+    C++ stack knows them by (csrc/decode_stack.h, stack_activation)."""
 
-    SILU = 0
-    GELU_TANH = 1
+    SILU = "silu"
+    GELU_TANH = "gelu_tanh"
 
 
 _ACTIVATIONS = {fused.silu_and_mul: Activation.SILU, gelu_tanh_and_mul: Activation.GELU_TANH}

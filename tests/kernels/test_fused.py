@@ -160,6 +160,7 @@ def test_build_clears_a_lock_left_by_a_killed_build(tmp_path, monkeypatch):
 
     monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "_build_key", lambda: "k")
+    monkeypatch.setattr(native, "_opened", {})  # no library opened in this process yet
     build_dir = tmp_path / "kernels" / "k"
     build_dir.mkdir(parents=True)
     (build_dir / "lock").touch()
@@ -167,8 +168,8 @@ def test_build_clears_a_lock_left_by_a_killed_build(tmp_path, monkeypatch):
 
     def fake_load(name, sources, build_directory, **kwargs):
         assert not (Path(build_directory) / "lock").exists()  # cpp_extension would wait on it
-        return built
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(native, "_open_library", lambda key, library: built)
     assert native.build() is built
     assert (build_dir / "ready").is_file()

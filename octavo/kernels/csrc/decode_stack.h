@@ -7,46 +7,70 @@
 // Included by cpu_ops.cpp after the kernels and StackLinear it calls (one translation unit).
 #pragma once
 
-// The gated activation of a layer's MLP; the values are layer_spec.Activation's.
-enum class StackActivation : int64_t { kSilu = 0, kGeluTanh = 1 };
+#include <ATen/record_function.h>
+
+// The gated activation of a layer's MLP, by layer_spec.Activation's names.
+enum class StackActivation { kSilu, kGeluTanh };
+
+inline StackActivation stack_activation(const std::string& name) {
+  if (name == "silu") return StackActivation::kSilu;
+  if (name == "gelu_tanh") return StackActivation::kGeluTanh;
+  TORCH_CHECK(false, "unknown gated activation '", name, "' (silu, gelu_tanh)");
+}
+
+// Which of forward's plans a layer's attention reads: the step's, or the sliding-window one.
+inline int64_t plan_index(const std::string& name) {
+  if (name == "step") return 0;
+  if (name == "sliding") return 1;
+  TORCH_CHECK(false, "unknown attention plan '", name, "' (step, sliding)");
+}
 
 // One attention plan of a step as the kernel reads it (paged_attention.DecodeGroup): the
 // entries' tokens, their requests' block tables and context lengths, and the plan's window
 // (0: none).
-using StackPlan = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t>;
+using StackPlan = std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t>;
 
 struct StackLayer {
   // Norms: w in the activation dtype, or 1 + w in float32 where one_plus_norms (Gemma).
   // attn_out / mlp_out: the norms after each sublayer (Gemma's sandwich), else undefined;
   // q_norm / k_norm: per head before the rotation (Qwen3, Gemma 3), else undefined.
-  torch::Tensor attn_in, attn_out, mlp_in, mlp_out, q_norm, k_norm;
+  at::Tensor attn_in, attn_out, mlp_in, mlp_out, q_norm, k_norm;
   bool one_plus_norms = false;
   StackLinear qkv, o, gate_up, down;
-  torch::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
-  torch::Tensor cos, sin;          // this layer's RoPE tables [positions, head_dim / 2], float32
+  at::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
+  at::Tensor cos, sin;          // this layer's RoPE tables [positions, head_dim / 2], float32
   double scale = 1.0, softcap = 0.0;  // softcap 0: none
   int64_t plan = 0;  // which of forward's plans its attention reads (1: the sliding-window one)
   StackActivation act = StackActivation::kSilu;
 };
 
-class DecodeStack {
+class DecodeStack : public torch::CustomClassHolder {
  public:
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {}
 
-  // norms: [attn_in, attn_out or None, mlp_in, mlp_out or None]; linears: qkv, o, gate_up, down.
-  void add_layer(std::vector<c10::optional<torch::Tensor>> norms,
-                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
-                 bool one_plus_norms, std::vector<StackLinear> linears, torch::Tensor kv_cache,
-                 torch::Tensor cos, torch::Tensor sin, double scale, double softcap,
-                 int64_t plan, int64_t activation) {
+  // norms: [attn_in, attn_out or None, mlp_in, mlp_out or None]. The linears qkv, o, gate_up
+  // and down are given as one list per StackLinear field, in that order.
+  void add_layer(std::vector<std::optional<at::Tensor>> norms, std::optional<at::Tensor> q_norm,
+                 std::optional<at::Tensor> k_norm, bool one_plus_norms,
+                 std::vector<std::optional<at::Tensor>> dense,
+                 std::vector<std::optional<at::Tensor>> bias, std::vector<std::string> low_bit,
+                 std::vector<std::optional<at::Tensor>> low_a,
+                 std::vector<std::optional<at::Tensor>> low_b, std::vector<int64_t> out,
+                 std::vector<int64_t> max_rows, at::Tensor kv_cache, at::Tensor cos,
+                 at::Tensor sin, double scale, double softcap, std::string plan,
+                 std::string activation) {
     TORCH_CHECK(norms.size() == 4 && norms[0] && norms[2], "a layer has norms before sublayers");
-    TORCH_CHECK(linears.size() == 4, "a layer has qkv, o, gate_up and down projections");
+    for (size_t n : {dense.size(), bias.size(), low_bit.size(), low_a.size(), low_b.size(),
+                     out.size(), max_rows.size()})
+      TORCH_CHECK(n == 4, "a layer has qkv, o, gate_up and down projections");
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv cache must be [2, ...]");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
                 cos.size(1) * 2 == head_dim_, "rotary tables must be float32 [P, head_dim / 2]");
-    TORCH_CHECK(activation == 0 || activation == 1, "activation: 0 silu, 1 gelu (tanh)");
-    TORCH_CHECK(plan == 0 || plan == 1, "plan: 0 the step's, 1 the sliding-window one");
+    std::vector<StackLinear> linears;
+    for (size_t i = 0; i < 4; ++i)
+      linears.emplace_back(dense[i], bias[i], low_bit[i], low_a[i], low_b[i], out[i],
+                           max_rows[i]);
     StackLayer l;
     l.attn_in = *norms[0];
     if (norms[1]) l.attn_out = *norms[1];
@@ -67,8 +91,8 @@ class DecodeStack {
     l.sin = std::move(sin);
     l.scale = scale;
     l.softcap = softcap;
-    l.plan = plan;
-    l.act = static_cast<StackActivation>(activation);
+    l.plan = plan_index(plan);
+    l.act = stack_activation(activation);
     layers_.push_back(std::move(l));
   }
 
@@ -76,35 +100,45 @@ class DecodeStack {
   // entries to them) -> hidden states before the final norm. plans: the step's plan, then the
   // sliding-window one where the step has it (a layer that reads plan 1 reads plan 0 without
   // it, as PagedAttention does).
-  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slot_mapping,
+  at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slot_mapping,
                         std::vector<StackPlan> plans) const {
     const int64_t t = x.size(0);
     const int64_t q_size = heads_ * head_dim_;
     TORCH_CHECK(x.is_contiguous() && positions.is_contiguous() && slot_mapping.is_contiguous(),
                 "the stack takes contiguous inputs");
     TORCH_CHECK(!plans.empty() && plans.size() <= 2, "one or two attention plans");
+    // Named in the profiler as the ops are (the stack calls its kernels directly, not through
+    // the dispatcher); free while no profiler runs.
+    RECORD_FUNCTION("octavo::DecodeStack.forward", std::vector<c10::IValue>());
     x = x.clone();  // the residual stream, updated in place
-    torch::Tensor pending;  // the last MLP output, added with the next layer's norm
+    at::Tensor pending;  // the last MLP output, added with the next layer's norm
     for (const StackLayer& l : layers_) {
       auto xn = pending.defined() ? add_norm(x, pending, l.attn_in, l.one_plus_norms)
                                   : norm(x, l.attn_in, l.one_plus_norms);
       auto qkv = l.qkv(xn);
       auto q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
       TORCH_CHECK(qkv.stride(1) == 1, "qkv rows must be contiguous");
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_kv", [&] {
-        rope_write_kv_typed<scalar_t>(
-            qkv.data_ptr<scalar_t>(), t, qkv.stride(0), heads_, kv_heads_, head_dim_,
-            positions.data_ptr<int64_t>(), l.cos.data_ptr<float>(), l.sin.data_ptr<float>(),
-            weight_of<scalar_t>(l.q_norm, l.one_plus_norms),
-            weight_of<scalar_t>(l.k_norm, l.one_plus_norms), static_cast<float>(eps_),
-            l.k_cache.data_ptr<scalar_t>(), l.v_cache.data_ptr<scalar_t>(),
-            slot_mapping.data_ptr<int64_t>());
-      });
+      {
+        RECORD_FUNCTION("octavo::rope_write_kv", std::vector<c10::IValue>());
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_kv",
+                                        [&] {
+          rope_write_kv_typed<scalar_t>(
+              qkv.data_ptr<scalar_t>(), t, qkv.stride(0), heads_, kv_heads_, head_dim_,
+              positions.data_ptr<int64_t>(), l.cos.data_ptr<float>(), l.sin.data_ptr<float>(),
+              weight_of<scalar_t>(l.q_norm, l.one_plus_norms),
+              weight_of<scalar_t>(l.k_norm, l.one_plus_norms), static_cast<float>(eps_),
+              l.k_cache.data_ptr<scalar_t>(), l.v_cache.data_ptr<scalar_t>(),
+              slot_mapping.data_ptr<int64_t>());
+        });
+      }
       const auto& [token_index, block_table, seq_lens, window] =
           plans[l.plan < static_cast<int64_t>(plans.size()) ? l.plan : 0];
-      auto attn = torch::empty({t, heads_, head_dim_}, x.options());
-      decode_attention(attn, q, l.k_cache, l.v_cache, token_index, block_table, seq_lens, l.scale,
-                       l.softcap, window);
+      auto attn = at::empty({t, heads_, head_dim_}, x.options());
+      {
+        RECORD_FUNCTION("octavo::decode_attention", std::vector<c10::IValue>());
+        decode_attention(attn, q, l.k_cache, l.v_cache, token_index, block_table, seq_lens,
+                         l.scale, l.softcap, window);
+      }
       auto o = l.o(attn.view({t, q_size}));
       reduce(o);
       if (l.attn_out.defined()) o = norm(o, l.attn_out, l.one_plus_norms);
@@ -118,19 +152,22 @@ class DecodeStack {
     return x;
   }
 
-  // Tensor parallelism: each rank's o and down projections give partial sums, which `fn`
-  // (the ranks' all-reduce, in place) adds up before the residual stream takes them.
-  void set_all_reduce(py::function fn) { all_reduce_ = std::move(fn); }
+  // Tensor parallelism: each rank's o and down projections give partial sums, which the op
+  // named `op` (the ranks' all-reduce, in place: "ns::name(Tensor(a!) x) -> ()", registered
+  // by octavo/distributed/parallel_state.py) adds up before the residual stream takes them.
+  void set_all_reduce(const std::string& op) {
+    all_reduce_ = c10::Dispatcher::singleton().findSchemaOrThrow(op.c_str(), "");
+  }
 
  private:
-  void reduce(const torch::Tensor& partial) const {
+  void reduce(const at::Tensor& partial) const {
     if (!all_reduce_) return;
-    py::gil_scoped_acquire gil;  // forward runs without the GIL; the collective is Python's
-    all_reduce_(partial);
+    torch::jit::Stack stack{partial};  // a Python kernel takes the GIL itself
+    all_reduce_->callBoxed(&stack);
   }
 
   template <typename T>
-  static NormWeight<T> weight_of(const torch::Tensor& w, bool one_plus) {
+  static NormWeight<T> weight_of(const at::Tensor& w, bool one_plus) {
     NormWeight<T> n;
     if (!w.defined()) return n;
     if (one_plus)
@@ -141,9 +178,9 @@ class DecodeStack {
   }
 
   // A norm of x [rows, width] (rows may be apart by more than width: a narrowed projection).
-  torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& weight, bool one_plus) const {
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, bool one_plus) const {
     TORCH_CHECK(x.stride(1) == 1);
-    auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+    auto out = at::empty({x.size(0), x.size(1)}, x.options());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "stack_norm", [&] {
       const auto w = weight_of<scalar_t>(weight, one_plus);
       const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -158,10 +195,10 @@ class DecodeStack {
   }
 
   // x += delta in place; returns the norm of x with `weight`.
-  torch::Tensor add_norm(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight,
+  at::Tensor add_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
                          bool one_plus) const {
     TORCH_CHECK(delta.stride(1) == 1 && delta.scalar_type() == x.scalar_type());
-    auto out = torch::empty_like(x);
+    auto out = at::empty_like(x);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_norm", [&] {
       add_rms_norm_typed<scalar_t>(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
                                    delta.stride(0), weight_of<scalar_t>(weight, one_plus),
@@ -174,5 +211,5 @@ class DecodeStack {
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
   std::vector<StackLayer> layers_;
-  py::function all_reduce_;
+  std::optional<c10::OperatorHandle> all_reduce_;
 };

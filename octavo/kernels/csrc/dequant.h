@@ -1,16 +1,16 @@
-// Packed int4 weights (octavo's layout, see int4_block in quant_gemv.h) dequantized a tile of row
+// Packed int4 weights (octavo's layout, see int4_block in int4_gemm.h) dequantized a tile of row
 // blocks at a time, for the dense GEMM of prefill chunks: a GGUF keeps no dense copy of its
 // weights (octavo/model/quant/packed.py, PackedWeight.tiled_matmul). Written as plain loops the
 // compiler vectorizes; a tile is small enough to stay in L2 for the GEMM that follows.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
 
 // Rows [16 * first, 16 * (first + blocks)) of the weight, [16 * blocks, K] in bf16 or float32: w = (q - 8) * scale + zero, with float32 scale and zero, or float16 scale and low
 // (zero = 8 * scale + low, as the int4 kernel makes it).
-inline torch::Tensor int4_dequantize(const torch::Tensor& q4, const torch::Tensor& sz,
+inline at::Tensor int4_dequantize(const at::Tensor& q4, const at::Tensor& sz,
                                      int64_t first, int64_t blocks, bool bf16) {
   const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
   TORCH_CHECK(q4.dim() == 3 && q4.size(2) == 32 && q4.scalar_type() == at::kByte &&
@@ -22,7 +22,7 @@ inline torch::Tensor int4_dequantize(const torch::Tensor& q4, const torch::Tenso
   TORCH_CHECK((half_scales || sz.scalar_type() == at::kFloat) && sz.is_contiguous() &&
               sz.numel() == q4.size(0) * groups * 32,
               "int4_dequantize: scales must be [N/16, K/32, 2, 16] float32 or float16");
-  auto out = torch::empty({blocks * 16, k}, torch::dtype(dtype));
+  auto out = at::empty({blocks * 16, k}, at::dtype(dtype));
   const uint8_t* qp = q4.data_ptr<uint8_t>() + first * k * 8;
   auto run = [&](const auto* sp, auto* op) {
     using out_t = std::remove_pointer_t<decltype(op)>;
@@ -65,15 +65,15 @@ inline torch::Tensor int4_dequantize(const torch::Tensor& q4, const torch::Tenso
 // x [M, K] (bf16 or float32) times int4 weights in octavo's layout -> [M, N padded to 16], for
 // batches where the dense GEMM beats the int4 kernel (prefill chunks): the weight dequantized a
 // tile of about a million weights (4 MB in float32: L2-sized) at a time, each tile one GEMM.
-inline torch::Tensor int4_tiled_linear(const torch::Tensor& x, const torch::Tensor& q4,
-                                       const torch::Tensor& sz) {
+inline at::Tensor int4_tiled_linear(const at::Tensor& x, const at::Tensor& q4,
+                                       const at::Tensor& sz) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == q4.size(1) * 4 &&
               (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "int4_tiled_linear: x must be [M, K] bf16 or float32 with the weight's K");
   const int64_t k = x.size(1), total = q4.size(0);
   const int64_t per_tile = std::max<int64_t>(4, (int64_t{1} << 20) / (16 * k));
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  auto out = torch::empty({x.size(0), total * 16}, x.options());
+  auto out = at::empty({x.size(0), total * 16}, x.options());
   for (int64_t first = 0; first < total; first += per_tile) {
     const int64_t blocks = std::min(per_tile, total - first);
     auto w = int4_dequantize(q4, sz, first, blocks, bf16);

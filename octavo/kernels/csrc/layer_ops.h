@@ -66,7 +66,7 @@ inline void norm_row(const NormWeight<T>& n, const T* xr, T* orow, int64_t width
 }
 
 template <typename T>
-void rms_norm_typed(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight,
+void rms_norm_typed(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                     double eps) {
   const int64_t rows = x.size(0), width = x.size(1);
   const T* xp = x.data_ptr<T>();
@@ -101,7 +101,7 @@ inline void rotate_half(T* v, const float* c, const float* s, int64_t half) {
 
 // Rotate-half RoPE applied in place to x [T, heads, dim] (any strides with a unit last stride).
 template <typename T>
-void rotary_typed(torch::Tensor& x, const int64_t* pos, const float* cos, const float* sin) {
+void rotary_typed(at::Tensor& x, const int64_t* pos, const float* cos, const float* sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
   T* xp = x.data_ptr<T>();
@@ -187,7 +187,7 @@ inline void silu_mul16(const T* gate, const T* up, T* out) {
 #endif
 
 template <typename T>
-void silu_and_mul_typed(torch::Tensor& out, const torch::Tensor& x) {
+void silu_and_mul_typed(at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = x.size(0), width = out.size(1);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -229,7 +229,7 @@ void silu_and_mul_typed(torch::Tensor& out, const torch::Tensor& x) {
 // with 2u for g, which keeps its accuracy near 0 (no 1 - 1 cancellation) and needs one exp.
 // gelu is rounded to T before the product, as in F.gelu(gate) * up.
 template <typename T>
-void gelu_tanh_and_mul_typed(torch::Tensor& out, const torch::Tensor& x) {
+void gelu_tanh_and_mul_typed(at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = x.size(0), width = out.size(1);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();

@@ -237,9 +237,9 @@ void prefill_runs(const std::vector<QueryRun>& runs, const c10::BFloat16* qp, in
 // first. Scores are exact (logits, then a max-subtracted softmax), matching the reference up to
 // float rounding.
 template <typename q_t, typename cache_t>
-void decode_attention_typed(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kc,
-                            const torch::Tensor& vc, const torch::Tensor& token_index,
-                            const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+void decode_attention_typed(at::Tensor& out, const at::Tensor& q, const at::Tensor& kc,
+                            const at::Tensor& vc, const at::Tensor& token_index,
+                            const at::Tensor& block_table, const at::Tensor& seq_lens,
                             double scale, double softcap, int64_t window) {
   const int64_t num_req = token_index.size(0);
   const int64_t heads = q.size(1), dim = q.size(2);

@@ -4,7 +4,7 @@
 // between these files can still be inlined.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
 
@@ -45,7 +45,7 @@ inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n
 // K and V of one step go to their cache slots: cache [num_blocks, block_size, kv_heads, head_dim]
 // viewed as rows of kv_heads * head_dim, one row per slot.
 template <typename src_t, typename cache_t>
-void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots, int64_t n) {
+void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n) {
   const int64_t width = cache.size(2) * cache.size(3);
   const int64_t heads = src.size(1), dim = src.size(2);
   const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2);
@@ -60,8 +60,8 @@ void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* s
 }
 
 template <typename cache_t>
-void write_kv_typed(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kc,
-                    torch::Tensor& vc, const int64_t* slots, int64_t n) {
+void write_kv_typed(const at::Tensor& k, const at::Tensor& v, at::Tensor& kc,
+                    at::Tensor& vc, const int64_t* slots, int64_t n) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
     write_rows<scalar_t, cache_t>(k, kc, slots, n);
     write_rows<scalar_t, cache_t>(v, vc, slots, n);

@@ -38,7 +38,7 @@ INT4_ROWS = 64
 # 2 threads), the same layers: int4 11.3 vs bf16 15.0 ms at 8 rows, 16.1 vs 14.9 at 12, 39.5 vs
 # 17.4 at 32, 78.3 vs 20.7 at 64. (The int8 LM head's crossover stays at 4 rows: 2.06 vs 2.08 ms.)
 INT4_ROWS_AMX = 10
-# With float32 activations (CPUs without AVX-512-BF16; csrc/quant_gemv.h, int4_block_f32) the kernel
+# With float32 activations (CPUs without AVX-512-BF16; csrc/int4_gemm.h, int4_block_f32) the kernel
 # stays ahead of the float32 GEMM far longer: on an AMD EPYC with AVX2 only (2 threads), the
 # same layers took 3.1 ms at 1 row against 31.2, 46.5 vs 78.5 at 32, 93.5 vs 120.1 at 64, 187.1
 # vs 206.1 at 128 and 393.3 vs 373.4 at 256. The int8 LM head there: 1.8 vs 9.4 ms at 1 row,
@@ -96,7 +96,7 @@ class PackedWeight:
 
 class Int4Packed(PackedWeight):
     """4-bit codes with a float32 scale and zero per 32 inputs, w = (q - 8) * scale + zero
-    (torch's form), held in the layout of octavo's int4 kernel (csrc/quant_gemv.h, int4_block):
+    (torch's form), held in the layout of octavo's int4 kernel (csrc/int4_gemm.h, int4_block):
     codes [N / 16, K / 4, 32] bytes, byte 2r + j of (row block b, quad c) holding row 16b + r's
     inputs 4c + j (low nibble) and 4c + 2 + j (high nibble); scale and zero
     [N / 16, K / 32, 2, 16]. N is padded to a multiple of 16 with zero rows, sliced off after.

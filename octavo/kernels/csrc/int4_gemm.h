@@ -1,154 +1,12 @@
-// Low-bit decode GEMVs: int8 rows (per channel or grouped) and octavo's int4 layout
-// against bf16 or float32 activations, with software prefetch of the streamed weights.
+// Int4 weights in octavo's layout times a few rows of bf16 (AVX-512-BF16) or float32 (AVX2)
+// activations, and its entry point int4_gemm.
 // Included by cpu_ops.cpp only: the kernels are one translation unit, so every call
 // between these files can still be inlined.
 #pragma once
 
-#include "simd.h"
+#include "streaming.h"
 
 namespace {
-
-// Int8 weights ([N, K], a float scale per output row) times a few rows of activations
-// (decode). Reading the weights is the whole cost, so each weight row is read once for all rows
-// of x and widened to float in registers. (int4: int4_block below.)
-
-// How far ahead of its reads a decode GEMV asks for the weights it streams. A row block of
-// int4 weights (16 rows: 4.6 KB for K = 576) or a few int8 rows cross a 4 KB page, where the
-// hardware's stream prefetcher stops; on an Intel Xeon (KVM, 2 cores) one core then drew 8 GB/s
-// from DRAM. With software prefetches this far ahead, 2 threads stream int4 weights at 17.7 GB/s
-// against 11.3 and the int8 LM head at 21.5 against 13.5, and a batch-1 decode step of
-// SmolLM2-135M fell from 10.4 to 6.8 ms. 2-6 KB measured alike; 1 KB was slower.
-constexpr int64_t kPrefetchBytes = 3072;
-
-inline void prefetch_lines(const void* p, int64_t bytes) {
-#if defined(__AVX2__)
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
-#endif
-}
-
-template <typename T>
-void widen_rows(const torch::Tensor& x, std::vector<float>& xf) {
-  const int64_t n = x.numel();
-  xf.resize(n);
-  widen(x.data_ptr<T>(), xf.data(), n);
-}
-
-// One output row of an int8 weight against R rows of float activations.
-template <int R>
-inline void int8_row(const int8_t* w, const float* xf, int64_t k, float* dots) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (; i + 16 <= k; i += 16) {
-    const __m512 wv = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i))));
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + r * k + i), wv, acc[r]);
-  }
-  for (int r = 0; r < R; ++r) dots[r] = _mm512_reduce_add_ps(acc[r]);
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (; i + 8 <= k; i += 8) {
-    const __m256 wv = _mm256_cvtepi32_ps(
-        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i))));
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + r * k + i), wv, acc[r]);
-  }
-  for (int r = 0; r < R; ++r) dots[r] = sum8(acc[r]);
-#else
-  for (int r = 0; r < R; ++r) dots[r] = 0.f;
-#endif
-  for (; i < k; ++i)
-    for (int r = 0; r < R; ++r) dots[r] += xf[r * k + i] * static_cast<float>(w[i]);
-}
-
-// The same with a scale per `group` inputs (GGUF's Q8_0: 32): each group's dot products are
-// summed, then scaled into the row's total. Scales are float32, or float16 where they are
-// exactly that (Q8_0's own): 2 bytes a group instead of 4.
-template <int R, typename S>
-inline void int8_row_grouped(const int8_t* w, const float* xf, int64_t k, int64_t group,
-                             const S* scales, float* dots) {
-#if defined(__AVX512F__)
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi) {
-    __m512 part[R];
-    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
-    for (int64_t i = g0; i < g0 + group; i += 16) {
-      const __m512 wv = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i))));
-      for (int r = 0; r < R; ++r)
-        part[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + r * k + i), wv, part[r]);
-    }
-    const __m512 s = _mm512_set1_ps(static_cast<float>(scales[gi]));
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(part[r], s, acc[r]);
-  }
-  for (int r = 0; r < R; ++r) dots[r] = _mm512_reduce_add_ps(acc[r]);
-#elif defined(__AVX2__) && defined(__FMA__)
-  // Two accumulators a row (even and odd 8 inputs): one chain of FMAs per row waited on itself.
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi) {
-    const __m256 s = _mm256_set1_ps(static_cast<float>(scales[gi]));
-    for (int64_t i = g0; i < g0 + group; i += 16) {
-      // Each weight scaled first, as the dense weight w = d * q is, then multiplied.
-      const __m256 w0 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i)))));
-      const __m256 w1 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i + 8)))));
-      for (int r = 0; r < R; ++r) {
-        acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + r * k + i), w0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + r * k + i + 8), w1, acc[r][1]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) dots[r] = sum8(_mm256_add_ps(acc[r][0], acc[r][1]));
-#else
-  for (int r = 0; r < R; ++r) dots[r] = 0.f;
-  for (int64_t g0 = 0, gi = 0; g0 < k; g0 += group, ++gi)
-    for (int r = 0; r < R; ++r) {
-      float part = 0.f;
-      for (int64_t i = g0; i < g0 + group; ++i) part += xf[r * k + i] * static_cast<float>(w[i]);
-      dots[r] += part * static_cast<float>(scales[gi]);
-    }
-#endif
-}
-
-// R rows of x (float) times output rows [begin, end) of the int8 weights; `groups` = 0: one
-// scale per row, else a scale per k / groups inputs.
-template <typename T, int R, typename S>
-void int8_rows_block(T* op, int64_t n, const float* xf, int64_t k, const int8_t* qp,
-                     const S* sp, int64_t groups, int64_t begin, int64_t end) {
-  float dots[R];
-  for (int64_t o = begin; o < end; ++o) {
-    prefetch_lines(qp + o * k + kPrefetchBytes, k);  // the row kPrefetchBytes on, its scales
-    if (groups) {
-      prefetch_lines(sp + o * groups + kPrefetchBytes / (k / groups), groups * sizeof(S));
-      int8_row_grouped<R>(qp + o * k, xf, k, k / groups, sp + o * groups, dots);
-      for (int r = 0; r < R; ++r) op[r * n + o] = static_cast<T>(dots[r]);
-    } else {
-      int8_row<R>(qp + o * k, xf, k, dots);
-      for (int r = 0; r < R; ++r) op[r * n + o] = static_cast<T>(dots[r] * static_cast<float>(sp[o]));
-    }
-  }
-}
-
-// Runs body<R>() for R = rows (1..8): the row count is a template argument so that the
-// accumulators stay in registers.
-template <typename F>
-void for_rows(int64_t rows, F&& body) {
-  switch (rows) {
-    case 1: body(std::integral_constant<int, 1>{}); break;
-    case 2: body(std::integral_constant<int, 2>{}); break;
-    case 3: body(std::integral_constant<int, 3>{}); break;
-    case 4: body(std::integral_constant<int, 4>{}); break;
-    case 5: body(std::integral_constant<int, 5>{}); break;
-    case 6: body(std::integral_constant<int, 6>{}); break;
-    case 7: body(std::integral_constant<int, 7>{}); break;
-    case 8: body(std::integral_constant<int, 8>{}); break;
-    default: TORCH_CHECK(false, "low-bit GEMV takes 1 to 8 rows, got ", rows);
-  }
-}
 
 // Int4 weights times a few rows of bf16 activations (decode), in octavo's own layout
 // (octavo/model/quant/packed.py, Int4Packed.native_layout) so that unpacking costs less than
@@ -285,3 +143,120 @@ inline void int4_block_f32(const uint8_t* q4, const S* sz, const float* xs, int6
 #endif
 
 }  // namespace
+
+bool built_with_avx512_bf16() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool built_with_avx2() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] float32 times int4 weights in octavo's layout -> [M, N] float32 (int4_block_f32).
+at::Tensor int4_gemm_f32(const at::Tensor& x, const at::Tensor& q4, const at::Tensor& sz,
+                            bool half_scales) {
+  TORCH_CHECK(built_with_avx2(), "int4_gemm with float32 activations needs AVX2 and FMA");
+  const int64_t rows = x.size(0), k = x.size(1), blocks = q4.size(0), n = blocks * 16;
+  auto out = at::empty({rows, n}, x.options());
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t groups = k / 32;
+  const float* xp = x.data_ptr<float>();
+  // Each row's inputs in the kernel's order (4c, 4c + 2, 4c + 1, 4c + 3), scaled by 16^-i, and
+  // its sum over each group of 32.
+  std::vector<float> xs(rows * k), xsum(rows * groups);
+  constexpr int kOrder[4] = {0, 2, 1, 3};
+  constexpr float kScale[4] = {1.f, 1.f / 16, 1.f / 256, 1.f / 4096};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < k; c += 4)
+      for (int i = 0; i < 4; ++i) xs[r * k + c + i] = xp[r * k + c + kOrder[i]] * kScale[i];
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < 32; ++i) s += xp[r * k + g * 32 + i];
+      xsum[r * groups + g] = s;
+    }
+  }
+  const uint8_t* qp = q4.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  auto run = [&](const auto* sp) {
+    // A row block (k / 2 bytes) stays in L1 for every chunk of 4 rows of x.
+    at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b)
+        for (int64_t c = 0; c < rows; c += 4) {
+          const int64_t m = std::min<int64_t>(4, rows - c);
+          for_rows(m, [&](auto r) {
+            if constexpr (decltype(r)::value <= 4)
+              int4_block_f32<decltype(r)::value>(qp + b * k * 8, sp + b * groups * 32,
+                                                 xs.data() + c * k, k, xsum.data() + c * groups,
+                                                 op + c * n + b * 16, n);
+          });
+        }
+    });
+  };
+  if (half_scales)
+    run(sz.data_ptr<at::Half>());
+  else
+    run(sz.data_ptr<float>());
+#endif
+  return out;
+}
+
+// x [M, K] bf16 or float32 times int4 weights in octavo's layout (see int4_block) -> [M, N] in
+// x's dtype, with N the padded row count (a multiple of 16).
+at::Tensor int4_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+              (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "int4_gemm: x must be a contiguous [M, K] bf16 or float32 tensor");
+  TORCH_CHECK(q4.dim() == 3 && q4.size(2) == 32 && q4.scalar_type() == at::kByte &&
+              q4.is_contiguous(), "int4_gemm: codes must be [N / 16, K / 4, 32] uint8");
+  const int64_t rows = x.size(0), k = x.size(1), blocks = q4.size(0), n = blocks * 16;
+  TORCH_CHECK(k % 32 == 0 && q4.size(1) * 4 == k, "int4_gemm: K must match, a multiple of 32");
+  const bool half_scales = sz.scalar_type() == at::kHalf;
+  TORCH_CHECK((half_scales || sz.scalar_type() == at::kFloat) && sz.is_contiguous() &&
+              sz.numel() == blocks * (k / 32) * 32,
+              "int4_gemm: scales must be [N/16, K/32, 2, 16] float32 or float16");
+  if (x.scalar_type() == at::kFloat) return int4_gemm_f32(x, q4, sz, half_scales);
+  TORCH_CHECK(built_with_avx512_bf16(), "int4_gemm with bf16 activations needs AVX-512-BF16");
+  auto out = at::empty({rows, n}, x.options());
+#if defined(__AVX512BF16__)
+  const int64_t groups = k / 32;
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  std::vector<float> xsum(rows * groups);  // each row's sum over each group of 32 inputs
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < 32; ++i) s += static_cast<float>(xp[r * k + g * 32 + i]);
+      xsum[r * groups + g] = s;
+    }
+  const uint8_t* qp = q4.data_ptr<uint8_t>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  auto run = [&](const auto* sp) {
+    // A row block is k / 2 bytes (a few KB): it stays in L1 for every chunk of 8 rows of x.
+    at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+      __m512 acc[8];
+      for (int64_t b = begin; b < end; ++b) {
+        for (int64_t c = 0; c < rows; c += 8) {
+          const int64_t m = std::min<int64_t>(8, rows - c);
+          for_rows(m, [&](auto r) {
+            int4_block<decltype(r)::value>(qp + b * k * 8, sp + b * groups * 32, xp + c * k, k,
+                                           xsum.data() + c * groups, acc);
+          });
+          for (int64_t r = 0; r < m; ++r) store16(op + (c + r) * n + b * 16, acc[r]);
+        }
+      }
+    });
+  };
+  if (half_scales)
+    run(sz.data_ptr<at::Half>());
+  else
+    run(sz.data_ptr<float>());
+#endif
+  return out;
+}

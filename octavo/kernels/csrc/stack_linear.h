@@ -1,0 +1,68 @@
+// A linear layer of DecodeStack (decode_stack.h): its dense weight and/or its low-bit one.
+// Included by cpu_ops.cpp only, after the GEMMs it calls.
+#pragma once
+
+#include <string>
+
+// The low-bit weight a linear layer of the stack holds, by the name the Python side gives it
+// (octavo/model/decode_stack.py, _linear).
+enum class LowBitKind { kNone, kInt4, kInt4Torch, kInt8 };
+
+inline LowBitKind low_bit_kind(const std::string& name) {
+  if (name == "none") return LowBitKind::kNone;
+  if (name == "int4") return LowBitKind::kInt4;  // octavo's layout (int4_gemm.h)
+  if (name == "int4_torch") return LowBitKind::kInt4Torch;  // torch's, groups of 32
+  if (name == "int8") return LowBitKind::kInt8;  // a scale per row or per group
+  TORCH_CHECK(false, "unknown low-bit weight kind '", name, "' (none, int4, int4_torch, int8)");
+}
+
+struct StackLinear {
+  at::Tensor dense;  // [N, K], the weight every batch size can use; undefined: packed only
+  at::Tensor bias;   // [N] or undefined
+  LowBitKind kind = LowBitKind::kNone;
+  at::Tensor low_a;  // int4: packed codes (N padded to 16); int8: codes [N, K]
+  at::Tensor low_b;  // int4: scales and zeros (torch: [K / 32, N, 2]); int8: scales [N] or [N, G]
+  int64_t out = 0;   // N
+  int64_t max_rows = 0;  // with a dense weight: the most rows the packed one serves (decode)
+
+  StackLinear() = default;
+  StackLinear(const std::optional<at::Tensor>& dense_weight,
+              const std::optional<at::Tensor>& bias_, const std::string& low_bit,
+              const std::optional<at::Tensor>& a, const std::optional<at::Tensor>& b,
+              int64_t out_features, int64_t rows)
+      : kind(low_bit_kind(low_bit)), out(out_features), max_rows(rows) {
+    TORCH_CHECK(kind == LowBitKind::kNone || (a && b), "a low-bit weight needs its tensors");
+    TORCH_CHECK(dense_weight || kind != LowBitKind::kNone,
+                "a linear needs a dense or a packed weight");
+    if (dense_weight) dense = *dense_weight;
+    if (bias_) bias = *bias_;
+    if (a) low_a = *a;
+    if (b) low_b = *b;
+  }
+
+  // Alone, the packed weight serves every batch the stack is given (DecodeStack.max_tokens
+  // keeps those small).
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (kind != LowBitKind::kNone && (!dense.defined() || x.size(0) <= max_rows)) {
+      auto y = kind == LowBitKind::kInt4        ? int4_gemm(x, low_a, low_b)
+               : kind == LowBitKind::kInt4Torch ? at::_weight_int4pack_mm_for_cpu(x, low_a, 32,
+                                                                                  low_b)
+                                                : int8_gemv(x, low_a, low_b);
+      if (y.size(1) != out) y = y.narrow(1, 0, out);
+      return bias.defined() ? y + bias : y;
+    }
+    // The bias is added after the product, as the Python layer adds it (one rounding each).
+    auto y = dense.is_mkldnn() ? packed_linear(x, dense) : at::linear(x, dense);
+    return bias.defined() ? y + bias : y;
+  }
+
+  // A weight packed by octavo/kernels/onednn.py: oneDNN's linear op, as its Python side calls it.
+  static at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight) {
+    static const c10::OperatorHandle op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack{x, weight, c10::IValue(), std::string("none"),
+                            c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+};
