@@ -1,4 +1,5 @@
-"""A step of a decoder (Llama family, Gemma 2 and 3) as one C++ call (csrc/decode_stack.h).
+"""A step of a decoder (Llama family, Gemma 2 and 3, and the mixtures of experts on Llama-style
+attention: Mixtral, Qwen2-MoE, Qwen3-MoE) as one C++ call (csrc/decode_stack.h).
 
 It takes the steps whose attention the in-place kernel computes whole: decodes, speculative
 verification, and prompts (of any length in bf16, else up to paged_attention.KERNEL_CONTEXT_LEN
@@ -9,14 +10,15 @@ layer, about 3 ms a step for SmolLM2's 30 layers against roughly 5 ms of arithme
 runs the same kernels in the same order from C++ (the CPU analogue of replaying a captured CUDA
 graph), so it needs exactly what those kernels need. What a layer is comes from its description
 (`layer.spec()`, model/layer_spec.py): RMSNorm or Gemma's 1 + w, norms before each sublayer or
-around it, q/k norms, silu or gelu(tanh), the attention's scale, sliding window and softcap, and
-its RoPE tables. The weights are read from each linear layer's typed weights (`_forms`): dense
+around it, q/k norms, silu or gelu(tanh), the attention's scale, sliding window and softcap, its
+RoPE tables, and a dense MLP or a mixture of experts (router, top-k, renormalization, a shared
+expert; tokens grouped by expert, as FusedMoE groups them). The weights are read from each linear layer's typed weights (`_forms`): dense
 weights (with or without a GGUF's int4/int8 copy for small batches) or packed int4 / symmetric
 int8 weights alone (--quantization). Anything else (steps with long prefills, an fp8 KV cache,
-act-order or asymmetric int8 weights, partial rotary, MoE layers, kernels not loaded yet) runs
-the Python layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a rank's
-heads and slices and calls the ranks' all-reduce after each o and down projection, as the Python
-layers do.
+act-order or asymmetric int8 weights, partial rotary, kernels not loaded yet) runs the Python
+layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a rank's
+heads and slices and calls the ranks' all-reduce after each o and down projection (after the
+experts' sum, and after the shared expert, in a MoE layer), as the Python layers do.
 """
 from __future__ import annotations
 
@@ -70,14 +72,21 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
     return None
 
 
-def _linears(spec: LayerSpec) -> list[Linear]:
-    return [spec.qkv, spec.o, spec.gate_up, spec.down]
+def _linears(spec: LayerSpec) -> list[Linear | torch.Tensor]:
+    """The layer's linear layers in the order the C++ stack takes them (DecodeStack.add_layer):
+    qkv, o, then the dense MLP's gate_up and down or the mixture of experts' (MoeSpec.linears;
+    an expert of stacked dense weights is its weight tensor)."""
+    mlp = [spec.gate_up, spec.down] if spec.moe is None else spec.moe.linears
+    return [spec.qkv, spec.o, *mlp]
 
 
-def _forms(lin: Linear) -> tuple[torch.Tensor | None, PackedWeight | None] | None:
+def _forms(lin: Linear | torch.Tensor
+           ) -> tuple[torch.Tensor | None, PackedWeight | None] | None:
     """The two forms the stack computes a linear layer with: its dense weight (None: packed
     only) and a low-bit weight (its copy for small batches, or the packed weight alone); None
     for weights of another type."""
+    if isinstance(lin, torch.Tensor):
+        return lin, None
     weights = lin.weights
     if isinstance(weights, DenseWeights):
         return weights.weight, weights.small_batch
@@ -86,7 +95,7 @@ def _forms(lin: Linear) -> tuple[torch.Tensor | None, PackedWeight | None] | Non
     return None
 
 
-def _weight_reason(lin: Linear, dtype: torch.dtype) -> str | None:
+def _weight_reason(lin: Linear | torch.Tensor, dtype: torch.dtype) -> str | None:
     """What the stack cannot compute of a linear layer: a dense weight (the activation dtype)
     with at most a low-bit copy for small batches beside it, or a packed weight alone (what
     --quantization int4/int8 and packed checkpoints leave): int4, or symmetric int8 with a
@@ -108,7 +117,7 @@ def _weight_reason(lin: Linear, dtype: torch.dtype) -> str | None:
     return f"a {type(low).__name__} weight"
 
 
-def _row_limit(lin: Linear) -> int | None:
+def _row_limit(lin: Linear | torch.Tensor) -> int | None:
     """The most rows the stack computes of `lin` as its Python layer does (None: any)."""
     dense, low = _forms(lin)
     if dense is not None:
@@ -118,7 +127,7 @@ def _row_limit(lin: Linear) -> int | None:
     return 8 if isinstance(low, Int8Packed) else low.dense_rows
 
 
-def _linear(lin: Linear) -> tuple:
+def _linear(lin: Linear | torch.Tensor) -> tuple:
     """A linear layer as the C++ stack takes it (csrc/stack_linear.h): dense weight, bias, the
     low-bit kind and its two tensors, output features, and the most rows the low-bit weight
     serves beside a dense one."""
@@ -135,7 +144,8 @@ def _linear(lin: Linear) -> tuple:
         kind, a, b = "none", None, None
     out = dense.shape[0] if dense is not None else low.out_features
     rows = max_rows(low) if low is not None else 0
-    return dense, lin.bias, kind, a, b, out, rows
+    bias = None if isinstance(lin, torch.Tensor) else lin.bias
+    return dense, bias, kind, a, b, out, rows
 
 
 class DecodeStack:
@@ -191,8 +201,16 @@ class DecodeStack:
                 spec.norm_kind is NormKind.ONE_PLUS, *linears,
                 kv_caches[spec.attention.layer_index], spec.rotary.cos, spec.rotary.sin,
                 spec.scale, spec.softcap or 0.0, "sliding" if spec.window else "step",
-                spec.activation.value)
+                spec.activation.value, *_moe_settings(spec))
         self._stack, self._caches = stack, kv_caches
+
+
+def _moe_settings(spec: LayerSpec) -> tuple[int, bool, bool]:
+    """top_k (0: a dense MLP), renormalize, and whether a shared expert comes first."""
+    moe = spec.moe
+    if moe is None:
+        return 0, False, False
+    return moe.top_k, moe.renormalize, moe.shared_gate is not None
 
 
 def _kernel_plan(plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from octavo.kernels import fused
@@ -34,6 +35,27 @@ _ACTIVATIONS = {fused.silu_and_mul: Activation.SILU, gelu_tanh_and_mul: Activati
 
 
 @dataclass(frozen=True, eq=False)
+class MoeSpec:
+    """A mixture-of-experts MLP (model/layers/moe.py FusedMoE, with Qwen2-MoE's shared expert):
+    each expert's gate_up and down projections are a Linear (quantized experts) or a slice of
+    the stacked dense weights."""
+
+    router: Linear  # hidden -> one logit per expert
+    experts: list[tuple[Linear | torch.Tensor, Linear | torch.Tensor]]
+    top_k: int
+    renormalize: bool  # the top-k weights scaled to sum to 1
+    shared_gate_up: Linear | None  # the shared expert (sigmoid-gated by shared_gate), else None
+    shared_down: Linear | None
+    shared_gate: Linear | None
+
+    @property
+    def linears(self) -> list[Linear | torch.Tensor]:
+        shared = [self.shared_gate_up, self.shared_down, self.shared_gate]
+        return ([self.router] + [w for w in shared if w is not None]
+                + [w for pair in self.experts for w in pair])
+
+
+@dataclass(frozen=True, eq=False)
 class LayerSpec:
     norm_kind: NormKind
     attn_in_norm: nn.Module  # before attention
@@ -44,14 +66,15 @@ class LayerSpec:
     k_norm: nn.Module | None
     qkv: Linear  # the projections; their biases come with them
     o: Linear
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | None  # the dense MLP's; None where the MLP is a mixture of experts
+    down: Linear | None
     activation: Activation | None  # None: one the stack does not compute
     attention: PagedAttention  # heads, cache layer index
     rotary: RotaryEmbedding  # this layer's tables (Gemma 3's local layers have their own base)
     scale: float
     window: int | None  # sliding window (the layer reads the step's sliding plan), else None
     softcap: float | None
+    moe: MoeSpec | None = None  # the MLP as a mixture of experts, else None
 
     @property
     def norms(self) -> list[nn.Module]:
@@ -64,10 +87,14 @@ def decoder_spec(self_attn: nn.Module, mlp: nn.Module, norm_kind: NormKind,
                  attn_out_norm: nn.Module | None = None,
                  mlp_out_norm: nn.Module | None = None) -> LayerSpec:
     """The spec of a layer whose attention has qkv_proj, o_proj, q_norm, k_norm, rotary and a
-    PagedAttention `attn`, and whose MLP has gate_up_proj, down_proj and a gated `act`."""
+    PagedAttention `attn`, and whose MLP has gate_up_proj, down_proj and a gated `act`, or is a
+    mixture of experts that describes itself (`moe_spec()`, with its experts' gated `act`)."""
     attn = self_attn.attn
+    moe = mlp.moe_spec() if hasattr(mlp, "moe_spec") else None
+    gate_up, down = (None, None) if moe is not None else (mlp.gate_up_proj, mlp.down_proj)
+    act = mlp.experts.act if moe is not None else mlp.act
     return LayerSpec(
         norm_kind, attn_in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm,
         self_attn.q_norm, self_attn.k_norm, self_attn.qkv_proj, self_attn.o_proj,
-        mlp.gate_up_proj, mlp.down_proj, _ACTIVATIONS.get(mlp.act), attn, self_attn.rotary,
-        attn.scale, attn.sliding_window or None, attn.softcap or None)
+        gate_up, down, _ACTIVATIONS.get(act), attn, self_attn.rotary,
+        attn.scale, attn.sliding_window or None, attn.softcap or None, moe)

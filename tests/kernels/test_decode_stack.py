@@ -100,7 +100,7 @@ def test_steps_with_padded_prefills_run_the_layers(tmp_path, smollm_oracle_folde
     assert [o.token_ids for o in _generate(llm)] == [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("name", ["phi3-longrope-partial", "mixtral"])
+@pytest.mark.parametrize("name", ["phi3-longrope-partial", "gpt2"])
 def test_models_the_stack_does_not_fit_keep_their_layers(tmp_path, smollm_oracle_folder, name):
     folder, _ = _build(tmp_path, smollm_oracle_folder, name)
     llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
@@ -137,6 +137,36 @@ def test_packed_only_gguf_layers_run_in_the_stack(smollm_gguf, mode):
         assert a.token_ids == b.token_ids
         assert max(abs(x[t].logprob - y[t].logprob)
                    for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids)) < 2e-2
+
+
+@pytest.mark.parametrize("name, dtype, quantization", [
+    ("mixtral", "float32", None), ("qwen2-moe", "float32", None), ("qwen3-moe", "float32", None),
+    ("qwen3-moe-unnormalized", "float32", None), ("qwen2-moe", "bfloat16", None),
+    ("qwen3-moe", "bfloat16", None), ("mixtral", "float32", "int4"),
+    ("qwen2-moe", "bfloat16", "int8")])
+def test_moe_layers_run_in_the_stack(tmp_path, smollm_oracle_folder, name, dtype, quantization):
+    """Mixtures of experts (top-k with and without renormalization, Qwen2-MoE's shared expert
+    and dense layer, sparse steps; dense, int4 and int8 experts) take the stack in every step,
+    with the Python layers' tokens and log-probabilities: the same ops in the same order."""
+    folder, _ = _build(tmp_path, smollm_oracle_folder, name)
+    llm = LLM(str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20,
+              enable_prefix_caching=False, quantization=quantization)
+    model = _model(llm)
+    stack = model.model.decode_stack
+    assert stack is not None, "the model's decode steps run the Python layers"
+    moe = next(spec.moe for spec in stack.specs if spec.moe is not None)
+    # Quantized experts are Linears of packed weights; dense ones slices of the stacked weights.
+    assert isinstance(moe.experts[0][0], torch.Tensor) == (quantization is None)
+    with _Counted(stack) as calls:
+        fused = _generate(llm)
+    assert calls[0] >= 11  # every decode step at least
+    model.model.decode_stack = None
+    layered = _generate(llm)
+    for a, b in zip(fused, layered):
+        assert a.token_ids == b.token_ids
+        diff = max(abs(x[t].logprob - y[t].logprob)
+                   for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids))
+        assert diff < (2e-2 if dtype == "bfloat16" else 1e-5), diff
 
 
 class _Counted:

@@ -30,13 +30,25 @@ inline int64_t plan_index(const std::string& name) {
 // (0: none).
 using StackPlan = std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t>;
 
+// A mixture-of-experts MLP (octavo/model/layers/moe.py FusedMoE, and Qwen2-MoE's sigmoid-gated
+// shared expert), computed with the ops FusedMoE.forward calls, in its order: the same sums.
+struct StackMoe {
+  StackLinear router;
+  std::vector<StackLinear> gate_up, down;  // per expert
+  int64_t top_k = 1;
+  bool renormalize = false;
+  bool shared = false;  // a shared expert: shared_down(act(shared_gate_up)) * sigmoid(gate)
+  StackLinear shared_gate_up, shared_down, shared_gate;
+};
+
 struct StackLayer {
   // Norms: w in the activation dtype, or 1 + w in float32 where one_plus_norms (Gemma).
   // attn_out / mlp_out: the norms after each sublayer (Gemma's sandwich), else undefined;
   // q_norm / k_norm: per head before the rotation (Qwen3, Gemma 3), else undefined.
   at::Tensor attn_in, attn_out, mlp_in, mlp_out, q_norm, k_norm;
   bool one_plus_norms = false;
-  StackLinear qkv, o, gate_up, down;
+  StackLinear qkv, o, gate_up, down;  // gate_up and down: a dense MLP's
+  std::optional<StackMoe> moe;         // else the mixture of experts
   at::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
   at::Tensor cos, sin;          // this layer's RoPE tables [positions, head_dim / 2], float32
   double scale = 1.0, softcap = 0.0;  // softcap 0: none
@@ -49,8 +61,10 @@ class DecodeStack : public torch::CustomClassHolder {
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {}
 
-  // norms: [attn_in, attn_out or None, mlp_in, mlp_out or None]. The linears qkv, o, gate_up
-  // and down are given as one list per StackLinear field, in that order.
+  // norms: [attn_in, attn_out or None, mlp_in, mlp_out or None]. The linears are given as one
+  // list per StackLinear field: qkv, o, then a dense MLP's gate_up and down (top_k 0), or a
+  // mixture of experts' router, its shared expert's gate_up, down and gate where it has one,
+  // and each expert's gate_up and down.
   void add_layer(std::vector<std::optional<at::Tensor>> norms, std::optional<at::Tensor> q_norm,
                  std::optional<at::Tensor> k_norm, bool one_plus_norms,
                  std::vector<std::optional<at::Tensor>> dense,
@@ -59,16 +73,21 @@ class DecodeStack : public torch::CustomClassHolder {
                  std::vector<std::optional<at::Tensor>> low_b, std::vector<int64_t> out,
                  std::vector<int64_t> max_rows, at::Tensor kv_cache, at::Tensor cos,
                  at::Tensor sin, double scale, double softcap, std::string plan,
-                 std::string activation) {
+                 std::string activation, int64_t top_k, bool renormalize, bool shared_expert) {
     TORCH_CHECK(norms.size() == 4 && norms[0] && norms[2], "a layer has norms before sublayers");
-    for (size_t n : {dense.size(), bias.size(), low_bit.size(), low_a.size(), low_b.size(),
-                     out.size(), max_rows.size()})
-      TORCH_CHECK(n == 4, "a layer has qkv, o, gate_up and down projections");
+    const size_t count = dense.size();
+    for (size_t n : {bias.size(), low_bit.size(), low_a.size(), low_b.size(), out.size(),
+                     max_rows.size()})
+      TORCH_CHECK(n == count, "one entry per linear layer in each of its fields");
+    const size_t mlp_linears = count - 2;
+    TORCH_CHECK(count >= 4 && (top_k > 0 || count == 4) &&
+                (top_k == 0 || (mlp_linears - 1 - (shared_expert ? 3 : 0)) % 2 == 0),
+                "a layer has qkv and o, then gate_up and down or a router and experts");
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv cache must be [2, ...]");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
                 cos.size(1) * 2 == head_dim_, "rotary tables must be float32 [P, head_dim / 2]");
     std::vector<StackLinear> linears;
-    for (size_t i = 0; i < 4; ++i)
+    for (size_t i = 0; i < count; ++i)
       linears.emplace_back(dense[i], bias[i], low_bit[i], low_a[i], low_b[i], out[i],
                            max_rows[i]);
     StackLayer l;
@@ -83,7 +102,32 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(!n.defined() || (n.is_contiguous() &&
                                    (!one_plus_norms || n.scalar_type() == at::kFloat)),
                   "norm weights must be contiguous (1 + w: float32)");
-    l.qkv = linears[0]; l.o = linears[1]; l.gate_up = linears[2]; l.down = linears[3];
+    l.qkv = linears[0];
+    l.o = linears[1];
+    if (top_k == 0) {
+      l.gate_up = linears[2];
+      l.down = linears[3];
+    } else {
+      StackMoe moe;
+      moe.router = linears[2];
+      size_t next = 3;
+      moe.shared = shared_expert;
+      if (shared_expert) {
+        moe.shared_gate_up = linears[3];
+        moe.shared_down = linears[4];
+        moe.shared_gate = linears[5];
+        next = 6;
+      }
+      for (; next < count; next += 2) {
+        moe.gate_up.push_back(linears[next]);
+        moe.down.push_back(linears[next + 1]);
+      }
+      TORCH_CHECK(top_k <= static_cast<int64_t>(moe.gate_up.size()),
+                  "top_k exceeds the number of experts");
+      moe.top_k = top_k;
+      moe.renormalize = renormalize;
+      l.moe = std::move(moe);
+    }
     l.k_cache = kv_cache[0];
     l.v_cache = kv_cache[1];
     check_cache(l.k_cache, l.v_cache);
@@ -142,10 +186,7 @@ class DecodeStack : public torch::CustomClassHolder {
       auto o = l.o(attn.view({t, q_size}));
       reduce(o);
       if (l.attn_out.defined()) o = norm(o, l.attn_out, l.one_plus_norms);
-      auto h = l.gate_up(add_norm(x, o, l.mlp_in, l.one_plus_norms));
-      pending = l.down(l.act == StackActivation::kGeluTanh ? gelu_tanh_and_mul(h)
-                                                           : silu_and_mul(h));
-      reduce(pending);
+      pending = mlp(l, add_norm(x, o, l.mlp_in, l.one_plus_norms));
       if (l.mlp_out.defined()) pending = norm(pending, l.mlp_out, l.one_plus_norms);
     }
     if (pending.defined()) x += pending;
@@ -160,6 +201,46 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
+  static at::Tensor activate(const StackLayer& l, const at::Tensor& h) {
+    return l.act == StackActivation::kGeluTanh ? gelu_tanh_and_mul(h) : silu_and_mul(h);
+  }
+
+  // The MLP of xn, summed over the ranks.
+  at::Tensor mlp(const StackLayer& l, const at::Tensor& xn) const {
+    if (!l.moe) {
+      auto out = l.down(activate(l, l.gate_up(xn)));
+      reduce(out);
+      return out;
+    }
+    const StackMoe& m = *l.moe;
+    RECORD_FUNCTION("octavo::moe", std::vector<c10::IValue>());
+    // Top-k routing; token rows sorted by expert, so each expert runs one matmul over its rows.
+    auto probs = m.router(xn).to(at::kFloat).softmax(-1);
+    auto [weights, experts] = probs.topk(m.top_k, -1);
+    if (m.renormalize) weights = weights / weights.sum(-1, true);
+    auto flat = experts.reshape(-1);
+    auto order = flat.argsort(/*stable=*/true);
+    auto token = at::div(order, m.top_k, "floor");
+    auto counts = at::bincount(flat, {}, static_cast<int64_t>(m.gate_up.size()));
+    const int64_t* count = counts.data_ptr<int64_t>();
+    auto xs = xn.index_select(0, token);
+    auto ys = at::empty_like(xs);
+    int64_t start = 0;
+    for (size_t e = 0; e < m.gate_up.size(); ++e) {
+      if (count[e] == 0) continue;
+      ys.narrow(0, start, count[e])
+          .copy_(m.down[e](activate(l, m.gate_up[e](xs.narrow(0, start, count[e])))));
+      start += count[e];
+    }
+    ys = ys * weights.reshape(-1).index_select(0, order).unsqueeze(1).to(xn.scalar_type());
+    auto out = at::zeros_like(xn).index_add_(0, token, ys);
+    reduce(out);
+    if (!m.shared) return out;
+    auto shared = m.shared_down(activate(l, m.shared_gate_up(xn)));
+    reduce(shared);
+    return out + m.shared_gate(xn).sigmoid() * shared;
+  }
+
   void reduce(const at::Tensor& partial) const {
     if (!all_reduce_) return;
     torch::jit::Stack stack{partial};  // a Python kernel takes the GIL itself

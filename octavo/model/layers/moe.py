@@ -94,8 +94,16 @@ class FusedMoE(nn.Module):
     def num_expert_tensors(self) -> int:
         return 3 * self.num_experts
 
+    def expert_weights(self) -> list[tuple[Linear | torch.Tensor, Linear | torch.Tensor]]:
+        """Each expert's gate_up and down projections, as forward computes them: its Linears
+        (quantized experts), or its slices of the stacked dense weights."""
+        if self.quantized is not None:
+            return [(gate_up, down) for gate_up, down in self.quantized]
+        return [(self.w13[e], self.w2[e]) for e in range(self.num_experts)]
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """x: [T, H], router_logits: [T, E] -> [T, H]"""
+        """x: [T, H], router_logits: [T, E] -> [T, H]. The C++ decode stack
+        (csrc/decode_stack.h, moe) runs these same ops in this order."""
         probs = router_logits.float().softmax(-1)
         weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.renormalize:

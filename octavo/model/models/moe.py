@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.arch_config import ArchConfig
+from octavo.model.layer_spec import LayerSpec, MoeSpec, NormKind, decoder_spec
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.moe import FusedMoE
 from octavo.model.layers.norm import RMSNorm
@@ -37,6 +38,12 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = LlamaMLP(cfg, _moe_setting(cfg, "shared_expert_intermediate_size"))
             self.shared_expert_gate = Linear(cfg.hidden_size, [1])
 
+    def moe_spec(self) -> MoeSpec:
+        shared = self.shared_expert
+        return MoeSpec(self.gate, self.experts.expert_weights(), self.experts.top_k,
+                       self.experts.renormalize, shared and shared.gate_up_proj,
+                       shared and shared.down_proj, self.shared_expert_gate)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
@@ -57,6 +64,10 @@ class MoeDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x))
         return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
+
+    def spec(self) -> LayerSpec:
+        return decoder_spec(self.self_attn, getattr(self, self.mlp_name), NormKind.RMS,
+                            self.input_layernorm, self.post_attention_layernorm)
 
 
 class _MoeForCausalLM(CausalLM):
