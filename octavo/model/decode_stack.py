@@ -11,12 +11,12 @@ runs the same kernels in the same order from C++ (the CPU analogue of replaying 
 graph), so it needs exactly what those kernels need. What a layer is comes from its description
 (`layer.spec()`, model/layer_spec.py): RMSNorm or Gemma's 1 + w, norms before each sublayer or
 around it, q/k norms, silu or gelu(tanh), the attention's scale, sliding window and softcap, its
-RoPE tables, and a dense MLP or a mixture of experts (router, top-k, renormalization, a shared
-expert; tokens grouped by expert, as FusedMoE groups them). The weights are read from each linear layer's typed weights (`_forms`): dense
+RoPE tables (over the whole head or its first rotary_dim features), and a dense MLP or a mixture
+of experts (router, top-k, renormalization, a shared expert; tokens grouped by expert, as
+FusedMoE groups them). The weights are read from each linear layer's typed weights (`_forms`): dense
 weights (with or without a GGUF's int4/int8 copy for small batches) or packed int4 / symmetric
 int8 weights alone (--quantization). Anything else (steps with long prefills, an fp8 KV cache,
-act-order or asymmetric int8 weights, partial rotary, kernels not loaded yet) runs the Python
-layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a rank's
+act-order or asymmetric int8 weights, kernels not loaded yet) runs the Python layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a rank's
 heads and slices and calls the ranks' all-reduce after each o and down projection (after the
 experts' sum, and after the shared expert, in a MoE layer), as the Python layers do.
 """
@@ -34,7 +34,7 @@ from octavo.kernels.paged_attention import AttentionPlan
 from octavo.model.context import get_forward_context
 from octavo.model.layer_spec import LayerSpec, NormKind
 from octavo.model.layers.linear import Linear
-from octavo.model.layers.rotary import RotaryEmbedding
+from octavo.model.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
 from octavo.model.quant.decode_weights import max_rows
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed, PackedWeight
 from octavo.model.quant.weights import DenseWeights, PackedWeights
@@ -52,7 +52,7 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
         spec: LayerSpec = layer.spec()
         if spec.activation is None:
             return "a gated activation other than silu or gelu (tanh)"
-        if type(spec.rotary) is not RotaryEmbedding:
+        if type(spec.rotary) not in (RotaryEmbedding, PartialRotaryEmbedding):
             return f"rotary embedding {type(spec.rotary).__name__}"
         if spec.o.bias is not None:
             return "an o_proj bias"

@@ -30,7 +30,8 @@ def _generate(llm: LLM) -> list:
     return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("name", ["llama-default", "qwen2-bias", "qwen3-qk-norm"])
+@pytest.mark.parametrize("name", ["llama-default", "qwen2-bias", "qwen3-qk-norm",
+                                  "phi3-longrope-partial"])
 @pytest.mark.parametrize("bits", [None, 4, 8])
 def test_stack_matches_the_python_layers(tmp_path, smollm_oracle_folder, name, bits):
     folder, _ = _build(tmp_path, smollm_oracle_folder, name)
@@ -100,7 +101,7 @@ def test_steps_with_padded_prefills_run_the_layers(tmp_path, smollm_oracle_folde
     assert [o.token_ids for o in _generate(llm)] == [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("name", ["phi3-longrope-partial", "gpt2"])
+@pytest.mark.parametrize("name", ["gpt2", "gpt-neox-sequential"])
 def test_models_the_stack_does_not_fit_keep_their_layers(tmp_path, smollm_oracle_folder, name):
     folder, _ = _build(tmp_path, smollm_oracle_folder, name)
     llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
@@ -308,7 +309,8 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
     def add(kind="none", plan="step", activation="silu"):
         stack.add_layer(norms, None, None, False, dense, [None] * 4, [kind] * 4, [None] * 4,
                         [None] * 4, [48, 32, 64, 32], [0] * 4, args["kv_cache"], args["cos"],
-                        args["sin"], args["scale"], args["softcap"], plan, activation)
+                        args["sin"], args["scale"], args["softcap"], plan, activation, 0, False,
+                        False)
 
     add()
     with pytest.raises(RuntimeError, match="unknown low-bit weight kind 'int5'"):
@@ -319,3 +321,8 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
         add(plan="global")
     with pytest.raises(RuntimeError, match="a low-bit weight needs its tensors"):
         add(kind="int8")
+    with pytest.raises(RuntimeError, match="rotary tables must be"):
+        stack.add_layer(norms, None, None, False, dense, [None] * 4, ["none"] * 4, [None] * 4,
+                        [None] * 4, [48, 32, 64, 32], [0] * 4, args["kv_cache"],
+                        torch.ones(64, 16), torch.zeros(64, 16), 0.25, 0.0, "step", "silu", 0,
+                        False, False)

@@ -50,7 +50,7 @@ struct StackLayer {
   StackLinear qkv, o, gate_up, down;  // gate_up and down: a dense MLP's
   std::optional<StackMoe> moe;         // else the mixture of experts
   at::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
-  at::Tensor cos, sin;          // this layer's RoPE tables [positions, head_dim / 2], float32
+  at::Tensor cos, sin;  // this layer's RoPE tables [positions, rotary_dim / 2], float32
   double scale = 1.0, softcap = 0.0;  // softcap 0: none
   int64_t plan = 0;  // which of forward's plans its attention reads (1: the sliding-window one)
   StackActivation act = StackActivation::kSilu;
@@ -85,7 +85,8 @@ class DecodeStack : public torch::CustomClassHolder {
                 "a layer has qkv and o, then gate_up and down or a router and experts");
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv cache must be [2, ...]");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
-                cos.size(1) * 2 == head_dim_, "rotary tables must be float32 [P, head_dim / 2]");
+                cos.size(1) * 2 <= head_dim_,
+                "rotary tables must be float32 [P, rotary_dim / 2], rotary_dim <= head_dim");
     std::vector<StackLinear> linears;
     for (size_t i = 0; i < count; ++i)
       linears.emplace_back(dense[i], bias[i], low_bit[i], low_a[i], low_b[i], out[i],
@@ -168,7 +169,7 @@ class DecodeStack : public torch::CustomClassHolder {
                                         [&] {
           rope_write_kv_typed<scalar_t>(
               qkv.data_ptr<scalar_t>(), t, qkv.stride(0), heads_, kv_heads_, head_dim_,
-              positions.data_ptr<int64_t>(), l.cos.data_ptr<float>(), l.sin.data_ptr<float>(),
+              l.cos.size(1), positions.data_ptr<int64_t>(), l.cos.data_ptr<float>(), l.sin.data_ptr<float>(),
               weight_of<scalar_t>(l.q_norm, l.one_plus_norms),
               weight_of<scalar_t>(l.k_norm, l.one_plus_norms), static_cast<float>(eps_),
               l.k_cache.data_ptr<scalar_t>(), l.v_cache.data_ptr<scalar_t>(),

@@ -138,14 +138,14 @@ void add_rms_norm_typed(T* x, const T* delta, int64_t delta_stride, NormWeight<T
 // The q and k heads of a fused qkv row normed (the q_norm / k_norm of Qwen3 and Gemma 3, when
 // given) and rotated in place, and the k and v rows written to their cache slots: what rms_norm,
 // rotary_typed and write_rows do, without a tensor view per head group. qkv rows are `stride`
-// apart; the cache is T, like the activations.
+// apart; the cache is T, like the activations. The rotation covers a head's first 2 * half
+// features (half = dim / 2, or less for partial rotary: the rest pass through).
 template <typename T>
 void rope_write_kv_typed(T* qkv, int64_t tokens, int64_t stride, int64_t heads, int64_t kv_heads,
-                         int64_t dim, const int64_t* pos, const float* cos, const float* sin,
-                         NormWeight<T> q_norm, NormWeight<T> k_norm, float eps, T* k_cache,
-                         T* v_cache,
-                         const int64_t* slots) {
-  const int64_t half = dim / 2, kv_width = kv_heads * dim;
+                         int64_t dim, int64_t half, const int64_t* pos, const float* cos,
+                         const float* sin, NormWeight<T> q_norm, NormWeight<T> k_norm, float eps,
+                         T* k_cache, T* v_cache, const int64_t* slots) {
+  const int64_t kv_width = kv_heads * dim;
   // A prefill's thousands of tokens are split between the threads; a decode step's few run
   // inline (no fork).
   at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
