@@ -51,22 +51,24 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
             return f"layer type {type(layer).__name__}"
         spec: LayerSpec = layer.spec()
         if spec.activation is None:
-            return "a gated activation other than silu or gelu (tanh)"
-        if type(spec.rotary) not in (RotaryEmbedding, PartialRotaryEmbedding):
+            return "an activation other than silu or gelu (tanh) gated, or silu, gelu or relu"
+        if spec.rotary is not None and type(spec.rotary) not in (RotaryEmbedding,
+                                                                 PartialRotaryEmbedding):
             return f"rotary embedding {type(spec.rotary).__name__}"
-        if spec.o.bias is not None:
-            return "an o_proj bias"
+        if spec.norm_kind is NormKind.LAYER and (spec.q_norm is not None or any(
+                n.weight is None or n.bias is None for n in spec.norms)):
+            return "LayerNorms without weight and bias, or q/k norms beside them"
         for lin in _linears(spec):
             reason = _weight_reason(lin, spec.attn_in_norm.weight.dtype)
             if reason is not None:
                 return reason
-        if any(type(n) is not spec.norm_kind.value for n in spec.norms):
-            return f"a norm other than {spec.norm_kind.value.__name__}"
+        if any(type(n) is not spec.norm_kind.module for n in spec.norms):
+            return f"a norm other than {spec.norm_kind.module.__name__}"
         eps.update(n.eps for n in spec.norms)
         a = spec.attention
         shapes.add((a.num_heads, a.num_kv_heads, a.head_dim))
     if len(eps) > 1:
-        return "RMSNorm epsilons that differ between norms"
+        return "norm epsilons that differ between norms"
     if len(shapes) > 1:
         return "layers with different head counts or sizes"
     return None
@@ -192,16 +194,17 @@ class DecodeStack:
         if parallel_state.tp_size() > 1:  # the row-parallel projections' partial sums
             stack.set_all_reduce(parallel_state.TP_ALL_REDUCE_OP)
         for spec in self.specs:
-            # One list per StackLinear field, over qkv, o, gate_up and down.
-            linears = [list(field) for field in zip(*map(_linear, _linears(spec)))]
-            stack.add_layer(
-                [_norm_weight(spec, n) for n in (spec.attn_in_norm, spec.attn_out_norm,
-                                                 spec.mlp_in_norm, spec.mlp_out_norm)],
-                _norm_weight(spec, spec.q_norm), _norm_weight(spec, spec.k_norm),
-                spec.norm_kind is NormKind.ONE_PLUS, *linears,
-                kv_caches[spec.attention.layer_index], spec.rotary.cos, spec.rotary.sin,
-                spec.scale, spec.softcap or 0.0, "sliding" if spec.window else "step",
-                spec.activation.value, *_moe_settings(spec))
+            rotary = spec.rotary
+            stack.add_layer(kv_caches[spec.attention.layer_index], rotary and rotary.cos,
+                            rotary and rotary.sin, spec.scale, spec.softcap or 0.0,
+                            "sliding" if spec.window else "step")
+            norms = (spec.attn_in_norm, spec.attn_out_norm, spec.mlp_in_norm, spec.mlp_out_norm)
+            stack.set_norms(spec.norm_kind.value,
+                            [_norm_weight(spec, n) for n in (*norms, spec.q_norm, spec.k_norm)],
+                            [_norm_bias(spec, n) for n in norms], spec.parallel_residual)
+            # One list per StackLinear field, over the layer's linear layers (_linears).
+            stack.set_linears(*[list(field) for field in zip(*map(_linear, _linears(spec)))])
+            stack.set_mlp(spec.activation.value, spec.gated, *_moe_settings(spec))
         self._stack, self._caches = stack, kv_caches
 
 
@@ -216,6 +219,10 @@ def _moe_settings(spec: LayerSpec) -> tuple[int, bool, bool]:
 def _kernel_plan(plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     d = plan.decode
     return d.token_index, d.block_table, d.seq_lens, d.window or 0
+
+
+def _norm_bias(spec: LayerSpec, norm: nn.Module | None) -> torch.Tensor | None:
+    return norm.bias if norm is not None and spec.norm_kind is NormKind.LAYER else None
 
 
 def _norm_weight(spec: LayerSpec, norm: nn.Module | None) -> torch.Tensor | None:

@@ -1,7 +1,9 @@
 """A decoder layer described for the fused decode stack (model/decode_stack.py): which norms sit
-where and how they apply their weight, the attention's scale, window, softcap and RoPE tables,
-the gated activation, and the modules holding the weights. Each family's decoder layer builds
-its own (`spec()`) from what it already has; the stack reads these, not layer types."""
+where and how they apply their weight, whether the MLP reads the layer's input beside attention
+(parallel residual), the attention's scale, window, softcap and RoPE tables, the MLP (gated or
+plain, its activation, or a mixture of experts), and the modules holding the weights. Each
+family's decoder layer builds its own (`spec()`) from what it already has; the stack reads
+these, not layer types."""
 from __future__ import annotations
 
 import enum
@@ -19,19 +21,38 @@ from octavo.model.layers.rotary import RotaryEmbedding
 
 
 class NormKind(enum.Enum):
-    RMS = RMSNorm  # x / rms(x), rounded to the dtype, times w
-    ONE_PLUS = GemmaRMSNorm  # x / rms(x) times (1 + w) in float32, one rounding (Gemma)
+    """How a layer's norms apply their weights; the values are the C++ stack's names
+    (csrc/stack_layer.h, stack_norm_kind)."""
+
+    RMS = "rms"  # x / rms(x), rounded to the dtype, times w
+    ONE_PLUS = "one_plus"  # x / rms(x) times (1 + w) in float32, one rounding (Gemma)
+    LAYER = "layer"  # LayerNorm with a bias (GPT-NeoX, GPT-2)
+
+    @property
+    def module(self) -> type[nn.Module]:
+        return {"rms": RMSNorm, "one_plus": GemmaRMSNorm, "layer": nn.LayerNorm}[self.value]
 
 
 class Activation(enum.Enum):
-    """The gated activation on the packed [gate | up] projection; the values are the names the
-    C++ stack knows them by (csrc/decode_stack.h, stack_activation)."""
+    """The MLP's activation: on the packed [gate | up] projection of a gated MLP (silu and
+    gelu_tanh), else on the up projection; the values are the C++ stack's names
+    (csrc/stack_layer.h, stack_activation)."""
 
     SILU = "silu"
     GELU_TANH = "gelu_tanh"
+    GELU = "gelu"
+    RELU = "relu"
 
 
-_ACTIVATIONS = {fused.silu_and_mul: Activation.SILU, gelu_tanh_and_mul: Activation.GELU_TANH}
+_GATED = {fused.silu_and_mul: Activation.SILU, gelu_tanh_and_mul: Activation.GELU_TANH}
+# config.json's hidden_act of a plain MLP (model/layers/activation.py computes each with the
+# ATen op the stack calls).
+_PLAIN = {"silu": Activation.SILU, "gelu": Activation.GELU, "gelu_new": Activation.GELU_TANH,
+          "gelu_pytorch_tanh": Activation.GELU_TANH, "relu": Activation.RELU}
+
+
+def plain_activation(hidden_act: str) -> Activation | None:
+    return _PLAIN.get(hidden_act)
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,15 +87,18 @@ class LayerSpec:
     k_norm: nn.Module | None
     qkv: Linear  # the projections; their biases come with them
     o: Linear
-    gate_up: Linear | None  # the dense MLP's; None where the MLP is a mixture of experts
+    gate_up: Linear | None  # the MLP's input projection ([gate | up] where gated); None: MoE
     down: Linear | None
     activation: Activation | None  # None: one the stack does not compute
     attention: PagedAttention  # heads, cache layer index
-    rotary: RotaryEmbedding  # this layer's tables (Gemma 3's local layers have their own base)
+    rotary: RotaryEmbedding | None  # this layer's tables (Gemma 3's local layers have their
+    # own base); None: no rotary (GPT-2's positions are learned, added before the layers)
     scale: float
     window: int | None  # sliding window (the layer reads the step's sliding plan), else None
     softcap: float | None
     moe: MoeSpec | None = None  # the MLP as a mixture of experts, else None
+    gated: bool = True  # the MLP's activation multiplies gate by up
+    parallel_residual: bool = False  # x + attn(norm(x)) + mlp(norm'(x)) (GPT-NeoX)
 
     @property
     def norms(self) -> list[nn.Module]:
@@ -96,5 +120,5 @@ def decoder_spec(self_attn: nn.Module, mlp: nn.Module, norm_kind: NormKind,
     return LayerSpec(
         norm_kind, attn_in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm,
         self_attn.q_norm, self_attn.k_norm, self_attn.qkv_proj, self_attn.o_proj,
-        gate_up, down, _ACTIVATIONS.get(act), attn, self_attn.rotary,
+        gate_up, down, _GATED.get(act), attn, self_attn.rotary,
         attn.scale, attn.sliding_window or None, attn.softcap or None, moe)

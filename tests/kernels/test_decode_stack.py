@@ -101,12 +101,18 @@ def test_steps_with_padded_prefills_run_the_layers(tmp_path, smollm_oracle_folde
     assert [o.token_ids for o in _generate(llm)] == [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gpt-neox-sequential"])
-def test_models_the_stack_does_not_fit_keep_their_layers(tmp_path, smollm_oracle_folder, name):
-    folder, _ = _build(tmp_path, smollm_oracle_folder, name)
+def test_models_the_stack_does_not_fit_keep_their_layers(tmp_path, smollm_oracle_folder,
+                                                         monkeypatch):
+    """A gated activation the stack does not compute (relu on [gate | up]) keeps the layers."""
+    from tests.parity import test_tiny_models
+
+    monkeypatch.setitem(test_tiny_models.CASES, "llama-gated-relu",
+                        ("LlamaConfig", "LlamaForCausalLM", {"hidden_act": "relu"}))
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "llama-gated-relu")
     llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
     model = _model(llm)
     assert getattr(model.model, "decode_stack", None) is None
+    assert "activation" in decode_stack.unsupported_reason(model.model.layers)
 
 
 def test_enforce_eager_turns_the_stack_off(tmp_path, smollm_oracle_folder):
@@ -158,6 +164,35 @@ def test_moe_layers_run_in_the_stack(tmp_path, smollm_oracle_folder, name, dtype
     moe = next(spec.moe for spec in stack.specs if spec.moe is not None)
     # Quantized experts are Linears of packed weights; dense ones slices of the stacked weights.
     assert isinstance(moe.experts[0][0], torch.Tensor) == (quantization is None)
+    with _Counted(stack) as calls:
+        fused = _generate(llm)
+    assert calls[0] >= 11  # every decode step at least
+    model.model.decode_stack = None
+    layered = _generate(llm)
+    for a, b in zip(fused, layered):
+        assert a.token_ids == b.token_ids
+        diff = max(abs(x[t].logprob - y[t].logprob)
+                   for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids))
+        assert diff < (2e-2 if dtype == "bfloat16" else 1e-5), diff
+
+
+@pytest.mark.parametrize("name, dtype, quantization", [
+    ("gpt-neox-parallel", "float32", None), ("gpt-neox-sequential", "float32", None),
+    ("gpt2", "float32", None), ("gpt-neox-parallel", "bfloat16", None),
+    ("gpt2", "bfloat16", None), ("gpt-neox-parallel", "float32", "int8"),
+    ("gpt2", "float32", "int4")])
+def test_layernorm_families_run_in_the_stack(tmp_path, smollm_oracle_folder, name, dtype,
+                                             quantization):
+    """GPT-NeoX (LayerNorm, partial rotary, parallel or sequential residual, a plain GELU MLP,
+    biases on every projection) and GPT-2 (no rotary: learned positions before the layers)
+    take the stack in every step, with the Python layers' tokens and log-probabilities."""
+    folder, _ = _build(tmp_path, smollm_oracle_folder, name)
+    llm = LLM(str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20,
+              enable_prefix_caching=False, quantization=quantization)
+    model = _model(llm)
+    stack = model.model.decode_stack
+    assert stack is not None, decode_stack.unsupported_reason(model.model.layers)
+    assert {spec.norm_kind for spec in stack.specs} == {decode_stack.NormKind.LAYER}
     with _Counted(stack) as calls:
         fused = _generate(llm)
     assert calls[0] >= 11  # every decode step at least
@@ -297,32 +332,47 @@ def test_the_kernels_are_dispatcher_ops_the_profiler_names(tmp_path, smollm_orac
 
 
 def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
-    """Low-bit weight kinds, activations and plans travel by name; a name the C++ side does not
-    know is a clear error, not a silently different kernel."""
+    """Norm and low-bit weight kinds, activations and plans travel by name; a name the C++ side
+    does not know, or a layer given out of order or incomplete, is a clear error, not a
+    silently different kernel."""
     native = fused_kernels.native_module()
     stack = native.DecodeStack(2, 1, 16, 1e-6)
-    norms = [torch.ones(32), None, torch.ones(32), None]
+    norms = [torch.ones(32), None, torch.ones(32), None, None, None]
     dense = [torch.zeros(48, 32), torch.zeros(32, 32), torch.zeros(64, 32), torch.zeros(32, 32)]
-    args = dict(kv_cache=torch.zeros(2, 4, 16, 1, 16), cos=torch.ones(64, 8),
-                sin=torch.zeros(64, 8), scale=0.25, softcap=0.0)
+    cache, cos, sin = torch.zeros(2, 4, 16, 1, 16), torch.ones(64, 8), torch.zeros(64, 8)
 
-    def add(kind="none", plan="step", activation="silu"):
-        stack.add_layer(norms, None, None, False, dense, [None] * 4, [kind] * 4, [None] * 4,
-                        [None] * 4, [48, 32, 64, 32], [0] * 4, args["kv_cache"], args["cos"],
-                        args["sin"], args["scale"], args["softcap"], plan, activation, 0, False,
-                        False)
+    def linears(kind="none"):
+        stack.set_linears(dense, [None] * 4, [kind] * 4, [None] * 4, [None] * 4,
+                          [48, 32, 64, 32], [0] * 4)
 
-    add()
-    with pytest.raises(RuntimeError, match="unknown low-bit weight kind 'int5'"):
-        add(kind="int5")
-    with pytest.raises(RuntimeError, match="unknown gated activation 'relu'"):
-        add(activation="relu")
+    with pytest.raises(RuntimeError, match="add_layer comes first"):
+        stack.set_norms("rms", norms, [None] * 4, False)
     with pytest.raises(RuntimeError, match="unknown attention plan 'global'"):
-        add(plan="global")
-    with pytest.raises(RuntimeError, match="a low-bit weight needs its tensors"):
-        add(kind="int8")
+        stack.add_layer(cache, cos, sin, 0.25, 0.0, "global")
     with pytest.raises(RuntimeError, match="rotary tables must be"):
-        stack.add_layer(norms, None, None, False, dense, [None] * 4, ["none"] * 4, [None] * 4,
-                        [None] * 4, [48, 32, 64, 32], [0] * 4, args["kv_cache"],
-                        torch.ones(64, 16), torch.zeros(64, 16), 0.25, 0.0, "step", "silu", 0,
-                        False, False)
+        stack.add_layer(cache, torch.ones(64, 16), torch.zeros(64, 16), 0.25, 0.0, "step")
+    stack.add_layer(cache, cos, sin, 0.25, 0.0, "step")
+    with pytest.raises(RuntimeError, match="unknown norm kind 'batch'"):
+        stack.set_norms("batch", norms, [None] * 4, False)
+    with pytest.raises(RuntimeError, match="LayerNorm weights come with biases"):
+        stack.set_norms("layer", norms, [None] * 4, False)
+    stack.set_norms("rms", norms, [None] * 4, False)
+    with pytest.raises(RuntimeError, match="unknown low-bit weight kind 'int5'"):
+        linears("int5")
+    with pytest.raises(RuntimeError, match="a low-bit weight needs its tensors"):
+        linears("int8")
+    linears()
+    with pytest.raises(RuntimeError, match="unknown activation 'swish'"):
+        stack.set_mlp("swish", True, 0, False, False)
+    with pytest.raises(RuntimeError, match="a gated MLP takes silu or gelu_tanh"):
+        stack.set_mlp("relu", True, 0, False, False)
+    x = torch.zeros(1, 32)  # the layer is still open (no MLP): a forward is refused
+    plan = (torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+            torch.ones(1, dtype=torch.long), 0)
+    with pytest.raises(RuntimeError, match="a layer is not complete"):
+        stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                      [plan])
+    stack.set_mlp("silu", True, 0, False, False)
+    out = stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                        [plan])
+    assert out.shape == (1, 32)

@@ -102,7 +102,7 @@ at::Tensor gelu_tanh_and_mul(at::Tensor x) {
 }
 
 #include "stack_linear.h"
-#include "decode_stack.h"  // DecodeStack, over these StackLinears
+#include "decode_stack.h"  // DecodeStack, over these StackLinears (stack_layer.h)
 
 namespace {
 
@@ -138,6 +138,9 @@ TORCH_LIBRARY(octavo, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_norms", &DecodeStack::set_norms)
+      .def("set_linears", &DecodeStack::set_linears)
+      .def("set_mlp", &DecodeStack::set_mlp)
       .def("set_all_reduce", &DecodeStack::set_all_reduce)
       .def("forward", &DecodeStack::forward);
 }

@@ -40,21 +40,23 @@ struct StackLinear {
     if (b) low_b = *b;
   }
 
-  // Alone, the packed weight serves every batch the stack is given (DecodeStack.max_tokens
-  // keeps those small).
-  at::Tensor operator()(const at::Tensor& x) const {
+  // The product with the weight, without the bias. Alone, the packed weight serves every batch
+  // the stack is given (DecodeStack.max_tokens keeps those small).
+  at::Tensor product(const at::Tensor& x) const {
     if (kind != LowBitKind::kNone && (!dense.defined() || x.size(0) <= max_rows)) {
       auto y = kind == LowBitKind::kInt4        ? int4_gemm(x, low_a, low_b)
                : kind == LowBitKind::kInt4Torch ? at::_weight_int4pack_mm_for_cpu(x, low_a, 32,
                                                                                   low_b)
                                                 : int8_gemv(x, low_a, low_b);
-      if (y.size(1) != out) y = y.narrow(1, 0, out);
-      return bias.defined() ? y + bias : y;
+      return y.size(1) != out ? y.narrow(1, 0, out) : y;
     }
-    // The bias is added after the product, as the Python layer adds it (one rounding each).
-    auto y = dense.is_mkldnn() ? packed_linear(x, dense) : at::linear(x, dense);
-    return bias.defined() ? y + bias : y;
+    return dense.is_mkldnn() ? packed_linear(x, dense) : at::linear(x, dense);
   }
+
+  // The bias is added after the product, as the Python layer adds it (one rounding each).
+  at::Tensor add_bias(const at::Tensor& y) const { return bias.defined() ? y + bias : y; }
+
+  at::Tensor operator()(const at::Tensor& x) const { return add_bias(product(x)); }
 
   // A weight packed by octavo/kernels/onednn.py: oneDNN's linear op, as its Python side calls it.
   static at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight) {

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
+from octavo.model.decode_stack import run_layers
+from octavo.model.layer_spec import LayerSpec, NormKind, plain_activation
 from octavo.model.layers.activation import activation
 from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.embedding import Embedding, LMHead
@@ -53,6 +55,7 @@ class GPT2MLP(nn.Module):
                                     what="intermediate_size")
         self.c_proj = row_parallel(cfg.intermediate_size, cfg.hidden_size, bias=True,
                                    what="intermediate_size")
+        self.hidden_act = cfg.hidden_act
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,9 +70,16 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GPT2MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # positions: added with the embeddings, not here
         return x + self.mlp(self.ln_2(x))
+
+    def spec(self) -> LayerSpec:
+        a, mlp = self.attn, self.mlp
+        return LayerSpec(
+            NormKind.LAYER, self.ln_1, None, self.ln_2, None, None, None, a.c_attn, a.c_proj,
+            mlp.c_fc, mlp.c_proj, plain_activation(mlp.hidden_act), a.attn, None, a.attn.scale,
+            None, None, gated=False)
 
 
 class GPT2Model(nn.Module):
@@ -82,12 +92,17 @@ class GPT2Model(nn.Module):
         self.wpe = Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.h = stage_layers(cfg.num_layers, lambda i: GPT2Block(cfg, i))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.decode_stack = None  # octavo/model/decode_stack.py attaches one where it fits
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder blocks (the checkpoint calls them h), by the name the stack looks for."""
+        return self.h
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         x = self.wte(input_ids) + self.wpe(positions) if hidden is None else hidden
-        for block in self.h:
-            x = block(x)
+        x = run_layers(self.h, self.decode_stack, x, positions)
         return self.ln_f(x) if is_last_stage() else x
 
 

@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
+from octavo.model.decode_stack import run_layers
+from octavo.model.layer_spec import LayerSpec, NormKind, plain_activation
 from octavo.model.layers.activation import activation
 from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.embedding import Embedding
@@ -49,6 +51,7 @@ class NeoXMLP(nn.Module):
                                              bias=True, what="intermediate_size")
         self.dense_4h_to_h = row_parallel(cfg.intermediate_size, cfg.hidden_size, bias=True,
                                           what="intermediate_size")
+        self.hidden_act = cfg.hidden_act
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,6 +74,14 @@ class NeoXLayer(nn.Module):
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def spec(self) -> LayerSpec:
+        a, mlp = self.attention, self.mlp
+        return LayerSpec(
+            NormKind.LAYER, self.input_layernorm, None, self.post_attention_layernorm, None,
+            None, None, a.query_key_value, a.dense, mlp.dense_h_to_4h, mlp.dense_4h_to_h,
+            plain_activation(mlp.hidden_act), a.attn, a.rotary, a.attn.scale, None, None,
+            gated=False, parallel_residual=self.parallel)
+
 
 class NeoXModel(nn.Module):
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
@@ -80,12 +91,12 @@ class NeoXModel(nn.Module):
                              cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         self.layers = stage_layers(cfg.num_layers, lambda i: NeoXLayer(cfg, i, rotary))
         self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.decode_stack = None  # octavo/model/decode_stack.py attaches one where it fits
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_in(input_ids) if hidden is None else hidden
-        for layer in self.layers:
-            x = layer(positions, x)
+        x = run_layers(self.layers, self.decode_stack, x, positions)
         return self.final_layer_norm(x) if is_last_stage() else x
 
 

@@ -1,0 +1,73 @@
+// What one decoder layer of DecodeStack (decode_stack.h) is: its norms, linear layers, MLP (dense
+// or a mixture of experts), attention settings and cache, each named by the value the Python side
+// gives it (octavo/model/layer_spec.py, LayerSpec). Included by cpu_ops.cpp only, after
+// stack_linear.h.
+#pragma once
+
+#include <array>
+#include <optional>
+#include <string>
+#include <vector>
+
+// How a layer's norms apply their weights: RMSNorm (x / rms(x) * w, rounded to the dtype first),
+// Gemma's (1 + w in float32, one rounding), or LayerNorm with a bias (GPT-NeoX, GPT-2).
+enum class StackNormKind { kRms, kOnePlus, kLayer };
+
+inline StackNormKind stack_norm_kind(const std::string& name) {
+  if (name == "rms") return StackNormKind::kRms;
+  if (name == "one_plus") return StackNormKind::kOnePlus;
+  if (name == "layer") return StackNormKind::kLayer;
+  TORCH_CHECK(false, "unknown norm kind '", name, "' (rms, one_plus, layer)");
+}
+
+// The MLP's activation: on a packed [gate | up] projection where gated (silu and gelu_tanh),
+// else on the up projection alone.
+enum class StackActivation { kSilu, kGeluTanh, kGelu, kRelu };
+
+inline StackActivation stack_activation(const std::string& name) {
+  if (name == "silu") return StackActivation::kSilu;
+  if (name == "gelu_tanh") return StackActivation::kGeluTanh;
+  if (name == "gelu") return StackActivation::kGelu;
+  if (name == "relu") return StackActivation::kRelu;
+  TORCH_CHECK(false, "unknown activation '", name, "' (silu, gelu_tanh, gelu, relu)");
+}
+
+// Which of forward's plans a layer's attention reads: the step's, or the sliding-window one.
+inline int64_t plan_index(const std::string& name) {
+  if (name == "step") return 0;
+  if (name == "sliding") return 1;
+  TORCH_CHECK(false, "unknown attention plan '", name, "' (step, sliding)");
+}
+
+// A mixture-of-experts MLP (octavo/model/layers/moe.py FusedMoE, and Qwen2-MoE's sigmoid-gated
+// shared expert).
+struct StackMoe {
+  StackLinear router;
+  std::vector<StackLinear> gate_up, down;  // per expert
+  int64_t top_k = 1;
+  bool renormalize = false;
+  bool shared = false;  // a shared expert: shared_down(act(shared_gate_up)) * sigmoid(gate)
+  StackLinear shared_gate_up, shared_down, shared_gate;
+};
+
+// The norms of a layer by place.
+enum StackNormPlace { kAttnIn = 0, kAttnOut = 1, kMlpIn = 2, kMlpOut = 3 };
+
+struct StackLayer {
+  StackNormKind norm_kind = StackNormKind::kRms;
+  // Weights (and LayerNorm's biases) of the norms before each sublayer, and after each where
+  // the layer has them (Gemma's sandwich; else undefined): 1 + w in float32 for kOnePlus.
+  std::array<at::Tensor, 4> norm_w, norm_b;
+  at::Tensor q_norm, k_norm;  // per head before the rotation (Qwen3, Gemma 3), else undefined
+  bool parallel_residual = false;  // the MLP reads the layer's input, as attention does (NeoX)
+  StackLinear qkv, o, gate_up, down;  // gate_up and down: a dense MLP's
+  std::optional<StackMoe> moe;        // else the mixture of experts
+  bool gated = true;
+  StackActivation act = StackActivation::kSilu;
+  at::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
+  at::Tensor cos, sin;  // RoPE tables [positions, rotary_dim / 2] float32; undefined: no RoPE
+  double scale = 1.0, softcap = 0.0;  // softcap 0: none
+  int64_t plan = 0;  // which of forward's plans its attention reads (1: the sliding-window one)
+  std::vector<StackLinear> linears;  // as given, until set_mlp places them
+  bool complete = false;  // set_mlp was called: the layer is whole
+};
