@@ -16,7 +16,7 @@ context up to and including it. Where it computes a prompt's tokens 16 at a time
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -65,25 +65,49 @@ class AttentionPlan:
     slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
     groups: list[AttentionGroup]
     decode: DecodeGroup | None = None
+    buckets: list[np.ndarray] = field(default_factory=list)  # each group's requests
 
 
-def build_plan(query_lens: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
-               block_size: int, sliding_window: int | None = None,
-               device: torch.device | str = "cpu", native_decode: bool = False,
-               prompt_runs: bool = False) -> AttentionPlan:
+@dataclass(frozen=True)
+class StepLayout:
+    """A step's tokens laid out request after request: request r brings query_lens[r] new
+    tokens, which end its context of seq_lens[r]. Flattened once per step (step_layout) and
+    read by the runner (input ids, positions, the tokens it samples), the attention plans and
+    the drafter."""
+
+    query_lens: np.ndarray  # [R]
+    seq_lens: np.ndarray  # [R]
+    starts: np.ndarray  # [R] the index of each request's first token
+    ends: np.ndarray  # [R] one past its last
+    req_of_token: np.ndarray  # [T]
+    positions: np.ndarray  # [T] each token's position in its request
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+
+def step_layout(query_lens: np.ndarray, seq_lens: np.ndarray) -> StepLayout:
+    ends = np.cumsum(query_lens)
+    starts = ends - query_lens
+    req_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    positions = ((seq_lens - query_lens)[req_of_token] + np.arange(len(req_of_token))
+                 - starts[req_of_token])
+    return StepLayout(query_lens, seq_lens, starts, ends, req_of_token, positions)
+
+
+def build_plan(layout: StepLayout, block_table: np.ndarray, block_size: int,
+               sliding_window: int | None = None, device: torch.device | str = "cpu",
+               native_decode: bool = False, prompt_runs: bool = False) -> AttentionPlan:
     """Index tensors for one step, shared by every layer.
 
-    query_lens[r]: tokens of request r computed this step; seq_lens[r]: its context length after
-    this step; block_table[r]: its block ids (padded). Tokens are laid out request after request.
+    layout: the step's tokens (step_layout); block_table[r]: request r's block ids (padded).
     native_decode: the tokens of requests with at most KERNEL_QUERY_LEN new tokens or at most
     KERNEL_CONTEXT_LEN tokens of context go to the C++ kernel (`fused.decode_attention`);
     with prompt_runs too (the kernel computes prompts 16 tokens at a time), every token does.
     """
-    num_tokens = int(query_lens.sum())
-    starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]])
-    req_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
-    pos = seq_lens[req_of_token] - query_lens[req_of_token] + (
-        np.arange(num_tokens) - starts[req_of_token])
+    query_lens, seq_lens, req_of_token, pos = (layout.query_lens, layout.seq_lens,
+                                               layout.req_of_token, layout.positions)
     slots = block_table[req_of_token, pos // block_size] * block_size + pos % block_size
     decode = None
     decodes = np.flatnonzero(query_lens == 1)
@@ -104,10 +128,27 @@ def build_plan(query_lens: np.ndarray, seq_lens: np.ndarray, block_table: np.nda
             decodes, prefills = decodes[:0], np.flatnonzero(~short)
     buckets = [decodes] if len(decodes) else []
     buckets += _length_buckets(prefills, query_lens, seq_lens)
-    groups = [_group(members, query_lens, seq_lens, starts, block_table, block_size, num_tokens,
-                     sliding_window, device) for members in buckets]
-    return AttentionPlan(num_tokens, torch.from_numpy(slots.astype(np.int64)).to(device), groups,
-                         decode)
+    plan = AttentionPlan(layout.num_tokens, torch.from_numpy(slots.astype(np.int64)).to(device),
+                         [], decode, buckets)
+    plan.groups = _groups(plan, layout, block_table, block_size, sliding_window, device)
+    return plan
+
+
+def windowed_plan(plan: AttentionPlan, layout: StepLayout, block_table: np.ndarray,
+                  block_size: int, window: int, device: torch.device | str = "cpu"
+                  ) -> AttentionPlan:
+    """The step's plan for layers with a sliding window: the same slots, kernel entries and
+    buckets as `plan` (built for the same step without a window), the window applied."""
+    decode = None if plan.decode is None else replace(plan.decode, window=window)
+    windowed = AttentionPlan(plan.num_tokens, plan.slot_mapping, [], decode, plan.buckets)
+    windowed.groups = _groups(windowed, layout, block_table, block_size, window, device)
+    return windowed
+
+
+def _groups(plan: AttentionPlan, layout: StepLayout, block_table: np.ndarray, block_size: int,
+            window: int | None, device: torch.device | str) -> list[AttentionGroup]:
+    return [_group(members, layout.query_lens, layout.seq_lens, layout.starts, block_table,
+                   block_size, plan.num_tokens, window, device) for members in plan.buckets]
 
 
 def _length_buckets(members: np.ndarray, query_lens: np.ndarray,

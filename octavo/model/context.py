@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from octavo.kernels import fused
-from octavo.kernels.paged_attention import AttentionPlan, build_plan
+from octavo.kernels.paged_attention import AttentionPlan, StepLayout, build_plan, windowed_plan
 
 
 @dataclass
@@ -41,17 +41,18 @@ def get_forward_context() -> ForwardContext:
     return _current[-1]
 
 
-def step_context(query_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
-                 block_size: int, kv_caches: list[torch.Tensor], sliding_window: int | None,
+def step_context(layout: StepLayout, tables: np.ndarray, block_size: int,
+                 kv_caches: list[torch.Tensor], sliding_window: int | None,
                  device: torch.device) -> ForwardContext:
     """The context of one forward pass over the requests whose block tables are `tables`:
-    the attention plan, and the sliding-window plan of a model with windowed layers. Whether the
-    C++ kernels take the short queries is decided per step: kernels built in the background
-    take over once they are ready."""
+    the attention plan, and the sliding-window plan of a model with windowed layers (the same
+    slots and kernel entries, the window applied). Whether the C++ kernels take the short
+    queries is decided per step: kernels built in the background take over once they are
+    ready."""
     native = device.type == "cpu" and fused.native_ready()
     runs = native and fused.prompt_runs_ready(kv_caches[0])
-    plan = build_plan(query_lens, seq_lens, tables, block_size, device=device,
-                      native_decode=native, prompt_runs=runs)
-    sliding = None if sliding_window is None else build_plan(
-        query_lens, seq_lens, tables, block_size, sliding_window, device, native, runs)
+    plan = build_plan(layout, tables, block_size, device=device, native_decode=native,
+                      prompt_runs=runs)
+    sliding = None if sliding_window is None else windowed_plan(
+        plan, layout, tables, block_size, sliding_window, device)
     return ForwardContext(plan, kv_caches, sliding)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from octavo.core.contract import GrammarBitmask, ModelOutput, SchedulerOutput, TopLogprobs
+from octavo.kernels.paged_attention import step_layout
 from octavo.model.context import forward_context, step_context
 from octavo.model.pipeline import is_last_stage
 from octavo.worker.input_batch import InputBatch
@@ -62,17 +63,13 @@ class ModelRunner:
             b.write_drafts(b.row_of[req_id], tokens)
         query_lens = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(req_ids))
         computed = b.num_computed[rows]
-        seq_lens = computed + query_lens
-        ends = np.cumsum(query_lens)
-        starts = ends - query_lens
-        req_of_token = np.repeat(np.arange(len(rows)), query_lens)
-        positions = computed[req_of_token] + np.arange(ends[-1]) - starts[req_of_token]
-        input_ids = b.token_ids[rows[req_of_token], positions]
+        layout = step_layout(query_lens, computed + query_lens)
+        seq_lens, starts, ends = layout.seq_lens, layout.starts, layout.ends
+        input_ids = b.token_ids[rows[layout.req_of_token], layout.positions]
 
-        positions_t = torch.from_numpy(positions).to(self.device)
-        with forward_context(step_context(query_lens, seq_lens, b.block_table[rows],
-                                          self.block_size, self.kv_caches, self.sliding_window,
-                                          self.device)):
+        positions_t = torch.from_numpy(layout.positions).to(self.device)
+        with forward_context(step_context(layout, b.block_table[rows], self.block_size,
+                                          self.kv_caches, self.sliding_window, self.device)):
             hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions_t)
         if not is_last_stage():  # its hidden states went on to the next stage, which samples
             return ModelOutput(req_ids, [[] for _ in req_ids])

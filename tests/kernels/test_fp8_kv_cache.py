@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from octavo.kernels import fused
-from octavo.kernels.paged_attention import build_plan, paged_attention
+from octavo.kernels.paged_attention import build_plan, paged_attention, step_layout
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
@@ -19,7 +19,7 @@ def test_fp8_cache_matches_attention_over_dequantized_values(native_kernels, nat
     seq_lens = np.array([1, 17, 60, 33])
     table = np.random.default_rng(0).permutation(num_blocks)[:4 * 4].reshape(4, 4)
     cache = torch.zeros(2, num_blocks, block_size, kv_heads, dim, dtype=torch.float8_e4m3fn)
-    ctx = build_plan(seq_lens, seq_lens, table, block_size)  # every position written
+    ctx = build_plan(step_layout(seq_lens, seq_lens), table, block_size)  # every position written
     k = torch.randn(int(seq_lens.sum()), kv_heads, dim) * 3  # some beyond 448 * k_scale: saturate
     v = torch.randn(int(seq_lens.sum()), kv_heads, dim)
     fused.write_kv(cache, k, v, ctx.slot_mapping, k_scale, v_scale)
@@ -29,10 +29,11 @@ def test_fp8_cache_matches_attention_over_dequantized_values(native_kernels, nat
     # The same attention over a float32 cache holding the dequantized values.
     dense = cache.float() * torch.tensor([k_scale, v_scale]).view(2, 1, 1, 1, 1)
     q = torch.randn(4, heads, dim)
-    plan = build_plan(np.ones(4, np.int64), seq_lens, table, block_size, native_decode=native)
+    plan = build_plan(step_layout(np.ones(4, np.int64), seq_lens), table, block_size,
+                      native_decode=native)
     assert (plan.decode is not None) == native
     out = paged_attention(q, cache, plan, dim ** -0.5, None, k_scale, v_scale)
-    ref = paged_attention(q, dense, build_plan(np.ones(4, np.int64), seq_lens, table,
+    ref = paged_attention(q, dense, build_plan(step_layout(np.ones(4, np.int64), seq_lens), table,
                                                block_size), dim ** -0.5)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), (out - ref).abs().max()
 

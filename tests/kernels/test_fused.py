@@ -91,7 +91,7 @@ def test_decode_attention_matches_padded_path(native_kernels, dtype, window, sof
     merged afterwards; with more, each request is one work item."""
     import numpy as np
 
-    from octavo.kernels.paged_attention import build_plan, paged_attention
+    from octavo.kernels.paged_attention import build_plan, paged_attention, step_layout
 
     heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 40
     cache = torch.randn(2, num_blocks, block_size, kv_heads, dim).to(dtype)
@@ -105,7 +105,7 @@ def test_decode_attention_matches_padded_path(native_kernels, dtype, window, sof
     try:
         outs = []
         for native in (False, True):
-            plan = build_plan(query_lens, seq_lens, table, block_size, window,
+            plan = build_plan(step_layout(query_lens, seq_lens), table, block_size, window,
                               native_decode=native)
             outs.append(paged_attention(q, cache, plan, dim ** -0.5, softcap))
     finally:

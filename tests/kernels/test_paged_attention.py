@@ -7,7 +7,7 @@ import torch
 
 from octavo.kernels import fused
 from octavo.kernels.fused import write_kv
-from octavo.kernels.paged_attention import build_plan, paged_attention
+from octavo.kernels.paged_attention import build_plan, paged_attention, step_layout
 
 
 def _dense(q, k, v, start, scale, window=None, softcap=None):
@@ -58,11 +58,13 @@ def test_mixed_batch_matches_dense(block_size, window, softcap, dim, native, nat
         full_k.append(k)
         full_v.append(v)
         if done:
-            ctx = build_plan(np.array([done]), np.array([done]), table[i:i + 1], block_size)
+            ctx = build_plan(step_layout(np.array([done]), np.array([done])), table[i:i + 1],
+                             block_size)
             write_kv(cache, k[:done], v[:done], ctx.slot_mapping)
     query_lens = np.array([n for _, n in reqs])
     seq_lens = np.array([d + n for d, n in reqs])
-    plan = build_plan(query_lens, seq_lens, table, block_size, window, native_decode=native)
+    plan = build_plan(step_layout(query_lens, seq_lens), table, block_size, window,
+                      native_decode=native)
     assert (plan.decode is not None) == native
     q_all = [torch.randn(n, heads, dim) for _, n in reqs]
     write_kv(cache, torch.cat([k[d:] for k, (d, _) in zip(full_k, reqs)]),
@@ -73,25 +75,51 @@ def test_mixed_batch_matches_dense(block_size, window, softcap, dim, native, nat
     assert torch.allclose(out.double(), ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_a_windowed_plan_shares_the_steps_and_equals_one_built_with_the_window(native):
+    """The sliding-window layers' plan is the step's plan with the window applied: the same
+    slot and kernel tensors (built once a step), groups and masks as build_plan makes them."""
+    from octavo.kernels.paged_attention import windowed_plan
+
+    layout = step_layout(np.array([1, 40, 1200, 3]), np.array([90, 40, 1200, 70]))
+    table = np.arange(4 * 80).reshape(4, 80)
+    plan = build_plan(layout, table, 16, native_decode=native)
+    derived = windowed_plan(plan, layout, table, 16, 32)
+    built = build_plan(layout, table, 16, 32, native_decode=native)
+    assert derived.slot_mapping is plan.slot_mapping
+    assert torch.equal(derived.slot_mapping, built.slot_mapping)
+    assert (derived.decode is None) == (built.decode is None) == (not native)
+    if native:
+        assert derived.decode.token_index is plan.decode.token_index
+        assert derived.decode.window == built.decode.window == 32
+        assert plan.decode.window is None
+    assert len(derived.groups) == len(built.groups) >= 1
+    for a, b in zip(derived.groups, built.groups):
+        for name in ("token_index", "token_valid", "key_slots", "mask"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None and y is None) or torch.equal(x, y), name
+
+
 def test_prefills_are_bucketed_by_length():
     """Short prompts are not padded to long ones; a lone fresh prompt runs causal, unmasked."""
     query_lens = np.array([32, 500, 40, 480, 1, 1])
     seq_lens = np.array([32, 500, 40, 480, 70, 90])
     table = np.arange(6 * 32).reshape(6, 32)
-    plan = build_plan(query_lens, seq_lens, table, 16)  # without the kernel: SDPA for all
+    # without the kernel: SDPA for all
+    plan = build_plan(step_layout(query_lens, seq_lens), table, 16)
     sizes = sorted(tuple(sorted(g.token_valid.sum(1).tolist())) for g in plan.groups)
     assert sizes == [(1, 1), (32, 40), (480, 500)]
-    alone = build_plan(np.array([100]), np.array([100]), table[:1], 16)
+    alone = build_plan(step_layout(np.array([100]), np.array([100])), table[:1], 16)
     assert len(alone.groups) == 1 and alone.groups[0].mask is None
     # With the kernel, prompts up to KERNEL_CONTEXT_LEN tokens of context go to it; longer
     # ones to SDPA.
     long_table = np.arange(2 * 80).reshape(2, 80)
-    mixed = build_plan(np.array([1200, 300]), np.array([1200, 300]), long_table, 16,
+    mixed = build_plan(step_layout(np.array([1200, 300]), np.array([1200, 300])), long_table, 16,
                        native_decode=True)
     assert len(mixed.decode.token_index) == 300
     assert [g.token_valid.sum().item() for g in mixed.groups] == [1200]
     # Where the kernel computes prompts 16 tokens at a time, it takes them all.
-    runs = build_plan(np.array([1200, 300]), np.array([1200, 300]), long_table, 16,
+    runs = build_plan(step_layout(np.array([1200, 300]), np.array([1200, 300])), long_table, 16,
                       native_decode=True, prompt_runs=True)
     assert len(runs.decode.token_index) == 1500 and not runs.groups
 
@@ -127,7 +155,8 @@ def test_prompt_runs_match_dense_bf16(block_size, heads, kv_heads, dim, window, 
         if share:  # the shared positions hold the previous request's K and V, written already
             k[:shared], v[:shared] = full_k[-1][:shared], full_v[-1][:shared]
         elif done:
-            ctx = build_plan(np.array([done]), np.array([done]), tables[i][None], block_size)
+            ctx = build_plan(step_layout(np.array([done]), np.array([done])), tables[i][None],
+                             block_size)
             write_kv(cache, k[:done], v[:done], ctx.slot_mapping)
         full_k.append(k)
         full_v.append(v)
@@ -136,8 +165,8 @@ def test_prompt_runs_match_dense_bf16(block_size, heads, kv_heads, dim, window, 
         table[i, :len(t)] = t
     query_lens = np.array([r[1] for r in reqs])
     seq_lens = np.array([r[0] + r[1] for r in reqs])
-    plan = build_plan(query_lens, seq_lens, table, block_size, window, native_decode=True,
-                      prompt_runs=True)
+    plan = build_plan(step_layout(query_lens, seq_lens), table, block_size, window,
+                      native_decode=True, prompt_runs=True)
     assert not plan.groups  # every token in the kernel
     write_kv(cache, torch.cat([k[r[0]:] for k, r in zip(full_k, reqs)]),
              torch.cat([v[r[0]:] for v, r in zip(full_v, reqs)]), plan.slot_mapping)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from octavo.kernels.paged_attention import StepLayout, step_layout
 from octavo.model.context import forward_context, step_context
 from octavo.worker.input_batch import InputBatch
 from octavo.worker.sampler import Sampler, SamplingBatch
@@ -50,12 +51,12 @@ class DraftModel:
             return None
         return q[:len(drafts)]
 
-    def _forward(self, input_ids: np.ndarray, positions: np.ndarray, query_lens: np.ndarray,
-                 seq_lens: np.ndarray, tables: np.ndarray) -> torch.Tensor:
-        with forward_context(step_context(query_lens, seq_lens, tables, self.block_size,
-                                          self.kv_caches, self.sliding_window, self.device)):
+    def _forward(self, input_ids: np.ndarray, layout: StepLayout,
+                 tables: np.ndarray) -> torch.Tensor:
+        with forward_context(step_context(layout, tables, self.block_size, self.kv_caches,
+                                          self.sliding_window, self.device)):
             return self.model(torch.from_numpy(input_ids).to(self.device),
-                              torch.from_numpy(positions).to(self.device))
+                              torch.from_numpy(layout.positions).to(self.device))
 
     @torch.inference_mode()
     def propose(self, b: InputBatch, req_ids: list[str], rows: np.ndarray, computed: np.ndarray,
@@ -79,11 +80,10 @@ class DraftModel:
         query_lens = query_lens[live]
         # Draft 1 only where the pass reached the request's last token.
         sampled &= ends >= b.num_tokens[rows]
-        starts = np.cumsum(query_lens) - query_lens
-        req_of_token = np.repeat(np.arange(len(rows)), query_lens)
-        positions = computed[req_of_token] + np.arange(int(query_lens.sum())) - starts[req_of_token]
-        hidden = self._forward(b.token_ids[rows[req_of_token], positions], positions, query_lens,
-                               ends, b.block_table[rows])
+        layout = step_layout(query_lens, ends)
+        hidden = self._forward(b.token_ids[rows[layout.req_of_token], layout.positions], layout,
+                               b.block_table[rows])
+        starts = layout.starts
         sel = np.flatnonzero(sampled)
         if not len(sel):
             return {}
@@ -102,8 +102,9 @@ class DraftModel:
                 if not len(active):
                     break
                 pos = ends[active] - 1 + s
-                hidden = self._forward(tokens[active, s - 1], pos, np.ones(len(active), np.int64),
-                                       pos + 1, b.block_table[rows[active]])
+                hidden = self._forward(tokens[active, s - 1],
+                                       step_layout(np.ones(len(active), np.int64), pos + 1),
+                                       b.block_table[rows[active]])
                 logits = self.model.compute_logits(hidden)
                 batch = _draft_batch(b, rows[active], self.device)
             out, q = self._sample(logits, batch, b, rows[active], ends[active] + s, keep_q)
