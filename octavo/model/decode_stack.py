@@ -1,5 +1,5 @@
-"""A step of a decoder (Llama family, Gemma 2 and 3, and the mixtures of experts on Llama-style
-attention: Mixtral, Qwen2-MoE, Qwen3-MoE) as one C++ call (csrc/decode_stack.h).
+"""A step of a decoder of any family octavo has (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2 and 3,
+GPT-NeoX, GPT-2, Mixtral, Qwen2-MoE, Qwen3-MoE) as one C++ call (csrc/decode_stack.h).
 
 It takes the steps whose attention the in-place kernel computes whole: decodes, speculative
 verification, and prompts (of any length in bf16, else up to paged_attention.KERNEL_CONTEXT_LEN
@@ -9,16 +9,19 @@ around each kernel costs as much as the kernel: about a dozen module calls and d
 layer, about 3 ms a step for SmolLM2's 30 layers against roughly 5 ms of arithmetic. The stack
 runs the same kernels in the same order from C++ (the CPU analogue of replaying a captured CUDA
 graph), so it needs exactly what those kernels need. What a layer is comes from its description
-(`layer.spec()`, model/layer_spec.py): RMSNorm or Gemma's 1 + w, norms before each sublayer or
-around it, q/k norms, silu or gelu(tanh), the attention's scale, sliding window and softcap, its
-RoPE tables (over the whole head or its first rotary_dim features), and a dense MLP or a mixture
-of experts (router, top-k, renormalization, a shared expert; tokens grouped by expert, as
-FusedMoE groups them). The weights are read from each linear layer's typed weights (`_forms`): dense
-weights (with or without a GGUF's int4/int8 copy for small batches) or packed int4 / symmetric
-int8 weights alone (--quantization). Anything else (steps with long prefills, an fp8 KV cache,
-act-order or asymmetric int8 weights, kernels not loaded yet) runs the Python layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a rank's
-heads and slices and calls the ranks' all-reduce after each o and down projection (after the
-experts' sum, and after the shared expert, in a MoE layer), as the Python layers do.
+(`layer.spec()`, model/layer_spec.py): RMSNorm, Gemma's 1 + w or LayerNorm, norms before each
+sublayer or around it, sequential or parallel residuals, q/k norms, the attention's scale,
+sliding window and softcap, its RoPE tables (over the whole head or its first rotary_dim
+features, or none), and a gated or plain MLP or a mixture of experts (router, top-k,
+renormalization, a shared expert; tokens grouped by expert, as FusedMoE groups them). The
+weights are read from each linear layer's typed weights (`_forms`): dense weights (with or
+without a GGUF's int4/int8 copy for small batches) or packed int4 / symmetric int8 weights alone
+(--quantization); the KV cache is in the activations' dtype or in fp8 (with each layer's k/v
+scales). Anything else (steps with long prefills, act-order or asymmetric int8 weights, kernels
+not loaded yet) runs the Python layers. `--enforce-eager` turns it off. Under tensor
+parallelism it computes a rank's heads and slices and calls the ranks' all-reduce after each o
+and down projection (after the experts' sum, and after the shared expert, in a MoE layer), as
+the Python layers do.
 """
 from __future__ import annotations
 
@@ -168,7 +171,8 @@ class DecodeStack:
                kv_caches: list[torch.Tensor]) -> bool:
         plans = (plan,) if sliding is None else (plan, sliding)
         return (all(not p.groups and p.decode is not None for p in plans)
-                and fused.native_active(x) and x.dtype == self.dtype == kv_caches[0].dtype
+                and fused.native_active(x) and x.dtype == self.dtype
+                and kv_caches[0].dtype in (self.dtype, torch.float8_e4m3fn)
                 and (self.max_tokens is None or x.shape[0] <= self.max_tokens))
 
     def rebuild(self) -> None:
@@ -195,9 +199,10 @@ class DecodeStack:
             stack.set_all_reduce(parallel_state.TP_ALL_REDUCE_OP)
         for spec in self.specs:
             rotary = spec.rotary
-            stack.add_layer(kv_caches[spec.attention.layer_index], rotary and rotary.cos,
+            attn = spec.attention
+            stack.add_layer(kv_caches[attn.layer_index], rotary and rotary.cos,
                             rotary and rotary.sin, spec.scale, spec.softcap or 0.0,
-                            "sliding" if spec.window else "step")
+                            "sliding" if spec.window else "step", attn.k_scale, attn.v_scale)
             norms = (spec.attn_in_norm, spec.attn_out_norm, spec.mlp_in_norm, spec.mlp_out_norm)
             stack.set_norms(spec.norm_kind.value,
                             [_norm_weight(spec, n) for n in (*norms, spec.q_norm, spec.k_norm)],

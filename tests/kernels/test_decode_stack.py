@@ -46,28 +46,9 @@ def test_stack_matches_the_python_layers(tmp_path, smollm_oracle_folder, name, b
                         layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 dense = lin.weights.weight
                 lin.set_weights(DenseWeights(dense, make_decode_weight(dense, bits)))
-    stack = decode_stack.attach(model)
-    assert stack is not None
-    calls = [0]
-    forward = stack.__class__.__call__
-
-    def counted(self, *args):
-        calls[0] += 1
-        return forward(self, *args)
-
-    stack.__class__.__call__ = counted
-    try:
-        fused = _generate(llm)
-    finally:
-        stack.__class__.__call__ = forward
-    assert calls[0] >= 12  # every step: the prompts' prefill too (the kernel takes them)
-    model.model.decode_stack = None
-    layered = _generate(llm)
-    for a, b in zip(fused, layered):
-        assert a.token_ids == b.token_ids
-        diff = max(abs(x[t].logprob - y[t].logprob)
-                   for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids))
-        assert diff < 2e-2, diff  # the same kernels in the same order; bf16 rounding at most
+    assert decode_stack.attach(model) is not None
+    # Every step: the prompts' prefill too (the kernel takes them).
+    _stack_then_layers(llm, bf16=True, min_calls=12)
 
 
 def test_steps_with_padded_prefills_run_the_layers(tmp_path, smollm_oracle_folder,
@@ -158,22 +139,10 @@ def test_moe_layers_run_in_the_stack(tmp_path, smollm_oracle_folder, name, dtype
     folder, _ = _build(tmp_path, smollm_oracle_folder, name)
     llm = LLM(str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20,
               enable_prefix_caching=False, quantization=quantization)
-    model = _model(llm)
-    stack = model.model.decode_stack
-    assert stack is not None, "the model's decode steps run the Python layers"
-    moe = next(spec.moe for spec in stack.specs if spec.moe is not None)
+    specs = _stack_then_layers(llm, dtype == "bfloat16")
+    moe = next(spec.moe for spec in specs if spec.moe is not None)
     # Quantized experts are Linears of packed weights; dense ones slices of the stacked weights.
     assert isinstance(moe.experts[0][0], torch.Tensor) == (quantization is None)
-    with _Counted(stack) as calls:
-        fused = _generate(llm)
-    assert calls[0] >= 11  # every decode step at least
-    model.model.decode_stack = None
-    layered = _generate(llm)
-    for a, b in zip(fused, layered):
-        assert a.token_ids == b.token_ids
-        diff = max(abs(x[t].logprob - y[t].logprob)
-                   for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids))
-        assert diff < (2e-2 if dtype == "bfloat16" else 1e-5), diff
 
 
 @pytest.mark.parametrize("name, dtype, quantization", [
@@ -189,20 +158,47 @@ def test_layernorm_families_run_in_the_stack(tmp_path, smollm_oracle_folder, nam
     folder, _ = _build(tmp_path, smollm_oracle_folder, name)
     llm = LLM(str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20,
               enable_prefix_caching=False, quantization=quantization)
+    specs = _stack_then_layers(llm, dtype == "bfloat16")
+    assert {spec.norm_kind for spec in specs} == {decode_stack.NormKind.LAYER}
+
+
+def _stack_then_layers(llm: LLM, bf16: bool, min_calls: int = 11) -> list:
+    """Generate through the stack (which must run every step), then through the Python layers:
+    the same tokens, and log-probabilities within bf16's rounding (float32: the same ops in the
+    same order). Returns the stack's layer specs."""
     model = _model(llm)
     stack = model.model.decode_stack
     assert stack is not None, decode_stack.unsupported_reason(model.model.layers)
-    assert {spec.norm_kind for spec in stack.specs} == {decode_stack.NormKind.LAYER}
     with _Counted(stack) as calls:
         fused = _generate(llm)
-    assert calls[0] >= 11  # every decode step at least
+    assert calls[0] >= min_calls  # every decode step at least
     model.model.decode_stack = None
     layered = _generate(llm)
     for a, b in zip(fused, layered):
         assert a.token_ids == b.token_ids
         diff = max(abs(x[t].logprob - y[t].logprob)
                    for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids))
-        assert diff < (2e-2 if dtype == "bfloat16" else 1e-5), diff
+        assert diff < (2e-2 if bf16 else 1e-4), diff
+    return stack.specs
+
+
+@pytest.mark.parametrize("name, dtype", [("llama-default", "float32"), ("gemma3", "float32"),
+                                         ("llama-default", "bfloat16")])
+def test_an_fp8_kv_cache_runs_in_the_stack(tmp_path, smollm_oracle_folder, name, dtype):
+    """An fp8 KV cache with a checkpoint's k/v scales (here set by hand, as an fp8 checkpoint
+    sets them): the stack writes the same bytes as fused.write_kv and folds the scales in as
+    paged_attention does."""
+    from octavo.model.layers.attention import PagedAttention
+
+    folder, _ = _build(tmp_path, smollm_oracle_folder, name)
+    llm = LLM(str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20,
+              enable_prefix_caching=False, kv_cache_dtype="fp8_e4m3")
+    model = _model(llm)
+    for module in model.modules():
+        if isinstance(module, PagedAttention):
+            module.k_scale, module.v_scale = 0.05, 0.02  # values past 448 * scale saturate
+    model.model.decode_stack.rebuild()
+    _stack_then_layers(llm, dtype == "bfloat16", min_calls=12)
 
 
 class _Counted:
@@ -236,22 +232,10 @@ def test_windowed_and_gemma_layers_run_in_the_stack(tmp_path, smollm_oracle_fold
     folder, _ = _build(tmp_path, smollm_oracle_folder, name)
     llm = LLM(str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20,
               enable_prefix_caching=False)
-    model = _model(llm)
-    stack = model.model.decode_stack
-    assert stack is not None, "the model's decode steps run the Python layers"
+    specs = _stack_then_layers(llm, dtype == "bfloat16")
     if name.startswith("gemma"):
-        kinds = {spec.window is not None for spec in stack.specs}
+        kinds = {spec.window is not None for spec in specs}
         assert kinds == {True, False}  # local and global layers both in the stack
-    with _Counted(stack) as calls:
-        fused = _generate(llm)
-    assert calls[0] >= 11  # every decode step at least
-    model.model.decode_stack = None
-    layered = _generate(llm)
-    for a, b in zip(fused, layered):
-        assert a.token_ids == b.token_ids
-        diff = max(abs(x[t].logprob - y[t].logprob)
-                   for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids))
-        assert diff < (2e-2 if dtype == "bfloat16" else 1e-4), diff
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -348,10 +332,11 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
     with pytest.raises(RuntimeError, match="add_layer comes first"):
         stack.set_norms("rms", norms, [None] * 4, False)
     with pytest.raises(RuntimeError, match="unknown attention plan 'global'"):
-        stack.add_layer(cache, cos, sin, 0.25, 0.0, "global")
+        stack.add_layer(cache, cos, sin, 0.25, 0.0, "global", 1.0, 1.0)
     with pytest.raises(RuntimeError, match="rotary tables must be"):
-        stack.add_layer(cache, torch.ones(64, 16), torch.zeros(64, 16), 0.25, 0.0, "step")
-    stack.add_layer(cache, cos, sin, 0.25, 0.0, "step")
+        stack.add_layer(cache, torch.ones(64, 16), torch.zeros(64, 16), 0.25, 0.0, "step", 1.0,
+                        1.0)
+    stack.add_layer(cache, cos, sin, 0.25, 0.0, "step", 1.0, 1.0)
     with pytest.raises(RuntimeError, match="unknown norm kind 'batch'"):
         stack.set_norms("batch", norms, [None] * 4, False)
     with pytest.raises(RuntimeError, match="LayerNorm weights come with biases"):

@@ -25,9 +25,11 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // A layer is given in four calls, in this order: its attention (add_layer), its norms, its
   // linear layers and its MLP.
+  // k_scale, v_scale: an fp8 cache's (PagedAttention's), ignored for a cache in the
+  // activations' dtype.
   void add_layer(at::Tensor kv_cache, std::optional<at::Tensor> cos,
                  std::optional<at::Tensor> sin, double scale, double softcap,
-                 const std::string& plan) {
+                 const std::string& plan, double k_scale, double v_scale) {
     TORCH_CHECK(layers_.empty() || layers_.back().complete, "the last layer is not complete");
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv cache must be [2, ...]");
     TORCH_CHECK(cos.has_value() == sin.has_value(), "rotary tables come in pairs");
@@ -42,6 +44,10 @@ class DecodeStack : public torch::CustomClassHolder {
     l.k_cache = kv_cache[0];
     l.v_cache = kv_cache[1];
     check_cache(l.k_cache, l.v_cache);
+    l.fp8_cache = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+    TORCH_CHECK(!l.fp8_cache || (k_scale > 0 && v_scale > 0), "fp8 cache scales must be > 0");
+    l.k_scale = l.fp8_cache ? k_scale : 1.0;
+    l.v_scale = l.fp8_cache ? v_scale : 1.0;
     l.scale = scale;
     l.softcap = softcap;
     l.plan = plan_index(plan);
@@ -171,17 +177,28 @@ class DecodeStack : public torch::CustomClassHolder {
               rope ? l.cos.size(1) : 0, positions.data_ptr<int64_t>(),
               rope ? l.cos.data_ptr<float>() : nullptr, rope ? l.sin.data_ptr<float>() : nullptr,
               weight_of<scalar_t>(l.q_norm, one_plus), weight_of<scalar_t>(l.k_norm, one_plus),
-              static_cast<float>(eps_), l.k_cache.data_ptr<scalar_t>(),
-              l.v_cache.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>());
+              static_cast<float>(eps_),
+              l.fp8_cache ? nullptr : l.k_cache.data_ptr<scalar_t>(),
+              l.fp8_cache ? nullptr : l.v_cache.data_ptr<scalar_t>(),
+              slot_mapping.data_ptr<int64_t>());
         });
+        if (l.fp8_cache) {
+          const int64_t kv_size = kv_heads_ * head_dim_;
+          write_fp8(l.k_cache, qkv.narrow(1, q_size, kv_size), slot_mapping, l.k_scale);
+          write_fp8(l.v_cache, qkv.narrow(1, q_size + kv_size, kv_size), slot_mapping,
+                    l.v_scale);
+        }
       }
       const auto& [token_index, block_table, seq_lens, window] =
           plans[l.plan < static_cast<int64_t>(plans.size()) ? l.plan : 0];
       auto attn = at::empty({t, heads_, head_dim_}, x.options());
       {
         RECORD_FUNCTION("octavo::decode_attention", std::vector<c10::IValue>());
+        // An fp8 cache's scales: k_scale folds into the softmax scale, v_scale into the output
+        // (paged_attention.py does the same).
         decode_attention(attn, q, l.k_cache, l.v_cache, token_index, block_table, seq_lens,
-                         l.scale, l.softcap, window);
+                         l.scale * l.k_scale, l.softcap, window);
+        if (l.v_scale != 1.0) attn.mul_(l.v_scale);
       }
       auto o = row_parallel(l.o, attn.view({t, q_size}));
       if (l.norm_w[kAttnOut].defined()) o = norm(l, o, kAttnOut);
@@ -262,6 +279,18 @@ class DecodeStack : public torch::CustomClassHolder {
     if (!m.shared) return out;
     auto shared = row_parallel(m.shared_down, activate(l, m.shared_gate_up(xn)));
     return out + m.shared_gate(xn).sigmoid() * shared;
+  }
+
+  // rows [T, kv_heads * head_dim] to an fp8 cache's slots as k / scale, saturated at the e4m3
+  // range: fused.write_kv's ops, so the cache holds the same bytes.
+  void write_fp8(const at::Tensor& cache, const at::Tensor& rows, const at::Tensor& slots,
+                 double scale) const {
+    constexpr double kFp8Max = 448.0;
+    auto x8 = (rows.to(at::kFloat).view({rows.size(0), kv_heads_, head_dim_}) / scale)
+                  .clamp(-kFp8Max, kFp8Max)
+                  .to(at::kFloat8_e4m3fn);
+    cache.view({-1, kv_heads_, head_dim_}).view(at::kByte).index_copy_(0, slots,
+                                                                      x8.view(at::kByte));
   }
 
   void reduce(const at::Tensor& partial) const {

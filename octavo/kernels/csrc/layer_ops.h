@@ -138,8 +138,9 @@ void add_rms_norm_typed(T* x, const T* delta, int64_t delta_stride, NormWeight<T
 // The q and k heads of a fused qkv row normed (the q_norm / k_norm of Qwen3 and Gemma 3, when
 // given) and rotated in place, and the k and v rows written to their cache slots: what rms_norm,
 // rotary_typed and write_rows do, without a tensor view per head group. qkv rows are `stride`
-// apart; the cache is T, like the activations. The rotation covers a head's first 2 * half
-// features (half = dim / 2, or less for partial rotary: the rest pass through).
+// apart; the cache is T, like the activations (null caches: the caller writes them, an fp8
+// cache). The rotation covers a head's first 2 * half features (half = dim / 2, or less for
+// partial rotary: the rest pass through).
 template <typename T>
 void rope_write_kv_typed(T* qkv, int64_t tokens, int64_t stride, int64_t heads, int64_t kv_heads,
                          int64_t dim, int64_t half, const int64_t* pos, const float* cos,
@@ -159,6 +160,7 @@ void rope_write_kv_typed(T* qkv, int64_t tokens, int64_t stride, int64_t heads, 
         if (norm.defined()) norm_row(norm, head, head, dim, eps);
         rotate_half(head, c, s, half);
       }
+      if (k_cache == nullptr) continue;
       std::copy(row + heads * dim, row + heads * dim + kv_width, k_cache + slots[t] * kv_width);
       std::copy(row + heads * dim + kv_width, row + heads * dim + 2 * kv_width,
                 v_cache + slots[t] * kv_width);

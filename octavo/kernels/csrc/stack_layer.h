@@ -65,6 +65,8 @@ struct StackLayer {
   bool gated = true;
   StackActivation act = StackActivation::kSilu;
   at::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
+  bool fp8_cache = false;       // float8_e4m3fn K/V: k / k_scale and v / v_scale stored
+  double k_scale = 1.0, v_scale = 1.0;
   at::Tensor cos, sin;  // RoPE tables [positions, rotary_dim / 2] float32; undefined: no RoPE
   double scale = 1.0, softcap = 0.0;  // softcap 0: none
   int64_t plan = 0;  // which of forward's plans its attention reads (1: the sliding-window one)
