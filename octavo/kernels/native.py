@@ -1,6 +1,7 @@
 """octavo's C++ CPU kernels (csrc/cpu_ops.cpp and the headers it includes), compiled once per
 machine and cached on disk, and registered with PyTorch's dispatcher as `torch.ops.octavo.*` and
-`torch.classes.octavo.DecodeStack` (so the profiler names them and the compiler can call them).
+`torch.classes.octavo.DecodeStack` (so the profiler names them; with their output shapes
+registered here, torch.compile can trace calls to them).
 
 `pip install` builds them (setup.py runs `octavo.kernels.build` against the installing
 environment's torch), as does `octavo build-kernels`; a start then loads the cached library in
@@ -156,6 +157,31 @@ class Kernels:
 _opened: dict[str, Kernels] = {}
 
 
+def _register_fakes() -> None:
+    """Each op's output shape without running it (torch.library.register_fake), so that
+    torch.compile and FakeTensor tracing can take graphs that call octavo's kernels."""
+    import torch
+
+    def rows_out(x, weight_rows):
+        return x.new_empty(x.shape[0], weight_rows)
+
+    fakes = {
+        "rms_norm": lambda x, weight, eps: torch.empty_like(x),
+        "silu_and_mul": lambda x: x.new_empty(x.shape[0], x.shape[1] // 2),
+        "gelu_tanh_and_mul": lambda x: x.new_empty(x.shape[0], x.shape[1] // 2),
+        "write_kv": lambda k, v, k_cache, v_cache, slot_mapping: None,
+        "decode_attention": lambda *args: None,
+        "rotary_inplace": lambda x, positions, cos, sin: None,
+        "int8_gemv": lambda x, q, scale: rows_out(x, q.shape[0]),
+        "int4_gemm": lambda x, codes, scales: rows_out(x, codes.shape[0] * 16),
+        "int4_tiled_linear": lambda x, codes, scales: rows_out(x, codes.shape[0] * 16),
+        "int4_dequantize": lambda codes, scales, first_block, blocks, bf16: codes.new_empty(
+            16 * blocks, codes.shape[1] * 4, dtype=torch.bfloat16 if bf16 else torch.float32),
+    }
+    for name, fake in fakes.items():
+        torch.library.register_fake(f"octavo::{name}", fake)
+
+
 def _check_openable(key: str) -> None:
     if _opened and key not in _opened:
         raise RuntimeError(f"octavo's kernels {next(iter(_opened))} are already loaded in this "
@@ -168,6 +194,7 @@ def _open_library(key: str, path: Path) -> Kernels:
     _check_openable(key)
     if key not in _opened:
         torch.ops.load_library(str(path))
+        _register_fakes()
         _opened[key] = Kernels(path)
     return _opened[key]
 

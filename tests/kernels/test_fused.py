@@ -173,3 +173,28 @@ def test_build_clears_a_lock_left_by_a_killed_build(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "_open_library", lambda key, library: built)
     assert native.build() is built
     assert (build_dir / "ready").is_file()
+
+
+def test_the_kernels_trace_under_torch_compile(native_kernels):
+    """Each op has its output shape registered (register_fake): FakeTensor tracing and
+    torch.compile (fullgraph) take graphs that call them, with the eager results."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def step(x, w, h, q, scale):
+        return (fused.rms_norm(x, w, 1e-6).sum() + fused.silu_and_mul(h).sum()
+                + fused.int8_gemv(x, q, scale).sum())
+
+    x, w, h = torch.randn(3, 64), torch.randn(64), torch.randn(3, 128)
+    q, scale = torch.randint(-127, 128, (32, 64), dtype=torch.int8), torch.rand(32)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    assert torch.allclose(compiled(x, w, h, q, scale), step(x, w, h, q, scale))
+    module = fused.native_module()
+    with FakeTensorMode():
+        fx = torch.empty(5, 64)
+        assert module.rms_norm(fx, torch.empty(64), 1e-6).shape == (5, 64)
+        assert module.silu_and_mul(torch.empty(5, 128)).shape == (5, 64)
+        assert module.int8_gemv(fx, torch.empty(32, 64, dtype=torch.int8),
+                                torch.empty(32)).shape == (5, 32)
+        codes = torch.empty(2, 16, 32, dtype=torch.uint8)  # 32 rows, K = 64
+        assert module.int4_dequantize(codes, torch.empty(2, 2, 2, 16), 0, 2, True).shape == \
+            (32, 64)

@@ -117,24 +117,24 @@ std::vector<std::string> features() {
 
 }  // namespace
 
+// The schemas here, the CPU kernels below: other dispatch keys stay free for the output-shape
+// functions octavo/kernels/native.py registers (torch.compile and FakeTensor tracing).
 TORCH_LIBRARY(octavo, m) {
-  m.def("features() -> str[]", &features);
+  m.def("features() -> str[]", &features);  // no tensor to dispatch on: one kernel for all
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor slot_mapping) -> ()", &write_kv);
+        "Tensor slot_mapping) -> ()");
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor token_index, Tensor block_table, Tensor seq_lens, float scale, float softcap, "
-        "int window) -> ()", &decode_attention);
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
-  m.def("rotary_inplace(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()",
-        &rotary_inplace);
-  m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
-  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor", &gelu_tanh_and_mul);
-  m.def("int8_gemv(Tensor x, Tensor q, Tensor scale) -> Tensor", &int8_gemv);
-  m.def("int4_gemm(Tensor x, Tensor codes, Tensor scales) -> Tensor", &int4_gemm);
+        "int window) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_inplace(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
+  m.def("int8_gemv(Tensor x, Tensor q, Tensor scale) -> Tensor");
+  m.def("int4_gemm(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("int4_dequantize(Tensor codes, Tensor scales, int first_block, int blocks, bool bf16) "
-        "-> Tensor", &int4_dequantize);
-  m.def("int4_tiled_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor",
-        &int4_tiled_linear);
+        "-> Tensor");
+  m.def("int4_tiled_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecodeStack::add_layer)
@@ -143,4 +143,17 @@ TORCH_LIBRARY(octavo, m) {
       .def("set_mlp", &DecodeStack::set_mlp)
       .def("set_all_reduce", &DecodeStack::set_all_reduce)
       .def("forward", &DecodeStack::forward);
+}
+
+TORCH_LIBRARY_IMPL(octavo, CPU, m) {
+  m.impl("write_kv", &write_kv);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_inplace", &rotary_inplace);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
+  m.impl("int8_gemv", &int8_gemv);
+  m.impl("int4_gemm", &int4_gemm);
+  m.impl("int4_dequantize", &int4_dequantize);
+  m.impl("int4_tiled_linear", &int4_tiled_linear);
 }
