@@ -137,10 +137,9 @@ class Kernels:
     _OPS = ("write_kv", "decode_attention", "rms_norm", "rotary_inplace", "silu_and_mul",
             "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_dequantize", "int4_tiled_linear")
 
-    def __init__(self, library: Path) -> None:
+    def __init__(self) -> None:
         import torch
 
-        self.library = library
         ops = torch.ops.octavo
         for name in self._OPS:
             setattr(self, name, getattr(ops, name).default)
@@ -195,7 +194,7 @@ def _open_library(key: str, path: Path) -> Kernels:
     if key not in _opened:
         torch.ops.load_library(str(path))
         _register_fakes()
-        _opened[key] = Kernels(path)
+        _opened[key] = Kernels()
     return _opened[key]
 
 

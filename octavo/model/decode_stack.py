@@ -78,7 +78,7 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
 
 
 def _linears(spec: LayerSpec) -> list[Linear | torch.Tensor]:
-    """The layer's linear layers in the order the C++ stack takes them (DecodeStack.add_layer):
+    """The layer's linear layers in the order the C++ stack takes them (DecodeStack.set_linears):
     qkv, o, then the dense MLP's gate_up and down or the mixture of experts' (MoeSpec.linears;
     an expert of stacked dense weights is its weight tensor)."""
     mlp = [spec.gate_up, spec.down] if spec.moe is None else spec.moe.linears
@@ -198,11 +198,12 @@ class DecodeStack:
         if parallel_state.tp_size() > 1:  # the row-parallel projections' partial sums
             stack.set_all_reduce(parallel_state.TP_ALL_REDUCE_OP)
         for spec in self.specs:
-            rotary = spec.rotary
             attn = spec.attention
-            stack.add_layer(kv_caches[attn.layer_index], rotary and rotary.cos,
-                            rotary and rotary.sin, spec.scale, spec.softcap or 0.0,
-                            "sliding" if spec.window else "step", attn.k_scale, attn.v_scale)
+            cos, sin = (None, None) if spec.rotary is None else (spec.rotary.cos,
+                                                                 spec.rotary.sin)
+            stack.add_layer(kv_caches[attn.layer_index], cos, sin, spec.scale,
+                            spec.softcap or 0.0, "sliding" if spec.window else "step",
+                            attn.k_scale, attn.v_scale)
             norms = (spec.attn_in_norm, spec.attn_out_norm, spec.mlp_in_norm, spec.mlp_out_norm)
             stack.set_norms(spec.norm_kind.value,
                             [_norm_weight(spec, n) for n in (*norms, spec.q_norm, spec.k_norm)],

@@ -40,9 +40,10 @@ class SparseMoeBlock(nn.Module):
 
     def moe_spec(self) -> MoeSpec:
         shared = self.shared_expert
+        gate_up, down = (None, None) if shared is None else (shared.gate_up_proj,
+                                                             shared.down_proj)
         return MoeSpec(self.gate, self.experts.expert_weights(), self.experts.top_k,
-                       self.experts.renormalize, shared and shared.gate_up_proj,
-                       shared and shared.down_proj, self.shared_expert_gate)
+                       self.experts.renormalize, gate_up, down, self.shared_expert_gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))
