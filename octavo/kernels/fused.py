@@ -167,6 +167,26 @@ def int4_tiled_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     return _native.int4_tiled_linear(x.contiguous(), codes, scales)
 
 
+def ggml_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """x [M, K] (bf16 or float32) times a GGUF's Q5_0 / Q6_K blocks [N, row bytes] (`qtype`
+    "q5_0" or "q6_k") -> [M, N]: each weight row decoded once for every row of x (C++ only;
+    GGMLBlocks.dequantize is the reference)."""
+    return _native.ggml_gemv(x.contiguous(), blocks, qtype)
+
+
+def ggml_dequantize(blocks: torch.Tensor, qtype: str, first: int, count: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Rows [first, first + count) of GGML blocks, dense [count, K] in dtype (bf16 or float32;
+    C++ only)."""
+    return _native.ggml_dequantize(blocks, qtype, first, count, dtype == torch.bfloat16)
+
+
+def ggml_tiled_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """x [M, K] times GGML blocks -> [M, N], dequantized tile by tile into the dense GEMM
+    (large batches; C++ only)."""
+    return _native.ggml_tiled_linear(x.contiguous(), blocks, qtype)
+
+
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] times int8 weights q [N, K] with float32 scales: one per row [N], or one per
     group of inputs [N, G] (C++ only; the weights are read once for up to 8 rows of x at a

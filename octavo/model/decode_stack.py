@@ -39,6 +39,7 @@ from octavo.model.layer_spec import LayerSpec, NormKind
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
 from octavo.model.quant.decode_weights import max_rows
+from octavo.model.quant.ggml_blocks import GGMLBlocks
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed, PackedWeight
 from octavo.model.quant.weights import DenseWeights, PackedWeights
 
@@ -117,7 +118,7 @@ def _weight_reason(lin: Linear | torch.Tensor, dtype: torch.dtype) -> str | None
         return None if low.dtype == dtype else "int4 scales in another dtype"
     if isinstance(low, Int8Packed) and (low.q.shape[0] != 1 or low.zero_term is not None):
         return "a grouped or asymmetric int8 weight"
-    if isinstance(low, (Int8Packed, Int8Grouped)):
+    if isinstance(low, (Int8Packed, Int8Grouped, GGMLBlocks)):
         return None
     return f"a {type(low).__name__} weight"
 
@@ -145,6 +146,8 @@ def _linear(lin: Linear | torch.Tensor) -> tuple:
         kind, a, b = "int8", low.q[0], low.scale[0]
     elif isinstance(low, Int8Grouped):  # scales [N, G]: the GEMV applies them per group
         kind, a, b = "int8", low.q, low.scale
+    elif isinstance(low, GGMLBlocks):  # the file's Q5_0 / Q6_K blocks, decoded row by row
+        kind, a, b = low.name, low.blocks, None
     else:
         kind, a, b = "none", None, None
     out = dense.shape[0] if dense is not None else low.out_features

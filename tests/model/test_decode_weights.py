@@ -250,6 +250,9 @@ def test_prepared_weights_reload_identically(smollm_gguf, tmp_path, monkeypatch)
     from octavo.model_source import resolve_model
 
     monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path))  # prepared weights and GGUF types
+    # The probe below loads without the C++ kernels (its cache is empty), and the prepared
+    # file is keyed by whether they are loaded: here too.
+    monkeypatch.setattr("octavo.kernels.fused._native", None)
     source = resolve_model(str(smollm_gguf))
     cfg = read_arch_config(source)
     args = (source, cfg, torch.bfloat16, torch.device("cpu"), 256)

@@ -54,7 +54,7 @@ def _load(tmp_path, qtype: Q, blocks: np.ndarray, shape: tuple[int, int]):
     cfg = ArchConfig(architecture="Qwen2ForCausalLM", vocab_size=8, hidden_size=shape[1],
                      intermediate_size=shape[0], num_layers=1, num_heads=2, num_kv_heads=2,
                      head_dim=shape[1] // 2, max_position_embeddings=64, gguf_arch="qwen2")
-    codes = {NAME} if qtype != Q.Q8_0 else set()
+    codes = {NAME: "int4"} if qtype != Q.Q8_0 else {}
     out = dict(iterate_gguf_weights(path, cfg, codes=codes))
     reference = dequantize(raw, qtype).reshape(shape)
     assert np.array_equal(out[NAME].numpy(), reference)
@@ -314,7 +314,8 @@ def test_int8_codes_are_the_files_weights_bit_for_bit(name):
     import numpy as np
     from gguf.quants import dequantize
 
-    from octavo.model.quant.gguf import INT8_EXACT, int8_codes
+    from octavo.model.quant.ggml_blocks import int8_codes
+    from octavo.model.quant.gguf import INT8_EXACT
     from octavo.model_files import open_gguf
     from octavo.model_source import pull
 

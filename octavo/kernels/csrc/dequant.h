@@ -2,6 +2,7 @@
 // blocks at a time, for the dense GEMM of prefill chunks: a GGUF keeps no dense copy of its
 // weights (octavo/model/quant/packed.py, PackedWeight.tiled_matmul). Written as plain loops the
 // compiler vectorizes; a tile is small enough to stay in L2 for the GEMM that follows.
+// tiled_linear runs the tiles of any low-bit weight (GGML blocks too: ggml_blocks.h).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -62,23 +63,32 @@ inline at::Tensor int4_dequantize(const at::Tensor& q4, const at::Tensor& sz,
   return out;
 }
 
-// x [M, K] (bf16 or float32) times int4 weights in octavo's layout -> [M, N padded to 16], for
-// batches where the dense GEMM beats the int4 kernel (prefill chunks): the weight dequantized a
-// tile of about a million weights (4 MB in float32: L2-sized) at a time, each tile one GEMM.
+// x [M, K] (bf16 or float32) times a low-bit weight of `units` units of `unit_rows` rows ->
+// [M, units * unit_rows], for batches where the dense GEMM beats the low-bit kernels (prefill
+// chunks): `dequantize(first, count)` gives units [first, first + count) as dense rows [count *
+// unit_rows, K] in x's dtype, a tile of about a million weights (4 MB in float32: L2-sized) at a
+// time, each tile one GEMM written in place into the output.
+template <typename F>
+at::Tensor tiled_linear(const at::Tensor& x, int64_t units, int64_t unit_rows, F&& dequantize) {
+  const int64_t k = x.size(1);
+  const int64_t per_tile = std::max<int64_t>(64 / unit_rows, (int64_t{1} << 20) / (unit_rows * k));
+  auto out = at::empty({x.size(0), units * unit_rows}, x.options());
+  for (int64_t first = 0; first < units; first += per_tile) {
+    const int64_t count = std::min(per_tile, units - first);
+    auto part = out.narrow(1, first * unit_rows, count * unit_rows);  // BLAS's ldc
+    at::mm_out(part, x, dequantize(first, count).t());
+  }
+  return out;
+}
+
+// x [M, K] times int4 weights in octavo's layout -> [M, N padded to 16], tile by tile.
 inline at::Tensor int4_tiled_linear(const at::Tensor& x, const at::Tensor& q4,
                                        const at::Tensor& sz) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == q4.size(1) * 4 &&
               (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "int4_tiled_linear: x must be [M, K] bf16 or float32 with the weight's K");
-  const int64_t k = x.size(1), total = q4.size(0);
-  const int64_t per_tile = std::max<int64_t>(4, (int64_t{1} << 20) / (16 * k));
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  auto out = at::empty({x.size(0), total * 16}, x.options());
-  for (int64_t first = 0; first < total; first += per_tile) {
-    const int64_t blocks = std::min(per_tile, total - first);
-    auto w = int4_dequantize(q4, sz, first, blocks, bf16);
-    auto part = out.narrow(1, first * 16, blocks * 16);  // written in place: BLAS's ldc
-    at::mm_out(part, x, w.t());
-  }
-  return out;
+  return tiled_linear(x, q4.size(0), 16, [&](int64_t first, int64_t blocks) {
+    return int4_dequantize(q4, sz, first, blocks, bf16);
+  });
 }

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
+from octavo.model.quant.ggml_types import GGMLType
 from octavo.model.registry import model_class
 from octavo.model_source import ModelSource
 
@@ -33,10 +34,10 @@ class _Safetensors:
     def plan_input(self) -> list[str]:
         return self.names
 
-    def int8_codes(self, name: str) -> None:
+    def table(self, name: str) -> None:
         return None  # dense tensors: no codes to keep
 
-    def tensors(self, codes: set[str], plan) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, codes: dict[str, str], plan) -> Iterator[tuple[str, torch.Tensor]]:
         from octavo.model.loader.safetensors_weights import iterate_safetensors_weights
         return iterate_safetensors_weights(self.path)
 
@@ -56,11 +57,11 @@ class _GGUF:
         from octavo.model.loader.gguf_weights import gguf_tensor_types
         return gguf_tensor_types(self.path, self.cfg)
 
-    def int8_codes(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        from octavo.model.loader.gguf_weights import gguf_int8_codes
-        return gguf_int8_codes(self.path, self.cfg, name)
+    def table(self, name: str) -> tuple[GGMLType, torch.Tensor] | None:
+        from octavo.model.loader.gguf_weights import gguf_table
+        return gguf_table(self.path, self.cfg, name)
 
-    def tensors(self, codes: set[str], plan) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, codes: dict[str, str], plan) -> Iterator[tuple[str, torch.Tensor]]:
         from octavo.model.loader.gguf_weights import iterate_gguf_weights
         return iterate_gguf_weights(self.path, self.cfg, self.bits, codes,
                                     dense_too=plan is None or plan.keep_dense)
@@ -104,14 +105,14 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
             model = cls(cfg, max_positions)
         finally:
             torch.set_default_dtype(prev)
-    codes = plan.apply(model, checkpoint.plan_input()) if plan is not None else set()
+    codes = plan.apply(model, checkpoint.plan_input()) if plan is not None else {}
     if prepared is not None:
         from octavo.model.loader.prepared_cache import load_prepared
         if load_prepared(model, prepared):
             return _finish(model, source, device, quantization, pack_gemm)
     model.load_weights(checkpoint.tensors(codes, plan))
     if plan is not None:
-        plan.finish_lm_head(model, checkpoint.bits, checkpoint.int8_codes)
+        plan.finish_lm_head(model, checkpoint.bits, checkpoint.table)
     if prepared is not None:
         from octavo.model.loader.prepared_cache import save_prepared
         save_prepared(model, prepared)

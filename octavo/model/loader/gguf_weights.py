@@ -200,32 +200,26 @@ class _DequantizedReader:
         return torch.from_numpy(w)
 
 
-def code_kinds(qtype: GGMLType) -> tuple[str, ...]:
-    """The checkpoint kinds a tensor of `qtype` yields in place of its weight (quant/gguf.py):
-    int4 codes, scales and offsets, or int8 codes and scales."""
-    from octavo.model.quant.gguf import CODE8_KINDS, CODE_KINDS, INT8_EXACT
-    return CODE8_KINDS if qtype in INT8_EXACT else CODE_KINDS
-
-
 class _CodeBlocks:
     """A quantized tensor's raw blocks [rows, row bytes], turned into its codes and scales
-    (quant/gguf.py's int4_codes for Q4_0/Q4_1/Q4_K, int8_codes for Q8_0/Q5_0/Q6_K) by
+    (quant/ggml_blocks.py's int4_codes for Q4_0/Q4_1/Q4_K, int8_codes for Q8_0/Q5_0/Q6_K) by
     rectangles of whole blocks. One conversion gives every kind: the ones not asked for yet are
     kept for their readers."""
 
-    def __init__(self, t: GGUFTensor, rows: int) -> None:
+    def __init__(self, t: GGUFTensor, rows: int, form: str) -> None:
         from gguf.constants import GGML_QUANT_SIZES
 
-        from octavo.model.quant.gguf import CODE8_KINDS, int4_codes, int8_codes
+        from octavo.model.quant.ggml_blocks import int4_codes, int8_codes
+        from octavo.model.quant.gguf import CODE_FORMS
 
-        self._kinds = code_kinds(t.tensor_type)
-        self._convert = int8_codes if self._kinds == CODE8_KINDS else int4_codes
+        self.kinds = CODE_FORMS[form]
+        self._convert = int8_codes if form == "int8" else int4_codes
         self._raw, self._type = t.data.reshape(rows, -1), t.tensor_type
         self._block_bytes = GGML_QUANT_SIZES[t.tensor_type][1]
         self.blocks = self._raw.shape[1] // self._block_bytes
         first = self._convert(self._type,
                               np.ascontiguousarray(self._raw[:1, :self._block_bytes]))
-        self.columns_per_block = {k: a.shape[1] for k, a in zip(self._kinds, first)}
+        self.columns_per_block = {k: a.shape[1] for k, a in zip(self.kinds, first)}
         self._kept: dict[tuple[int, int, int, int], dict[str, np.ndarray]] = {}
 
     def kind(self, kind: str, r0: int, r1: int, b0: int, b1: int) -> np.ndarray:
@@ -235,11 +229,24 @@ class _CodeBlocks:
             raw = self._raw[r0:r1]
             if (b0, b1) != (0, self.blocks):
                 raw = np.ascontiguousarray(raw[:, b0 * self._block_bytes:b1 * self._block_bytes])
-            kept = self._kept[key] = dict(zip(self._kinds, self._convert(self._type, raw)))
+            kept = self._kept[key] = dict(zip(self.kinds, self._convert(self._type, raw)))
         out = kept.pop(kind)
         if not kept:
             del self._kept[key]
         return out
+
+
+class _RawReader:
+    """A quantized tensor's raw bytes [rows, row bytes] uint8, as GGMLBlocks keeps them."""
+
+    def __init__(self, name: str, t: GGUFTensor, rows: int) -> None:
+        self.name, self._raw = name, t.data.reshape(rows, -1)
+        self.rows, self.cols = self._raw.shape
+        self.dtype = torch.uint8
+
+    def read(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        note_read(self.name, (r1 - r0) * (c1 - c0))
+        return torch.from_numpy(np.array(self._raw[r0:r1, c0:c1]))  # a copy: read-only mmap
 
 
 class _CodesReader:
@@ -272,32 +279,33 @@ def _dense(name: str, t: GGUFTensor, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(shape))
 
 
-def gguf_int8_codes(path: Path, cfg: ArchConfig, name: str
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Checkpoint weight `name` (a Hugging Face name) as int8 codes [rows, K] and scales
-    [rows, K / group], exactly as the file holds it, if its type is Q8_0, Q5_0 or Q6_K; else
-    None (quant/gguf.py's int8_codes). For the vocabulary tables, which no layout reorders."""
-    from octavo.model.quant.gguf import INT8_EXACT, int8_codes
+def gguf_table(path: Path, cfg: ArchConfig, name: str) -> tuple[GGMLType, torch.Tensor] | None:
+    """Checkpoint weight `name` (a Hugging Face name) as its GGML type and raw blocks
+    [rows, row bytes] uint8, if its type is Q8_0, Q5_0 or Q6_K (whose codes a packed weight
+    keeps exactly: quant/gguf.py); else None. For the vocabulary tables, which no layout
+    reorders."""
+    from octavo.model.quant.gguf import INT8_EXACT
 
     for t in open_gguf(path).tensors:
         if hf_name(t.name, cfg.architecture) == name:
             if t.tensor_type not in INT8_EXACT:
                 return None
             rows = int(np.prod([int(d) for d in t.shape[1:]]))
-            q, scale = int8_codes(t.tensor_type, np.asarray(t.data).reshape(rows, -1))
-            return torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(scale))
+            return t.tensor_type, torch.from_numpy(np.array(t.data).reshape(rows, -1))
     return None
 
 
 def iterate_gguf_weights(path: Path, cfg: ArchConfig, bits: dict[str, int] | None = None,
-                         codes: set[str] = frozenset(), dense_too: bool = True,
+                         codes: dict[str, str] | None = None, dense_too: bool = True,
                          ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, dequantized tensor, lazy for a matrix); `bits` gets each
     tensor's source width. A stacked expert tensor [E, out, in] is yielded as E per-expert
-    tensors. For the names in `codes` (Q4_0/Q4_1/Q4_K, Q8_0/Q5_0/Q6_K weights; stacked experts
-    with {}), the codes and scales come too, as `<module>.gguf_q4`, `.gguf_q4_scale`,
-    `.gguf_q4_low` or `.gguf_q8`, `.gguf_q8_scale` (quant/gguf.py), and without `dense_too`
-    instead of the dequantized weight."""
+    tensors. For the names in `codes` (stacked experts with {}), the codes come too in the
+    form it names (quant/gguf.py's CODE_FORMS): "int4" (Q4_0/Q4_1/Q4_K) as `<module>.gguf_q4`,
+    `.gguf_q4_scale`, `.gguf_q4_low`, "int8" (Q8_0/Q5_0/Q6_K) as `.gguf_q8`, `.gguf_q8_scale`,
+    "blocks" (Q5_0/Q6_K) as `.gguf_blocks`, the raw bytes; without `dense_too` instead of the
+    dequantized weight."""
+    codes = codes or {}
     reader = open_gguf(path)  # checked whole first: every tensor's data lies inside the file
     for t in reader.tensors:
         if t.name in _ROPE_TENSORS:
@@ -307,11 +315,16 @@ def iterate_gguf_weights(path: Path, cfg: ArchConfig, bits: dict[str, int] | Non
         out: dict[str, torch.Tensor] = {}
         if name in codes:
             rows = int(np.prod(shape[:-1]))
-            blocks = _CodeBlocks(t, rows)
-            for kind in code_kinds(t.tensor_type):
-                key = name.removesuffix("weight") + kind
-                part = _CodesReader(key, blocks, kind, rows)
+            if codes[name] == "blocks":
+                key = name.removesuffix("weight") + "gguf_blocks"
+                part = _RawReader(key, t, rows)
                 out[key] = _code_layout(name, lazy(part, (*shape[:-1], part.cols)), cfg)
+            else:
+                blocks = _CodeBlocks(t, rows, codes[name])
+                for kind in blocks.kinds:
+                    key = name.removesuffix("weight") + kind
+                    part = _CodesReader(key, blocks, kind, rows)
+                    out[key] = _code_layout(name, lazy(part, (*shape[:-1], part.cols)), cfg)
         if name not in codes or dense_too:
             out[name] = _to_hf_layout(name, _dense(name, t, shape), cfg)
         for key, w in out.items():

@@ -6,8 +6,9 @@ the model's parameters and each linear layer's and LM head's typed weights (quan
 `tensors()` under `<module>::<kind>::<field>`, a tensor that is a parameter, such as a tied
 head's, named in the metadata instead) are written to one safetensors file under
 `$OCTAVO_CACHE/prepared/`, keyed by the GGUF file (path, size, mtime), the dtype, the decode
-mode or quantization, torch's version and the source of octavo's model code, so any change to
-one of them makes a new entry (and removes the entry it replaces). Later starts read that file
+mode or quantization, torch's version, whether the C++ kernels are loaded and the source of
+octavo's model code, so any change to one of them makes a new entry (and removes the entry it
+replaces). Later starts read that file
 instead. A file that fails to load, or does not match the model (another layout, a file of
 older code), is rebuilt.
 """
@@ -25,6 +26,7 @@ from torch import nn
 
 from octavo.disk_cache import write_file
 from octavo.distributed import parallel_state
+from octavo.kernels import fused
 from octavo.model.quant.weights import WEIGHT_KINDS, LinearWeights
 from octavo.model_source import ModelSource, cache_dir
 
@@ -45,8 +47,10 @@ def prepared_path(source: ModelSource, dtype: torch.dtype, decode_weights: str,
     if where.world_size > 1:
         mode = f"{mode}-tp{where.tp_rank}of{where.tp_size}-pp{where.pp_rank}of{where.pp_size}"
     h = hashlib.sha256()
+    # The packed forms chosen depend on whether the C++ kernels are loaded (quant/gguf.py,
+    # _blocks_fit): a start without them must not leave its weights to one with them.
     for part in (str(source.path.resolve()), stat.st_size, stat.st_mtime_ns, str(dtype),
-                 mode, torch.__version__):
+                 mode, torch.__version__, fused.native_ready()):
         h.update(str(part).encode() + b"\0")
     for f in sorted(_MODEL_CODE.rglob("*.py")):
         h.update(f.read_bytes())

@@ -8,8 +8,7 @@ import logging
 import torch
 from torch import nn
 
-from octavo.model.quant.packed import packed_kind
-from octavo.model.quant.weights import DenseWeights, PackedWeights
+from octavo.model.quant.weights import DenseWeights, PackedWeights, packed_kind
 
 logger = logging.getLogger(__name__)
 

@@ -3,12 +3,14 @@
 Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m) and Q4_K (per 32 weights w = d * sc * q - dmin * m)
 are 4-bit codes with a scale and an offset per 32 inputs: exactly torch's int4 layout with group
 32, so those codes and scales are copied over, not re-quantized (only scale and torch's zero,
-8 * scale + offset, are rounded to the activation dtype). The other types go to the nearest
-layout the kernels have: Q8_0 (w = d * q, q in -127..127 per 32), Q5_0 (w = d * (q - 16)) and
-Q6_K (w = d * sc * (q - 32) per 16) to int8 codes with a scale per 32 (16 for a layer with a
-Q6_K slot) inputs (`Int8Grouped`), their codes and scales taken from the file (int8_codes: the
-same weights bit for bit); Q5_1/Q5_K to int8 per 32, re-quantized; Q2_K/Q3_K to int4 min/max
-per 32. Measured on Qwen2.5-0.5B's Q4_K_M file (relative Frobenius
+8 * scale + offset, are rounded to the activation dtype). A layer whose slots are all Q5_0
+(w = d * (q - 16)) or all Q6_K (w = d * sc * (q - 32) per 16) keeps the file's blocks
+(`GGMLBlocks`, ggml_blocks.py: 5.5 / 6.56 bits a weight, decoded row by row by the C++
+kernels). The other types go to the nearest layout the kernels have: Q8_0 (w = d * q, q in
+-127..127 per 32), and Q5_0 / Q6_K beside other types (Qwen2.5's q/k/v: Q5_0 and Q8_0), to int8
+codes with a scale per 32 (16 for a layer with a Q6_K slot) inputs (`Int8Grouped`), their codes
+and scales taken from the file (int8_codes: the same weights bit for bit); Q5_1/Q5_K to int8 per
+32, re-quantized; Q2_K/Q3_K to int4 min/max per 32. Measured on Qwen2.5-0.5B's Q4_K_M file (relative Frobenius
 error against the GGUF's own weights): int8 per 32 Q8_0 0%, and before it existed, int8 per
 channel Q8_0 1.8%, Q6_K 1.6%, Q5_0 1.1%; int4 min/max Q8_0 10.6%, Q5_0 8.5%, Q6_K 8.2% (Q4_K
 would be 4.3%; it is copied, 0%). Perplexity: tests/model/test_quant_perplexity.py. A packed
@@ -32,10 +34,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from octavo.kernels import fused
 from octavo.model.layers.embedding import Embedding
 from octavo.model.layers.moe import EXPERT_TENSOR
 from octavo.model.quant.base import Loading, QuantMethod, dense_destination, load_dense
 from octavo.model.quant.decode_weights import make_decode_weight
+from octavo.model.quant.ggml_blocks import BLOCK_KINDS, int8_codes
 from octavo.model.quant.ggml_types import GGMLType as Q
 from octavo.model.quant.packed import (
     Int4Packed,
@@ -62,80 +66,42 @@ CODE_KINDS = ("gguf_q4", "gguf_q4_scale", "gguf_q4_low")
 # 0.5% (Gemma 3's Q5_0 and Q6_K), enough to move prompt logprobs by 0.13 against transformers.
 INT8_EXACT = (Q.Q8_0, Q.Q5_0, Q.Q6_K)
 CODE8_KINDS = ("gguf_q8", "gguf_q8_scale")
+# Q5_0 / Q6_K tensors kept as blocks (GGMLBlocks): the loader yields their raw bytes
+# [N, row bytes] uint8 as this kind.
+BLOCKS_KIND = "gguf_blocks"
+# How the loader yields a weight whose codes a layer keeps (the kinds it gives in its place).
+CODE_FORMS = {"int4": CODE_KINDS, "int8": CODE8_KINDS, "blocks": (BLOCKS_KIND,)}
 
 
-def _f16(b: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
-
-
-def int4_codes(qtype: Q, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Raw blocks [rows, row bytes] of a Q4_0/Q4_1/Q4_K tensor -> codes [rows, K] uint8,
-    scale and offset [rows, K / 32] float32, with w = scale * q + offset."""
-    rows = data.shape[0]
-    size = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q4_K: 144}[qtype]
-    b = data.reshape(rows, -1, size)
-    if qtype == Q.Q4_K:
-        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [rows, nb, 1]
-        lo, mid, hi = b[..., 4:8], b[..., 8:12], b[..., 12:16]
-        sc = np.concatenate([lo & 63, (hi & 15) | (lo >> 6) << 4], -1)  # [rows, nb, 8]
-        mn = np.concatenate([mid & 63, (hi >> 4) | (mid >> 6) << 4], -1)
-        qs = b[..., 16:].reshape(rows, -1, 4, 1, 32)  # 32 bytes: sub-blocks 2c (low), 2c + 1
-        q = np.concatenate([qs & 15, qs >> 4], 3)  # [rows, nb, 4, 2, 32]
-        scale, low = d * sc, -(dmin * mn)
-    else:
-        d = _f16(b[..., 0:2])
-        qs = b[..., size - 16:].reshape(rows, -1, 1, 16)  # byte j: weights j (low), j + 16
-        q = np.concatenate([qs & 15, qs >> 4], 2)
-        scale = d
-        low = _f16(b[..., 2:4]) if qtype == Q.Q4_1 else -8 * d
-    return q.reshape(rows, -1), scale.reshape(rows, -1), low.reshape(rows, -1)
-
-
-def int8_codes(qtype: Q, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Raw blocks [rows, row bytes] of a Q8_0/Q5_0/Q6_K tensor -> codes [rows, K] int8 and
-    scales [rows, K / group] float32 (group 32, or 16 for Q6_K), with w = scale * code exactly
-    as ggml dequantizes (Q6_K's scale d * sc first, then times the code)."""
-    rows = data.shape[0]
-    size = {Q.Q8_0: 34, Q.Q5_0: 22, Q.Q6_K: 210}[qtype]
-    b = data.reshape(rows, -1, size)
-    if qtype == Q.Q8_0:
-        q = np.ascontiguousarray(b[..., 2:]).view(np.int8)
-        return q.reshape(rows, -1), _f16(b[..., 0:2]).reshape(rows, -1)
-    if qtype == Q.Q5_0:
-        qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")  # [rows, nb, 1]: bit j of weight j
-        bit = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [rows, nb, 32]
-        qs = b[..., 6:22]
-        low = np.concatenate([qs & 15, qs >> 4], -1)  # byte j: weights j (low) and j + 16
-        q = (low | bit).astype(np.int8) - 16
-        return q.reshape(rows, -1), _f16(b[..., 0:2]).reshape(rows, -1)
-    # Q6_K, 256 weights in two halves of 128: ql [2][64], qh [2][32], 16 int8 scales, d. Weight
-    # 32 i + l of a half (i < 4, l < 32) is the low (i < 2) or high nibble of ql byte
-    # 32 (i % 2) + l, with bits 2 i, 2 i + 1 of qh byte l above it, scaled by
-    # d * sc[8 h + 2 i + l / 16].
-    ql = b[..., :128].reshape(rows, -1, 2, 2, 32)  # [.., half, i % 2, l]
-    qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
-    sc = b[..., 192:208].view(np.int8).astype(np.float32).reshape(rows, -1, 16)
-    d = _f16(b[..., 208:210])  # [rows, nb, 1]
-    nib = np.concatenate([ql & 15, ql >> 4], 3)  # [rows, nb, half, i, l]
-    hi = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3
-    q = (nib | (hi << 4)).astype(np.int8) - 32
-    return q.reshape(rows, -1), (d * sc).reshape(rows, -1)
-
-
-def _target(mode: str, types: list[Q], in_features: int) -> str | None:
-    """The layout of a layer whose slots have GGML `types`; None: no packed weight."""
+def _target(mode: str, types: list[Q], layer: nn.Module) -> str | None:
+    """The layout of `layer`, whose slots have GGML `types`; None: no packed weight."""
+    in_features = layer.in_features
     if mode != "auto":
         return "int4" if mode == "int4" and in_features % GROUP == 0 else "int8"
     if in_features % GROUP:
         return None
     if all(t in _INT4_NEAREST for t in types):
         return "int4"
+    if len(set(types)) == 1 and _blocks_fit(types[0], layer):
+        return "blocks"
     if all(t in _INT4_NEAREST + _INT8_NEAREST for t in types):
         return "int8"
     return None  # a float slot (F16, BF16, F32) or a type without a mapping: dense only
 
 
-def _how(qtype: Q, target: str, in_features: int) -> str:
+def _blocks_fit(qtype: Q, layer: nn.Module) -> bool:
+    """Whether `layer` can keep its `qtype` tensors as blocks: a 5- or 6-bit type, the C++
+    kernels loaded (without them every product would decode the whole matrix in numpy), and a
+    tensor-parallel rank's share of the inputs made of whole blocks."""
+    if qtype not in BLOCK_KINDS or not fused.native_ready():
+        return False
+    span, size = getattr(layer, "input_span", None), BLOCK_KINDS[qtype].block_weights
+    return span is None or (span.start % size == 0 and span.width % size == 0)
+
+
+def _how(qtype: Q, target: str, in_features: int, exact_int8: bool) -> str:
+    if target == "blocks":
+        return f"{qtype.name} blocks, kept as the file holds them (exact)"
     if target == "int4" and qtype in INT4_EXACT:
         return "int4 group 32, its codes, scales and offsets copied (exact)"
     if target == "int4":
@@ -143,8 +109,8 @@ def _how(qtype: Q, target: str, in_features: int) -> str:
     if in_features % GROUP:
         return (f"int8 per output channel, re-quantized from the dequantized weights "
                 f"(in_features {in_features} is not a multiple of 32)")
-    if qtype == Q.Q8_0:
-        return "int8 group 32, its codes and scales kept (exact)"
+    if exact_int8:
+        return f"int8 group {16 if qtype == Q.Q6_K else 32}, its codes and scales kept (exact)"
     return "int8 group 32, re-quantized (absmax per 32) from the dequantized weights"
 
 
@@ -163,6 +129,8 @@ class GGUFMethod(QuantMethod):
         layer.loading = Loading()
 
     def _needs(self, slot: int) -> tuple[str, ...]:
+        if self.target == "blocks":
+            return (BLOCKS_KIND,)
         if self.target == "int4" and self.types[slot] in INT4_EXACT:
             return CODE_KINDS
         if self._int8_exact():
@@ -175,7 +143,7 @@ class GGUFMethod(QuantMethod):
 
     def load_shard(self, layer: nn.Module, name: str, index: int | None,
                    tensor: torch.Tensor) -> None:
-        if name not in ("weight", *CODE_KINDS, *CODE8_KINDS):
+        if name not in ("weight", BLOCKS_KIND, *CODE_KINDS, *CODE8_KINDS):
             raise ValueError(f"checkpoint tensor {name!r} on a GGUF linear layer")
         if name == "weight" and self.keep_dense:
             load_dense(layer, index, tensor)
@@ -190,6 +158,9 @@ class GGUFMethod(QuantMethod):
             loading.parts = {}  # built as soon as its codes are in: the parts go at once
 
     def _build(self, parts: list[dict[str, torch.Tensor]]) -> PackedWeight:
+        if self.target == "blocks":
+            return BLOCK_KINDS[self.types[0]](torch.cat([p[BLOCKS_KIND] for p in parts]),
+                                              self.dtype)
         if self.target == "int8" and self._int8_exact():
             # One group for the layer: 16 where a slot is Q6_K, the others' scales repeated.
             group = 16 if Q.Q6_K in self.types else 32
@@ -243,10 +214,10 @@ class GGUFPlan:
         # auto is the CPU's best plan: a device without these kernels loads the dense weights.
         self.required = mode != "auto"
 
-    def apply(self, model: nn.Module, tensor_types: dict[str, Q]) -> set[str]:
+    def apply(self, model: nn.Module, tensor_types: dict[str, Q]) -> dict[str, str]:
         """Before loading: give the layers their methods; `tensor_types` maps each checkpoint
         weight name (stacked experts with {}) to its GGML type. Returns the checkpoint names
-        whose int4 codes the loader should yield (CODE_KINDS)."""
+        whose codes the loader should yield, each with its form (CODE_FORMS)."""
         modules = dict(model.named_modules())
         slots: dict[str, dict[int | None, tuple[Q, str]]] = {}
         moe: dict[str, dict[str, tuple[Q, str]]] = {}  # stacked experts: block -> projection -> type
@@ -258,22 +229,22 @@ class GGUFPlan:
             where = _slot(model, ckpt)
             if where is not None and hasattr(modules.get(where[0]), "set_quant_method"):
                 slots.setdefault(where[0], {})[where[1]] = (qtype, ckpt)
-        wants: set[str] = set()
-        logged: set[tuple[Q, str]] = set()
+        wants: dict[str, str] = {}
+        logged: set[tuple[Q, str, bool]] = set()
 
         def method(layer: nn.Module, typed: list[tuple[Q, str]]) -> GGUFMethod | None:
             types = [t for t, _ in typed]
-            target = _target(self.mode, types, layer.in_features)
+            target = _target(self.mode, types, layer)
             if target is None:
                 return None
+            exact_int8 = target == "int8" and all(t in INT8_EXACT for t in types)
             for t, ckpt in typed:
-                if (t, target) not in logged:
-                    logged.add((t, target))
-                    logger.info("GGUF %s weights -> %s", t.name, _how(t, target,
-                                                                     layer.in_features))
-                if target == "int4" and t in INT4_EXACT or target == "int8" and all(
-                        u in INT8_EXACT for u, _ in typed):
-                    wants.add(ckpt)
+                if (t, target, exact_int8) not in logged:
+                    logged.add((t, target, exact_int8))
+                    logger.info("GGUF %s weights -> %s", t.name, _how(
+                        t, target, layer.in_features, exact_int8))
+                if target == "blocks" or target == "int4" and t in INT4_EXACT or exact_int8:
+                    wants[ckpt] = target
             return GGUFMethod(types, target, self.keep_dense, self.dtype)
 
         count = 0
@@ -306,13 +277,14 @@ class GGUFPlan:
         return wants
 
     def finish_lm_head(self, model: nn.Module, bits: dict[str, int],
-                       codes: Callable[[str], tuple[torch.Tensor, torch.Tensor] | None] | None
-                       = None) -> None:
+                       table: Callable[[str], tuple[Q, torch.Tensor] | None] | None = None
+                       ) -> None:
         """After loading: the LM head's low-bit copy, at the width of its checkpoint tensor
         (`bits`: bits per weight of each checkpoint weight; a tied head's is its embedding's).
-        Without dense prefill weights, the embeddings and the head keep packed int8 codes alone
-        where they are exact (`codes`: a checkpoint weight's int8 codes and scales from the
-        file, or None for other types; layers/embedding.py)."""
+        Without dense prefill weights, the embeddings and the head keep the file's own codes
+        alone where they are exact (`table`: a checkpoint weight's GGML type and raw blocks
+        [rows, row bytes] for Q8_0, Q5_0 and Q6_K, or None for other types;
+        layers/embedding.py)."""
         per_module: dict[str, int] = {}
         for ckpt_name, b in bits.items():
             module = model.linear_name(ckpt_name)  # the module it fills (GPT-2: transformer.h...)
@@ -332,13 +304,17 @@ class GGUFPlan:
         ckpt_of = {model.linear_name(c): c for c in bits}
 
         def exact(name: str, module: nn.Module) -> PackedWeight | None:
-            """The module's rows as the file's own int8 codes (Q8_0, Q5_0, Q6_K), else a Q8_0
-            table re-quantized (code for code); None for other types, whose re-quantized rows
-            would move every prompt."""
-            got = codes(ckpt_of[name]) if codes is not None and name in ckpt_of else None
+            """The module's rows as the file's own blocks (Q5_0, Q6_K) or int8 codes (Q8_0,
+            and the others without the C++ kernels), else a Q8_0 table re-quantized (code for
+            code); None for other types, whose re-quantized rows would move every prompt."""
+            got = table(ckpt_of[name]) if table is not None and name in ckpt_of else None
             if got is not None:
+                qtype, raw = got
                 first, rows = module.first_row, module.weights_shape[0]
-                q, scale = (_rows_share(t, first, rows) for t in got)
+                if _blocks_fit(qtype, module):
+                    return BLOCK_KINDS[qtype](_rows_share(raw, first, rows), self.dtype)
+                q, scale = (_rows_share(torch.from_numpy(np.ascontiguousarray(a)), first, rows)
+                            for a in int8_codes(qtype, raw.numpy()))
                 return Int8Grouped(q, scale, self.dtype)
             if per_module.get(name) == 8:
                 return make_decode_weight(module.weights.weight, 8)
