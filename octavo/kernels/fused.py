@@ -142,49 +142,32 @@ def int4_gemm_active(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and int4_gemm_ready(x.dtype)
 
 
-def int4_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int4_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+              high_bits: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 or float32 times int4 weights in octavo's layout
-    (Int4Packed.native_layout) -> [M, N padded to 16] in x's dtype (C++ only; torch's int4
-    kernel is the reference)."""
-    return _native.int4_gemm(x.contiguous(), codes, scales)
+    (Int4Packed.native_layout; with `high_bits`, 5-bit codes and bf16 x) -> [M, N padded to
+    16] in x's dtype (C++ only; Int4Packed.dequantize is the reference)."""
+    return _native.int4_gemm(x.contiguous(), codes, scales, high_bits)
 
 
 def int4_dequantize_ready() -> bool:
     return _native is not None and hasattr(_native, "int4_dequantize")
 
 
-def int4_dequantize(codes: torch.Tensor, scales: torch.Tensor, first_block: int, blocks: int,
-                    dtype: torch.dtype) -> torch.Tensor:
+def int4_dequantize(codes: torch.Tensor, scales: torch.Tensor, high_bits: torch.Tensor | None,
+                    first_block: int, blocks: int, dtype: torch.dtype) -> torch.Tensor:
     """Row blocks [first_block, first_block + blocks) of int4 weights in octavo's layout, dense
     [16 * blocks, K] in dtype (bf16 or float32; C++ only: Int4Packed.dequantize is the
     reference)."""
-    return _native.int4_dequantize(codes, scales, first_block, blocks, dtype == torch.bfloat16)
+    return _native.int4_dequantize(codes, scales, high_bits, first_block, blocks,
+                                   dtype == torch.bfloat16)
 
 
-def int4_tiled_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int4_tiled_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      high_bits: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] times int4 weights in octavo's layout -> [M, N padded to 16], the weight
     dequantized tile by tile into the dense GEMM (large batches; C++ only)."""
-    return _native.int4_tiled_linear(x.contiguous(), codes, scales)
-
-
-def ggml_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
-    """x [M, K] (bf16 or float32) times a GGUF's Q5_0 / Q6_K blocks [N, row bytes] (`qtype`
-    "q5_0" or "q6_k") -> [M, N]: each weight row decoded once for every row of x (C++ only;
-    GGMLBlocks.dequantize is the reference)."""
-    return _native.ggml_gemv(x.contiguous(), blocks, qtype)
-
-
-def ggml_dequantize(blocks: torch.Tensor, qtype: str, first: int, count: int,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """Rows [first, first + count) of GGML blocks, dense [count, K] in dtype (bf16 or float32;
-    C++ only)."""
-    return _native.ggml_dequantize(blocks, qtype, first, count, dtype == torch.bfloat16)
-
-
-def ggml_tiled_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
-    """x [M, K] times GGML blocks -> [M, N], dequantized tile by tile into the dense GEMM
-    (large batches; C++ only)."""
-    return _native.ggml_tiled_linear(x.contiguous(), blocks, qtype)
+    return _native.int4_tiled_linear(x.contiguous(), codes, scales, high_bits)
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

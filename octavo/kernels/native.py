@@ -135,8 +135,7 @@ class Kernels:
     DecodeStack class."""
 
     _OPS = ("write_kv", "decode_attention", "rms_norm", "rotary_inplace", "silu_and_mul",
-            "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_dequantize", "int4_tiled_linear",
-            "ggml_gemv", "ggml_dequantize", "ggml_tiled_linear")
+            "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_dequantize", "int4_tiled_linear")
 
     def __init__(self) -> None:
         import torch
@@ -165,10 +164,6 @@ def _register_fakes() -> None:
     def rows_out(x, weight_rows):
         return x.new_empty(x.shape[0], weight_rows)
 
-    def x_columns(blocks, type):
-        weights, nbytes = {"q5_0": (32, 22), "q6_k": (256, 210)}[type]
-        return blocks.shape[1] // nbytes * weights
-
     fakes = {
         "rms_norm": lambda x, weight, eps: torch.empty_like(x),
         "silu_and_mul": lambda x: x.new_empty(x.shape[0], x.shape[1] // 2),
@@ -177,14 +172,12 @@ def _register_fakes() -> None:
         "decode_attention": lambda *args: None,
         "rotary_inplace": lambda x, positions, cos, sin: None,
         "int8_gemv": lambda x, q, scale: rows_out(x, q.shape[0]),
-        "int4_gemm": lambda x, codes, scales: rows_out(x, codes.shape[0] * 16),
-        "int4_tiled_linear": lambda x, codes, scales: rows_out(x, codes.shape[0] * 16),
-        "int4_dequantize": lambda codes, scales, first_block, blocks, bf16: codes.new_empty(
-            16 * blocks, codes.shape[1] * 4, dtype=torch.bfloat16 if bf16 else torch.float32),
-        "ggml_gemv": lambda x, blocks, type: rows_out(x, blocks.shape[0]),
-        "ggml_tiled_linear": lambda x, blocks, type: rows_out(x, blocks.shape[0]),
-        "ggml_dequantize": lambda blocks, type, first, count, bf16: blocks.new_empty(
-            count, x_columns(blocks, type), dtype=torch.bfloat16 if bf16 else torch.float32),
+        "int4_gemm": lambda x, codes, scales, high_bits=None: rows_out(x, codes.shape[0] * 16),
+        "int4_tiled_linear": lambda x, codes, scales, high_bits=None: rows_out(
+            x, codes.shape[0] * 16),
+        "int4_dequantize": lambda codes, scales, high_bits, first_block, blocks, bf16:
+        codes.new_empty(16 * blocks, codes.shape[1] * 4,
+                        dtype=torch.bfloat16 if bf16 else torch.float32),
     }
     for name, fake in fakes.items():
         torch.library.register_fake(f"octavo::{name}", fake)

@@ -39,7 +39,6 @@ from octavo.model.layer_spec import LayerSpec, NormKind
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
 from octavo.model.quant.decode_weights import max_rows
-from octavo.model.quant.ggml_blocks import GGMLBlocks
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed, PackedWeight
 from octavo.model.quant.weights import DenseWeights, PackedWeights
 
@@ -114,11 +113,14 @@ def _weight_reason(lin: Linear | torch.Tensor, dtype: torch.dtype) -> str | None
         return None
     if low.perm is not None:
         return "a permuted (act-order) packed weight"
+    if isinstance(low, Int4Packed) and low.dtype != dtype:
+        return "int4 scales in another dtype"
     if isinstance(low, Int4Packed):
-        return None if low.dtype == dtype else "int4 scales in another dtype"
+        return None if low.bits == 4 or low.kernel_ready(dtype, low.bits) else \
+            "5-bit codes without octavo's bf16 int4 kernel"
     if isinstance(low, Int8Packed) and (low.q.shape[0] != 1 or low.zero_term is not None):
         return "a grouped or asymmetric int8 weight"
-    if isinstance(low, (Int8Packed, Int8Grouped, GGMLBlocks)):
+    if isinstance(low, (Int8Packed, Int8Grouped)):
         return None
     return f"a {type(low).__name__} weight"
 
@@ -135,25 +137,24 @@ def _row_limit(lin: Linear | torch.Tensor) -> int | None:
 
 def _linear(lin: Linear | torch.Tensor) -> tuple:
     """A linear layer as the C++ stack takes it (csrc/stack_linear.h): dense weight, bias, the
-    low-bit kind and its two tensors, output features, and the most rows the low-bit weight
-    serves beside a dense one."""
+    low-bit kind and its tensors (two, and a 5-bit int4 weight's fifth bits), output features,
+    and the most rows the low-bit weight serves beside a dense one."""
     dense, low = _forms(lin)
-    if isinstance(low, Int4Packed) and fused.int4_gemm_ready(low.dtype):  # octavo's int4 kernel
-        kind, a, b = "int4", *low.native_layout()
+    c = None
+    if isinstance(low, Int4Packed) and low.kernel_ready(low.dtype, low.bits):  # octavo's kernel
+        kind, (a, b, c) = "int4", low.native_layout()
     elif isinstance(low, Int4Packed):  # torch's kernel, groups of 32
         kind, a, b = "int4_torch", *low.torch_layout()
     elif isinstance(low, Int8Packed):
         kind, a, b = "int8", low.q[0], low.scale[0]
     elif isinstance(low, Int8Grouped):  # scales [N, G]: the GEMV applies them per group
         kind, a, b = "int8", low.q, low.scale
-    elif isinstance(low, GGMLBlocks):  # the file's Q5_0 / Q6_K blocks, decoded row by row
-        kind, a, b = low.name, low.blocks, None
     else:
         kind, a, b = "none", None, None
     out = dense.shape[0] if dense is not None else low.out_features
     rows = max_rows(low) if low is not None else 0
     bias = None if isinstance(lin, torch.Tensor) else lin.bias
-    return dense, bias, kind, a, b, out, rows
+    return dense, bias, kind, a, b, c, out, rows
 
 
 class DecodeStack:

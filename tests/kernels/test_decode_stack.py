@@ -326,7 +326,7 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
     cache, cos, sin = torch.zeros(2, 4, 16, 1, 16), torch.ones(64, 8), torch.zeros(64, 8)
 
     def linears(kind="none"):
-        stack.set_linears(dense, [None] * 4, [kind] * 4, [None] * 4, [None] * 4,
+        stack.set_linears(dense, [None] * 4, [kind] * 4, [None] * 4, [None] * 4, [None] * 4,
                           [48, 32, 64, 32], [0] * 4)
 
     with pytest.raises(RuntimeError, match="add_layer comes first"):
@@ -342,8 +342,8 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
     with pytest.raises(RuntimeError, match="LayerNorm weights come with biases"):
         stack.set_norms("layer", norms, [None] * 4, False)
     stack.set_norms("rms", norms, [None] * 4, False)
-    with pytest.raises(RuntimeError, match="unknown low-bit weight kind 'int5'"):
-        linears("int5")
+    with pytest.raises(RuntimeError, match="unknown low-bit weight kind 'int3'"):
+        linears("int3")
     with pytest.raises(RuntimeError, match="a low-bit weight needs its tensors"):
         linears("int8")
     linears()

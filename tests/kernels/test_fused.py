@@ -196,5 +196,5 @@ def test_the_kernels_trace_under_torch_compile(native_kernels):
         assert module.int8_gemv(fx, torch.empty(32, 64, dtype=torch.int8),
                                 torch.empty(32)).shape == (5, 32)
         codes = torch.empty(2, 16, 32, dtype=torch.uint8)  # 32 rows, K = 64
-        assert module.int4_dequantize(codes, torch.empty(2, 2, 2, 16), 0, 2, True).shape == \
-            (32, 64)
+        assert module.int4_dequantize(codes, torch.empty(2, 2, 2, 16), None, 0, 2, True).shape \
+            == (32, 64)

@@ -309,12 +309,13 @@ def test_every_layout_keeps_its_codes_in_place(tmp_path, smollm_oracle_folder, m
 
 @pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-coder-0.5b-instruct"])
 def test_int8_codes_are_the_files_weights_bit_for_bit(name):
-    """Q8_0, Q5_0 and Q6_K tensors kept as int8 codes and scales (no re-quantizing): codes times
-    scales are gguf's own dequantization, bit for bit, for every such type in the file."""
+    """Q8_0, Q5_0 and Q6_K tensors kept as int8 codes and scales (no re-quantizing), and Q5_0
+    ones as 5-bit affine codes: codes times scales (plus offsets) are gguf's own
+    dequantization, bit for bit, for every such type in the file."""
     import numpy as np
     from gguf.quants import dequantize
 
-    from octavo.model.quant.ggml_blocks import int8_codes
+    from octavo.model.quant.ggml_codes import affine_codes, int8_codes
     from octavo.model.quant.gguf import INT8_EXACT
     from octavo.model_files import open_gguf
     from octavo.model_source import pull
@@ -326,9 +327,15 @@ def test_int8_codes_are_the_files_weights_bit_for_bit(name):
         seen.add(t.tensor_type)
         rows = int(np.prod([int(d) for d in t.shape[1:]]))
         raw = np.asarray(t.data).reshape(rows, -1)[:64]
+        reference = dequantize(raw, t.tensor_type).reshape(64, -1)
         q, scale = int8_codes(t.tensor_type, raw)
         group = q.shape[1] // scale.shape[1]
         assert group == (16 if t.tensor_type == 14 else 32)
         w = (q.astype(np.float32).reshape(64, -1, group) * scale[..., None]).reshape(64, -1)
-        assert np.array_equal(w, dequantize(raw, t.tensor_type).reshape(64, -1)), t.name
+        assert np.array_equal(w, reference), t.name
+        if t.tensor_type == Q.Q5_0:
+            q, scale, low = affine_codes(t.tensor_type, raw)
+            assert q.max() == 31
+            w = q.astype(np.float32).reshape(64, -1, 32) * scale[..., None] + low[..., None]
+            assert np.array_equal(w.reshape(64, -1), reference), t.name
     assert len(seen) >= 2

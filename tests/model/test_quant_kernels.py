@@ -186,10 +186,10 @@ def test_native_int4_dequantize_and_tiles_match_the_reference(native_kernels, ha
         packed = Int4Packed(q, scale, torch.rand(n, k // 32, generator=g) * 15, 32, dtype)
     assert (packed.native_scales.dtype == torch.float16) == half_scales
     ref = packed.dequantize(0, packed.padded_n, dtype)
-    got = fused.int4_dequantize(packed.native_codes, packed.native_scales, 0,
+    got = fused.int4_dequantize(packed.native_codes, packed.native_scales, None, 0,
                                 packed.padded_n // 16, dtype)
     assert torch.allclose(got.float(), ref.float(), atol=1e-6 if dtype == torch.float32 else 0)
-    part = fused.int4_dequantize(packed.native_codes, packed.native_scales, 3, 5, dtype)
+    part = fused.int4_dequantize(packed.native_codes, packed.native_scales, None, 3, 5, dtype)
     assert torch.equal(part, got[48:128])
     x = torch.randn(DENSE_ROWS, k, generator=g).to(dtype)
     out = packed.matmul(x)

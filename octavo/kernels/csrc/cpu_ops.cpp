@@ -9,7 +9,6 @@
 #include <torch/library.h>
 
 #include "dequant.h"
-#include "ggml_blocks.h"
 #include "int4_gemm.h"
 #include "int8_gemm.h"
 #include "layer_ops.h"
@@ -132,13 +131,12 @@ TORCH_LIBRARY(octavo, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor q, Tensor scale) -> Tensor");
-  m.def("int4_gemm(Tensor x, Tensor codes, Tensor scales) -> Tensor");
-  m.def("int4_dequantize(Tensor codes, Tensor scales, int first_block, int blocks, bool bf16) "
+  m.def("int4_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? high_bits=None) -> Tensor");
+  m.def("int4_dequantize(Tensor codes, Tensor scales, Tensor? high_bits, int first_block, "
+        "int blocks, bool bf16) "
         "-> Tensor");
-  m.def("int4_tiled_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
-  m.def("ggml_gemv(Tensor x, Tensor blocks, str type) -> Tensor");
-  m.def("ggml_dequantize(Tensor blocks, str type, int first, int count, bool bf16) -> Tensor");
-  m.def("ggml_tiled_linear(Tensor x, Tensor blocks, str type) -> Tensor");
+  m.def("int4_tiled_linear(Tensor x, Tensor codes, Tensor scales, Tensor? high_bits=None) "
+        "-> Tensor");
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecodeStack::add_layer)
@@ -160,7 +158,4 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("int4_gemm", &int4_gemm);
   m.impl("int4_dequantize", &int4_dequantize);
   m.impl("int4_tiled_linear", &int4_tiled_linear);
-  m.impl("ggml_gemv", &ggml_gemv);
-  m.impl("ggml_dequantize", &ggml_dequantize);
-  m.impl("ggml_tiled_linear", &ggml_tiled_linear);
 }

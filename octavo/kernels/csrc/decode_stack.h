@@ -86,17 +86,18 @@ class DecodeStack : public torch::CustomClassHolder {
   void set_linears(std::vector<std::optional<at::Tensor>> dense,
                    std::vector<std::optional<at::Tensor>> bias, std::vector<std::string> low_bit,
                    std::vector<std::optional<at::Tensor>> low_a,
-                   std::vector<std::optional<at::Tensor>> low_b, std::vector<int64_t> out,
+                   std::vector<std::optional<at::Tensor>> low_b,
+                   std::vector<std::optional<at::Tensor>> low_c, std::vector<int64_t> out,
                    std::vector<int64_t> max_rows) {
     StackLayer& l = building();
     const size_t count = dense.size();
-    for (size_t n : {bias.size(), low_bit.size(), low_a.size(), low_b.size(), out.size(),
-                     max_rows.size()})
+    for (size_t n : {bias.size(), low_bit.size(), low_a.size(), low_b.size(), low_c.size(),
+                     out.size(), max_rows.size()})
       TORCH_CHECK(n == count, "one entry per linear layer in each of its fields");
     TORCH_CHECK(count >= 4, "a layer has qkv, o and an MLP");
     l.linears.clear();
     for (size_t i = 0; i < count; ++i)
-      l.linears.emplace_back(dense[i], bias[i], low_bit[i], low_a[i], low_b[i], out[i],
+      l.linears.emplace_back(dense[i], bias[i], low_bit[i], low_a[i], low_b[i], low_c[i], out[i],
                              max_rows[i]);
   }
 

@@ -23,14 +23,21 @@ namespace {
 // code q becomes the bf16 number 128 + q by or-ing in an exponent (no conversion), vdpbf16ps
 // multiplies pairs of inputs exactly into float32, and per group
 //   sum x * w = scale * sum x * (128 + q) + (zero - 136 * scale) * sum x.
+// 5-bit codes (a GGUF's Q5_0, w = d * q - 16 d) add a plane of their fifth bits,
+//   high [N / 16, K / 4, 2] uint32: for (row block b, quad c), bit 2r + j of the first word is
+//      the fifth bit of the code in the low nibble of byte 2r + j, of the second word the one in
+//      its high nibble;
+// a masked add puts 16 into the lanes whose bit is set: 128 + q stays an exact bf16 integer.
 #if defined(__AVX512BF16__)
-// Output rows 16b..16b+15 for R activation rows; acc[r] gets row r's 16 sums.
-template <int R, typename S>
-inline void int4_block(const uint8_t* q4, const S* sz, const c10::BFloat16* x,
-                       int64_t k, const float* xsum, __m512* acc) {
+// Output rows 16b..16b+15 for R activation rows; acc[r] gets row r's 16 sums. `high` (the
+// block's fifth bits) is read only with HIGH.
+template <int R, bool HIGH, typename S>
+inline void int4_block(const uint8_t* q4, const S* sz, const uint32_t* high,
+                       const c10::BFloat16* x, int64_t k, const float* xsum, __m512* acc) {
   constexpr int P = R == 1 ? 2 : 1;  // one row alone: two chains per half, to hide latency
   const int64_t groups = k / 32;
   const __m512i low_nibble = _mm512_set1_epi16(0x0F), exponent = _mm512_set1_epi16(0x4300);
+  const __m512i sixteen = _mm512_set1_epi16(16);
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512 part[R][2 * P];
@@ -44,8 +51,13 @@ inline void int4_block(const uint8_t* q4, const S* sz, const c10::BFloat16* x,
     for (int c = 0; c < 8; ++c) {
       const __m512i w = _mm512_cvtepu8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + c * 32)));
-      const __m512i lo = _mm512_ternarylogic_epi32(w, low_nibble, exponent, 0xEA);  // a&b | c
-      const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(w, 4), exponent);
+      __m512i lo = _mm512_ternarylogic_epi32(w, low_nibble, exponent, 0xEA);  // a&b | c
+      __m512i hi = _mm512_or_si512(_mm512_srli_epi16(w, 4), exponent);
+      if constexpr (HIGH) {
+        const uint32_t* hc = high + (g * 8 + c) * 2;
+        lo = _mm512_mask_add_epi16(lo, _cvtu32_mask32(hc[0]), lo, sixteen);
+        hi = _mm512_mask_add_epi16(hi, _cvtu32_mask32(hc[1]), hi, sixteen);
+      }
       const int p = (c % P) * 2;
       for (int r = 0; r < R; ++r) {
         const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * k + g * 32 + c * 4);
@@ -209,8 +221,9 @@ at::Tensor int4_gemm_f32(const at::Tensor& x, const at::Tensor& q4, const at::Te
 }
 
 // x [M, K] bf16 or float32 times int4 weights in octavo's layout (see int4_block) -> [M, N] in
-// x's dtype, with N the padded row count (a multiple of 16).
-at::Tensor int4_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz) {
+// x's dtype, with N the padded row count (a multiple of 16); with `high`, 5-bit codes (bf16).
+at::Tensor int4_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
+                     std::optional<at::Tensor> high) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
               (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "int4_gemm: x must be a contiguous [M, K] bf16 or float32 tensor");
@@ -222,6 +235,13 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz) {
   TORCH_CHECK((half_scales || sz.scalar_type() == at::kFloat) && sz.is_contiguous() &&
               sz.numel() == blocks * (k / 32) * 32,
               "int4_gemm: scales must be [N/16, K/32, 2, 16] float32 or float16");
+  if (high) {
+    TORCH_CHECK(high->scalar_type() == at::kInt && high->is_contiguous() &&
+                high->numel() == blocks * (k / 4) * 2,
+                "int4_gemm: fifth bits must be [N / 16, K / 4, 2] int32");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16,
+                "int4_gemm: 5-bit codes take bf16 activations (AVX-512-BF16)");
+  }
   if (x.scalar_type() == at::kFloat) return int4_gemm_f32(x, q4, sz, half_scales);
   TORCH_CHECK(built_with_avx512_bf16(), "int4_gemm with bf16 activations needs AVX-512-BF16");
   auto out = at::empty({rows, n}, x.options());
@@ -237,6 +257,8 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz) {
     }
   const uint8_t* qp = q4.data_ptr<uint8_t>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const uint32_t* hp = high ? reinterpret_cast<const uint32_t*>(high->data_ptr<int32_t>())
+                            : nullptr;
   auto run = [&](const auto* sp) {
     // A row block is k / 2 bytes (a few KB): it stays in L1 for every chunk of 8 rows of x.
     at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
@@ -245,8 +267,15 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz) {
         for (int64_t c = 0; c < rows; c += 8) {
           const int64_t m = std::min<int64_t>(8, rows - c);
           for_rows(m, [&](auto r) {
-            int4_block<decltype(r)::value>(qp + b * k * 8, sp + b * groups * 32, xp + c * k, k,
-                                           xsum.data() + c * groups, acc);
+            constexpr int R = decltype(r)::value;
+            const uint8_t* qb = qp + b * k * 8;
+            const auto* sb = sp + b * groups * 32;
+            if (hp != nullptr)
+              int4_block<R, true>(qb, sb, hp + b * (k / 4) * 2, xp + c * k, k,
+                                  xsum.data() + c * groups, acc);
+            else
+              int4_block<R, false>(qb, sb, nullptr, xp + c * k, k, xsum.data() + c * groups,
+                                   acc);
           });
           for (int64_t r = 0; r < m; ++r) store16(op + (c + r) * n + b * 16, acc[r]);
         }

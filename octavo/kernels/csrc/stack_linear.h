@@ -6,25 +6,23 @@
 
 // The low-bit weight a linear layer of the stack holds, by the name the Python side gives it
 // (octavo/model/decode_stack.py, _linear).
-enum class LowBitKind { kNone, kInt4, kInt4Torch, kInt8, kGgml };
+enum class LowBitKind { kNone, kInt4, kInt4Torch, kInt8 };
 
 inline LowBitKind low_bit_kind(const std::string& name) {
   if (name == "none") return LowBitKind::kNone;
   if (name == "int4") return LowBitKind::kInt4;  // octavo's layout (int4_gemm.h)
   if (name == "int4_torch") return LowBitKind::kInt4Torch;  // torch's, groups of 32
   if (name == "int8") return LowBitKind::kInt8;  // a scale per row or per group
-  if (name == "q5_0" || name == "q6_k") return LowBitKind::kGgml;  // a GGUF's blocks
-  TORCH_CHECK(false, "unknown low-bit weight kind '", name,
-              "' (none, int4, int4_torch, int8, q5_0, q6_k)");
+  TORCH_CHECK(false, "unknown low-bit weight kind '", name, "' (none, int4, int4_torch, int8)");
 }
 
 struct StackLinear {
   at::Tensor dense;  // [N, K], the weight every batch size can use; undefined: packed only
   at::Tensor bias;   // [N] or undefined
   LowBitKind kind = LowBitKind::kNone;
-  at::Tensor low_a;  // int4: packed codes (N padded to 16); int8: codes [N, K]; GGML: blocks
+  at::Tensor low_a;  // int4: packed codes (N padded to 16); int8: codes [N, K]
   at::Tensor low_b;  // int4: scales and zeros (torch: [K / 32, N, 2]); int8: scales [N] or [N, G]
-  std::string ggml_type;  // GGML: the block type (ggml_blocks.h)
+  std::optional<at::Tensor> low_c;  // int4: the fifth bits of 5-bit codes (int4_gemm.h)
   int64_t out = 0;   // N
   int64_t max_rows = 0;  // with a dense weight: the most rows the packed one serves (decode)
 
@@ -32,11 +30,10 @@ struct StackLinear {
   StackLinear(const std::optional<at::Tensor>& dense_weight,
               const std::optional<at::Tensor>& bias_, const std::string& low_bit,
               const std::optional<at::Tensor>& a, const std::optional<at::Tensor>& b,
-              int64_t out_features, int64_t rows)
-      : kind(low_bit_kind(low_bit)), out(out_features), max_rows(rows) {
-    TORCH_CHECK(kind == LowBitKind::kNone || (a && (b || kind == LowBitKind::kGgml)),
-                "a low-bit weight needs its tensors");
-    if (kind == LowBitKind::kGgml) ggml_type = low_bit;
+              const std::optional<at::Tensor>& c, int64_t out_features, int64_t rows)
+      : kind(low_bit_kind(low_bit)), low_c(c), out(out_features), max_rows(rows) {
+    TORCH_CHECK(kind == LowBitKind::kNone || (a && b), "a low-bit weight needs its tensors");
+    TORCH_CHECK(!c || kind == LowBitKind::kInt4, "only octavo's int4 layout has fifth bits");
     TORCH_CHECK(dense_weight || kind != LowBitKind::kNone,
                 "a linear needs a dense or a packed weight");
     if (dense_weight) dense = *dense_weight;
@@ -49,11 +46,10 @@ struct StackLinear {
   // the stack is given (DecodeStack.max_tokens keeps those small).
   at::Tensor product(const at::Tensor& x) const {
     if (kind != LowBitKind::kNone && (!dense.defined() || x.size(0) <= max_rows)) {
-      auto y = kind == LowBitKind::kInt4        ? int4_gemm(x, low_a, low_b)
+      auto y = kind == LowBitKind::kInt4        ? int4_gemm(x, low_a, low_b, low_c)
                : kind == LowBitKind::kInt4Torch ? at::_weight_int4pack_mm_for_cpu(x, low_a, 32,
                                                                                   low_b)
-               : kind == LowBitKind::kGgml ? ggml_gemv(x, low_a, ggml_type)
-                                           : int8_gemv(x, low_a, low_b);
+                                                : int8_gemv(x, low_a, low_b);
       return y.size(1) != out ? y.narrow(1, 0, out) : y;
     }
     return dense.is_mkldnn() ? packed_linear(x, dense) : at::linear(x, dense);

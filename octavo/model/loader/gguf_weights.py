@@ -202,18 +202,18 @@ class _DequantizedReader:
 
 class _CodeBlocks:
     """A quantized tensor's raw blocks [rows, row bytes], turned into its codes and scales
-    (quant/ggml_blocks.py's int4_codes for Q4_0/Q4_1/Q4_K, int8_codes for Q8_0/Q5_0/Q6_K) by
-    rectangles of whole blocks. One conversion gives every kind: the ones not asked for yet are
+    (quant/ggml_codes.py's affine_codes for Q4_0/Q4_1/Q4_K/Q5_0, int8_codes for Q8_0/Q5_0/Q6_K)
+    by rectangles of whole blocks. One conversion gives every kind: the ones not asked for yet are
     kept for their readers."""
 
     def __init__(self, t: GGUFTensor, rows: int, form: str) -> None:
         from gguf.constants import GGML_QUANT_SIZES
 
-        from octavo.model.quant.ggml_blocks import int4_codes, int8_codes
+        from octavo.model.quant.ggml_codes import affine_codes, int8_codes
         from octavo.model.quant.gguf import CODE_FORMS
 
         self.kinds = CODE_FORMS[form]
-        self._convert = int8_codes if form == "int8" else int4_codes
+        self._convert = int8_codes if form == "int8" else affine_codes
         self._raw, self._type = t.data.reshape(rows, -1), t.tensor_type
         self._block_bytes = GGML_QUANT_SIZES[t.tensor_type][1]
         self.blocks = self._raw.shape[1] // self._block_bytes
@@ -234,19 +234,6 @@ class _CodeBlocks:
         if not kept:
             del self._kept[key]
         return out
-
-
-class _RawReader:
-    """A quantized tensor's raw bytes [rows, row bytes] uint8, as GGMLBlocks keeps them."""
-
-    def __init__(self, name: str, t: GGUFTensor, rows: int) -> None:
-        self.name, self._raw = name, t.data.reshape(rows, -1)
-        self.rows, self.cols = self._raw.shape
-        self.dtype = torch.uint8
-
-    def read(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
-        note_read(self.name, (r1 - r0) * (c1 - c0))
-        return torch.from_numpy(np.array(self._raw[r0:r1, c0:c1]))  # a copy: read-only mmap
 
 
 class _CodesReader:
@@ -301,10 +288,9 @@ def iterate_gguf_weights(path: Path, cfg: ArchConfig, bits: dict[str, int] | Non
     """Yield (Hugging Face name, dequantized tensor, lazy for a matrix); `bits` gets each
     tensor's source width. A stacked expert tensor [E, out, in] is yielded as E per-expert
     tensors. For the names in `codes` (stacked experts with {}), the codes come too in the
-    form it names (quant/gguf.py's CODE_FORMS): "int4" (Q4_0/Q4_1/Q4_K) as `<module>.gguf_q4`,
-    `.gguf_q4_scale`, `.gguf_q4_low`, "int8" (Q8_0/Q5_0/Q6_K) as `.gguf_q8`, `.gguf_q8_scale`,
-    "blocks" (Q5_0/Q6_K) as `.gguf_blocks`, the raw bytes; without `dense_too` instead of the
-    dequantized weight."""
+    form it names (quant/gguf.py's CODE_FORMS): "int4" (Q4_0/Q4_1/Q4_K/Q5_0: affine codes) as
+    `<module>.gguf_q4`, `.gguf_q4_scale`, `.gguf_q4_low`, "int8" (Q8_0/Q5_0/Q6_K) as
+    `.gguf_q8`, `.gguf_q8_scale`; without `dense_too` instead of the dequantized weight."""
     codes = codes or {}
     reader = open_gguf(path)  # checked whole first: every tensor's data lies inside the file
     for t in reader.tensors:
@@ -315,16 +301,11 @@ def iterate_gguf_weights(path: Path, cfg: ArchConfig, bits: dict[str, int] | Non
         out: dict[str, torch.Tensor] = {}
         if name in codes:
             rows = int(np.prod(shape[:-1]))
-            if codes[name] == "blocks":
-                key = name.removesuffix("weight") + "gguf_blocks"
-                part = _RawReader(key, t, rows)
+            blocks = _CodeBlocks(t, rows, codes[name])
+            for kind in blocks.kinds:
+                key = name.removesuffix("weight") + kind
+                part = _CodesReader(key, blocks, kind, rows)
                 out[key] = _code_layout(name, lazy(part, (*shape[:-1], part.cols)), cfg)
-            else:
-                blocks = _CodeBlocks(t, rows, codes[name])
-                for kind in blocks.kinds:
-                    key = name.removesuffix("weight") + kind
-                    part = _CodesReader(key, blocks, kind, rows)
-                    out[key] = _code_layout(name, lazy(part, (*shape[:-1], part.cols)), cfg)
         if name not in codes or dense_too:
             out[name] = _to_hf_layout(name, _dense(name, t, shape), cfg)
         for key, w in out.items():

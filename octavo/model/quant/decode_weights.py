@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from octavo.kernels import fused, onednn
-from octavo.model.quant.ggml_blocks import GGMLBlocks
 from octavo.model.quant.packed import (
     INT4_ROWS,
     INT4_ROWS_AMX,
@@ -56,8 +55,7 @@ def max_rows(decode: PackedWeight) -> int:
     """The most rows `decode` (a dense layer's low-bit copy) computes (see int4_rows)."""
     if isinstance(decode, Int4Packed) and fused.int4_gemm_ready(decode.dtype):
         return int4_rows(decode.dtype)
-    if isinstance(decode, (Int8Grouped, GGMLBlocks)) and decode.dtype == torch.float32 \
-            and fused.native_ready():
+    if isinstance(decode, Int8Grouped) and decode.dtype == torch.float32 and fused.native_ready():
         return INT8_ROWS_F32
     return MAX_ROWS
 

@@ -3,17 +3,18 @@
 Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m) and Q4_K (per 32 weights w = d * sc * q - dmin * m)
 are 4-bit codes with a scale and an offset per 32 inputs: exactly torch's int4 layout with group
 32, so those codes and scales are copied over, not re-quantized (only scale and torch's zero,
-8 * scale + offset, are rounded to the activation dtype). A layer whose slots are all Q5_0
-(w = d * (q - 16)) or all Q6_K (w = d * sc * (q - 32) per 16) keeps the file's blocks
-(`GGMLBlocks`, ggml_blocks.py: 5.5 / 6.56 bits a weight, decoded row by row by the C++
-kernels). The other types go to the nearest layout the kernels have: Q8_0 (w = d * q, q in
--127..127 per 32), and Q5_0 / Q6_K beside other types (Qwen2.5's q/k/v: Q5_0 and Q8_0), to int8
+8 * scale + offset, are rounded to the activation dtype). Q5_0 (w = d * q - 16 d, q 0..31) is
+the same form with a fifth bit: a layer of Q5_0 slots (and Q4 ones) keeps them in that layout
+with a plane of fifth bits (6 bits a weight against the file's 5.5; the int8 codes took 8.5),
+where octavo's bf16 int4 kernel runs (Int4Packed.kernel_ready). The other types go to the
+nearest layout the kernels have: Q8_0 (w = d * q, q in -127..127 per 32), Q6_K
+(w = d * sc * (q - 32) per 16), and Q5_0 beside them or without that kernel (float32), to int8
 codes with a scale per 32 (16 for a layer with a Q6_K slot) inputs (`Int8Grouped`), their codes
 and scales taken from the file (int8_codes: the same weights bit for bit); Q5_1/Q5_K to int8 per
-32, re-quantized; Q2_K/Q3_K to int4 min/max per 32. Measured on Qwen2.5-0.5B's Q4_K_M file (relative Frobenius
-error against the GGUF's own weights): int8 per 32 Q8_0 0%, and before it existed, int8 per
-channel Q8_0 1.8%, Q6_K 1.6%, Q5_0 1.1%; int4 min/max Q8_0 10.6%, Q5_0 8.5%, Q6_K 8.2% (Q4_K
-would be 4.3%; it is copied, 0%). Perplexity: tests/model/test_quant_perplexity.py. A packed
+32, re-quantized; Q2_K/Q3_K to int4 min/max per 32. Measured on Qwen2.5-0.5B's Q4_K_M file
+(relative Frobenius error against the GGUF's own weights): int8 per 32 Q8_0 0%, and before it
+existed, int8 per channel Q8_0 1.8%, Q6_K 1.6%, Q5_0 1.1%; int4 min/max Q8_0 10.6%, Q5_0 8.5%,
+Q6_K 8.2% (Q4_K would be 4.3%; it is copied, 0%). Perplexity: tests/model/test_quant_perplexity.py. A packed
 layer takes the layout of its widest slot (q/k/v, gate/up). Each choice is logged once per GGML
 type at load.
 
@@ -34,12 +35,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from octavo.kernels import fused
 from octavo.model.layers.embedding import Embedding
 from octavo.model.layers.moe import EXPERT_TENSOR
 from octavo.model.quant.base import Loading, QuantMethod, dense_destination, load_dense
 from octavo.model.quant.decode_weights import make_decode_weight
-from octavo.model.quant.ggml_blocks import BLOCK_KINDS, int8_codes
+from octavo.model.quant.ggml_codes import affine_codes, int8_codes
 from octavo.model.quant.ggml_types import GGMLType as Q
 from octavo.model.quant.packed import (
     Int4Packed,
@@ -57,8 +57,9 @@ GROUP = 32
 INT4_EXACT = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 _INT8_NEAREST = (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0)
 _INT4_NEAREST = (*INT4_EXACT, Q.Q2_K, Q.Q3_K)
-# checkpoint kinds the loader yields beside `weight` for INT4_EXACT tensors: [N, K] codes 0..15,
-# and [N, K / 32] scale and offset (w = scale * q + offset)
+# checkpoint kinds the loader yields beside `weight` for INT4_EXACT (and Q5_0 in the 5-bit
+# layout) tensors: [N, K] codes 0..15 (0..31), and [N, K / 32] scale and offset
+# (w = scale * q + offset)
 CODE_KINDS = ("gguf_q4", "gguf_q4_scale", "gguf_q4_low")
 # Types whose codes are int8 values times one scale per 32 (Q8_0, Q5_0) or 16 (Q6_K) inputs: kept
 # code for code as `Int8Grouped` (the loader yields these kinds: [N, K] int8 codes, [N, K / group]
@@ -66,42 +67,30 @@ CODE_KINDS = ("gguf_q4", "gguf_q4_scale", "gguf_q4_low")
 # 0.5% (Gemma 3's Q5_0 and Q6_K), enough to move prompt logprobs by 0.13 against transformers.
 INT8_EXACT = (Q.Q8_0, Q.Q5_0, Q.Q6_K)
 CODE8_KINDS = ("gguf_q8", "gguf_q8_scale")
-# Q5_0 / Q6_K tensors kept as blocks (GGMLBlocks): the loader yields their raw bytes
-# [N, row bytes] uint8 as this kind.
-BLOCKS_KIND = "gguf_blocks"
 # How the loader yields a weight whose codes a layer keeps (the kinds it gives in its place).
-CODE_FORMS = {"int4": CODE_KINDS, "int8": CODE8_KINDS, "blocks": (BLOCKS_KIND,)}
+CODE_FORMS = {"int4": CODE_KINDS, "int8": CODE8_KINDS}
+# Types a 5-bit int4 layer keeps code for code (a Q4 code is a 5-bit one with no fifth bit).
+_INT5_EXACT = (*INT4_EXACT, Q.Q5_0)
 
 
-def _target(mode: str, types: list[Q], layer: nn.Module) -> str | None:
-    """The layout of `layer`, whose slots have GGML `types`; None: no packed weight."""
-    in_features = layer.in_features
+def _target(mode: str, types: list[Q], in_features: int, dtype: torch.dtype) -> str | None:
+    """The layout of a layer whose slots have GGML `types`; None: no packed weight."""
     if mode != "auto":
         return "int4" if mode == "int4" and in_features % GROUP == 0 else "int8"
     if in_features % GROUP:
         return None
     if all(t in _INT4_NEAREST for t in types):
         return "int4"
-    if len(set(types)) == 1 and _blocks_fit(types[0], layer):
-        return "blocks"
+    if all(t in _INT5_EXACT for t in types) and Int4Packed.kernel_ready(dtype, 5):
+        return "int5"
     if all(t in _INT4_NEAREST + _INT8_NEAREST for t in types):
         return "int8"
     return None  # a float slot (F16, BF16, F32) or a type without a mapping: dense only
 
 
-def _blocks_fit(qtype: Q, layer: nn.Module) -> bool:
-    """Whether `layer` can keep its `qtype` tensors as blocks: a 5- or 6-bit type, the C++
-    kernels loaded (without them every product would decode the whole matrix in numpy), and a
-    tensor-parallel rank's share of the inputs made of whole blocks."""
-    if qtype not in BLOCK_KINDS or not fused.native_ready():
-        return False
-    span, size = getattr(layer, "input_span", None), BLOCK_KINDS[qtype].block_weights
-    return span is None or (span.start % size == 0 and span.width % size == 0)
-
-
 def _how(qtype: Q, target: str, in_features: int, exact_int8: bool) -> str:
-    if target == "blocks":
-        return f"{qtype.name} blocks, kept as the file holds them (exact)"
+    if target == "int5":
+        return "int4 layout with 5-bit codes, its codes, scales and offsets copied (exact)"
     if target == "int4" and qtype in INT4_EXACT:
         return "int4 group 32, its codes, scales and offsets copied (exact)"
     if target == "int4":
@@ -129,9 +118,7 @@ class GGUFMethod(QuantMethod):
         layer.loading = Loading()
 
     def _needs(self, slot: int) -> tuple[str, ...]:
-        if self.target == "blocks":
-            return (BLOCKS_KIND,)
-        if self.target == "int4" and self.types[slot] in INT4_EXACT:
+        if self.target == "int5" or self.target == "int4" and self.types[slot] in INT4_EXACT:
             return CODE_KINDS
         if self._int8_exact():
             return CODE8_KINDS
@@ -143,7 +130,7 @@ class GGUFMethod(QuantMethod):
 
     def load_shard(self, layer: nn.Module, name: str, index: int | None,
                    tensor: torch.Tensor) -> None:
-        if name not in ("weight", BLOCKS_KIND, *CODE_KINDS, *CODE8_KINDS):
+        if name not in ("weight", *CODE_KINDS, *CODE8_KINDS):
             raise ValueError(f"checkpoint tensor {name!r} on a GGUF linear layer")
         if name == "weight" and self.keep_dense:
             load_dense(layer, index, tensor)
@@ -158,9 +145,6 @@ class GGUFMethod(QuantMethod):
             loading.parts = {}  # built as soon as its codes are in: the parts go at once
 
     def _build(self, parts: list[dict[str, torch.Tensor]]) -> PackedWeight:
-        if self.target == "blocks":
-            return BLOCK_KINDS[self.types[0]](torch.cat([p[BLOCKS_KIND] for p in parts]),
-                                              self.dtype)
         if self.target == "int8" and self._int8_exact():
             # One group for the layer: 16 where a slot is Q6_K, the others' scales repeated.
             group = 16 if Q.Q6_K in self.types else 32
@@ -177,7 +161,7 @@ class GGUFMethod(QuantMethod):
                               if "gguf_q4" in p else minmax_int4(p["weight"], GROUP)
                               for p in parts])
         return Int4Packed.from_affine(torch.cat(q), torch.cat(scale), torch.cat(low), GROUP,
-                                      self.dtype)
+                                      self.dtype, 5 if self.target == "int5" else 4)
 
     def process_after_load(self, layer: nn.Module) -> None:
         built = layer.loading.built
@@ -234,7 +218,7 @@ class GGUFPlan:
 
         def method(layer: nn.Module, typed: list[tuple[Q, str]]) -> GGUFMethod | None:
             types = [t for t, _ in typed]
-            target = _target(self.mode, types, layer)
+            target = _target(self.mode, types, layer.in_features, self.dtype)
             if target is None:
                 return None
             exact_int8 = target == "int8" and all(t in INT8_EXACT for t in types)
@@ -243,8 +227,10 @@ class GGUFPlan:
                     logged.add((t, target, exact_int8))
                     logger.info("GGUF %s weights -> %s", t.name, _how(
                         t, target, layer.in_features, exact_int8))
-                if target == "blocks" or target == "int4" and t in INT4_EXACT or exact_int8:
-                    wants[ckpt] = target
+                if target == "int5" or target == "int4" and t in INT4_EXACT:
+                    wants[ckpt] = "int4"  # affine codes
+                elif exact_int8:
+                    wants[ckpt] = "int8"
             return GGUFMethod(types, target, self.keep_dense, self.dtype)
 
         count = 0
@@ -304,18 +290,20 @@ class GGUFPlan:
         ckpt_of = {model.linear_name(c): c for c in bits}
 
         def exact(name: str, module: nn.Module) -> PackedWeight | None:
-            """The module's rows as the file's own blocks (Q5_0, Q6_K) or int8 codes (Q8_0,
-            and the others without the C++ kernels), else a Q8_0 table re-quantized (code for
-            code); None for other types, whose re-quantized rows would move every prompt."""
+            """The module's rows as the file's own codes: 5-bit int4 for Q5_0 (where the bf16
+            int4 kernel runs), int8 for Q8_0, Q6_K and Q5_0 otherwise; else a Q8_0 table
+            re-quantized (code for code); None for other types, whose re-quantized rows would
+            move every prompt."""
             got = table(ckpt_of[name]) if table is not None and name in ckpt_of else None
             if got is not None:
                 qtype, raw = got
                 first, rows = module.first_row, module.weights_shape[0]
-                if _blocks_fit(qtype, module):
-                    return BLOCK_KINDS[qtype](_rows_share(raw, first, rows), self.dtype)
-                q, scale = (_rows_share(torch.from_numpy(np.ascontiguousarray(a)), first, rows)
-                            for a in int8_codes(qtype, raw.numpy()))
-                return Int8Grouped(q, scale, self.dtype)
+                five = qtype == Q.Q5_0 and Int4Packed.kernel_ready(self.dtype, 5)
+                parts = [_rows_share(torch.from_numpy(np.ascontiguousarray(a)), first, rows)
+                         for a in (affine_codes if five else int8_codes)(qtype, raw.numpy())]
+                if five:
+                    return Int4Packed.from_affine(*parts, GROUP, self.dtype, 5)
+                return Int8Grouped(*parts, self.dtype)
             if per_module.get(name) == 8:
                 return make_decode_weight(module.weights.weight, 8)
             return None

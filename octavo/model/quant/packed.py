@@ -106,7 +106,11 @@ class Int4Packed(PackedWeight):
     from them with the same float32 operations: the same products from 5/6 of the bytes, and a
     decode step reads the weights at memory speed. Others keep float32 scale and zero. torch's
     int4 layout (its kernel serves CPUs without AVX-512-BF16 and runs with the C++ kernels off;
-    bf16 scales there) is built from this on first use."""
+    bf16 scales there) is built from this on first use.
+    5-bit codes (a GGUF's Q5_0, w = d * q - 16 d; `from_affine(..., bits=5)`) keep their low 4
+    bits so and their fifth bits in `native_high` [N / 16, K / 4, 2] int32: bit 2r + j of
+    word h of (row block b, quad c) is that bit of the code in nibble h of byte 2r + j (see
+    csrc/int4_gemm.h). They run octavo's kernel with bf16 activations only (kernel_ready)."""
 
     @property
     def dense_rows(self) -> int:
@@ -114,36 +118,50 @@ class Int4Packed(PackedWeight):
         torch's int4 kernel (bf16, 2 threads, the table above) stays ahead up to 256 rows."""
         return int4_rows(self.dtype) if fused.int4_gemm_ready(self.dtype) else 256
 
+    @staticmethod
+    def kernel_ready(dtype: torch.dtype, bits: int) -> bool:
+        """Whether octavo's kernel computes `bits`-bit codes with activations of `dtype`."""
+        return fused.int4_gemm_ready(dtype) and (bits == 4 or dtype == torch.bfloat16)
+
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
                  dtype: torch.dtype, perm: torch.Tensor | None = None) -> None:
         """q: [N, K] codes 0..15; scale, zero: [N, K // group] float (w = scale * (q - zero))."""
         scale = scale.float()
-        self._pack(q, scale, (8 - zero.float()) * scale, group, dtype, perm)
+        self._pack(q, scale, (8 - zero.float()) * scale, group, dtype, perm, 4)
 
     @classmethod
     def from_affine(cls, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, group: int,
-                    dtype: torch.dtype) -> Int4Packed:
-        """w = scale * q + low per group (GGUF's Q4_0/Q4_1/Q4_K form, and min/max quantizing):
-        torch's zero is 8 * scale + low, with no division, so a zero scale is fine."""
+                    dtype: torch.dtype, bits: int = 4) -> Int4Packed:
+        """w = scale * q + low per group (GGUF's Q4_0/Q4_1/Q4_K/Q5_0 form, and min/max
+        quantizing), q of `bits` (4 or 5) bits: torch's zero is 8 * scale + low, with no
+        division, so a zero scale is fine."""
         self = cls.__new__(cls)
         scale, low = scale.float(), low.float()
         if torch.equal(scale.half().float(), scale) and torch.equal(low.half().float(), low):
-            self._pack(q, scale.half(), low.half(), group, dtype, None)
+            self._pack(q, scale.half(), low.half(), group, dtype, None, bits)
         else:
-            self._pack(q, scale, 8 * scale + low, group, dtype, None)
+            self._pack(q, scale, 8 * scale + low, group, dtype, None, bits)
         return self
 
     def _pack(self, q: torch.Tensor, scale: torch.Tensor, zero_or_low: torch.Tensor, group: int,
-              dtype: torch.dtype, perm: torch.Tensor | None) -> None:
+              dtype: torch.dtype, perm: torch.Tensor | None, bits: int = 4) -> None:
         """float32 scale and zero, or float16 scale and low (see the class)."""
         n, k = q.shape
         if group % 32 or k % 32:  # the kernels' scales are per 32 inputs
             raise ValueError(f"group_size must be a multiple of 32 that divides in_features={k} "
                              f"for the int4 kernel, got {group}")
+        if bits not in (4, 5):
+            raise ValueError(f"octavo's int4 layout holds 4- or 5-bit codes, not {bits}")
         self.out_features, self.in_features, self.perm, self.dtype = n, k, perm, dtype
         pad = -n % 16
         self.padded_n = n + pad
         q = F.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(-1, 16, k // 4, 2, 2)  # [b, r, c, h, j]
+        self.native_high = None
+        if bits == 5:  # bit 2r + j of word h of (b, c): the fifth bit of q[b, r, c, h, j]
+            fifth = (q >> 4).to(torch.int64).permute(0, 2, 3, 1, 4).reshape(-1, k // 4, 2, 32)
+            words = (fifth << torch.arange(32)).sum(-1)
+            self.native_high = (words - (words >> 31 << 32)).to(torch.int32).contiguous()
+            q = q & 15
         codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(1, 2)
         self.native_codes = codes.reshape(-1, k // 4, 32).contiguous()
         sz = torch.stack([scale, zero_or_low]).repeat_interleave(group // 32, 2)  # [2, N, K/32]
@@ -155,6 +173,8 @@ class Int4Packed(PackedWeight):
         shape = torch.tensor([self.out_features, self.in_features, self.padded_n])
         out = {"native_codes": self.native_codes, "native_scales": self.native_scales,
                "shape": shape, "dtype": torch.empty(0, dtype=self.dtype)}
+        if self.native_high is not None:
+            out["native_high"] = self.native_high
         return out if self.perm is None else {**out, "perm": self.perm}
 
     @classmethod
@@ -162,15 +182,23 @@ class Int4Packed(PackedWeight):
         self = cls.__new__(cls)
         self.out_features, self.in_features, self.padded_n = t["shape"].tolist()
         self.native_codes, self.native_scales = t["native_codes"], t["native_scales"]
+        self.native_high = t.get("native_high")
         self.dtype, self.perm, self._torch_layout = t["dtype"].dtype, t.get("perm"), None
         return self
 
-    def native_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.native_codes, self.native_scales
+    @property
+    def bits(self) -> int:
+        return 4 if self.native_high is None else 5
+
+    def native_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(codes, scales, fifth bits or None) as octavo's kernel takes them."""
+        return self.native_codes, self.native_scales, self.native_high
 
     def torch_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(packed codes, scales and zeros [K / 32, N, 2] in the activation dtype) as torch's
-        int4 kernel takes them with groups of 32 inputs; built on first use."""
+        int4 kernel takes them with groups of 32 inputs; built on first use (4-bit codes)."""
+        if self.native_high is not None:
+            raise NotImplementedError("torch's int4 kernel takes 4-bit codes, not 5")
         if self._torch_layout is None:
             packed = torch._convert_weight_to_int4pack_for_cpu(
                 self.codes(0, self.padded_n).to(torch.int32), 1)
@@ -187,8 +215,10 @@ class Int4Packed(PackedWeight):
 
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
-        if fused.int4_gemm_active(x):
-            y = fused.int4_gemm(x, self.native_codes, self.native_scales)
+        if x.device.type == "cpu" and self.kernel_ready(x.dtype, self.bits):
+            y = fused.int4_gemm(x, *self.native_layout())
+        elif self.native_high is not None:  # 5-bit codes without the kernel
+            return super().tiled_matmul(x)
         else:
             packed, scales_zeros = self.torch_layout()
             y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, 32, scales_zeros)
@@ -198,14 +228,18 @@ class Int4Packed(PackedWeight):
         x = x.to(self.dtype)
         if x.device.type != "cpu" or not fused.int4_dequantize_ready():
             return super().tiled_matmul(x)
-        y = fused.int4_tiled_linear(x, self.native_codes, self.native_scales)
+        y = fused.int4_tiled_linear(x, *self.native_layout())
         return y[:, :self.out_features] if self.padded_n != self.out_features else y
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape[0], self.in_features
         block, r = ids // 16, ids % 16
         b = self.native_codes[block].view(t, k // 4, 16, 2)[torch.arange(t), :, r]  # [T, c, j]
-        q = torch.stack([b & 15, b >> 4], 2).reshape(t, -1, 32).float() - 8  # 4c + 2h + j
+        q = torch.stack([b & 15, b >> 4], 2)  # [T, c, h, j]: input 4c + 2h + j
+        if self.native_high is not None:
+            lanes = (2 * r)[:, None, None, None] + torch.arange(2)  # [T, 1, 1, j]: bit 2r + j
+            q = q | ((self.native_high[block][:, :, :, None] >> lanes) & 1).to(torch.uint8) << 4
+        q = q.reshape(t, -1, 32).float() - 8
         sz = self.native_scales[block, :, :, r].float()  # [T, K / 32, 2]
         scale, zero = sz[..., 0:1], sz[..., 1:2]
         if self.native_scales.dtype != torch.float32:  # float16 scale and low (see the class)
@@ -214,9 +248,14 @@ class Int4Packed(PackedWeight):
 
     def codes(self, start: int, end: int) -> torch.Tensor:
         """Rows start:end of the 4-bit codes, [end - start, K] uint8."""
-        k, first = self.in_features, start // 16
-        b = self.native_codes[first:(end + 15) // 16].view(-1, k // 4, 16, 2)  # [b, c, r, j]
-        q = torch.stack([b & 15, b >> 4], 3).permute(0, 2, 1, 3, 4).reshape(-1, k)
+        k, first, last = self.in_features, start // 16, (end + 15) // 16
+        b = self.native_codes[first:last].view(-1, k // 4, 16, 2)  # [b, c, r, j]
+        q = torch.stack([b & 15, b >> 4], 3)  # [b, c, r, h, j]
+        if self.native_high is not None:  # bit 2r + j of word h
+            lanes = (2 * torch.arange(16)[:, None, None] + torch.arange(2))  # [r, 1, j]
+            words = self.native_high[first:last][:, :, None, :, None]  # [b, c, 1, h, 1]
+            q = q | ((words >> lanes) & 1).to(torch.uint8) << 4
+        q = q.permute(0, 2, 1, 3, 4).reshape(-1, k)
         return q[start - 16 * first:end - 16 * first]
 
     def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:

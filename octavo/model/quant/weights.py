@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from octavo.kernels import onednn
 from octavo.model.quant.decode_weights import max_rows
-from octavo.model.quant.ggml_blocks import Q5_0Blocks, Q6_KBlocks
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed, PackedWeight
 
 
@@ -53,8 +52,7 @@ class LinearWeights:
 # Each packed weight class by the name its tensors are saved under (prepared weights) and the
 # start-up log counts it by.
 PACKED_KINDS: dict[str, type[PackedWeight]] = {"int4": Int4Packed, "int8": Int8Packed,
-                                               "int8g": Int8Grouped, "q5_0": Q5_0Blocks,
-                                               "q6_k": Q6_KBlocks}
+                                               "int8g": Int8Grouped}
 
 
 def packed_kind(w: PackedWeight) -> str:
