@@ -170,6 +170,19 @@ def int4_tiled_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     return _native.int4_tiled_linear(x.contiguous(), codes, scales, high_bits)
 
 
+def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, first: int, count: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Rows [first, first + count) of grouped int8 weights (q [N, K], scale [N, G]), dense
+    [count, K] in dtype (bf16 or float32; C++ only: Int8Grouped.dequantize is the reference)."""
+    return _native.int8_dequantize(q, scale, first, count, dtype == torch.bfloat16)
+
+
+def int8_tiled_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times grouped int8 weights -> [M, N], dequantized tile by tile into the dense
+    GEMM (large batches; C++ only)."""
+    return _native.int8_tiled_linear(x.contiguous(), q, scale)
+
+
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] times int8 weights q [N, K] with float32 scales: one per row [N], or one per
     group of inputs [N, G] (C++ only; the weights are read once for up to 8 rows of x at a

@@ -135,7 +135,8 @@ class Kernels:
     DecodeStack class."""
 
     _OPS = ("write_kv", "decode_attention", "rms_norm", "rotary_inplace", "silu_and_mul",
-            "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_dequantize", "int4_tiled_linear")
+            "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_dequantize", "int4_tiled_linear",
+            "int8_dequantize", "int8_tiled_linear")
 
     def __init__(self) -> None:
         import torch
@@ -175,6 +176,9 @@ def _register_fakes() -> None:
         "int4_gemm": lambda x, codes, scales, high_bits=None: rows_out(x, codes.shape[0] * 16),
         "int4_tiled_linear": lambda x, codes, scales, high_bits=None: rows_out(
             x, codes.shape[0] * 16),
+        "int8_tiled_linear": lambda x, q, scale: rows_out(x, q.shape[0]),
+        "int8_dequantize": lambda q, scale, first, count, bf16: q.new_empty(
+            count, q.shape[1], dtype=torch.bfloat16 if bf16 else torch.float32),
         "int4_dequantize": lambda codes, scales, high_bits, first_block, blocks, bf16:
         codes.new_empty(16 * blocks, codes.shape[1] * 4,
                         dtype=torch.bfloat16 if bf16 else torch.float32),

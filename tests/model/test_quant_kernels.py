@@ -199,6 +199,30 @@ def test_native_int4_dequantize_and_tiles_match_the_reference(native_kernels, ha
                           torch.float32 else 0.5)
 
 
+@pytest.mark.parametrize("half_scales", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_int8_grouped_tiles_match_the_reference(native_kernels, half_scales, dtype):
+    """Grouped int8 weights (a GGUF's Q8_0 / Q6_K codes) past the GEMV's rows: the C++ tiles
+    are the Python dequantization bit for bit, and the tiled GEMM the product with them."""
+    from octavo.kernels import fused
+    from octavo.model.quant.packed import Int8Grouped
+
+    n, k, group = 1100, 2048, 16
+    g = torch.Generator().manual_seed(6)
+    q = torch.randint(-127, 128, (n, k), generator=g)
+    scale = torch.rand(n, k // group, generator=g) * 0.01
+    packed = Int8Grouped(q, scale.half().float() if half_scales else scale * 1.0001, dtype)
+    assert (packed.scale.dtype == torch.float16) == half_scales
+    ref = packed.dequantize(0, n, dtype)
+    assert torch.equal(fused.int8_dequantize(packed.q, packed.scale, 0, n, dtype), ref)
+    assert torch.equal(fused.int8_dequantize(packed.q, packed.scale, 7, 30, dtype), ref[7:37])
+    x = torch.randn(packed.dense_rows + 36, k, generator=g).to(dtype)
+    out = packed.matmul(x)
+    expect = torch.nn.functional.linear(x, ref)
+    assert torch.allclose(out.float(), expect.float(), rtol=1e-3,
+                          atol=1e-3 if dtype == torch.float32 else 0.5)
+
+
 def test_packed_rows_are_the_dequantized_rows():
     """An embedding kept packed looks its rows up in the codes: the same values as the whole
     weight dequantized."""

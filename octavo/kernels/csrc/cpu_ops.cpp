@@ -137,6 +137,8 @@ TORCH_LIBRARY(octavo, m) {
         "-> Tensor");
   m.def("int4_tiled_linear(Tensor x, Tensor codes, Tensor scales, Tensor? high_bits=None) "
         "-> Tensor");
+  m.def("int8_dequantize(Tensor q, Tensor scale, int first, int count, bool bf16) -> Tensor");
+  m.def("int8_tiled_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecodeStack::add_layer)
@@ -158,4 +160,6 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("int4_gemm", &int4_gemm);
   m.impl("int4_dequantize", &int4_dequantize);
   m.impl("int4_tiled_linear", &int4_tiled_linear);
+  m.impl("int8_dequantize", &int8_dequantize);
+  m.impl("int8_tiled_linear", &int8_tiled_linear);
 }

@@ -1,9 +1,11 @@
 // Int8 weights (per output channel, or grouped with float32 or float16 scales) times a few rows
-// of bf16 or float32 activations (decode), and its entry point int8_gemv.
+// of bf16 or float32 activations (decode), and its entry point int8_gemv; for larger batches,
+// int8_tiled_linear (dense tiles into the GEMM).
 // Included by cpu_ops.cpp only: the kernels are one translation unit, so every call
 // between these files can still be inlined.
 #pragma once
 
+#include "dequant.h"
 #include "streaming.h"
 
 namespace {
@@ -149,4 +151,52 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor q, at::Tensor scale) {
     });
   });
   return out;
+}
+
+// Rows [first, first + count) of grouped int8 weights (q [N, K], scale [N, G] float32 or
+// float16), dense [count, K] in bf16 or float32: w = code * scale, rounded once.
+inline at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale, int64_t first,
+                                  int64_t count, bool bf16) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() &&
+              scale.dim() == 2 && scale.size(0) == q.size(0) && scale.is_contiguous() &&
+              q.size(1) % scale.size(1) == 0 &&
+              (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf),
+              "int8_dequantize: codes [N, K] int8 with scales [N, G] float32 or float16");
+  TORCH_CHECK(first >= 0 && count >= 0 && first + count <= q.size(0),
+              "int8_dequantize: rows out of range");
+  const int64_t k = q.size(1), groups = scale.size(1), group = k / groups;
+  auto out = at::empty({count, k}, at::dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  auto run = [&](const auto* sp, auto* op) {
+    using out_t = std::remove_pointer_t<decltype(op)>;
+    const int8_t* qp = q.data_ptr<int8_t>();
+    at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+          const float s = static_cast<float>(sp[(first + r) * groups + g]);
+          const int8_t* codes = qp + (first + r) * k + g * group;
+          out_t* dst = op + r * k + g * group;
+          for (int64_t i = 0; i < group; ++i) dst[i] = static_cast<out_t>(codes[i] * s);
+        }
+    });
+  };
+  if (bf16) {
+    if (scale.scalar_type() == at::kHalf) run(scale.data_ptr<at::Half>(), out.data_ptr<c10::BFloat16>());
+    else run(scale.data_ptr<float>(), out.data_ptr<c10::BFloat16>());
+  } else {
+    if (scale.scalar_type() == at::kHalf) run(scale.data_ptr<at::Half>(), out.data_ptr<float>());
+    else run(scale.data_ptr<float>(), out.data_ptr<float>());
+  }
+  return out;
+}
+
+// x [M, K] (bf16 or float32) times grouped int8 weights -> [M, N], tile by tile.
+inline at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& q,
+                                    const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == q.size(1) &&
+              (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "int8_tiled_linear: x must be [M, K] bf16 or float32 with the weight's K");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  return tiled_linear(x, q.size(0), 1, [&](int64_t first, int64_t count) {
+    return int8_dequantize(q, scale, first, count, bf16);
+  });
 }

@@ -368,6 +368,11 @@ class Int8Grouped(PackedWeight):
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return fused.int8_gemv(x, self.q, self.scale)
 
+    def tiled_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.native_active(x) and x.dtype in (torch.bfloat16, torch.float32):
+            return fused.int8_tiled_linear(x, self.q, self.scale)
+        return super().tiled_matmul(x)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         q = self.q[ids].float().view(ids.shape[0], -1, self.group)
         return (q * self.scale[ids, :, None].float()).view(ids.shape[0], -1).to(self.dtype)
