@@ -14,9 +14,9 @@ and scales taken from the file (int8_codes: the same weights bit for bit); Q5_1/
 32, re-quantized; Q2_K/Q3_K to int4 min/max per 32. Measured on Qwen2.5-0.5B's Q4_K_M file
 (relative Frobenius error against the GGUF's own weights): int8 per 32 Q8_0 0%, and before it
 existed, int8 per channel Q8_0 1.8%, Q6_K 1.6%, Q5_0 1.1%; int4 min/max Q8_0 10.6%, Q5_0 8.5%,
-Q6_K 8.2% (Q4_K would be 4.3%; it is copied, 0%). Perplexity: tests/model/test_quant_perplexity.py. A packed
-layer takes the layout of its widest slot (q/k/v, gate/up). Each choice is logged once per GGML
-type at load.
+Q6_K 8.2% (Q4_K would be 4.3%; it is copied, 0%). Perplexity:
+tests/model/test_quant_perplexity.py. A packed layer takes the layout of its widest slot (q/k/v,
+gate/up). Each choice is logged once per GGML type at load.
 
 Modes (`GGUFPlan`): "auto" (the default on the CPU, bf16 or float32) takes each layer's nearest
 layout, "int4" / "int8" (--quantization) that one for every layer. Only the packed weights are
