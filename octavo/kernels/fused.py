@@ -53,6 +53,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
 
+def one_plus_rms_norm(x: torch.Tensor, plus_one: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: x / rms(x) times `plus_one` (1 + w, float32) in float32, rounded once
+    to x's dtype."""
+    if native_active(x) and x.dtype in (torch.bfloat16, torch.float32):
+        return _native.one_plus_rms_norm(x.contiguous(), plus_one, eps)
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * plus_one).to(x.dtype)
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     xf = x.float()
@@ -85,6 +95,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return _native.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up of a packed [T, 2 * W] projection (GeGLU)."""
+    if native_active(x) and x.dim() == 2 and x.is_contiguous():
+        return _native.gelu_tanh_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 FP8_MAX = 448.0  # largest float8_e4m3fn

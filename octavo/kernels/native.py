@@ -134,7 +134,7 @@ class Kernels:
     skips the overload lookup of every call), what the build computes natively, and the
     DecodeStack class."""
 
-    _OPS = ("write_kv", "decode_attention", "rms_norm", "rotary_inplace", "silu_and_mul",
+    _OPS = ("write_kv", "decode_attention", "rms_norm", "one_plus_rms_norm", "rotary_inplace", "silu_and_mul",
             "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_dequantize", "int4_tiled_linear",
             "int8_dequantize", "int8_tiled_linear")
 
@@ -167,6 +167,7 @@ def _register_fakes() -> None:
 
     fakes = {
         "rms_norm": lambda x, weight, eps: torch.empty_like(x),
+        "one_plus_rms_norm": lambda x, plus_one, eps: torch.empty_like(x),
         "silu_and_mul": lambda x: x.new_empty(x.shape[0], x.shape[1] // 2),
         "gelu_tanh_and_mul": lambda x: x.new_empty(x.shape[0], x.shape[1] // 2),
         "write_kv": lambda k, v, k_cache, v_cache, slot_mapping: None,

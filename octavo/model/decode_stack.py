@@ -236,11 +236,11 @@ def _norm_bias(spec: LayerSpec, norm: nn.Module | None) -> torch.Tensor | None:
 
 
 def _norm_weight(spec: LayerSpec, norm: nn.Module | None) -> torch.Tensor | None:
-    """A norm's weight as the C++ stack applies it: Gemma's 1 + w is computed once here, in
-    float32 as GemmaRMSNorm computes it each call."""
+    """A norm's weight as the C++ stack applies it: Gemma's 1 + w in float32, the tensor
+    GemmaRMSNorm applies (plus_one)."""
     if norm is None:
         return None
-    return 1.0 + norm.weight.float() if spec.norm_kind is NormKind.ONE_PLUS else norm.weight
+    return norm.plus_one() if spec.norm_kind is NormKind.ONE_PLUS else norm.weight
 
 
 def attach(model: nn.Module) -> DecodeStack | None:

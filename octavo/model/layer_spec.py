@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from octavo.kernels import fused
-from octavo.model.layers.activation import gelu_tanh_and_mul
 from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.norm import GemmaRMSNorm, RMSNorm
@@ -44,7 +43,7 @@ class Activation(enum.Enum):
     RELU = "relu"
 
 
-_GATED = {fused.silu_and_mul: Activation.SILU, gelu_tanh_and_mul: Activation.GELU_TANH}
+_GATED = {fused.silu_and_mul: Activation.SILU, fused.gelu_tanh_and_mul: Activation.GELU_TANH}
 # config.json's hidden_act of a plain MLP (model/layers/activation.py computes each with the
 # ATen op the stack calls).
 _PLAIN = {"silu": Activation.SILU, "gelu": Activation.GELU, "gelu_new": Activation.GELU_TANH,

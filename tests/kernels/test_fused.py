@@ -28,6 +28,26 @@ def test_rms_norm(native_kernels, dtype, rows, width):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [640, 256, 72])  # Gemma 3's hidden and head sizes; no SIMD
+def test_one_plus_rms_norm_on_strided_heads(native_kernels, dtype, width):
+    """Gemma's norm (1 + w in float32, one rounding) on the q heads of a qkv row: strided."""
+    from octavo.model.layers.norm import GemmaRMSNorm
+
+    norm = GemmaRMSNorm(width, 1e-6)
+    norm.weight.data.copy_(torch.randn(width) * 0.5)
+    qkv = torch.randn(7, 3 * 2 * width).to(dtype) * 3
+    q = qkv[:, :2 * width].view(7, 2, width)
+    got = norm(q)
+    fused._native, saved = None, fused._native  # the Python reference
+    try:
+        want = norm(q)
+    finally:
+        fused._native = saved
+    assert got.shape == q.shape and got.dtype == dtype
+    _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_in_place_on_qkv_views(native_kernels, dtype):
     tokens, heads, kv_heads, dim, max_pos = 5, 9, 3, 64, 100
     angles = torch.outer(torch.arange(max_pos).double(),

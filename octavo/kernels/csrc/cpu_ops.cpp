@@ -71,6 +71,17 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   return out.view(x.sizes());
 }
 
+at::Tensor one_plus_rms_norm(at::Tensor x, at::Tensor plus_one, double eps) {
+  TORCH_CHECK(x.is_contiguous() && plus_one.is_contiguous() &&
+              plus_one.scalar_type() == at::kFloat && plus_one.numel() == x.size(-1),
+              "one_plus_rms_norm needs contiguous x and 1 + w in float32, one per column");
+  auto flat = x.view({-1, x.size(-1)});
+  auto out = at::empty_like(flat);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "one_plus_rms_norm",
+                                  [&] { one_plus_rms_norm_typed<scalar_t>(out, flat, plus_one, eps); });
+  return out.view(x.sizes());
+}
+
 void rotary_inplace(at::Tensor x, at::Tensor positions, at::Tensor cos,
                     at::Tensor sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary needs [T, heads, dim], dim contiguous");
@@ -127,6 +138,7 @@ TORCH_LIBRARY(octavo, m) {
         "Tensor token_index, Tensor block_table, Tensor seq_lens, float scale, float softcap, "
         "int window) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("one_plus_rms_norm(Tensor x, Tensor plus_one, float eps) -> Tensor");
   m.def("rotary_inplace(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
@@ -153,6 +165,7 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("write_kv", &write_kv);
   m.impl("decode_attention", &decode_attention);
   m.impl("rms_norm", &rms_norm);
+  m.impl("one_plus_rms_norm", &one_plus_rms_norm);
   m.impl("rotary_inplace", &rotary_inplace);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);

@@ -41,6 +41,22 @@ inline void rms_norm_row(const T* xr, const T* wp, T* orow, int64_t width, float
 // float32, and the normalized value is not rounded before it is applied; one rounding at the end.
 template <typename T>
 inline void one_plus_norm_row(const T* xr, const float* w1, T* orow, int64_t width, float eps) {
+#if defined(__AVX512F__)
+  if constexpr (kVec16<T>) {
+    if (width % 16 == 0) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < width; i += 16) {
+        const __m512 v = load16(xr + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / width + eps));
+      for (int64_t i = 0; i < width; i += 16)
+        store16(orow + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), inv),
+                                        _mm512_loadu_ps(w1 + i)));
+      return;
+    }
+  }
+#endif
   float sq = 0.f;
 #pragma omp simd reduction(+ : sq)
   for (int64_t i = 0; i < width; ++i) sq += to_f(xr[i]) * to_f(xr[i]);
@@ -63,6 +79,20 @@ inline void norm_row(const NormWeight<T>& n, const T* xr, T* orow, int64_t width
     one_plus_norm_row(xr, n.one_plus, orow, width, eps);
   else
     rms_norm_row(xr, n.w, orow, width, eps);
+}
+
+// Gemma's RMSNorm over rows: `plus_one` is 1 + w in float32.
+template <typename T>
+void one_plus_rms_norm_typed(at::Tensor& out, const at::Tensor& x, const at::Tensor& plus_one,
+                             double eps) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const float* wp = plus_one.data_ptr<float>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      one_plus_norm_row(xp + r * width, wp, op + r * width, width, static_cast<float>(eps));
+  });
 }
 
 template <typename T>

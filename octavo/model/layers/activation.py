@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from octavo.kernels.fused import silu_and_mul
+from octavo.kernels.fused import gelu_tanh_and_mul, silu_and_mul
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -20,13 +20,6 @@ def activation(name: str):
         raise NotImplementedError(f"activation {name!r} is not supported; supported: "
                                   f"{', '.join(sorted(_ACTIVATIONS))}")
     return _ACTIVATIONS[name]
-
-
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """gelu(gate, approximate="tanh") * up of a packed [T, 2 * W] projection (GeGLU; a function of
-    its own so that the decode stack recognizes it: model/layer_spec.py)."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
 
 
 def gated_act(name: str):

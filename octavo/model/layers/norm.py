@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from octavo.kernels.fused import rms_norm
+from octavo.kernels.fused import one_plus_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -24,8 +24,15 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
         self.eps = eps
+        self._plus_one: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def plus_one(self) -> torch.Tensor:
+        """1 + w in float32, as it is applied (here and in the decode stack); made once per
+        loaded weight."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._plus_one is None or self._plus_one[0] != key:
+            self._plus_one = key, 1.0 + self.weight.float()
+        return self._plus_one[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return one_plus_rms_norm(x, self.plus_one(), self.eps)
