@@ -134,8 +134,8 @@ class Kernels:
     skips the overload lookup of every call), what the build computes natively, and the
     DecodeStack class."""
 
-    _OPS = ("write_kv", "decode_attention", "rms_norm", "one_plus_rms_norm", "rotary_inplace", "silu_and_mul",
-            "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_dequantize", "int4_tiled_linear",
+    _OPS = ("write_kv", "decode_attention", "rms_norm", "one_plus_rms_norm", "rotary_inplace",
+            "silu_and_mul", "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_dequantize", "int4_tiled_linear",
             "int8_dequantize", "int8_tiled_linear")
 
     def __init__(self) -> None:

@@ -13,9 +13,10 @@ namespace {
 // out[i * ld, +16). Byte 2r + j of quad c holds row r's codes for inputs 4c + j (low nibble)
 // and 4c + 2 + j (high): widened to 32 lanes, even lanes are j = 0 and odd ones j = 1, so one
 // permutation of each nibble's lanes gives two inputs' 16 rows, which meet the rows' scales.
+// `fifth` / `nibbles`: the group's fifth bits or high nibbles (int4_gemm.h), or null.
 template <typename S, typename out_t>
-inline void int4_group_transposed(const uint8_t* codes, const uint32_t* fifth, const S* s,
-                                  out_t* out, int64_t ld) {
+inline void int4_group_transposed(const uint8_t* codes, const uint32_t* fifth,
+                                  const uint8_t* nibbles, const S* s, out_t* out, int64_t ld) {
   __m512 scale, zero;
   if constexpr (std::is_same_v<S, float>) {
     scale = _mm512_loadu_ps(s);
@@ -34,6 +35,12 @@ inline void int4_group_transposed(const uint8_t* codes, const uint32_t* fifth, c
     const __m512i w = _mm512_cvtepu8_epi16(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * 32)));
     __m512i q[2] = {_mm512_and_si512(w, nibble), _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble)};
+    if (nibbles != nullptr) {  // q += 16 * the high nibble
+      const __m512i u = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + c * 32)));
+      q[0] = _mm512_add_epi16(q[0], _mm512_slli_epi16(_mm512_and_si512(u, nibble), 4));
+      q[1] = _mm512_add_epi16(q[1], _mm512_and_si512(u, _mm512_set1_epi16(0xF0)));
+    }
     for (int h = 0; h < 2; ++h) {
       if (fifth != nullptr)
         q[h] = _mm512_mask_add_epi16(q[h], _cvtu32_mask32(fifth[2 * c + h]), q[h], sixteen);
@@ -51,8 +58,9 @@ inline void int4_group_transposed(const uint8_t* codes, const uint32_t* fifth, c
 
 // The same without AVX-512.
 template <typename S, typename out_t>
-inline void int4_group_transposed_scalar(const uint8_t* codes, const uint32_t* fifth, const S* s,
-                                         bool half_scales, out_t* out, int64_t ld) {
+inline void int4_group_transposed_scalar(const uint8_t* codes, const uint32_t* fifth,
+                                         const uint8_t* nibbles, const S* s, bool half_scales,
+                                         out_t* out, int64_t ld) {
   for (int r = 0; r < 16; ++r) {
     const float scale = static_cast<float>(s[r]);
     const float zero = half_scales ? 8.f * scale + static_cast<float>(s[16 + r])
@@ -61,8 +69,12 @@ inline void int4_group_transposed_scalar(const uint8_t* codes, const uint32_t* f
       for (int j = 0; j < 2; ++j) {
         const int lane = 2 * r + j;
         const uint8_t byte = codes[c * 32 + lane];
-        const int lo_high = fifth ? ((fifth[2 * c] >> lane) & 1) << 4 : 0;
-        const int hi_high = fifth ? ((fifth[2 * c + 1] >> lane) & 1) << 4 : 0;
+        int lo_high = fifth ? ((fifth[2 * c] >> lane) & 1) << 4 : 0;
+        int hi_high = fifth ? ((fifth[2 * c + 1] >> lane) & 1) << 4 : 0;
+        if (nibbles != nullptr) {
+          lo_high = (nibbles[c * 32 + lane] & 15) << 4;
+          hi_high = nibbles[c * 32 + lane] & 0xF0;
+        }
         const float lo = static_cast<float>((byte & 15) | lo_high) - 8.f;
         const float hi = static_cast<float>((byte >> 4) | hi_high) - 8.f;
         out[(4 * c + j) * ld + r] = static_cast<out_t>(lo * scale + zero);
@@ -75,7 +87,8 @@ inline void int4_group_transposed_scalar(const uint8_t* codes, const uint32_t* f
 
 // Rows [16 * first, 16 * (first + blocks)) of the weight, [16 * blocks, K] in bf16 or float32:
 // w = (q - 8) * scale + zero, with float32 scale and zero, or float16 scale and low (zero =
-// 8 * scale + low, as the int4 kernel makes it); q has a fifth bit where `high` is given. The
+// 8 * scale + low, as the int4 kernel makes it); q has a fifth bit or a high nibble where
+// `high` (fifth bits int32, or high nibbles uint8: int4_gemm.h) is given. The
 // result is the transpose of a contiguous [K, 16 * blocks]: a row block's 16 rows of one input
 // are adjacent in the codes, so they are written together, and the GEMM takes either layout.
 inline at::Tensor int4_dequantize(const at::Tensor& q4, const at::Tensor& sz,
@@ -91,14 +104,20 @@ inline at::Tensor int4_dequantize(const at::Tensor& q4, const at::Tensor& sz,
   TORCH_CHECK((half_scales || sz.scalar_type() == at::kFloat) && sz.is_contiguous() &&
               sz.numel() == q4.size(0) * groups * 32,
               "int4_dequantize: scales must be [N/16, K/32, 2, 16] float32 or float16");
-  TORCH_CHECK(!high || (high->scalar_type() == at::kInt && high->is_contiguous() &&
-                        high->numel() == q4.size(0) * (k / 4) * 2),
-              "int4_dequantize: fifth bits must be [N / 16, K / 4, 2] int32");
+  TORCH_CHECK(!high || (high->is_contiguous() &&
+                        ((high->scalar_type() == at::kInt &&
+                          high->numel() == q4.size(0) * (k / 4) * 2) ||
+                         (high->scalar_type() == at::kByte && high->numel() == q4.numel()))),
+              "int4_dequantize: the high plane must be fifth bits [N / 16, K / 4, 2] int32 or "
+              "high nibbles [N / 16, K / 4, 32] uint8");
   auto out = at::empty({k, ld}, at::dtype(dtype));
   const uint8_t* qp = q4.data_ptr<uint8_t>() + first * k * 8;
-  const uint32_t* hp =
-      high ? reinterpret_cast<const uint32_t*>(high->data_ptr<int32_t>()) + first * (k / 4) * 2
-           : nullptr;
+  const bool nibble_plane = high && high->scalar_type() == at::kByte;
+  const uint32_t* hp = high && !nibble_plane
+                           ? reinterpret_cast<const uint32_t*>(high->data_ptr<int32_t>()) +
+                                 first * (k / 4) * 2
+                           : nullptr;
+  const uint8_t* np = nibble_plane ? high->data_ptr<uint8_t>() + first * k * 8 : nullptr;
   auto run = [&](const auto* sp, auto* op) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sp)>>;
     sp += first * groups * 32;
@@ -107,12 +126,13 @@ inline at::Tensor int4_dequantize(const at::Tensor& q4, const at::Tensor& sz,
         for (int64_t g = 0; g < groups; ++g) {
           const uint8_t* codes = qp + (b * (k / 4) + g * 8) * 32;
           const uint32_t* fifth = hp ? hp + (b * (k / 4) + g * 8) * 2 : nullptr;
+          const uint8_t* nibbles = np ? np + (b * (k / 4) + g * 8) * 32 : nullptr;
           const S* s = sp + (b * groups + g) * 32;  // 16 scales, then 16 zeros (or lows)
           auto* dst = op + g * 32 * ld + b * 16;
 #if defined(__AVX512BW__)
-          int4_group_transposed(codes, fifth, s, dst, ld);
+          int4_group_transposed(codes, fifth, nibbles, s, dst, ld);
 #else
-          int4_group_transposed_scalar(codes, fifth, s, half_scales, dst, ld);
+          int4_group_transposed_scalar(codes, fifth, nibbles, s, half_scales, dst, ld);
 #endif
         }
     });

@@ -23,47 +23,63 @@ namespace {
 // code q becomes the bf16 number 128 + q by or-ing in an exponent (no conversion), vdpbf16ps
 // multiplies pairs of inputs exactly into float32, and per group
 //   sum x * w = scale * sum x * (128 + q) + (zero - 136 * scale) * sum x.
-// 5-bit codes (a GGUF's Q5_0, w = d * q - 16 d) add a plane of their fifth bits,
-//   high [N / 16, K / 4, 2] uint32: for (row block b, quad c), bit 2r + j of the first word is
-//      the fifth bit of the code in the low nibble of byte 2r + j, of the second word the one in
-//      its high nibble;
-// a masked add puts 16 into the lanes whose bit is set: 128 + q stays an exact bf16 integer.
+// Wider codes add a plane beside the 4-bit one (`high`):
+//   5 bits (a GGUF's Q5_0, w = d * q - 16 d): [N / 16, K / 4, 2] uint32 (int32 tensor): for (row
+//      block b, quad c), bit 2r + j of the first word is the fifth bit of the code in the low
+//      nibble of byte 2r + j, of the second word the one in its high nibble; a masked add puts 16
+//      into the lanes whose bit is set: 128 + q stays an exact bf16 integer;
+//   8 bits (a GGUF's Q8_0, w = d * q - 128 d): [N / 16, K / 4, 32] uint8, the codes' high nibbles
+//      in the layout of the low ones; both nibbles take the 4-bit path, and
+//   sum x * w = scale * (A + 16 B) + (zero - 2184 * scale) * sum x,
+//      with A, B the sums over x * (128 + nibble) of the low and high nibbles.
+enum class High { kNone, kFifthBit, kNibble };
+
 #if defined(__AVX512BF16__)
 // Output rows 16b..16b+15 for R activation rows; acc[r] gets row r's 16 sums. `high` (the
-// block's fifth bits) is read only with HIGH.
-template <int R, bool HIGH, typename S>
-inline void int4_block(const uint8_t* q4, const S* sz, const uint32_t* high,
+// block's plane, see above) is read only with kFifthBit or kNibble.
+template <int R, High H, typename S>
+inline void int4_block(const uint8_t* q4, const S* sz, const void* high,
                        const c10::BFloat16* x, int64_t k, const float* xsum, __m512* acc) {
   constexpr int P = R == 1 ? 2 : 1;  // one row alone: two chains per half, to hide latency
+  constexpr int kPlanes = H == High::kNibble ? 2 : 1;
   const int64_t groups = k / 32;
   const __m512i low_nibble = _mm512_set1_epi16(0x0F), exponent = _mm512_set1_epi16(0x4300);
   const __m512i sixteen = _mm512_set1_epi16(16);
+  const uint32_t* fifth = static_cast<const uint32_t*>(high);
+  const uint8_t* nibbles = static_cast<const uint8_t*>(high);
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 part[R][2 * P];
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < 2 * P; ++i) part[r][i] = _mm512_setzero_ps();
-    const uint8_t* qg = q4 + g * 256;
+    __m512 part[kPlanes][R][2 * P];
+    for (int pl = 0; pl < kPlanes; ++pl)
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 2 * P; ++i) part[pl][r][i] = _mm512_setzero_ps();
+    const uint8_t* qg[2] = {q4 + g * 256, H == High::kNibble ? nibbles + g * 256 : nullptr};
     // The group kPrefetchBytes of codes on (in this block or a later one) and its scales.
-    prefetch_lines(qg + kPrefetchBytes, 256);
+    for (int pl = 0; pl < kPlanes; ++pl) prefetch_lines(qg[pl] + kPrefetchBytes, 256);
     prefetch_lines(sz + g * 32 + kPrefetchBytes / 8, 32 * sizeof(S));
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
-      const __m512i w = _mm512_cvtepu8_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + c * 32)));
-      __m512i lo = _mm512_ternarylogic_epi32(w, low_nibble, exponent, 0xEA);  // a&b | c
-      __m512i hi = _mm512_or_si512(_mm512_srli_epi16(w, 4), exponent);
-      if constexpr (HIGH) {
-        const uint32_t* hc = high + (g * 8 + c) * 2;
-        lo = _mm512_mask_add_epi16(lo, _cvtu32_mask32(hc[0]), lo, sixteen);
-        hi = _mm512_mask_add_epi16(hi, _cvtu32_mask32(hc[1]), hi, sixteen);
+      __m512i lo[kPlanes], hi[kPlanes];
+      for (int pl = 0; pl < kPlanes; ++pl) {
+        const __m512i w = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg[pl] + c * 32)));
+        lo[pl] = _mm512_ternarylogic_epi32(w, low_nibble, exponent, 0xEA);  // a&b | c
+        hi[pl] = _mm512_or_si512(_mm512_srli_epi16(w, 4), exponent);
+      }
+      if constexpr (H == High::kFifthBit) {
+        const uint32_t* hc = fifth + (g * 8 + c) * 2;
+        lo[0] = _mm512_mask_add_epi16(lo[0], _cvtu32_mask32(hc[0]), lo[0], sixteen);
+        hi[0] = _mm512_mask_add_epi16(hi[0], _cvtu32_mask32(hc[1]), hi[0], sixteen);
       }
       const int p = (c % P) * 2;
       for (int r = 0; r < R; ++r) {
         const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * k + g * 32 + c * 4);
-        part[r][p] = _mm512_dpbf16_ps(part[r][p], (__m512bh)lo, (__m512bh)_mm512_set1_epi32(xr[0]));
-        part[r][p + 1] =
-            _mm512_dpbf16_ps(part[r][p + 1], (__m512bh)hi, (__m512bh)_mm512_set1_epi32(xr[1]));
+        const __m512bh x0 = (__m512bh)_mm512_set1_epi32(xr[0]);
+        const __m512bh x1 = (__m512bh)_mm512_set1_epi32(xr[1]);
+        for (int pl = 0; pl < kPlanes; ++pl) {
+          part[pl][r][p] = _mm512_dpbf16_ps(part[pl][r][p], (__m512bh)lo[pl], x0);
+          part[pl][r][p + 1] = _mm512_dpbf16_ps(part[pl][r][p + 1], (__m512bh)hi[pl], x1);
+        }
       }
     }
     __m512 scale, zero;
@@ -76,11 +92,15 @@ inline void int4_block(const uint8_t* q4, const S* sz, const uint32_t* high,
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + g * 32 + 16)));
       zero = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(8.f), scale), low);
     }
-    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), scale, zero);
+    const float bias = H == High::kNibble ? 2184.f : 136.f;
+    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(bias), scale, zero);
+    const __m512 scale16 = _mm512_mul_ps(_mm512_set1_ps(16.f), scale);
     for (int r = 0; r < R; ++r) {
-      __m512 dot = _mm512_add_ps(part[r][0], part[r][1]);
-      if constexpr (P == 2) dot = _mm512_add_ps(dot, _mm512_add_ps(part[r][2], part[r][3]));
-      acc[r] = _mm512_fmadd_ps(dot, scale, acc[r]);
+      for (int pl = 0; pl < kPlanes; ++pl) {
+        __m512 dot = _mm512_add_ps(part[pl][r][0], part[pl][r][1]);
+        if constexpr (P == 2) dot = _mm512_add_ps(dot, _mm512_add_ps(part[pl][r][2], part[pl][r][3]));
+        acc[r] = _mm512_fmadd_ps(dot, pl == 0 ? scale : scale16, acc[r]);
+      }
       acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
     }
   }
@@ -221,7 +241,8 @@ at::Tensor int4_gemm_f32(const at::Tensor& x, const at::Tensor& q4, const at::Te
 }
 
 // x [M, K] bf16 or float32 times int4 weights in octavo's layout (see int4_block) -> [M, N] in
-// x's dtype, with N the padded row count (a multiple of 16); with `high`, 5-bit codes (bf16).
+// x's dtype, with N the padded row count (a multiple of 16); with `high`, 5- or 8-bit codes
+// (bf16).
 at::Tensor int4_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
                      std::optional<at::Tensor> high) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
@@ -236,11 +257,13 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
               sz.numel() == blocks * (k / 32) * 32,
               "int4_gemm: scales must be [N/16, K/32, 2, 16] float32 or float16");
   if (high) {
-    TORCH_CHECK(high->scalar_type() == at::kInt && high->is_contiguous() &&
-                high->numel() == blocks * (k / 4) * 2,
-                "int4_gemm: fifth bits must be [N / 16, K / 4, 2] int32");
+    TORCH_CHECK(high->is_contiguous() &&
+                ((high->scalar_type() == at::kInt && high->numel() == blocks * (k / 4) * 2) ||
+                 (high->scalar_type() == at::kByte && high->numel() == q4.numel())),
+                "int4_gemm: the high plane must be fifth bits [N / 16, K / 4, 2] int32 or high "
+                "nibbles [N / 16, K / 4, 32] uint8");
     TORCH_CHECK(x.scalar_type() == at::kBFloat16,
-                "int4_gemm: 5-bit codes take bf16 activations (AVX-512-BF16)");
+                "int4_gemm: 5- and 8-bit codes take bf16 activations (AVX-512-BF16)");
   }
   if (x.scalar_type() == at::kFloat) return int4_gemm_f32(x, q4, sz, half_scales);
   TORCH_CHECK(built_with_avx512_bf16(), "int4_gemm with bf16 activations needs AVX-512-BF16");
@@ -257,25 +280,38 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
     }
   const uint8_t* qp = q4.data_ptr<uint8_t>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const uint32_t* hp = high ? reinterpret_cast<const uint32_t*>(high->data_ptr<int32_t>())
-                            : nullptr;
+  const void* hp = nullptr;
+  int64_t plane_stride = 0;  // the plane's elements per row block
+  High kind = High::kNone;
+  if (high) {
+    hp = high->data_ptr();
+    kind = high->scalar_type() == at::kByte ? High::kNibble : High::kFifthBit;
+    plane_stride = kind == High::kNibble ? k * 8 : (k / 4) * 2;
+  }
+  // Two planes of partial sums hold twice the registers: 8-bit codes take 4 rows of x a pass.
+  const int64_t chunk = kind == High::kNibble ? 4 : 8;
   auto run = [&](const auto* sp) {
-    // A row block is k / 2 bytes (a few KB): it stays in L1 for every chunk of 8 rows of x.
+    // A row block is k / 2 bytes (a few KB): it stays in L1 for every chunk of rows of x.
     at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
       __m512 acc[8];
       for (int64_t b = begin; b < end; ++b) {
-        for (int64_t c = 0; c < rows; c += 8) {
-          const int64_t m = std::min<int64_t>(8, rows - c);
+        for (int64_t c = 0; c < rows; c += chunk) {
+          const int64_t m = std::min<int64_t>(chunk, rows - c);
           for_rows(m, [&](auto r) {
             constexpr int R = decltype(r)::value;
             const uint8_t* qb = qp + b * k * 8;
             const auto* sb = sp + b * groups * 32;
-            if (hp != nullptr)
-              int4_block<R, true>(qb, sb, hp + b * (k / 4) * 2, xp + c * k, k,
-                                  xsum.data() + c * groups, acc);
-            else
-              int4_block<R, false>(qb, sb, nullptr, xp + c * k, k, xsum.data() + c * groups,
-                                   acc);
+            const float* xs = xsum.data() + c * groups;
+            if (kind == High::kNibble) {
+              if constexpr (R <= 4)
+                int4_block<R, High::kNibble>(qb, sb, static_cast<const uint8_t*>(hp) +
+                                             b * plane_stride, xp + c * k, k, xs, acc);
+            } else if (kind == High::kFifthBit) {
+              int4_block<R, High::kFifthBit>(qb, sb, static_cast<const uint32_t*>(hp) +
+                                             b * plane_stride, xp + c * k, k, xs, acc);
+            } else {
+              int4_block<R, High::kNone>(qb, sb, nullptr, xp + c * k, k, xs, acc);
+            }
           });
           for (int64_t r = 0; r < m; ++r) store16(op + (c + r) * n + b * 16, acc[r]);
         }

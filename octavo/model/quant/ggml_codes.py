@@ -1,7 +1,8 @@
 """GGML's block formats decoded: a quantized GGUF tensor's raw blocks [rows, row bytes] turned into
-integer codes and scales, the forms octavo's packed weights keep (quant/gguf.py): affine codes
-(Q4_0, Q4_1, Q4_K, and 5-bit Q5_0: w = scale * q + offset per 32 inputs) for octavo's int4
-layout, int8 codes (Q8_0, Q5_0, Q6_K: w = scale * q per 32 or 16) for its grouped int8 kernel."""
+integer codes and scales, the forms octavo's packed weights keep (quant/gguf.py): unsigned affine
+codes (Q4_0, Q4_1, Q4_K, and 5- and 8-bit Q5_0 and Q8_0: w = scale * q + offset per 32 inputs)
+for octavo's int4 layout, signed int8 codes (Q8_0, Q5_0, Q6_K: w = scale * q per 32 or 16) for
+its grouped int8 kernel."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,13 +15,14 @@ def _f16(b: np.ndarray) -> np.ndarray:
 
 
 def affine_codes(qtype: Q, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Raw blocks [rows, row bytes] of a Q4_0/Q4_1/Q4_K/Q5_0 tensor -> codes [rows, K] uint8
-    (0..15, or 0..31 for Q5_0), scale and offset [rows, K / 32] float32, with
-    w = scale * q + offset."""
+    """Raw blocks [rows, row bytes] of a Q4_0/Q4_1/Q4_K/Q5_0/Q8_0 tensor -> codes [rows, K]
+    uint8 (0..15, 0..31 for Q5_0, 0..255 for Q8_0), scale and offset [rows, K / 32] float32,
+    with w = scale * q + offset."""
     rows = data.shape[0]
-    if qtype == Q.Q5_0:
-        q, d = int8_codes(qtype, data)  # q - 16, d
-        return (q + 16).astype(np.uint8), d, -16 * d
+    if qtype in (Q.Q5_0, Q.Q8_0):
+        q, d = int8_codes(qtype, data)  # signed codes and d
+        shift = 16 if qtype == Q.Q5_0 else 128
+        return (q.astype(np.int16) + shift).astype(np.uint8), d, -shift * d
     size = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q4_K: 144}[qtype]
     b = data.reshape(rows, -1, size)
     if qtype == Q.Q4_K:

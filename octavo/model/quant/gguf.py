@@ -3,15 +3,17 @@
 Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m) and Q4_K (per 32 weights w = d * sc * q - dmin * m)
 are 4-bit codes with a scale and an offset per 32 inputs: exactly torch's int4 layout with group
 32, so those codes and scales are copied over, not re-quantized (only scale and torch's zero,
-8 * scale + offset, are rounded to the activation dtype). Q5_0 (w = d * q - 16 d, q 0..31) is
-the same form with a fifth bit: a layer of Q5_0 slots (and Q4 ones) keeps them in that layout
-with a plane of fifth bits (6 bits a weight against the file's 5.5; the int8 codes took 8.5),
-where octavo's bf16 int4 kernel runs (Int4Packed.kernel_ready). The other types go to the
-nearest layout the kernels have: Q8_0 (w = d * q, q in -127..127 per 32), Q6_K
-(w = d * sc * (q - 32) per 16), and Q5_0 beside them or without that kernel (float32), to int8
-codes with a scale per 32 (16 for a layer with a Q6_K slot) inputs (`Int8Grouped`), their codes
-and scales taken from the file (int8_codes: the same weights bit for bit); Q5_1/Q5_K to int8 per
-32, re-quantized; Q2_K/Q3_K to int4 min/max per 32. Measured on Qwen2.5-0.5B's Q4_K_M file
+8 * scale + offset, are rounded to the activation dtype). Q5_0 (w = d * q - 16 d, q 0..31) and
+Q8_0 (w = d * q - 128 d, q 0..255 unsigned) are the same form with wider codes: where octavo's
+bf16 int4 kernel runs (Int4Packed.kernel_ready), a layer of Q5_0 (and Q4) slots keeps them in
+that layout with a plane of fifth bits (6 bits a weight against the file's 5.5; int8 codes took
+8.5), one with a Q8_0 slot with a plane of high nibbles (the int4 kernel twice: 1.6x the int8
+GEMV at 4 rows on a 168M-weight LM head, AMD EPYC AVX-512). The other types go to the nearest
+layout the kernels have: Q6_K (w = d * sc * (q - 32) per 16), and Q8_0 / Q5_0 beside it or
+without that kernel (float32), to int8 codes with a scale per 32 (16 for a layer with a Q6_K
+slot) inputs (`Int8Grouped`), their codes and scales taken from the file (int8_codes: the same
+weights bit for bit); Q5_1/Q5_K to int8 per 32, re-quantized; Q2_K/Q3_K to int4 min/max per
+32. Measured on Qwen2.5-0.5B's Q4_K_M file
 (relative Frobenius error against the GGUF's own weights): int8 per 32 Q8_0 0%, and before it
 existed, int8 per channel Q8_0 1.8%, Q6_K 1.6%, Q5_0 1.1%; int4 min/max Q8_0 10.6%, Q5_0 8.5%,
 Q6_K 8.2% (Q4_K would be 4.3%; it is copied, 0%). Perplexity:
@@ -69,8 +71,10 @@ INT8_EXACT = (Q.Q8_0, Q.Q5_0, Q.Q6_K)
 CODE8_KINDS = ("gguf_q8", "gguf_q8_scale")
 # How the loader yields a weight whose codes a layer keeps (the kinds it gives in its place).
 CODE_FORMS = {"int4": CODE_KINDS, "int8": CODE8_KINDS}
-# Types a 5-bit int4 layer keeps code for code (a Q4 code is a 5-bit one with no fifth bit).
-_INT5_EXACT = (*INT4_EXACT, Q.Q5_0)
+# Wider codes in octavo's int4 layout (Int4Packed with a high plane, bf16): the types each width
+# keeps code for code (a narrower code is a wider one with high bits 0), by target.
+_WIDE_INT4 = {"int4:5bit": (5, (*INT4_EXACT, Q.Q5_0)),
+              "int4:8bit": (8, (*INT4_EXACT, Q.Q5_0, Q.Q8_0))}
 
 
 def _target(mode: str, types: list[Q], in_features: int, dtype: torch.dtype) -> str | None:
@@ -81,16 +85,18 @@ def _target(mode: str, types: list[Q], in_features: int, dtype: torch.dtype) -> 
         return None
     if all(t in _INT4_NEAREST for t in types):
         return "int4"
-    if all(t in _INT5_EXACT for t in types) and Int4Packed.kernel_ready(dtype, 5):
-        return "int5"
+    for target, (bits, exact) in _WIDE_INT4.items():
+        if all(t in exact for t in types) and Int4Packed.kernel_ready(dtype, bits):
+            return target
     if all(t in _INT4_NEAREST + _INT8_NEAREST for t in types):
         return "int8"
     return None  # a float slot (F16, BF16, F32) or a type without a mapping: dense only
 
 
 def _how(qtype: Q, target: str, in_features: int, exact_int8: bool) -> str:
-    if target == "int5":
-        return "int4 layout with 5-bit codes, its codes, scales and offsets copied (exact)"
+    if target in _WIDE_INT4:
+        return (f"int4 layout with {_WIDE_INT4[target][0]}-bit codes, its codes, scales and "
+                f"offsets copied (exact)")
     if target == "int4" and qtype in INT4_EXACT:
         return "int4 group 32, its codes, scales and offsets copied (exact)"
     if target == "int4":
@@ -118,7 +124,7 @@ class GGUFMethod(QuantMethod):
         layer.loading = Loading()
 
     def _needs(self, slot: int) -> tuple[str, ...]:
-        if self.target == "int5" or self.target == "int4" and self.types[slot] in INT4_EXACT:
+        if self.target in _WIDE_INT4 or self.target == "int4" and self.types[slot] in INT4_EXACT:
             return CODE_KINDS
         if self._int8_exact():
             return CODE8_KINDS
@@ -160,8 +166,9 @@ class GGUFMethod(QuantMethod):
         q, scale, low = zip(*[(p["gguf_q4"], p["gguf_q4_scale"], p["gguf_q4_low"])
                               if "gguf_q4" in p else minmax_int4(p["weight"], GROUP)
                               for p in parts])
+        bits = _WIDE_INT4[self.target][0] if self.target in _WIDE_INT4 else 4
         return Int4Packed.from_affine(torch.cat(q), torch.cat(scale), torch.cat(low), GROUP,
-                                      self.dtype, 5 if self.target == "int5" else 4)
+                                      self.dtype, bits)
 
     def process_after_load(self, layer: nn.Module) -> None:
         built = layer.loading.built
@@ -227,7 +234,7 @@ class GGUFPlan:
                     logged.add((t, target, exact_int8))
                     logger.info("GGUF %s weights -> %s", t.name, _how(
                         t, target, layer.in_features, exact_int8))
-                if target == "int5" or target == "int4" and t in INT4_EXACT:
+                if target in _WIDE_INT4 or target == "int4" and t in INT4_EXACT:
                     wants[ckpt] = "int4"  # affine codes
                 elif exact_int8:
                     wants[ckpt] = "int8"
@@ -290,19 +297,21 @@ class GGUFPlan:
         ckpt_of = {model.linear_name(c): c for c in bits}
 
         def exact(name: str, module: nn.Module) -> PackedWeight | None:
-            """The module's rows as the file's own codes: 5-bit int4 for Q5_0 (where the bf16
-            int4 kernel runs), int8 for Q8_0, Q6_K and Q5_0 otherwise; else a Q8_0 table
-            re-quantized (code for code); None for other types, whose re-quantized rows would
-            move every prompt."""
+            """The module's rows as the file's own codes: 5- and 8-bit codes in the int4 layout
+            for Q5_0 and Q8_0 (mode auto, where the bf16 int4 kernel runs), int8 for Q6_K and
+            the others otherwise; else a Q8_0 table re-quantized (code for code); None for other types,
+            whose re-quantized rows would move every prompt."""
             got = table(ckpt_of[name]) if table is not None and name in ckpt_of else None
             if got is not None:
                 qtype, raw = got
                 first, rows = module.first_row, module.weights_shape[0]
-                five = qtype == Q.Q5_0 and Int4Packed.kernel_ready(self.dtype, 5)
+                wide = {Q.Q5_0: 5, Q.Q8_0: 8}.get(qtype)
+                wide = wide if wide and self.mode == "auto" and \
+                    Int4Packed.kernel_ready(self.dtype, wide) else None
                 parts = [_rows_share(torch.from_numpy(np.ascontiguousarray(a)), first, rows)
-                         for a in (affine_codes if five else int8_codes)(qtype, raw.numpy())]
-                if five:
-                    return Int4Packed.from_affine(*parts, GROUP, self.dtype, 5)
+                         for a in (affine_codes if wide else int8_codes)(qtype, raw.numpy())]
+                if wide:
+                    return Int4Packed.from_affine(*parts, GROUP, self.dtype, wide)
                 return Int8Grouped(*parts, self.dtype)
             if per_module.get(name) == 8:
                 return make_decode_weight(module.weights.weight, 8)

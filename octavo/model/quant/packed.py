@@ -107,10 +107,12 @@ class Int4Packed(PackedWeight):
     decode step reads the weights at memory speed. Others keep float32 scale and zero. torch's
     int4 layout (its kernel serves CPUs without AVX-512-BF16 and runs with the C++ kernels off;
     bf16 scales there) is built from this on first use.
-    5-bit codes (a GGUF's Q5_0, w = d * q - 16 d; `from_affine(..., bits=5)`) keep their low 4
-    bits so and their fifth bits in `native_high` [N / 16, K / 4, 2] int32: bit 2r + j of
-    word h of (row block b, quad c) is that bit of the code in nibble h of byte 2r + j (see
-    csrc/int4_gemm.h). They run octavo's kernel with bf16 activations only (kernel_ready)."""
+    5- and 8-bit codes (a GGUF's Q5_0, w = d * q - 16 d, and Q8_0, w = d * q - 128 d with q
+    unsigned; `from_affine(..., bits=5 or 8)`) keep their low 4 bits so and the rest in
+    `native_high`: 5 bits, [N / 16, K / 4, 2] int32, bit 2r + j of word h of (row block b,
+    quad c) the fifth bit of the code in nibble h of byte 2r + j; 8 bits, [N / 16, K / 4, 32]
+    uint8, the high nibbles laid out as the low ones (see csrc/int4_gemm.h). They run octavo's
+    kernel with bf16 activations only (kernel_ready)."""
 
     @property
     def dense_rows(self) -> int:
@@ -150,8 +152,8 @@ class Int4Packed(PackedWeight):
         if group % 32 or k % 32:  # the kernels' scales are per 32 inputs
             raise ValueError(f"group_size must be a multiple of 32 that divides in_features={k} "
                              f"for the int4 kernel, got {group}")
-        if bits not in (4, 5):
-            raise ValueError(f"octavo's int4 layout holds 4- or 5-bit codes, not {bits}")
+        if bits not in (4, 5, 8):
+            raise ValueError(f"octavo's int4 layout holds 4-, 5- or 8-bit codes, not {bits}")
         self.out_features, self.in_features, self.perm, self.dtype = n, k, perm, dtype
         pad = -n % 16
         self.padded_n = n + pad
@@ -161,9 +163,9 @@ class Int4Packed(PackedWeight):
             fifth = (q >> 4).to(torch.int64).permute(0, 2, 3, 1, 4).reshape(-1, k // 4, 2, 32)
             words = (fifth << torch.arange(32)).sum(-1)
             self.native_high = (words - (words >> 31 << 32)).to(torch.int32).contiguous()
-            q = q & 15
-        codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(1, 2)
-        self.native_codes = codes.reshape(-1, k // 4, 32).contiguous()
+        if bits == 8:  # the high nibbles, laid out as the low ones
+            self.native_high = _nibble_bytes(q >> 4, k)
+        self.native_codes = _nibble_bytes(q & 15, k)
         sz = torch.stack([scale, zero_or_low]).repeat_interleave(group // 32, 2)  # [2, N, K/32]
         sz = F.pad(sz, (0, 0, 0, pad)).view(2, -1, 16, k // 32)
         self.native_scales = sz.permute(1, 3, 0, 2).contiguous()
@@ -188,7 +190,9 @@ class Int4Packed(PackedWeight):
 
     @property
     def bits(self) -> int:
-        return 4 if self.native_high is None else 5
+        if self.native_high is None:
+            return 4
+        return 8 if self.native_high.dtype == torch.uint8 else 5
 
     def native_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(codes, scales, fifth bits or None) as octavo's kernel takes them."""
@@ -236,7 +240,10 @@ class Int4Packed(PackedWeight):
         block, r = ids // 16, ids % 16
         b = self.native_codes[block].view(t, k // 4, 16, 2)[torch.arange(t), :, r]  # [T, c, j]
         q = torch.stack([b & 15, b >> 4], 2)  # [T, c, h, j]: input 4c + 2h + j
-        if self.native_high is not None:
+        if self.bits == 8:
+            b = self.native_high[block].view(t, k // 4, 16, 2)[torch.arange(t), :, r]
+            q = q | torch.stack([b & 15, b >> 4], 2) << 4
+        elif self.bits == 5:
             lanes = (2 * r)[:, None, None, None] + torch.arange(2)  # [T, 1, 1, j]: bit 2r + j
             q = q | ((self.native_high[block][:, :, :, None] >> lanes) & 1).to(torch.uint8) << 4
         q = q.reshape(t, -1, 32).float() - 8
@@ -251,7 +258,10 @@ class Int4Packed(PackedWeight):
         k, first, last = self.in_features, start // 16, (end + 15) // 16
         b = self.native_codes[first:last].view(-1, k // 4, 16, 2)  # [b, c, r, j]
         q = torch.stack([b & 15, b >> 4], 3)  # [b, c, r, h, j]
-        if self.native_high is not None:  # bit 2r + j of word h
+        if self.bits == 8:
+            h = self.native_high[first:last].view(-1, k // 4, 16, 2)
+            q = q | torch.stack([h & 15, h >> 4], 3) << 4
+        elif self.bits == 5:  # bit 2r + j of word h
             lanes = (2 * torch.arange(16)[:, None, None] + torch.arange(2))  # [r, 1, j]
             words = self.native_high[first:last][:, :, None, :, None]  # [b, c, 1, h, 1]
             q = q | ((words >> lanes) & 1).to(torch.uint8) << 4
@@ -262,6 +272,13 @@ class Int4Packed(PackedWeight):
         q = self.codes(start, end).float().view(end - start, -1, 32) - 8
         sz = self._scale_zero().permute(0, 3, 1, 2).reshape(self.padded_n, -1, 2)[start:end]
         return (q * sz[..., :1] + sz[..., 1:]).reshape(end - start, self.in_features).to(dtype)
+
+
+def _nibble_bytes(q: torch.Tensor, k: int) -> torch.Tensor:
+    """4-bit values q [b, r, c, h, j] (row block, row, quad, nibble, j) -> [N / 16, K / 4, 32]
+    bytes, byte 2r + j of (b, c) holding nibble 0 low and nibble 1 high (Int4Packed's layout)."""
+    codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(1, 2)
+    return codes.reshape(-1, k // 4, 32).contiguous()
 
 
 class Int8Packed(PackedWeight):
