@@ -196,7 +196,7 @@ def test_every_gguf_layout_reads_only_the_narrowed_region(tmp_path, empty_cache,
         path = tmp_path / f"{name}-{'f32' if qtypes is None else 'q4'}.gguf"
         write_gguf(path, CASES[name][0], hf, qtypes)
         cfg = read_arch_config(resolve_model(str(path)))
-        codes = {n for n, t in gguf_tensor_types(path, cfg).items() if t == Q.Q4_0}
+        codes = {n: "int4" for n, t in gguf_tensor_types(path, cfg).items() if t == Q.Q4_0}
         whole = {n: t.materialize() if isinstance(t, LazyTensor) else t
                  for n, t in iterate_gguf_weights(path, cfg, codes=codes)}
         for n, t in iterate_gguf_weights(path, cfg, codes=codes):
