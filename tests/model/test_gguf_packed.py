@@ -162,6 +162,17 @@ def _generate(path, tokenizer, monkeypatch, tmp_path, **kw):
     return [o for o in llm.generate(prompts, params, use_tqdm=False)], llm
 
 
+def _same_tokens_and_prompt_logprobs(a, b) -> None:
+    """Equal greedy tokens, prompt logprobs within 1e-4 (the same weights, float32 rounding)."""
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        ours = torch.tensor([lp[t].logprob for lp, t in zip(x.prompt_logprobs[1:],
+                                                             x.prompt_token_ids[1:])])
+        theirs = torch.tensor([lp[t].logprob for lp, t in zip(y.prompt_logprobs[1:],
+                                                              y.prompt_token_ids[1:])])
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
 def _top5_agree(a, b) -> None:
     """Tokens equal, or at the first divergence each side's pick is in the other's top 5."""
     for x, y in zip(a, b):
@@ -211,13 +222,7 @@ def test_tiny_gguf_exact_int4_layers_give_dense_logprobs(tiny_gguf, smollm_oracl
     dense, _ = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path, dtype="float32")
     int4, _ = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path, dtype="float32",
                         quantization="int4")
-    for a, b in zip(int4, dense):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        ours = torch.tensor([lp[t].logprob for lp, t in zip(a.prompt_logprobs[1:],
-                                                             a.prompt_token_ids[1:])])
-        theirs = torch.tensor([lp[t].logprob for lp, t in zip(b.prompt_logprobs[1:],
-                                                              b.prompt_token_ids[1:])])
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+    _same_tokens_and_prompt_logprobs(int4, dense)
 
 
 @pytest.mark.parametrize("dense_prefill", [False, True])
@@ -299,13 +304,7 @@ def test_every_layout_keeps_its_codes_in_place(tmp_path, smollm_oracle_folder, m
                for m in model.modules())
     moe = [m for m in model.modules() if hasattr(m, "quantize_experts")]
     assert all(m.quantized is not None for m in moe)  # experts packed too (one Linear each)
-    for a, b in zip(int4, dense):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        ours = torch.tensor([lp[t].logprob for lp, t in zip(a.prompt_logprobs[1:],
-                                                             a.prompt_token_ids[1:])])
-        theirs = torch.tensor([lp[t].logprob for lp, t in zip(b.prompt_logprobs[1:],
-                                                              b.prompt_token_ids[1:])])
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+    _same_tokens_and_prompt_logprobs(int4, dense)
 
 
 @pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-coder-0.5b-instruct"])

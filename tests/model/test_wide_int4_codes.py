@@ -179,7 +179,11 @@ def test_tiny_gguf_keeps_q5_0_and_q8_0_as_wide_int4_codes(tmp_path, smollm_oracl
 
 def test_tiny_gguf_q5_0_in_float32_is_exact(tmp_path, smollm_oracle_folder, monkeypatch,
                                             native_kernels):
-    from tests.model.test_gguf_packed import _generate, _write_tiny
+    from tests.model.test_gguf_packed import (
+        _generate,
+        _same_tokens_and_prompt_logprobs,
+        _write_tiny,
+    )
 
     path = tmp_path / "tiny-q5.gguf"
     _write_tiny(path, _qtypes)
@@ -187,10 +191,4 @@ def test_tiny_gguf_q5_0_in_float32_is_exact(tmp_path, smollm_oracle_folder, monk
                          decode_weights="none")
     codes, llm = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path, dtype="float32")
     assert _kinds(llm)["model.layers.1.mlp.gate_up_proj"] == Int8Grouped.__name__
-    for a, b in zip(codes, dense):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        ours = torch.tensor([lp[t].logprob for lp, t in zip(a.prompt_logprobs[1:],
-                                                             a.prompt_token_ids[1:])])
-        theirs = torch.tensor([lp[t].logprob for lp, t in zip(b.prompt_logprobs[1:],
-                                                              b.prompt_token_ids[1:])])
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+    _same_tokens_and_prompt_logprobs(codes, dense)

@@ -8,18 +8,26 @@
 
 namespace {
 
+#if defined(__AVX512F__)
+// 1 / rms(x) of a row (width a multiple of 16) in every lane.
+template <typename T>
+inline __m512 inv_rms16(const T* xr, int64_t width, float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < width; i += 16) {
+    const __m512 v = load16(xr + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  return _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / width + eps));
+}
+#endif
+
 // One row of RMSNorm; the residual-add variant below calls it too, so both round alike.
 template <typename T>
 inline void rms_norm_row(const T* xr, const T* wp, T* orow, int64_t width, float eps) {
 #if defined(__AVX512F__)
   if constexpr (kVec16<T>) {
     if (width % 16 == 0) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t i = 0; i < width; i += 16) {
-        const __m512 v = load16(xr + i);
-        acc = _mm512_fmadd_ps(v, v, acc);
-      }
-      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / width + eps));
+      const __m512 inv = inv_rms16(xr, width, eps);
       for (int64_t i = 0; i < width; i += 16)
         store16(orow + i, _mm512_mul_ps(round16<T>(_mm512_mul_ps(load16(xr + i), inv)),
                                         load16(wp + i)));
@@ -44,12 +52,7 @@ inline void one_plus_norm_row(const T* xr, const float* w1, T* orow, int64_t wid
 #if defined(__AVX512F__)
   if constexpr (kVec16<T>) {
     if (width % 16 == 0) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t i = 0; i < width; i += 16) {
-        const __m512 v = load16(xr + i);
-        acc = _mm512_fmadd_ps(v, v, acc);
-      }
-      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / width + eps));
+      const __m512 inv = inv_rms16(xr, width, eps);
       for (int64_t i = 0; i < width; i += 16)
         store16(orow + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), inv),
                                         _mm512_loadu_ps(w1 + i)));

@@ -134,9 +134,9 @@ class Int4Packed(PackedWeight):
     @classmethod
     def from_affine(cls, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, group: int,
                     dtype: torch.dtype, bits: int = 4) -> Int4Packed:
-        """w = scale * q + low per group (GGUF's Q4_0/Q4_1/Q4_K/Q5_0 form, and min/max
-        quantizing), q of `bits` (4 or 5) bits: torch's zero is 8 * scale + low, with no
-        division, so a zero scale is fine."""
+        """w = scale * q + low per group (GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q8_0 form, and min/max
+        quantizing), q unsigned of `bits` (4, 5 or 8) bits: torch's zero is 8 * scale + low,
+        with no division, so a zero scale is fine."""
         self = cls.__new__(cls)
         scale, low = scale.float(), low.float()
         if torch.equal(scale.half().float(), scale) and torch.equal(low.half().float(), low):
@@ -195,14 +195,14 @@ class Int4Packed(PackedWeight):
         return 8 if self.native_high.dtype == torch.uint8 else 5
 
     def native_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(codes, scales, fifth bits or None) as octavo's kernel takes them."""
+        """(codes, scales, the high plane or None) as octavo's kernel takes them."""
         return self.native_codes, self.native_scales, self.native_high
 
     def torch_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(packed codes, scales and zeros [K / 32, N, 2] in the activation dtype) as torch's
         int4 kernel takes them with groups of 32 inputs; built on first use (4-bit codes)."""
         if self.native_high is not None:
-            raise NotImplementedError("torch's int4 kernel takes 4-bit codes, not 5")
+            raise NotImplementedError(f"torch's int4 kernel takes 4-bit codes, not {self.bits}")
         if self._torch_layout is None:
             packed = torch._convert_weight_to_int4pack_for_cpu(
                 self.codes(0, self.padded_n).to(torch.int32), 1)
@@ -221,7 +221,7 @@ class Int4Packed(PackedWeight):
         x = x.to(self.dtype)
         if x.device.type == "cpu" and self.kernel_ready(x.dtype, self.bits):
             y = fused.int4_gemm(x, *self.native_layout())
-        elif self.native_high is not None:  # 5-bit codes without the kernel
+        elif self.native_high is not None:  # 5- or 8-bit codes without their kernel
             return super().tiled_matmul(x)
         else:
             packed, scales_zeros = self.torch_layout()
