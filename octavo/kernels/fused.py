@@ -163,7 +163,7 @@ def int4_gemm_active(x: torch.Tensor) -> bool:
 def int4_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
               high_bits: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 or float32 times int4 weights in octavo's layout
-    (Int4Packed.native_layout; with `high_bits`, 5-bit codes and bf16 x) -> [M, N padded to
+    (Int4Packed.native_layout; with `high_bits`, 5- or 8-bit codes and bf16 x) -> [M, N padded to
     16] in x's dtype (C++ only; Int4Packed.dequantize is the reference)."""
     return _native.int4_gemm(x.contiguous(), codes, scales, high_bits)
 

@@ -135,8 +135,8 @@ class Kernels:
     DecodeStack class."""
 
     _OPS = ("write_kv", "decode_attention", "rms_norm", "one_plus_rms_norm", "rotary_inplace",
-            "silu_and_mul", "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_dequantize", "int4_tiled_linear",
-            "int8_dequantize", "int8_tiled_linear")
+            "silu_and_mul", "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_dequantize",
+            "int4_tiled_linear", "int8_dequantize", "int8_tiled_linear")
 
     def __init__(self) -> None:
         import torch

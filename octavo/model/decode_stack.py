@@ -117,7 +117,7 @@ def _weight_reason(lin: Linear | torch.Tensor, dtype: torch.dtype) -> str | None
         return "int4 scales in another dtype"
     if isinstance(low, Int4Packed):
         return None if low.bits == 4 or low.kernel_ready(dtype, low.bits) else \
-            "5-bit codes without octavo's bf16 int4 kernel"
+            f"{low.bits}-bit codes without octavo's bf16 int4 kernel"
     if isinstance(low, Int8Packed) and (low.q.shape[0] != 1 or low.zero_term is not None):
         return "a grouped or asymmetric int8 weight"
     if isinstance(low, (Int8Packed, Int8Grouped)):
@@ -137,7 +137,7 @@ def _row_limit(lin: Linear | torch.Tensor) -> int | None:
 
 def _linear(lin: Linear | torch.Tensor) -> tuple:
     """A linear layer as the C++ stack takes it (csrc/stack_linear.h): dense weight, bias, the
-    low-bit kind and its tensors (two, and a 5-bit int4 weight's fifth bits), output features,
+    low-bit kind and its tensors (two, and a wide int4 weight's high plane), output features,
     and the most rows the low-bit weight serves beside a dense one."""
     dense, low = _forms(lin)
     c = None

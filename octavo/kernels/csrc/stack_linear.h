@@ -22,7 +22,7 @@ struct StackLinear {
   LowBitKind kind = LowBitKind::kNone;
   at::Tensor low_a;  // int4: packed codes (N padded to 16); int8: codes [N, K]
   at::Tensor low_b;  // int4: scales and zeros (torch: [K / 32, N, 2]); int8: scales [N] or [N, G]
-  std::optional<at::Tensor> low_c;  // int4: the fifth bits of 5-bit codes (int4_gemm.h)
+  std::optional<at::Tensor> low_c;  // int4: the high plane of 5- or 8-bit codes (int4_gemm.h)
   int64_t out = 0;   // N
   int64_t max_rows = 0;  // with a dense weight: the most rows the packed one serves (decode)
 
@@ -33,7 +33,7 @@ struct StackLinear {
               const std::optional<at::Tensor>& c, int64_t out_features, int64_t rows)
       : kind(low_bit_kind(low_bit)), low_c(c), out(out_features), max_rows(rows) {
     TORCH_CHECK(kind == LowBitKind::kNone || (a && b), "a low-bit weight needs its tensors");
-    TORCH_CHECK(!c || kind == LowBitKind::kInt4, "only octavo's int4 layout has fifth bits");
+    TORCH_CHECK(!c || kind == LowBitKind::kInt4, "only octavo's int4 layout has a high plane");
     TORCH_CHECK(dense_weight || kind != LowBitKind::kNone,
                 "a linear needs a dense or a packed weight");
     if (dense_weight) dense = *dense_weight;

@@ -47,8 +47,8 @@ def prepared_path(source: ModelSource, dtype: torch.dtype, decode_weights: str,
     if where.world_size > 1:
         mode = f"{mode}-tp{where.tp_rank}of{where.tp_size}-pp{where.pp_rank}of{where.pp_size}"
     h = hashlib.sha256()
-    # The packed forms chosen depend on whether the C++ kernels are loaded (quant/gguf.py,
-    # _blocks_fit): a start without them must not leave its weights to one with them.
+    # The packed forms chosen depend on whether the C++ kernels are loaded (quant/gguf.py: the
+    # wide int4 codes need them): a start without them must not leave its weights to one with.
     for part in (str(source.path.resolve()), stat.st_size, stat.st_mtime_ns, str(dtype),
                  mode, torch.__version__, fused.native_ready()):
         h.update(str(part).encode() + b"\0")

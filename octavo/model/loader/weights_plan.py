@@ -8,7 +8,8 @@ import logging
 import torch
 from torch import nn
 
-from octavo.model.quant.weights import DenseWeights, PackedWeights, packed_kind
+from octavo.model.quant.packed import packed_kind
+from octavo.model.quant.weights import DenseWeights, PackedWeights
 
 logger = logging.getLogger(__name__)
 

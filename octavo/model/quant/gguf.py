@@ -59,8 +59,8 @@ GROUP = 32
 INT4_EXACT = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 _INT8_NEAREST = (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0)
 _INT4_NEAREST = (*INT4_EXACT, Q.Q2_K, Q.Q3_K)
-# checkpoint kinds the loader yields beside `weight` for INT4_EXACT (and Q5_0 in the 5-bit
-# layout) tensors: [N, K] codes 0..15 (0..31), and [N, K / 32] scale and offset
+# checkpoint kinds the loader yields beside `weight` for INT4_EXACT tensors (and Q5_0 / Q8_0 in
+# the wide int4 layouts): [N, K] codes 0..15 (0..31, 0..255), and [N, K / 32] scale and offset
 # (w = scale * q + offset)
 CODE_KINDS = ("gguf_q4", "gguf_q4_scale", "gguf_q4_low")
 # Types whose codes are int8 values times one scale per 32 (Q8_0, Q5_0) or 16 (Q6_K) inputs: kept
@@ -85,12 +85,21 @@ def _target(mode: str, types: list[Q], in_features: int, dtype: torch.dtype) -> 
         return None
     if all(t in _INT4_NEAREST for t in types):
         return "int4"
-    for target, (bits, exact) in _WIDE_INT4.items():
-        if all(t in exact for t in types) and Int4Packed.kernel_ready(dtype, bits):
-            return target
+    wide = _wide_target(types, dtype)
+    if wide is not None:
+        return wide
     if all(t in _INT4_NEAREST + _INT8_NEAREST for t in types):
         return "int8"
     return None  # a float slot (F16, BF16, F32) or a type without a mapping: dense only
+
+
+def _wide_target(types: list[Q], dtype: torch.dtype) -> str | None:
+    """The narrowest wide int4 layout that keeps every one of `types` code for code, where
+    octavo's kernel runs it with activations of `dtype`; None: none does."""
+    for target, (bits, exact) in _WIDE_INT4.items():
+        if all(t in exact for t in types) and Int4Packed.kernel_ready(dtype, bits):
+            return target
+    return None
 
 
 def _how(qtype: Q, target: str, in_features: int, exact_int8: bool) -> str:
@@ -298,16 +307,15 @@ class GGUFPlan:
 
         def exact(name: str, module: nn.Module) -> PackedWeight | None:
             """The module's rows as the file's own codes: 5- and 8-bit codes in the int4 layout
-            for Q5_0 and Q8_0 (mode auto, where the bf16 int4 kernel runs), int8 for Q6_K and
-            the others otherwise; else a Q8_0 table re-quantized (code for code); None for other types,
-            whose re-quantized rows would move every prompt."""
+            for Q5_0 and Q8_0 (mode auto, where the bf16 int4 kernel runs: _wide_target), int8
+            codes otherwise and for Q6_K; else a Q8_0 table re-quantized (code for code); None
+            for other types, whose re-quantized rows would move every prompt."""
             got = table(ckpt_of[name]) if table is not None and name in ckpt_of else None
             if got is not None:
                 qtype, raw = got
                 first, rows = module.first_row, module.weights_shape[0]
-                wide = {Q.Q5_0: 5, Q.Q8_0: 8}.get(qtype)
-                wide = wide if wide and self.mode == "auto" and \
-                    Int4Packed.kernel_ready(self.dtype, wide) else None
+                target = _wide_target([qtype], self.dtype) if self.mode == "auto" else None
+                wide = _WIDE_INT4[target][0] if target is not None else None
                 parts = [_rows_share(torch.from_numpy(np.ascontiguousarray(a)), first, rows)
                          for a in (affine_codes if wide else int8_codes)(qtype, raw.numpy())]
                 if wide:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from octavo.kernels import onednn
 from octavo.model.quant.decode_weights import max_rows
-from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed, PackedWeight
+from octavo.model.quant.packed import PACKED_KINDS, PackedWeight, packed_kind
 
 
 class LinearWeights:
@@ -47,16 +47,6 @@ class LinearWeights:
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> LinearWeights:
         raise NotImplementedError
-
-
-# Each packed weight class by the name its tensors are saved under (prepared weights) and the
-# start-up log counts it by.
-PACKED_KINDS: dict[str, type[PackedWeight]] = {"int4": Int4Packed, "int8": Int8Packed,
-                                               "int8g": Int8Grouped}
-
-
-def packed_kind(w: PackedWeight) -> str:
-    return next(k for k, cls in PACKED_KINDS.items() if type(w) is cls)
 
 
 def _packed_tensors(prefix: str, packed: PackedWeight) -> dict[str, torch.Tensor]:
