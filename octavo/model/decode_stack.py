@@ -128,31 +128,39 @@ def _weight_reason(lin: Linear | torch.Tensor, dtype: torch.dtype) -> str | None
 def _row_limit(lin: Linear | torch.Tensor) -> int | None:
     """The most rows the stack computes of `lin` as its Python layer does (None: any)."""
     dense, low = _forms(lin)
-    if dense is not None:
-        return None
-    # Packed alone: the Python layer takes dequantized tiles above an int4 or grouped int8
-    # weight's dense_rows, and torch's int8 kernel for per-channel int8 above 8 rows.
+    if dense is not None or _kind(low) in ("int4", "int8") and not isinstance(low, Int8Packed):
+        return None  # above its kernel's rows: the dense weight, or tiles of the packed one
+    # The Python layer runs torch's int8 kernel for per-channel int8 above 8 rows, and tiles
+    # above torch's int4 kernel's rows: the stack has neither.
     return 8 if isinstance(low, Int8Packed) else low.dense_rows
+
+
+def _kind(low: PackedWeight | None) -> str:
+    """The low-bit kind the C++ stack computes `low` as (csrc/stack_linear.h, LowBitKind)."""
+    if isinstance(low, Int4Packed):
+        return "int4" if low.kernel_ready(low.dtype, low.bits) else "int4_torch"
+    return "int8" if isinstance(low, (Int8Packed, Int8Grouped)) else "none"
 
 
 def _linear(lin: Linear | torch.Tensor) -> tuple:
     """A linear layer as the C++ stack takes it (csrc/stack_linear.h): dense weight, bias, the
     low-bit kind and its tensors (two, and a wide int4 weight's high plane), output features,
-    and the most rows the low-bit weight serves beside a dense one."""
+    and the most rows the low-bit kernel serves (beside a dense weight: its copy's; alone: the
+    packed weight's dense_rows, tiles above them)."""
     dense, low = _forms(lin)
-    c = None
-    if isinstance(low, Int4Packed) and low.kernel_ready(low.dtype, low.bits):  # octavo's kernel
-        kind, (a, b, c) = "int4", low.native_layout()
-    elif isinstance(low, Int4Packed):  # torch's kernel, groups of 32
-        kind, a, b = "int4_torch", *low.torch_layout()
+    kind, c = _kind(low), None
+    if kind == "int4":  # octavo's kernel
+        a, b, c = low.native_layout()
+    elif kind == "int4_torch":  # torch's kernel, groups of 32
+        a, b = low.torch_layout()
     elif isinstance(low, Int8Packed):
-        kind, a, b = "int8", low.q[0], low.scale[0]
+        a, b = low.q[0], low.scale[0]
     elif isinstance(low, Int8Grouped):  # scales [N, G]: the GEMV applies them per group
-        kind, a, b = "int8", low.q, low.scale
+        a, b = low.q, low.scale
     else:
-        kind, a, b = "none", None, None
+        a, b = None, None
     out = dense.shape[0] if dense is not None else low.out_features
-    rows = max_rows(low) if low is not None else 0
+    rows = 0 if low is None else max_rows(low) if dense is not None else low.dense_rows
     bias = None if isinstance(lin, torch.Tensor) else lin.bias
     return dense, bias, kind, a, b, c, out, rows
 

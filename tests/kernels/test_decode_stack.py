@@ -106,19 +106,30 @@ def test_enforce_eager_turns_the_stack_off(tmp_path, smollm_oracle_folder):
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
-def test_packed_only_gguf_layers_run_in_the_stack(smollm_gguf, mode):
+def test_packed_only_gguf_layers_run_in_the_stack(smollm_gguf, mode, monkeypatch):
     """--quantization int4/int8 on a GGUF leaves packed weights alone (no dense copy): the stack
-    computes them too, for steps of at most the rows their kernels take."""
+    computes them too, with their kernels up to the rows they take and dequantized tiles above
+    (a prompt longer than those rows, prefilled by the stack), as the Python layers do."""
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
     llm = LLM(str(smollm_gguf), quantization=mode, max_model_len=512, kv_cache_memory=32 << 20,
               enable_prefix_caching=False)
     model = _model(llm)
     stack = model.model.decode_stack
-    assert stack is not None
-    prompts = ["The capital of France is", "def add(a, b):"]
-    fused_out = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert stack is not None and stack.max_tokens is None
     packed = model.model.layers[0].mlp.down_proj.weights.packed
-    assert stack.max_tokens == packed.dense_rows
+    long_prompt = "the quick brown fox jumps over the lazy dog " * 12
+    prompts = ["The capital of France is", "def add(a, b):", long_prompt]
+    assert len(llm.tokenizer.encode(long_prompt)) > packed.dense_rows
+    rows = []
+    forward = decode_stack.DecodeStack.__call__
+
+    def spy(self, x, *args):
+        rows.append(x.shape[0])
+        return forward(self, x, *args)
+
+    monkeypatch.setattr(decode_stack.DecodeStack, "__call__", spy)
+    fused_out = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert max(rows) > packed.dense_rows and min(rows) <= packed.dense_rows
     model.model.decode_stack = None
     layered = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     for a, b in zip(fused_out, layered):

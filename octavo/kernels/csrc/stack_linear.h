@@ -24,7 +24,9 @@ struct StackLinear {
   at::Tensor low_b;  // int4: scales and zeros (torch: [K / 32, N, 2]); int8: scales [N] or [N, G]
   std::optional<at::Tensor> low_c;  // int4: the high plane of 5- or 8-bit codes (int4_gemm.h)
   int64_t out = 0;   // N
-  int64_t max_rows = 0;  // with a dense weight: the most rows the packed one serves (decode)
+  // The most rows the low-bit kernel serves (its crossover on this CPU); above them the dense
+  // weight, or with none, the low-bit weight dequantized tile by tile into the dense GEMM.
+  int64_t max_rows = 0;
 
   StackLinear() = default;
   StackLinear(const std::optional<at::Tensor>& dense_weight,
@@ -42,17 +44,22 @@ struct StackLinear {
     if (b) low_b = *b;
   }
 
-  // The product with the weight, without the bias. Alone, the packed weight serves every batch
-  // the stack is given (DecodeStack.max_tokens keeps those small).
+  // The product with the weight, without the bias, computed as the Python layer computes it
+  // (octavo/model/quant/packed.py, PackedWeight.matmul). Packed weights without tiles here
+  // (torch's int4 layout, int8 with a scale per row) are never given more than their rows
+  // (DecodeStack.max_tokens).
   at::Tensor product(const at::Tensor& x) const {
-    if (kind != LowBitKind::kNone && (!dense.defined() || x.size(0) <= max_rows)) {
-      auto y = kind == LowBitKind::kInt4        ? int4_gemm(x, low_a, low_b, low_c)
-               : kind == LowBitKind::kInt4Torch ? at::_weight_int4pack_mm_for_cpu(x, low_a, 32,
-                                                                                  low_b)
-                                                : int8_gemv(x, low_a, low_b);
-      return y.size(1) != out ? y.narrow(1, 0, out) : y;
-    }
-    return dense.is_mkldnn() ? packed_linear(x, dense) : at::linear(x, dense);
+    const bool kernel = x.size(0) <= max_rows;
+    if (dense.defined() && (kind == LowBitKind::kNone || !kernel))
+      return dense.is_mkldnn() ? packed_linear(x, dense) : at::linear(x, dense);
+    at::Tensor y;
+    if (kind == LowBitKind::kInt4)
+      y = kernel ? int4_gemm(x, low_a, low_b, low_c) : int4_tiled_linear(x, low_a, low_b, low_c);
+    else if (kind == LowBitKind::kInt4Torch)
+      y = at::_weight_int4pack_mm_for_cpu(x, low_a, 32, low_b);
+    else
+      y = kernel ? int8_gemv(x, low_a, low_b) : int8_tiled_linear(x, low_a, low_b);
+    return y.size(1) != out ? y.narrow(1, 0, out) : y;
   }
 
   // The bias is added after the product, as the Python layer adds it (one rounding each).

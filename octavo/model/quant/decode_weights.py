@@ -54,7 +54,7 @@ def make_decode_weight(weight: torch.Tensor, bits: int) -> PackedWeight | None:
 def max_rows(decode: PackedWeight) -> int:
     """The most rows `decode` (a dense layer's low-bit copy) computes (see int4_rows)."""
     if isinstance(decode, Int4Packed) and fused.int4_gemm_ready(decode.dtype):
-        return int4_rows(decode.dtype)
+        return int4_rows(decode.dtype, decode.bits)
     if isinstance(decode, Int8Grouped) and decode.dtype == torch.float32 and fused.native_ready():
         return INT8_ROWS_F32
     return MAX_ROWS

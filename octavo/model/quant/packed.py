@@ -45,14 +45,23 @@ INT4_ROWS_AMX = 10
 # 22.8 vs 37.7 at 32, 45.1 vs 43.2 at 64.
 INT4_ROWS_F32 = 128
 INT8_ROWS_F32 = 32
+# 8-bit codes in the int4 layout (two planes of nibbles, 4 rows of x a pass) cost the kernel
+# about twice the 4-bit work per row, and the tiles win sooner. AMD EPYC AVX-512 (bf16, 2
+# threads, cache-hot), kernel against tiles in ms: a quarter of Gemma 3's LM head (65,536 x
+# 640) 7.04 vs 10.70 at 16 rows, 10.83 vs 12.12 at 24, 14.29 vs 13.68 at 32, 27.92 vs 19.53 at
+# 64; Qwen2.5's gate/up (9,728 x 896) 2.33 vs 2.52 at 24, 2.88 vs 2.82 at 32. 5-bit codes stay
+# ahead at 64 rows (the LM head quarter 15.97 vs 19.03, gate/up 3.19 vs 4.22): the 4-bit limit.
+INT8_CODES_ROWS = 24
 
 
-def int4_rows(dtype: torch.dtype) -> int:
-    """The most rows octavo's int4 kernel takes, with activations of `dtype`, before the dense
-    GEMM (on a dense weight, or on tiles dequantized from the int4 codes) wins on this CPU."""
+def int4_rows(dtype: torch.dtype, bits: int = 4) -> int:
+    """The most rows octavo's int4 kernel takes, with activations of `dtype` and `bits`-bit
+    codes, before the dense GEMM (on a dense weight, or on tiles dequantized from the codes)
+    wins on this CPU."""
     if dtype == torch.float32:
         return INT4_ROWS_F32
-    return INT4_ROWS_AMX if cpu_platform().amx else INT4_ROWS
+    rows = INT4_ROWS_AMX if cpu_platform().amx else INT4_ROWS
+    return min(rows, INT8_CODES_ROWS) if bits == 8 else rows
 
 
 class PackedWeight:
@@ -118,7 +127,7 @@ class Int4Packed(PackedWeight):
     def dense_rows(self) -> int:
         """With octavo's kernel, its crossover with the dense GEMM on this CPU (int4_rows);
         torch's int4 kernel (bf16, 2 threads, the table above) stays ahead up to 256 rows."""
-        return int4_rows(self.dtype) if fused.int4_gemm_ready(self.dtype) else 256
+        return int4_rows(self.dtype, self.bits) if fused.int4_gemm_ready(self.dtype) else 256
 
     @staticmethod
     def kernel_ready(dtype: torch.dtype, bits: int) -> bool:
