@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from octavo.kernels import native
 from octavo.kernels.native import Kernels
+from octavo.platform import cpu_platform
 
 _native: Kernels | None = None
 _mode = "off"
@@ -166,6 +167,22 @@ def int4_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     (Int4Packed.native_layout; with `high_bits`, 5- or 8-bit codes and bf16 x) -> [M, N padded to
     16] in x's dtype (C++ only; Int4Packed.dequantize is the reference)."""
     return _native.int4_gemm(x.contiguous(), codes, scales, high_bits)
+
+
+def int4_int8_gemm_ready(dtype: torch.dtype) -> bool:
+    """Whether packed weights' large batches of `dtype` activations take them quantized to
+    int8 (int4_int8_gemm): bf16 ones (float32 stays exact), C++ built with AVX-512 VNNI, on a
+    CPU without AMX (whose bf16 tile units run the dense GEMM on dequantized tiles faster)."""
+    return (dtype == torch.bfloat16 and _native is not None and _native.has_int4_int8_gemm
+            and not cpu_platform().amx)
+
+
+def int4_int8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                   high_bits: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 or float32, quantized to int8 per row and 32 inputs, times codes in octavo's
+    int4 layout (Int4Packed.native_layout) -> [M, N padded to 16] in x's dtype (C++ only;
+    csrc/int4_int8_gemm.h states the arithmetic)."""
+    return _native.int4_int8_gemm(x.contiguous(), codes, scales, high_bits)
 
 
 def int4_dequantize_ready() -> bool:

@@ -135,8 +135,8 @@ class Kernels:
     DecodeStack class."""
 
     _OPS = ("write_kv", "decode_attention", "rms_norm", "one_plus_rms_norm", "rotary_inplace",
-            "silu_and_mul", "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_dequantize",
-            "int4_tiled_linear", "int8_dequantize", "int8_tiled_linear")
+            "silu_and_mul", "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_int8_gemm",
+            "int4_dequantize", "int4_tiled_linear", "int8_dequantize", "int8_tiled_linear")
 
     def __init__(self) -> None:
         import torch
@@ -148,6 +148,7 @@ class Kernels:
         self.has_int4_gemm = "int4_gemm_bf16" in features
         self.has_int4_gemm_f32 = "int4_gemm_f32" in features
         self.has_prompt_runs = "prompt_runs" in features
+        self.has_int4_int8_gemm = "int4_int8_gemm" in features
         self.DecodeStack = torch.classes.octavo.DecodeStack
 
 
@@ -175,6 +176,8 @@ def _register_fakes() -> None:
         "rotary_inplace": lambda x, positions, cos, sin: None,
         "int8_gemv": lambda x, q, scale: rows_out(x, q.shape[0]),
         "int4_gemm": lambda x, codes, scales, high_bits=None: rows_out(x, codes.shape[0] * 16),
+        "int4_int8_gemm": lambda x, codes, scales, high_bits=None: rows_out(
+            x, codes.shape[0] * 16),
         "int4_tiled_linear": lambda x, codes, scales, high_bits=None: rows_out(
             x, codes.shape[0] * 16),
         "int8_tiled_linear": lambda x, q, scale: rows_out(x, q.shape[0]),

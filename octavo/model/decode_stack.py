@@ -129,7 +129,8 @@ def _weight_reason(lin: Linear | torch.Tensor, dtype: torch.dtype) -> str | None
 def _row_limit(lin: Linear | torch.Tensor) -> int | None:
     """The most rows the stack computes of `lin` as its Python layer does (None: any)."""
     dense, low = _forms(lin)
-    if dense is not None or _kind(low) in ("int4", "int8") and not isinstance(low, Int8Packed):
+    if dense is not None or _kind(low) in ("int4", "int4_int8", "int8") and not isinstance(
+            low, Int8Packed):
         return None  # above its kernel's rows: the dense weight, or tiles of the packed one
     # The Python layer runs torch's int8 kernel for per-channel int8 above 8 rows, and tiles
     # above torch's int4 kernel's rows: the stack has neither.
@@ -138,8 +139,11 @@ def _row_limit(lin: Linear | torch.Tensor) -> int | None:
 
 def _kind(low: PackedWeight | None) -> str:
     """The low-bit kind the C++ stack computes `low` as (csrc/stack_linear.h, LowBitKind)."""
+    if isinstance(low, Int4Packed) and low.kernel_ready(low.dtype, low.bits):
+        # large batches: int8-quantized activations (Int4Packed.large_batch_matmul) or tiles
+        return "int4_int8" if fused.int4_int8_gemm_ready(low.dtype) else "int4"
     if isinstance(low, Int4Packed):
-        return "int4" if low.kernel_ready(low.dtype, low.bits) else "int4_torch"
+        return "int4_torch"
     return "int8" if isinstance(low, (Int8Packed, Int8Grouped)) else "none"
 
 
@@ -150,7 +154,7 @@ def _linear(lin: Linear | torch.Tensor) -> tuple:
     packed weight's dense_rows, tiles above them)."""
     dense, low = _forms(lin)
     kind, c = _kind(low), None
-    if kind == "int4":  # octavo's kernel
+    if kind in ("int4", "int4_int8"):  # octavo's kernel
         a, b, c = low.native_layout()
     elif kind == "int4_torch":  # torch's kernel, groups of 32
         a, b = low.torch_layout()

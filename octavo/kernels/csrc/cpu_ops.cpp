@@ -10,6 +10,7 @@
 
 #include "dequant.h"
 #include "int4_gemm.h"
+#include "int4_int8_gemm.h"
 #include "int8_gemm.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
@@ -123,6 +124,7 @@ std::vector<std::string> features() {
   std::vector<std::string> names;
   if (built_with_avx512_bf16()) names.insert(names.end(), {"int4_gemm_bf16", "prompt_runs"});
   if (built_with_avx2()) names.push_back("int4_gemm_f32");
+  if (kInt4Int8Gemm) names.push_back("int4_int8_gemm");
   return names;
 }
 
@@ -144,6 +146,8 @@ TORCH_LIBRARY(octavo, m) {
   m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("int4_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? high_bits=None) -> Tensor");
+  m.def("int4_int8_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? high_bits=None) "
+        "-> Tensor");
   m.def("int4_dequantize(Tensor codes, Tensor scales, Tensor? high_bits, int first_block, "
         "int blocks, bool bf16) "
         "-> Tensor");
@@ -171,6 +175,7 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("int8_gemv", &int8_gemv);
   m.impl("int4_gemm", &int4_gemm);
+  m.impl("int4_int8_gemm", &int4_int8_gemm);
   m.impl("int4_dequantize", &int4_dequantize);
   m.impl("int4_tiled_linear", &int4_tiled_linear);
   m.impl("int8_dequantize", &int8_dequantize);
