@@ -17,10 +17,10 @@ renormalization, a shared expert; tokens grouped by expert, as FusedMoE groups t
 weights are read from each linear layer's typed weights (`_forms`): dense weights (with or
 without a GGUF's int4/int8 copy for small batches) or packed int4 / symmetric int8 weights alone
 (GGUFs, --quantization: their kernels up to the rows they win at, dequantized tiles into the
-dense GEMM above, as the Python layers compute them); the KV cache is in the activations' dtype
-or in fp8 (with each layer's k/v scales). Anything else (steps with padded prefills, act-order
-or asymmetric int8 weights, kernels not loaded yet) runs the Python layers. `--enforce-eager` turns it off. Under tensor
-parallelism it computes a rank's heads and slices and calls the ranks' all-reduce after each o
+dense GEMM or int8-quantized activations above, as the Python layers compute them); the KV
+cache is in the activations' dtype or in fp8 (with each layer's k/v scales). Anything else
+(steps with padded prefills, act-order or asymmetric int8 weights, kernels not loaded yet) runs
+the Python layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a rank's heads and slices and calls the ranks' all-reduce after each o
 and down projection (after the experts' sum, and after the shared expert, in a MoE layer), as
 the Python layers do.
 """
