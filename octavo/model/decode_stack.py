@@ -20,9 +20,9 @@ without a GGUF's int4/int8 copy for small batches) or packed int4 / symmetric in
 dense GEMM or int8-quantized activations above, as the Python layers compute them); the KV
 cache is in the activations' dtype or in fp8 (with each layer's k/v scales). Anything else
 (steps with padded prefills, act-order or asymmetric int8 weights, kernels not loaded yet) runs
-the Python layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a rank's heads and slices and calls the ranks' all-reduce after each o
-and down projection (after the experts' sum, and after the shared expert, in a MoE layer), as
-the Python layers do.
+the Python layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a
+rank's heads and slices and calls the ranks' all-reduce after each o and down projection (after
+the experts' sum, and after the shared expert, in a MoE layer), as the Python layers do.
 """
 from __future__ import annotations
 
