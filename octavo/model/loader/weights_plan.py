@@ -8,6 +8,7 @@ import logging
 import torch
 from torch import nn
 
+from octavo.model.layers.rotary import RotaryEmbedding
 from octavo.model.quant.packed import packed_kind
 from octavo.model.quant.weights import DenseWeights, PackedWeights
 
@@ -23,8 +24,9 @@ def _nbytes(t: torch.Tensor) -> tuple[int, int]:
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes per kind: "dense", "int4" / "int8" / "int8g" (packed, alone), "<kind> copies"
-    (beside dense weights, for small batches) and "other" (norms, biases, experts' tensors)."""
-    seen: set[int] = set()
+    (beside dense weights, for small batches) and "other" (norms, biases, experts' tensors).
+    Rotary tables are not weights (rotary_table_bytes)."""
+    seen: set[int] = {_nbytes(t)[0] for t in _rotary_tables(model)}
     out: dict[str, int] = {}
 
     def add(kind: str, t: torch.Tensor) -> None:
@@ -50,9 +52,23 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     return out
 
 
+def _rotary_tables(model: nn.Module) -> list[torch.Tensor]:
+    return [t for m in model.modules() if isinstance(m, RotaryEmbedding) for t in (m.cos, m.sin)]
+
+
+def rotary_table_bytes(model: nn.Module) -> int:
+    """The rotary embeddings' cos/sin tables: float32 for every position up to the context
+    length, so sized by --max-model-len as the KV cache is (Gemma 3's two, 32k positions of 256
+    features: 64 MB)."""
+    return sum(size for _, size in {_nbytes(t) for t in _rotary_tables(model)})
+
+
 def log_weights_plan(model: nn.Module, file_bytes: int | None) -> None:
     by_kind = weight_bytes(model)
     total = sum(by_kind.values())
     parts = ", ".join(f"{kind} {n / 2**20:.1f} MB" for kind, n in sorted(by_kind.items()))
     against = f" ({total / file_bytes:.2f}x the checkpoint file)" if file_bytes else ""
-    logger.info("weights: %.1f MB%s: %s", total / 2**20, against, parts)
+    tables = rotary_table_bytes(model)
+    beside = f"; rotary tables {tables / 2**20:.1f} MB (sized by the context length)" \
+        if tables else ""
+    logger.info("weights: %.1f MB%s: %s%s", total / 2**20, against, parts, beside)
