@@ -240,31 +240,39 @@ at::Tensor int4_gemm_f32(const at::Tensor& x, const at::Tensor& q4, const at::Te
   return out;
 }
 
+// The arguments of a product with codes in octavo's layout, checked (`op` names the caller in
+// the errors); the kind of their high plane.
+inline High check_int4_layout(const char* op, const at::Tensor& x, const at::Tensor& q4,
+                              const at::Tensor& sz, const std::optional<at::Tensor>& high) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+              (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              op, ": x must be a contiguous [M, K] bf16 or float32 tensor");
+  TORCH_CHECK(q4.dim() == 3 && q4.size(2) == 32 && q4.scalar_type() == at::kByte &&
+              q4.is_contiguous(), op, ": codes must be [N / 16, K / 4, 32] uint8");
+  const int64_t k = x.size(1), blocks = q4.size(0);
+  TORCH_CHECK(k % 32 == 0 && q4.size(1) * 4 == k, op, ": K must match, a multiple of 32");
+  TORCH_CHECK((sz.scalar_type() == at::kHalf || sz.scalar_type() == at::kFloat) &&
+              sz.is_contiguous() && sz.numel() == blocks * (k / 32) * 32,
+              op, ": scales must be [N/16, K/32, 2, 16] float32 or float16");
+  if (!high) return High::kNone;
+  TORCH_CHECK(high->is_contiguous() &&
+              ((high->scalar_type() == at::kInt && high->numel() == blocks * (k / 4) * 2) ||
+               (high->scalar_type() == at::kByte && high->numel() == q4.numel())),
+              op, ": the high plane must be fifth bits [N / 16, K / 4, 2] int32 or high "
+              "nibbles [N / 16, K / 4, 32] uint8");
+  return high->scalar_type() == at::kByte ? High::kNibble : High::kFifthBit;
+}
+
 // x [M, K] bf16 or float32 times int4 weights in octavo's layout (see int4_block) -> [M, N] in
 // x's dtype, with N the padded row count (a multiple of 16); with `high`, 5- or 8-bit codes
 // (bf16).
 at::Tensor int4_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
                      std::optional<at::Tensor> high) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
-              (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "int4_gemm: x must be a contiguous [M, K] bf16 or float32 tensor");
-  TORCH_CHECK(q4.dim() == 3 && q4.size(2) == 32 && q4.scalar_type() == at::kByte &&
-              q4.is_contiguous(), "int4_gemm: codes must be [N / 16, K / 4, 32] uint8");
+  const High kind = check_int4_layout("int4_gemm", x, q4, sz, high);
+  TORCH_CHECK(kind == High::kNone || x.scalar_type() == at::kBFloat16,
+              "int4_gemm: 5- and 8-bit codes take bf16 activations (AVX-512-BF16)");
   const int64_t rows = x.size(0), k = x.size(1), blocks = q4.size(0), n = blocks * 16;
-  TORCH_CHECK(k % 32 == 0 && q4.size(1) * 4 == k, "int4_gemm: K must match, a multiple of 32");
   const bool half_scales = sz.scalar_type() == at::kHalf;
-  TORCH_CHECK((half_scales || sz.scalar_type() == at::kFloat) && sz.is_contiguous() &&
-              sz.numel() == blocks * (k / 32) * 32,
-              "int4_gemm: scales must be [N/16, K/32, 2, 16] float32 or float16");
-  if (high) {
-    TORCH_CHECK(high->is_contiguous() &&
-                ((high->scalar_type() == at::kInt && high->numel() == blocks * (k / 4) * 2) ||
-                 (high->scalar_type() == at::kByte && high->numel() == q4.numel())),
-                "int4_gemm: the high plane must be fifth bits [N / 16, K / 4, 2] int32 or high "
-                "nibbles [N / 16, K / 4, 32] uint8");
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16,
-                "int4_gemm: 5- and 8-bit codes take bf16 activations (AVX-512-BF16)");
-  }
   if (x.scalar_type() == at::kFloat) return int4_gemm_f32(x, q4, sz, half_scales);
   TORCH_CHECK(built_with_avx512_bf16(), "int4_gemm with bf16 activations needs AVX-512-BF16");
   auto out = at::empty({rows, n}, x.options());
@@ -280,14 +288,9 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
     }
   const uint8_t* qp = q4.data_ptr<uint8_t>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const void* hp = nullptr;
-  int64_t plane_stride = 0;  // the plane's elements per row block
-  High kind = High::kNone;
-  if (high) {
-    hp = high->data_ptr();
-    kind = high->scalar_type() == at::kByte ? High::kNibble : High::kFifthBit;
-    plane_stride = kind == High::kNibble ? k * 8 : (k / 4) * 2;
-  }
+  const void* hp = high ? high->data_ptr() : nullptr;
+  // the plane's elements per row block
+  const int64_t plane_stride = kind == High::kNibble ? k * 8 : (k / 4) * 2;
   // Two planes of partial sums hold twice the registers: 8-bit codes take 4 rows of x a pass.
   const int64_t chunk = kind == High::kNibble ? 4 : 8;
   auto run = [&](const auto* sp) {

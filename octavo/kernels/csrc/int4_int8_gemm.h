@@ -138,26 +138,9 @@ constexpr bool kInt4Int8Gemm = false;
 at::Tensor int4_int8_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
                           std::optional<at::Tensor> high) {
   TORCH_CHECK(kInt4Int8Gemm, "int4_int8_gemm needs AVX-512 VNNI");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
-              (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "int4_int8_gemm: x must be a contiguous [M, K] bf16 or float32 tensor");
-  TORCH_CHECK(q4.dim() == 3 && q4.size(2) == 32 && q4.scalar_type() == at::kByte &&
-              q4.is_contiguous() && q4.size(1) * 4 == x.size(1) && x.size(1) % 32 == 0,
-              "int4_int8_gemm: codes must be [N / 16, K / 4, 32] uint8, K a multiple of 32");
+  const High kind = check_int4_layout("int4_int8_gemm", x, q4, sz, high);
   const int64_t rows = x.size(0), k = x.size(1), blocks = q4.size(0), n = blocks * 16;
   const bool half_scales = sz.scalar_type() == at::kHalf;
-  TORCH_CHECK((half_scales || sz.scalar_type() == at::kFloat) && sz.is_contiguous() &&
-              sz.numel() == blocks * (k / 32) * 32,
-              "int4_int8_gemm: scales must be [N/16, K/32, 2, 16] float32 or float16");
-  High kind = High::kNone;
-  if (high) {
-    TORCH_CHECK(high->is_contiguous() &&
-                ((high->scalar_type() == at::kInt && high->numel() == blocks * (k / 4) * 2) ||
-                 (high->scalar_type() == at::kByte && high->numel() == q4.numel())),
-                "int4_int8_gemm: the high plane must be fifth bits [N / 16, K / 4, 2] int32 or "
-                "high nibbles [N / 16, K / 4, 32] uint8");
-    kind = high->scalar_type() == at::kByte ? High::kNibble : High::kFifthBit;
-  }
   auto out = at::empty({rows, n}, x.options());
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   const int64_t groups = k / 32;
