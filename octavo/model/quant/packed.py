@@ -6,8 +6,10 @@ permutation of the inputs (GPTQ's act-order: x[:, perm] meets the columns sorted
 Batches of up to `dense_rows` rows (decode, also batch 32) run torch's packed int4 kernel or an
 int8 kernel (octavo's AVX-512 GEMV in bf16 for <= 8 rows, else torch's) straight on the packed
 bytes: their time grows with the rows (one pass over the weights per row or few), so larger
-batches (prefill chunks) dequantize one tile of output rows at a time into the activation dtype
-and use the dense GEMM; the whole matrix is never dequantized at once.
+batches (prefill chunks; large_batch_matmul) dequantize one tile of output rows at a time into
+the activation dtype and use the dense GEMM, the whole matrix never dequantized at once, or, for
+int4-layout codes with bf16 activations on a CPU with AVX-512 VNNI and no AMX, quantize the
+activations to int8 and take vpdpbusd products with the codes (csrc/int4_int8_gemm.h).
 
 Measured (bf16, 2 threads, SmolLM2's gate/up 3072 x 576; microseconds; dense bf16 in brackets):
 rows      1          4          16         32          128           512
