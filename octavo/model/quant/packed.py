@@ -241,7 +241,7 @@ class Int4Packed(PackedWeight):
         else:
             packed, scales_zeros = self.torch_layout()
             y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, 32, scales_zeros)
-        return y[:, :self.out_features] if self.padded_n != self.out_features else y
+        return self._unpadded(y)
 
     def large_batch_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """bf16 x with AVX-512 VNNI and no AMX: x quantized to int8 per row and 32 inputs times
@@ -250,13 +250,17 @@ class Int4Packed(PackedWeight):
         if x.device.type != "cpu" or not fused.int4_int8_gemm_ready(x.dtype):
             return self.tiled_matmul(x)
         y = fused.int4_int8_gemm(x, *self.native_layout())
-        return y[:, :self.out_features] if self.padded_n != self.out_features else y
+        return self._unpadded(y)
 
     def tiled_matmul(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
         if x.device.type != "cpu" or not fused.int4_dequantize_ready():
             return super().tiled_matmul(x)
         y = fused.int4_tiled_linear(x, *self.native_layout())
+        return self._unpadded(y)
+
+    def _unpadded(self, y: torch.Tensor) -> torch.Tensor:
+        """The kernels' output [M, N padded to 16] without the padding rows' columns."""
         return y[:, :self.out_features] if self.padded_n != self.out_features else y
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -466,6 +470,8 @@ def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int8Packed:
     return Int8Packed(q, scale, None, w.shape[1], dtype, signed=True)
 
 
+# Each packed weight class by the name its tensors are saved under (prepared weights) and the
+# start-up log counts it by.
 PACKED_KINDS: dict[str, type[PackedWeight]] = {"int4": Int4Packed, "int8": Int8Packed,
                                                "int8g": Int8Grouped}
 
