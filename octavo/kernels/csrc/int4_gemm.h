@@ -34,6 +34,14 @@ namespace {
 //      with A, B the sums over x * (128 + nibble) of the low and high nibbles.
 enum class High { kNone, kFifthBit, kNibble };
 
+// body(std::integral_constant<High, kind>) for the kind given at run time.
+template <typename F>
+void with_high(High kind, F&& body) {
+  if (kind == High::kNibble) body(std::integral_constant<High, High::kNibble>{});
+  else if (kind == High::kFifthBit) body(std::integral_constant<High, High::kFifthBit>{});
+  else body(std::integral_constant<High, High::kNone>{});
+}
+
 #if defined(__AVX512BF16__)
 // Output rows 16b..16b+15 for R activation rows; acc[r] gets row r's 16 sums. `high` (the
 // block's plane, see above) is read only with kFifthBit or kNibble.
@@ -288,9 +296,8 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
     }
   const uint8_t* qp = q4.data_ptr<uint8_t>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const void* hp = high ? high->data_ptr() : nullptr;
-  // the plane's elements per row block
-  const int64_t plane_stride = kind == High::kNibble ? k * 8 : (k / 4) * 2;
+  const uint8_t* hp = high ? static_cast<const uint8_t*>(high->data_ptr()) : nullptr;
+  const int64_t plane_bytes = kind == High::kNibble ? k * 8 : kind == High::kFifthBit ? k * 2 : 0;
   // Two planes of partial sums hold twice the registers: 8-bit codes take 4 rows of x a pass.
   const int64_t chunk = kind == High::kNibble ? 4 : 8;
   auto run = [&](const auto* sp) {
@@ -305,16 +312,11 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
             const uint8_t* qb = qp + b * k * 8;
             const auto* sb = sp + b * groups * 32;
             const float* xs = xsum.data() + c * groups;
-            if (kind == High::kNibble) {
-              if constexpr (R <= 4)
-                int4_block<R, High::kNibble>(qb, sb, static_cast<const uint8_t*>(hp) +
-                                             b * plane_stride, xp + c * k, k, xs, acc);
-            } else if (kind == High::kFifthBit) {
-              int4_block<R, High::kFifthBit>(qb, sb, static_cast<const uint32_t*>(hp) +
-                                             b * plane_stride, xp + c * k, k, xs, acc);
-            } else {
-              int4_block<R, High::kNone>(qb, sb, nullptr, xp + c * k, k, xs, acc);
-            }
+            with_high(kind, [&](auto h) {
+              constexpr High H = decltype(h)::value;
+              if constexpr (H != High::kNibble || R <= 4)
+                int4_block<R, H>(qb, sb, hp + b * plane_bytes, xp + c * k, k, xs, acc);
+            });
           });
           for (int64_t r = 0; r < m; ++r) store16(op + (c + r) * n + b * 16, acc[r]);
         }

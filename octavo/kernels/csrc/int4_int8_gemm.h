@@ -119,14 +119,6 @@ inline void int8_rows_block(const uint8_t* codes, const S* sz, const int8_t* xq,
   }
 }
 
-// body(std::integral_constant<High, kind>) for the kind given at run time.
-template <typename F>
-void with_high(High kind, F&& body) {
-  if (kind == High::kNibble) body(std::integral_constant<High, High::kNibble>{});
-  else if (kind == High::kFifthBit) body(std::integral_constant<High, High::kFifthBit>{});
-  else body(std::integral_constant<High, High::kNone>{});
-}
-
 #else
 constexpr bool kInt4Int8Gemm = false;
 #endif
