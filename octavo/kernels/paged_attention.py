@@ -110,25 +110,28 @@ def build_plan(layout: StepLayout, block_table: np.ndarray, block_size: int,
                                                layout.req_of_token, layout.positions)
     slots = block_table[req_of_token, pos // block_size] * block_size + pos % block_size
     decode = None
-    decodes = np.flatnonzero(query_lens == 1)
-    prefills = np.flatnonzero(query_lens > 1)
+    in_padded = np.arange(len(query_lens))  # the requests the padded groups take
     if native_decode:
-        short = ((query_lens <= KERNEL_QUERY_LEN) | (seq_lens <= KERNEL_CONTEXT_LEN)
-                 | prompt_runs)
-        in_kernel = short[req_of_token]
-        if in_kernel.any():
-            token_req = req_of_token[in_kernel]
-            used_blocks = -(-int(seq_lens[short].max()) // block_size)
+        if prompt_runs:  # the kernel takes every token
+            token_index, in_padded = np.arange(layout.num_tokens), in_padded[:0]
+        else:
+            short = (query_lens <= KERNEL_QUERY_LEN) | (seq_lens <= KERNEL_CONTEXT_LEN)
+            token_index, in_padded = np.flatnonzero(short[req_of_token]), np.flatnonzero(~short)
+        if len(token_index):
+            kernel_lens = (pos[token_index] + 1).astype(np.int64, copy=False)
+            used_blocks = -(-int(kernel_lens.max()) // block_size)
             decode = DecodeGroup(
-                torch.from_numpy(np.flatnonzero(in_kernel)).to(device),
-                torch.from_numpy(np.ascontiguousarray(block_table[token_req, :used_blocks],
-                                                      np.int64)).to(device),
-                torch.from_numpy((pos[in_kernel] + 1).astype(np.int64)).to(device),
-                sliding_window)
-            decodes, prefills = decodes[:0], np.flatnonzero(~short)
-    buckets = [decodes] if len(decodes) else []
-    buckets += _length_buckets(prefills, query_lens, seq_lens)
-    plan = AttentionPlan(layout.num_tokens, torch.from_numpy(slots.astype(np.int64)).to(device),
+                torch.from_numpy(token_index).to(device),
+                torch.from_numpy(np.ascontiguousarray(
+                    block_table[req_of_token[token_index], :used_blocks], np.int64)).to(device),
+                torch.from_numpy(kernel_lens).to(device), sliding_window)
+    buckets = []
+    if len(in_padded):
+        decodes = in_padded[query_lens[in_padded] == 1]  # none once the kernel takes them
+        buckets = [decodes] if len(decodes) else []
+        buckets += _length_buckets(in_padded[query_lens[in_padded] > 1], query_lens, seq_lens)
+    plan = AttentionPlan(layout.num_tokens,
+                         torch.from_numpy(slots.astype(np.int64, copy=False)).to(device),
                          [], decode, buckets)
     plan.groups = _groups(plan, layout, block_table, block_size, sliding_window, device)
     return plan

@@ -4,8 +4,11 @@ Token ids, block tables and sampling parameters live in preallocated numpy array
 request joins, so that each step's inputs are gathered with vectorized indexing instead of
 per-request Python work: only the rows that use a sparse extra (logit bias, listed logprob
 tokens, min_tokens, a seed) are visited one by one, and penalty counts persist across steps
-(penalty_counts.py). The state is built from the SchedulerOutputs alone (a running request's new
-tokens come in its delta), never from what this worker sampled: every rank holds the same rows.
+(penalty_counts.py). The number of running requests that use each extra is kept as they join
+and leave, so a step looks only for the extras some request uses (a batch of greedy requests
+builds no sampling input at all). The state is built from the SchedulerOutputs alone (a running
+request's new tokens come in its delta), never from what this worker sampled: every rank holds
+the same rows.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ class InputBatch:
         self.penalties = PenaltyCounts(vocab_size, device)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.eos: list[list[int]] = [[] for _ in range(max_num_reqs)]
+        self.rows_using = dict.fromkeys(SAMPLING_EXTRAS, 0)  # extra -> running rows using it
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -79,6 +83,8 @@ class InputBatch:
         prompt, output = np.split(self.token_ids[row, :n], [req.num_prompt_tokens])
         self.penalty_slot[row] = self.penalties.assign(prompt, output) if p.has_penalties() else 0
         self.eos[row] = ([] if p.ignore_eos else req.eos_token_ids) + p.stop_token_ids
+        for extra in sampling_extras(p):
+            self.rows_using[extra] += 1
 
     def update(self, reqs: list[CachedRequestData]) -> None:
         """Running requests' deltas: computed counts, new blocks, and the tokens appended to
@@ -88,19 +94,24 @@ class InputBatch:
         rows = [self.row_of[req.req_id] for req in reqs]
         self.num_computed[rows] = [req.num_computed_tokens for req in reqs]
         token_rows: list[int] = []
+        offsets: list[int] = []
         tokens: list[int] = []
         for row, req in zip(rows, reqs):
             if req.new_block_ids:
                 self._append_blocks(row, req.new_block_ids)
             if req.new_token_ids:
                 token_rows += [row] * len(req.new_token_ids)
+                offsets += range(len(req.new_token_ids))
                 tokens += req.new_token_ids
-        if tokens:
-            self.append_tokens(np.array(token_rows), np.array(tokens))
+        if tokens:  # each request once in `reqs`: a row's tokens are together, in order
+            self._write_tokens(np.array(token_rows), np.array(offsets), np.array(tokens))
+            self.num_tokens[rows] += [len(req.new_token_ids) for req in reqs]
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
         if row is not None:
+            for extra in sampling_extras(self.params[row]):
+                self.rows_using[extra] -= 1
             self.params[row] = None
             self.penalties.release(int(self.penalty_slot[row]))
             self.penalty_slot[row] = 0
@@ -116,10 +127,14 @@ class InputBatch:
         order = np.argsort(rows, kind="stable")
         rows, tokens = rows[order], tokens[order]
         first = np.searchsorted(rows, rows)  # index of each row's first entry
-        offset = np.arange(len(rows)) - first
-        self.token_ids[rows, self.num_tokens[rows] + offset] = tokens
+        self._write_tokens(rows, np.arange(len(rows)) - first, tokens)
         np.add.at(self.num_tokens, rows, 1)
-        self.penalties.append(self.penalty_slot[rows], tokens)
+
+    def _write_tokens(self, rows: np.ndarray, offsets: np.ndarray, tokens: np.ndarray) -> None:
+        """tokens[i] at offsets[i] past rows[i]'s counted tokens, as output (penalty counts)."""
+        self.token_ids[rows, self.num_tokens[rows] + offsets] = tokens
+        if self.rows_using["penalties"]:
+            self.penalties.append(self.penalty_slot[rows], tokens)
 
     def write_drafts(self, row: int, drafts: list[int]) -> None:
         """Put draft tokens after a request's tokens (inputs of the verification; not counted)."""
@@ -136,50 +151,57 @@ class InputBatch:
         """Sampling inputs for `rows` (the requests that sample this step), in that order.
         lengths: the tokens each entry follows, when not the row's own (speculative verification
         samples a row at several positions, each after the drafts before it)."""
-        greedy = self.temperature[rows] < 1e-5
-        t = lambda a: torch.from_numpy(a[rows]).to(device)  # noqa: E731
+        using = self.rows_using
+        batch = self.random_sampling(rows, device) if using["random"] else None
+        if batch is None or batch.all_greedy:
+            batch = SamplingBatch(all_greedy=True)
         lengths = self.num_tokens[rows] if lengths is None else lengths
         num_out = lengths - self.num_prompt_tokens[rows]
-        seeds = self.row_seeds(rows, num_out)
-        num_logprobs = self.num_logprobs[rows]
-        batch = SamplingBatch(
-            temperature=t(self.temperature), top_k=t(self.top_k), top_p=t(self.top_p),
-            min_p=t(self.min_p), all_greedy=bool(greedy.all()),
-            greedy=torch.from_numpy(greedy).to(device), seeds=seeds,
-            presence=None, frequency=None, repetition=None, output_counts=None, seen_mask=None,
-            bias_rows=None, bias_tokens=None, bias_values=None, banned_rows=None,
-            banned_tokens=None,
-            max_num_logprobs=int(num_logprobs.max()) if num_logprobs.max() >= 0 else None)
-        if self.penalty_slot[rows].any():
+        if not batch.all_greedy:
+            batch.seeds = self.row_seeds(rows, num_out)
+        if using["logprobs"]:
+            most = int(self.num_logprobs[rows].max())
+            batch.max_num_logprobs = most if most >= 0 else None
+        if using["penalties"] and self.penalty_slot[rows].any():
             self._add_penalties(batch, rows, lengths, device)
         sparse = lambda flags: np.flatnonzero(flags).tolist()  # noqa: E731
-        bias = [(i, tok, val) for i in sparse(self.has_bias[rows])
-                for tok, val in self.params[rows[i]].logit_bias.items()]
+        bias = [] if not using["bias"] else [
+            (i, tok, val) for i in sparse(self.has_bias[rows])
+            for tok, val in self.params[rows[i]].logit_bias.items()]
         if bias:
             r, tok, val = zip(*bias)
             batch.bias_rows = torch.tensor(r, device=device)
             batch.bias_tokens = torch.tensor(tok, device=device)
             batch.bias_values = torch.tensor(val, dtype=torch.float32, device=device)
-        listed = [(i, self.params[rows[i]].logprob_token_ids)
-                  for i in sparse(self.has_listed[rows])]
+        listed = [] if not using["listed"] else [
+            (i, self.params[rows[i]].logprob_token_ids) for i in sparse(self.has_listed[rows])]
         if listed:
             width = max(len(ids) for _, ids in listed)
             batch.listed_rows = torch.tensor([i for i, _ in listed], device=device)
             batch.listed_token_ids = torch.tensor(
                 [ids + ids[-1:] * (width - len(ids)) for _, ids in listed], device=device)
-        banned = [(i, tok) for i in sparse(num_out < self.min_tokens[rows])
-                  for tok in self.eos[rows[i]]]
+        banned = [] if not using["min_tokens"] else [
+            (i, tok) for i in sparse(num_out < self.min_tokens[rows]) for tok in self.eos[rows[i]]]
         if banned:
             r, tok = zip(*banned)
             batch.banned_rows = torch.tensor(r, device=device)
             batch.banned_tokens = torch.tensor(tok, device=device)
         return batch
 
+    def random_sampling(self, rows: np.ndarray, device: torch.device) -> SamplingBatch:
+        """The rows' temperature and truncation (top-k, top-p, min-p), unseeded."""
+        t = lambda a: torch.from_numpy(a[rows]).to(device)  # noqa: E731
+        greedy = self.temperature[rows] < 1e-5
+        return SamplingBatch(
+            all_greedy=bool(greedy.all()), temperature=t(self.temperature), top_k=t(self.top_k),
+            top_p=t(self.top_p), min_p=t(self.min_p), greedy=torch.from_numpy(greedy).to(device),
+            seeds=np.full(len(rows), -1, np.int64))
+
     def row_seeds(self, rows: np.ndarray, positions: np.ndarray, salt: int = 0) -> np.ndarray:
         """Each row's generator seed at `positions` (its seed ^ salt mixed with the position),
         -1 for a row without a seed."""
-        seeded = self.has_seed[rows]
-        if not seeded.any():
+        seeded = self.has_seed[rows] if self.rows_using["seed"] else None
+        if seeded is None or not seeded.any():
             return np.full(len(rows), -1, np.int64)
         return np.where(seeded, mix_seeds(self.seed[rows] ^ salt, positions), -1)
 
@@ -200,6 +222,20 @@ class InputBatch:
         batch.presence = torch.from_numpy(self.presence[rows]).to(device)
         batch.frequency = torch.from_numpy(self.frequency[rows]).to(device)
         batch.repetition = torch.from_numpy(self.repetition[rows]).to(device)
+
+
+SAMPLING_EXTRAS = ("random", "seed", "logprobs", "prompt_logprobs", "penalties", "bias", "listed",
+                   "min_tokens")
+
+
+def sampling_extras(p: SamplingParams) -> list[str]:
+    """The SAMPLING_EXTRAS a request's sampling uses."""
+    uses = {"random": not p.greedy, "seed": p.seed is not None,
+            "logprobs": p.logprobs is not None, "prompt_logprobs": p.prompt_logprobs is not None,
+            "penalties": p.has_penalties(),
+            "bias": bool(p.logit_bias), "listed": p.logprob_token_ids is not None,
+            "min_tokens": p.min_tokens > 0}
+    return [extra for extra in SAMPLING_EXTRAS if uses[extra]]
 
 
 def mix_seeds(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:

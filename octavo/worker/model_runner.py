@@ -80,16 +80,22 @@ class ModelRunner:
         num_emitted = np.zeros(len(req_ids), np.int64)
         logprobs: dict[str, TopLogprobs] = {}
         if len(sample_idx):
-            req_drafts = [drafts.get(req_ids[i], []) for i in sample_idx]
-            # One sampling entry per verified position: request i's last 1 + len(drafts) tokens.
-            num_pos = np.fromiter((1 + len(d) for d in req_drafts), np.int64, len(sample_idx))
-            first_entry = np.cumsum(num_pos) - num_pos
-            entry_req = np.repeat(np.arange(len(sample_idx)), num_pos)  # [E]
-            entry_pos = np.arange(int(num_pos.sum())) - first_entry[entry_req]
-            entry_rows = rows[sample_idx][entry_req]
-            token_idx = (ends[sample_idx] - num_pos)[entry_req] + entry_pos
+            n = len(sample_idx)
+            if drafts:  # one sampling entry per verified position: the last 1 + len(drafts)
+                req_drafts = [drafts.get(req_ids[i], []) for i in sample_idx]
+                num_pos = np.fromiter((1 + len(d) for d in req_drafts), np.int64, n)
+                first_entry = np.cumsum(num_pos) - num_pos
+                entry_req = np.repeat(np.arange(n), num_pos)  # [E]
+                entry_pos = np.arange(int(num_pos.sum())) - first_entry[entry_req]
+                entry_rows = rows[sample_idx][entry_req]
+                token_idx = (ends[sample_idx] - num_pos)[entry_req] + entry_pos
+                lengths = b.num_tokens[entry_rows] + entry_pos
+            else:  # plain decoding: one entry per request, at its last token
+                req_drafts = [[]] * n
+                first_entry, entry_pos = np.arange(n), np.zeros(n, np.int64)
+                entry_rows, token_idx, lengths = rows[sample_idx], ends[sample_idx] - 1, None
             logits = self.model.compute_logits(hidden[torch.from_numpy(token_idx)])
-            batch = b.sampling_batch(entry_rows, self.device, b.num_tokens[entry_rows] + entry_pos)
+            batch = b.sampling_batch(entry_rows, self.device, lengths)
             if sched.grammar is not None:  # one row per verified position
                 self._add_grammar(batch, sched.grammar,
                                   {req_ids[i]: int(e) for i, e in zip(sample_idx, first_entry)})
@@ -102,14 +108,20 @@ class ModelRunner:
             if self.drafter is not None:
                 b.write_ahead(entry_rows[emitted_idx], entry_pos[emitted_idx],
                               tokens_np[emitted_idx])
-            offset = 0
-            for j, i in enumerate(sample_idx):
-                sampled_lists[i] = emitted[j]
-                num_emitted[i] = len(emitted[j])
-                sel = emitted_idx[offset:offset + len(emitted[j])]
-                offset += len(emitted[j])
-                if top is not None and b.num_logprobs[rows[i]] >= 0:
-                    logprobs[req_ids[i]] = top.select(sel, int(b.num_logprobs[rows[i]]) + 1)
+            if n == len(req_ids):
+                sampled_lists = emitted
+            else:
+                for j, i in enumerate(sample_idx.tolist()):
+                    sampled_lists[i] = emitted[j]
+            if self.drafter is not None:
+                num_emitted[sample_idx] = [len(e) for e in emitted]
+            if top is not None:
+                offset = 0
+                for j, i in enumerate(sample_idx.tolist()):
+                    sel = emitted_idx[offset:offset + len(emitted[j])]
+                    offset += len(emitted[j])
+                    if b.num_logprobs[rows[i]] >= 0:
+                        logprobs[req_ids[i]] = top.select(sel, int(b.num_logprobs[rows[i]]) + 1)
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, computed, seq_lens, starts, hidden)
         proposed = {}
         if self.drafter is not None:
@@ -154,6 +166,8 @@ class ModelRunner:
         """Logprobs of prompt tokens 1.. (position p's logits score token p + 1)."""
         b = self.batch
         out: dict[str, TopLogprobs] = {}
+        if not b.rows_using["prompt_logprobs"]:
+            return out
         for i in np.flatnonzero(b.num_prompt_logprobs[rows] >= 0).tolist():
             row = rows[i]
             last = min(int(seq_lens[i]), int(b.num_prompt_tokens[row]) - 1)

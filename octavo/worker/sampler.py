@@ -21,26 +21,29 @@ from octavo.core.contract import TopLogprobs
 
 @dataclass
 class SamplingBatch:
-    """Per-step sampling inputs for R rows (built by the InputBatch)."""
+    """Per-step sampling inputs for R rows (built by the InputBatch). Each extra is None where
+    no row uses it; a batch of greedy rows alone carries none of the random rows' inputs."""
 
-    temperature: torch.Tensor  # [R] float32
-    top_k: torch.Tensor  # [R] int64, 0 = off
-    top_p: torch.Tensor  # [R] float32
-    min_p: torch.Tensor  # [R] float32
     all_greedy: bool
-    greedy: torch.Tensor  # [R] bool
-    seeds: np.ndarray  # [R] int64 per row, already mixed with the output position; -1: unseeded
-    presence: torch.Tensor | None  # [R] (None: no row has penalties)
-    frequency: torch.Tensor | None
-    repetition: torch.Tensor | None
-    output_counts: torch.Tensor | None  # [R, V] counts of each output token so far
-    seen_mask: torch.Tensor | None  # [R, V] bool: token in prompt or output (repetition penalty)
-    bias_rows: torch.Tensor | None  # sparse logit bias: rows, token ids, values
-    bias_tokens: torch.Tensor | None
-    bias_values: torch.Tensor | None
-    banned_rows: torch.Tensor | None  # min_tokens: (row, token) pairs set to -inf
-    banned_tokens: torch.Tensor | None
-    max_num_logprobs: int | None  # None: no row asked for logprobs
+    # The random rows' inputs (None when all_greedy: the sampler takes the argmax alone)
+    temperature: torch.Tensor | None = None  # [R] float32
+    top_k: torch.Tensor | None = None  # [R] int64, 0 = off
+    top_p: torch.Tensor | None = None  # [R] float32
+    min_p: torch.Tensor | None = None  # [R] float32
+    greedy: torch.Tensor | None = None  # [R] bool
+    seeds: np.ndarray | None = None  # [R] int64, already mixed with the output position; -1:
+    # unseeded
+    presence: torch.Tensor | None = None  # [R] (None: no row has penalties)
+    frequency: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None  # [R, V] counts of each output token so far
+    seen_mask: torch.Tensor | None = None  # [R, V] bool: token in prompt or output (repetition)
+    bias_rows: torch.Tensor | None = None  # sparse logit bias: rows, token ids, values
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    banned_rows: torch.Tensor | None = None  # min_tokens: (row, token) pairs set to -inf
+    banned_tokens: torch.Tensor | None = None
+    max_num_logprobs: int | None = None  # None: no row asked for logprobs
     grammar_rows: torch.Tensor | None = None  # [G] int64: rows constrained by a grammar
     grammar_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32, bit set = allowed
     # logprob_token_ids: row listed_rows[i] returns the logprobs of listed_token_ids[i] (padded

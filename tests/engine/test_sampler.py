@@ -35,9 +35,7 @@ def make_batch(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, see
         temperature=temp, top_k=col(top_k, torch.int64), top_p=col(top_p, torch.float32),
         min_p=col(min_p, torch.float32), all_greedy=bool(greedy.all()), greedy=greedy,
         seeds=np.array(seeds if seeds is not None else [-1] * rows, np.int64),
-        presence=None, frequency=None, repetition=None, output_counts=None, seen_mask=None,
-        bias_rows=None, bias_tokens=None, bias_values=None, banned_rows=None,
-        banned_tokens=None, max_num_logprobs=max_num_logprobs)
+        max_num_logprobs=max_num_logprobs)
 
 
 def softmax64(x: np.ndarray) -> np.ndarray:
@@ -295,10 +293,30 @@ def test_greedy_sampling_params_via_input_batch():
     b.add(new_request("g", [1, 2, 3], temperature=0.0))
     b.add(new_request("r", [4, 5], temperature=1.0))
     sb = b.sampling_batch(rows_of(b, ["g"]), CPU)
-    assert sb.all_greedy and bool(sb.greedy[0])
+    assert sb.all_greedy and sb.greedy is None and sb.temperature is None  # argmax alone
     sb = b.sampling_batch(rows_of(b, ["g", "r"]), CPU)
     assert not sb.all_greedy and sb.greedy.tolist() == [True, False]
 
+
+def test_sampling_extras_counted_as_requests_join_and_leave():
+    """The batch counts the running requests that use each extra; a step builds an extra only
+    while some request uses it, and a request that leaves takes its counts with it."""
+    b = input_batch(40)
+    b.add(new_request("plain", [1, 2], temperature=0.0))
+    b.add(new_request("rich", [3], [4], temperature=0.8, seed=7, logprobs=1, prompt_logprobs=0,
+                      presence_penalty=0.5, logit_bias={5: 1.0}, logprob_token_ids=[6],
+                      min_tokens=3))
+    assert set(b.rows_using.values()) == {1}
+    sb = b.sampling_batch(rows_of(b, ["plain", "rich"]), CPU)
+    assert not sb.all_greedy and sb.seeds.tolist()[0] == -1 and sb.seeds[1] >= 0
+    assert sb.max_num_logprobs == 1 and sb.presence is not None
+    assert sb.bias_rows.tolist() == [1] and sb.listed_rows.tolist() == [1]
+    assert sb.banned_rows is not None
+    b.remove("rich")
+    b.remove("rich")  # twice: counted once
+    assert set(b.rows_using.values()) == {0}
+    sb = b.sampling_batch(rows_of(b, ["plain"]), CPU)
+    assert sb == SamplingBatch(all_greedy=True)
 
 def test_top_k_one_is_deterministic():
     gen = torch.Generator().manual_seed(6)

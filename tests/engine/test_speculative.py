@@ -25,9 +25,8 @@ PROMPTS = ["Repeat this code exactly:\n" + CODE + "\nRepeated:\n",
 
 def _batch(n: int, temperature: float, top_k: int, seeds=None) -> SamplingBatch:
     f = lambda v, dt=torch.float32: torch.full((n,), v, dtype=dt)  # noqa: E731
-    return SamplingBatch(f(temperature), f(top_k, torch.int64), f(1.0), f(0.0), False,
-                         f(False, torch.bool), np.array(seeds or [-1] * n), None, None, None,
-                         None, None, None, None, None, None, None, None)
+    return SamplingBatch(False, f(temperature), f(top_k, torch.int64), f(1.0), f(0.0),
+                         f(False, torch.bool), np.array(seeds or [-1] * n))
 
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 3)])

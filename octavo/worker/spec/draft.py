@@ -90,7 +90,7 @@ class DraftModel:
         rows, ends, slots, ids = rows[sel], ends[sel], slots[sel], [ids[i] for i in sel]
         logits = self.model.compute_logits(hidden[torch.from_numpy(starts[sel] + query_lens[sel]
                                                                    - 1)])
-        batch = _draft_batch(b, rows, self.device)
+        batch = b.random_sampling(rows, self.device)
         keep_q = not batch.all_greedy
         tokens = np.zeros((len(rows), self.k), np.int64)
         counts = np.zeros(len(rows), np.int64)
@@ -106,7 +106,7 @@ class DraftModel:
                                        step_layout(np.ones(len(active), np.int64), pos + 1),
                                        b.block_table[rows[active]])
                 logits = self.model.compute_logits(hidden)
-                batch = _draft_batch(b, rows[active], self.device)
+                batch = b.random_sampling(rows[active], self.device)
             out, q = self._sample(logits, batch, b, rows[active], ends[active] + s, keep_q)
             tokens[active, s] = out
             counts[active] += 1
@@ -136,11 +136,3 @@ class DraftModel:
         drawn = (q / self.sampler.exponential_noise(q, seeds)).argmax(dim=-1)
         return torch.where(batch.greedy, greedy_tokens, drawn).cpu().numpy(), q
 
-
-def _draft_batch(b: InputBatch, rows: np.ndarray, device: torch.device) -> SamplingBatch:
-    """The part of the requests' sampling the draft uses: temperature and truncation."""
-    t = lambda a: torch.from_numpy(a[rows]).to(device)  # noqa: E731
-    greedy = b.temperature[rows] < 1e-5
-    return SamplingBatch(t(b.temperature), t(b.top_k), t(b.top_p), t(b.min_p), bool(greedy.all()),
-                         torch.from_numpy(greedy).to(device), np.full(len(rows), -1), None, None,
-                         None, None, None, None, None, None, None, None, None)
