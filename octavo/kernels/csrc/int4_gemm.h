@@ -47,7 +47,8 @@ void with_high(High kind, F&& body) {
 // block's plane, see above) is read only with kFifthBit or kNibble.
 template <int R, High H, typename S>
 inline void int4_block(const uint8_t* q4, const S* sz, const void* high,
-                       const c10::BFloat16* x, int64_t k, const float* xsum, __m512* acc) {
+                       const c10::BFloat16* x, int64_t k, const float* xsum, __m512* acc,
+                       bool once) {
   constexpr int P = R == 1 ? 2 : 1;  // one row alone: two chains per half, to hide latency
   constexpr int kPlanes = H == High::kNibble ? 2 : 1;
   const int64_t groups = k / 32;
@@ -63,8 +64,8 @@ inline void int4_block(const uint8_t* q4, const S* sz, const void* high,
         for (int i = 0; i < 2 * P; ++i) part[pl][r][i] = _mm512_setzero_ps();
     const uint8_t* qg[2] = {q4 + g * 256, H == High::kNibble ? nibbles + g * 256 : nullptr};
     // The group kPrefetchBytes of codes on (in this block or a later one) and its scales.
-    for (int pl = 0; pl < kPlanes; ++pl) prefetch_lines(qg[pl] + kPrefetchBytes, 256);
-    prefetch_lines(sz + g * 32 + kPrefetchBytes / 8, 32 * sizeof(S));
+    for (int pl = 0; pl < kPlanes; ++pl) prefetch_lines(qg[pl] + kPrefetchBytes, 256, once);
+    prefetch_lines(sz + g * 32 + kPrefetchBytes / 8, 32 * sizeof(S), once);
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
       __m512i lo[kPlanes], hi[kPlanes];
@@ -127,7 +128,7 @@ inline void int4_block(const uint8_t* q4, const S* sz, const void* high,
 // Output rows 16b..16b+15 of R activation rows go to out + r * out_stride.
 template <int R, typename S>
 inline void int4_block_f32(const uint8_t* q4, const S* sz, const float* xs, int64_t k,
-                           const float* xsum, float* out, int64_t out_stride) {
+                           const float* xsum, float* out, int64_t out_stride, bool once) {
   constexpr int P = R == 1 ? 2 : 1;  // one row alone: two chains per half, to hide latency
   const int64_t groups = k / 32;
   const __m256i mask[4] = {_mm256_set1_epi32(0xF), _mm256_set1_epi32(0xF0),
@@ -140,8 +141,8 @@ inline void int4_block_f32(const uint8_t* q4, const S* sz, const float* xs, int6
       for (int h = 0; h < 2; ++h)
         for (int p = 0; p < P; ++p) part[r][h][p] = _mm256_setzero_ps();
     const uint8_t* qg = q4 + g * 256;
-    prefetch_lines(qg + kPrefetchBytes, 256);
-    prefetch_lines(sz + g * 32 + kPrefetchBytes / 8, 32 * sizeof(S));
+    prefetch_lines(qg + kPrefetchBytes, 256, once);
+    prefetch_lines(sz + g * 32 + kPrefetchBytes / 8, 32 * sizeof(S), once);
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
       __m256i v[2];
@@ -235,7 +236,7 @@ at::Tensor int4_gemm_f32(const at::Tensor& x, const at::Tensor& q4, const at::Te
             if constexpr (decltype(r)::value <= 4)
               int4_block_f32<decltype(r)::value>(qp + b * k * 8, sp + b * groups * 32,
                                                  xs.data() + c * k, k, xsum.data() + c * groups,
-                                                 op + c * n + b * 16, n);
+                                                 op + c * n + b * 16, n, rows <= 4);
           });
         }
     });
@@ -315,7 +316,8 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
             with_high(kind, [&](auto h) {
               constexpr High H = decltype(h)::value;
               if constexpr (H != High::kNibble || R <= 4)
-                int4_block<R, H>(qb, sb, hp + b * plane_bytes, xp + c * k, k, xs, acc);
+                int4_block<R, H>(qb, sb, hp + b * plane_bytes, xp + c * k, k, xs, acc,
+                                 rows <= chunk);
             });
           });
           for (int64_t r = 0; r < m; ++r) store16(op + (c + r) * n + b * 16, acc[r]);

@@ -99,12 +99,12 @@ inline void int8_row_grouped(const int8_t* w, const float* xf, int64_t k, int64_
 // scale per row, else a scale per k / groups inputs.
 template <typename T, int R, typename S>
 void int8_rows_block(T* op, int64_t n, const float* xf, int64_t k, const int8_t* qp,
-                     const S* sp, int64_t groups, int64_t begin, int64_t end) {
+                     const S* sp, int64_t groups, int64_t begin, int64_t end, bool once) {
   float dots[R];
   for (int64_t o = begin; o < end; ++o) {
-    prefetch_lines(qp + o * k + kPrefetchBytes, k);  // the row kPrefetchBytes on, its scales
+    prefetch_lines(qp + o * k + kPrefetchBytes, k, once);  // the row kPrefetchBytes on, its scales
     if (groups) {
-      prefetch_lines(sp + o * groups + kPrefetchBytes / (k / groups), groups * sizeof(S));
+      prefetch_lines(sp + o * groups + kPrefetchBytes / (k / groups), groups * sizeof(S), once);
       int8_row_grouped<R>(qp + o * k, xf, k, k / groups, sp + o * groups, dots);
       for (int r = 0; r < R; ++r) op[r * n + o] = static_cast<T>(dots[r]);
     } else {
@@ -141,11 +141,11 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor q, at::Tensor scale) {
           if (scale.scalar_type() == at::kHalf)
             int8_rows_block<scalar_t, decltype(r)::value>(
                 op + c * n, n, xf.data() + c * k, k, q.data_ptr<int8_t>(),
-                scale.data_ptr<at::Half>(), groups, begin, end);
+                scale.data_ptr<at::Half>(), groups, begin, end, rows <= 8);
           else
             int8_rows_block<scalar_t, decltype(r)::value>(
                 op + c * n, n, xf.data() + c * k, k, q.data_ptr<int8_t>(),
-                scale.data_ptr<float>(), groups, begin, end);
+                scale.data_ptr<float>(), groups, begin, end, rows <= 8);
         });
       }
     });
