@@ -205,6 +205,14 @@ def int4_tiled_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     return _native.int4_tiled_linear(x.contiguous(), codes, scales, high_bits)
 
 
+def int4_rows(codes: torch.Tensor, scales: torch.Tensor, high_bits: torch.Tensor | None,
+              ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` [T] of int4 weights in octavo's layout (an embedding's lookups), [T, K] in
+    dtype (bf16 or float32), valued as int4_dequantize values them (C++ only: Int4Packed.rows
+    holds the reference)."""
+    return _native.int4_rows(codes, scales, high_bits, ids, dtype == torch.bfloat16)
+
+
 def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, first: int, count: int,
                     dtype: torch.dtype) -> torch.Tensor:
     """Rows [first, first + count) of grouped int8 weights (q [N, K], scale [N, G]), dense

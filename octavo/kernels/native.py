@@ -136,7 +136,8 @@ class Kernels:
 
     _OPS = ("write_kv", "decode_attention", "rms_norm", "one_plus_rms_norm", "rotary_inplace",
             "silu_and_mul", "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_int8_gemm",
-            "int4_dequantize", "int4_tiled_linear", "int8_dequantize", "int8_tiled_linear")
+            "int4_dequantize", "int4_tiled_linear", "int4_rows", "int8_dequantize",
+            "int8_tiled_linear")
 
     def __init__(self) -> None:
         import torch
@@ -186,6 +187,8 @@ def _register_fakes() -> None:
         "int4_dequantize": lambda codes, scales, high_bits, first_block, blocks, bf16:
         codes.new_empty(16 * blocks, codes.shape[1] * 4,
                         dtype=torch.bfloat16 if bf16 else torch.float32),
+        "int4_rows": lambda codes, scales, high_bits, ids, bf16: codes.new_empty(
+            ids.shape[0], codes.shape[1] * 4, dtype=torch.bfloat16 if bf16 else torch.float32),
     }
     for name, fake in fakes.items():
         torch.library.register_fake(f"octavo::{name}", fake)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from octavo.kernels import fused
 from octavo.model.quant.gptq import unpack_cols, unpack_rows
 from octavo.model.quant.packed import Int4Packed, Int8Packed, quantize_int4, quantize_int8
 
@@ -223,19 +224,26 @@ def test_native_int8_grouped_tiles_match_the_reference(native_kernels, half_scal
                           atol=1e-3 if dtype == torch.float32 else 0.5)
 
 
-def test_packed_rows_are_the_dequantized_rows():
-    """An embedding kept packed looks its rows up in the codes: the same values as the whole
-    weight dequantized."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernels", [True, False], ids=["int4_rows", "torch"])
+def test_packed_rows_are_the_dequantized_rows(native_kernels, kernels, dtype):
+    """An embedding kept packed looks its rows up in the codes (the C++ int4_rows, or torch ops
+    without the kernels): the same values as the whole weight dequantized."""
     from octavo.model.quant.packed import quantize_int8_grouped
 
     w = torch.randn(70, 96)
     ids = torch.tensor([0, 69, 17, 17, 33, 16, 15])
-    for packed in (quantize_int4(w, 32, torch.float32),
+    fused.enable_native(kernels)  # the fixture puts the kernels back
+    for packed in (quantize_int4(w, 32, dtype),
                    Int4Packed.from_affine(*[t.half().float() if t.is_floating_point() else t
-                                            for t in _affine(w)], 32, torch.float32),
-                   quantize_int8_grouped(w, 32, torch.float32)):
-        full = packed.dequantize(0, 70, torch.float32)
+                                            for t in _affine(w)], 32, dtype),
+                   quantize_int8_grouped(w, 32, dtype)):
+        full = packed.dequantize(0, 70, dtype)
         assert torch.equal(packed.rows(ids), full[ids]), type(packed).__name__
+    if kernels:
+        packed = quantize_int4(w, 32, dtype)
+        with pytest.raises(RuntimeError, match="row 80 is outside"):
+            packed.rows(torch.tensor([3, 80]))
 
 
 def _affine(w):

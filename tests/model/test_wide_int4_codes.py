@@ -68,13 +68,13 @@ def test_codes_give_back_the_gguf_weights(native_kernels, qtype):
     assert packed.bits == _BITS[qtype]
     assert packed.native_scales.dtype == torch.float16  # d and -16 d (-128 d)
     assert torch.equal(packed.codes(3, 37), q[3:37])
+    ids = torch.tensor([39, 0, 17, 17])
     for reference_path in (False, True):
         if reference_path:
             fused._native = None  # the fixture puts the kernels back
         assert torch.equal(packed.dequantize(0, rows, torch.float32), reference)
         assert torch.equal(packed.dequantize(9, 30, torch.bfloat16), reference[9:30].bfloat16())
-    ids = torch.tensor([39, 0, 17, 17])
-    assert torch.equal(packed.rows(ids), reference[ids].bfloat16())
+        assert torch.equal(packed.rows(ids), reference[ids].bfloat16())  # int4_rows, then torch
     again = Int4Packed.from_tensors(packed.tensors())
     assert again.bits == _BITS[qtype] and torch.equal(again.codes(0, rows), q)
 

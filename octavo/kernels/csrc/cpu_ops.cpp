@@ -153,6 +153,8 @@ TORCH_LIBRARY(octavo, m) {
         "-> Tensor");
   m.def("int4_tiled_linear(Tensor x, Tensor codes, Tensor scales, Tensor? high_bits=None) "
         "-> Tensor");
+  m.def("int4_rows(Tensor codes, Tensor scales, Tensor? high_bits, Tensor ids, bool bf16) "
+        "-> Tensor");
   m.def("int8_dequantize(Tensor q, Tensor scale, int first, int count, bool bf16) -> Tensor");
   m.def("int8_tiled_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.class_<DecodeStack>("DecodeStack")
@@ -178,6 +180,7 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("int4_int8_gemm", &int4_int8_gemm);
   m.impl("int4_dequantize", &int4_dequantize);
   m.impl("int4_tiled_linear", &int4_tiled_linear);
+  m.impl("int4_rows", &int4_rows);
   m.impl("int8_dequantize", &int8_dequantize);
   m.impl("int8_tiled_linear", &int8_tiled_linear);
 }

@@ -264,6 +264,11 @@ class Int4Packed(PackedWeight):
         return y[:, :self.out_features] if self.padded_n != self.out_features else y
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if fused.native_active(ids) and self.dtype in (torch.bfloat16, torch.float32):
+            return fused.int4_rows(*self.native_layout(), ids.long(), self.dtype)
+        return self.rows_reference(ids)
+
+    def rows_reference(self, ids: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape[0], self.in_features
         block, r = ids // 16, ids % 16
         b = self.native_codes[block].view(t, k // 4, 16, 2)[torch.arange(t), :, r]  # [T, c, j]
