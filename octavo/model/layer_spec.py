@@ -3,10 +3,12 @@ where and how they apply their weight, whether the MLP reads the layer's input b
 (parallel residual), the attention's scale, window, softcap and RoPE tables, the MLP (gated or
 plain, its activation, or a mixture of experts), and the modules holding the weights. Each
 family's decoder layer builds its own (`spec()`) from what it already has; the stack reads
-these, not layer types."""
+these, not layer types, and so do the Python layers (model/decoder_layer.py runs a spec op by
+op): a family writes its layer once, as modules and their description."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +69,8 @@ class MoeSpec:
     shared_gate_up: Linear | None  # the shared expert (sigmoid-gated by shared_gate), else None
     shared_down: Linear | None
     shared_gate: Linear | None
+    fused: nn.Module | None = None  # the Python execution of the routed experts, grouped per
+    # step: FusedMoE(x, router logits)
 
     @property
     def linears(self) -> list[Linear | torch.Tensor]:
@@ -98,6 +102,9 @@ class LayerSpec:
     moe: MoeSpec | None = None  # the MLP as a mixture of experts, else None
     gated: bool = True  # the MLP's activation multiplies gate by up
     parallel_residual: bool = False  # x + attn(norm(x)) + mlp(norm'(x)) (GPT-NeoX)
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None  # the activation as the Python
+    # layers compute it (on [gate | up] where gated; a mixture's shared expert takes the
+    # experts')
 
     @property
     def norms(self) -> list[nn.Module]:
@@ -120,4 +127,4 @@ def decoder_spec(self_attn: nn.Module, mlp: nn.Module, norm_kind: NormKind,
         norm_kind, attn_in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm,
         self_attn.q_norm, self_attn.k_norm, self_attn.qkv_proj, self_attn.o_proj,
         gate_up, down, _GATED.get(act), attn, self_attn.rotary,
-        attn.scale, attn.sliding_window or None, attn.softcap or None, moe)
+        attn.scale, attn.sliding_window or None, attn.softcap or None, moe, act=act)

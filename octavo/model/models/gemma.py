@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
+from octavo.model.decoder_layer import DecoderLayer
 from octavo.model.decode_stack import run_layers
 from octavo.model.layer_spec import LayerSpec, NormKind, decoder_spec
 from octavo.model.layers.activation import gated_act
@@ -45,16 +46,6 @@ class GemmaAttention(nn.Module):
                                    sliding_window=cfg.layer_window(layer_index),
                                    softcap=cfg.attn_logit_softcap)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shards, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim)))
-
 
 class GemmaMLP(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
@@ -65,11 +56,8 @@ class GemmaMLP(nn.Module):
                                       what="intermediate_size")
         self.act = gated_act(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
 
-
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(DecoderLayer):
     def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding,
                  qk_norm: bool) -> None:
         super().__init__()
@@ -80,10 +68,6 @@ class GemmaDecoderLayer(nn.Module):
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
     def spec(self) -> LayerSpec:
         return decoder_spec(self.self_attn, self.mlp, NormKind.ONE_PLUS, self.input_layernorm,

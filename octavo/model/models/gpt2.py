@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
+from octavo.model.decoder_layer import DecoderLayer
 from octavo.model.decode_stack import run_layers
 from octavo.model.layer_spec import LayerSpec, NormKind, plain_activation
 from octavo.model.layers.activation import activation
@@ -41,12 +42,6 @@ class GPT2Attention(nn.Module):
         self.attn = PagedAttention(layer_index, self.num_heads, self.num_heads, self.head_dim,
                                    scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = (y.view(t, self.num_heads, self.head_dim)
-                   for y in self.c_attn(x).split(self.c_attn.shards, dim=-1))
-        return self.c_proj(self.attn(q, k, v))
-
 
 class GPT2MLP(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
@@ -58,11 +53,8 @@ class GPT2MLP(nn.Module):
         self.hidden_act = cfg.hidden_act
         self.act = activation(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.act(self.c_fc(x)))
 
-
-class GPT2Block(nn.Module):
+class GPT2Block(DecoderLayer):
     def __init__(self, cfg: ArchConfig, layer_index: int) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -70,16 +62,12 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GPT2MLP(cfg)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))  # positions: added with the embeddings, not here
-        return x + self.mlp(self.ln_2(x))
-
     def spec(self) -> LayerSpec:
         a, mlp = self.attn, self.mlp
         return LayerSpec(
             NormKind.LAYER, self.ln_1, None, self.ln_2, None, None, None, a.c_attn, a.c_proj,
             mlp.c_fc, mlp.c_proj, plain_activation(mlp.hidden_act), a.attn, None, a.attn.scale,
-            None, None, gated=False)
+            None, None, gated=False, act=mlp.act)  # positions: added with the embeddings
 
 
 class GPT2Model(nn.Module):

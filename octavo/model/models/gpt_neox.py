@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
+from octavo.model.decoder_layer import DecoderLayer
 from octavo.model.decode_stack import run_layers
 from octavo.model.layer_spec import LayerSpec, NormKind, plain_activation
 from octavo.model.layers.activation import activation
@@ -36,13 +37,6 @@ class NeoXAttention(nn.Module):
         self.attn = PagedAttention(layer_index, self.num_heads, self.num_heads, self.head_dim,
                                    scale=self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = (y.view(t, self.num_heads, self.head_dim)
-                   for y in self.query_key_value(x).split(self.query_key_value.shards, dim=-1))
-        q, k = self.rotary(positions, q, k)
-        return self.dense(self.attn(q, k, v))
-
 
 class NeoXMLP(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
@@ -54,11 +48,8 @@ class NeoXMLP(nn.Module):
         self.hidden_act = cfg.hidden_act
         self.act = activation(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
 
-
-class NeoXLayer(nn.Module):
+class NeoXLayer(DecoderLayer):
     def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.parallel = cfg.extra.get("use_parallel_residual", True)
@@ -67,20 +58,13 @@ class NeoXLayer(nn.Module):
         self.attention = NeoXAttention(cfg, layer_index, rotary)
         self.mlp = NeoXMLP(cfg)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        attn = self.attention(positions, self.input_layernorm(x))
-        if self.parallel:
-            return x + attn + self.mlp(self.post_attention_layernorm(x))
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x))
-
     def spec(self) -> LayerSpec:
         a, mlp = self.attention, self.mlp
         return LayerSpec(
             NormKind.LAYER, self.input_layernorm, None, self.post_attention_layernorm, None,
             None, None, a.query_key_value, a.dense, mlp.dense_h_to_4h, mlp.dense_4h_to_h,
             plain_activation(mlp.hidden_act), a.attn, a.rotary, a.attn.scale, None, None,
-            gated=False, parallel_residual=self.parallel)
+            gated=False, parallel_residual=self.parallel, act=mlp.act)
 
 
 class NeoXModel(nn.Module):

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
+from octavo.model.decoder_layer import DecoderLayer
 from octavo.model.decode_stack import run_layers
 from octavo.model.layer_spec import LayerSpec, NormKind, decoder_spec
 from octavo.model.layers.activation import gated_act
@@ -42,16 +43,6 @@ class LlamaAttention(nn.Module):
                                    scale=self.head_dim ** -0.5,
                                    sliding_window=cfg.layer_window(layer_index))
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shards, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim)))
-
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ArchConfig, intermediate_size: int | None = None) -> None:
@@ -61,11 +52,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = row_parallel(width, cfg.hidden_size, what="intermediate_size")
         self.act = gated_act(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
 
-
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding,
                  qk_norm: bool) -> None:
         super().__init__()
@@ -73,10 +61,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
 
     def spec(self) -> LayerSpec:
         return decoder_spec(self.self_attn, self.mlp, NormKind.RMS, self.input_layernorm,

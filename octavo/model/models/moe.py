@@ -3,11 +3,10 @@ renormalized), Qwen2-MoE (a sigmoid-gated shared expert beside the routed ones, 
 Qwen3-MoE (q/k norm). Qwen's mlp_only_layers and decoder_sparse_step keep some layers dense."""
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
 from octavo.arch_config import ArchConfig
+from octavo.model.decoder_layer import DecoderLayer
 from octavo.model.layer_spec import LayerSpec, MoeSpec, NormKind, decoder_spec
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.moe import FusedMoE
@@ -43,16 +42,11 @@ class SparseMoeBlock(nn.Module):
         gate_up, down = (None, None) if shared is None else (shared.gate_up_proj,
                                                              shared.down_proj)
         return MoeSpec(self.gate, self.experts.expert_weights(), self.experts.top_k,
-                       self.experts.renormalize, gate_up, down, self.shared_expert_gate)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
-        if self.shared_expert is not None:
-            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+                       self.experts.renormalize, gate_up, down, self.shared_expert_gate,
+                       fused=self.experts)
 
 
-class MoeDecoderLayer(nn.Module):
+class MoeDecoderLayer(DecoderLayer):
     def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding, qk_norm: bool,
                  mlp: nn.Module, mlp_name: str) -> None:
         super().__init__()
@@ -61,10 +55,6 @@ class MoeDecoderLayer(nn.Module):
         setattr(self, mlp_name, mlp)  # the checkpoint's name: mlp or block_sparse_moe
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
 
     def spec(self) -> LayerSpec:
         return decoder_spec(self.self_attn, getattr(self, self.mlp_name), NormKind.RMS,

@@ -1,0 +1,68 @@
+"""The Python execution of a decoder layer: every family's layer builds its modules and describes
+them (`spec()`, model/layer_spec.py), and runs that description op by op here. The fused decode
+stack (model/decode_stack.py) is the other execution of the same description, so a layer is
+written once and both paths compute it alike."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from octavo.model.layer_spec import LayerSpec, MoeSpec
+
+
+class DecoderLayer(nn.Module):
+    """A family's decoder layer: its modules, and `spec()` describing them."""
+
+    _spec: LayerSpec | None = None
+
+    def spec(self) -> LayerSpec:
+        raise NotImplementedError(f"{type(self).__name__} does not describe its layer")
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # Described on first use, after loading: the spec holds the modules, which keep their
+        # identity while their weights are set, quantized or packed.
+        if self._spec is None:
+            self._spec = self.spec()
+        return run_layer(self._spec, positions, x)
+
+
+def run_layer(spec: LayerSpec, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [T, hidden] at `positions` [T] -> the layer's output."""
+    h = attention(spec, positions, spec.attn_in_norm(x))
+    if spec.attn_out_norm is not None:
+        h = spec.attn_out_norm(h)
+    if spec.parallel_residual:
+        return x + h + mlp(spec, spec.mlp_in_norm(x))
+    x = x + h
+    m = mlp(spec, spec.mlp_in_norm(x))
+    if spec.mlp_out_norm is not None:
+        m = spec.mlp_out_norm(m)
+    return x + m
+
+
+def attention(spec: LayerSpec, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    t, a = x.shape[0], spec.attention
+    q, k, v = spec.qkv(x).split(spec.qkv.shards, dim=-1)
+    q = q.view(t, a.num_heads, a.head_dim)
+    k = k.view(t, a.num_kv_heads, a.head_dim)
+    if spec.q_norm is not None:
+        q, k = spec.q_norm(q), spec.k_norm(k)
+    if spec.rotary is not None:
+        q, k = spec.rotary(positions, q, k)
+    return spec.o(a(q, k, v.view(t, a.num_kv_heads, a.head_dim)))
+
+
+def mlp(spec: LayerSpec, x: torch.Tensor) -> torch.Tensor:
+    if spec.moe is not None:
+        return mixture(spec.moe, spec, x)
+    return spec.down(spec.act(spec.gate_up(x)))
+
+
+def mixture(moe: MoeSpec, spec: LayerSpec, x: torch.Tensor) -> torch.Tensor:
+    """The routed experts, plus the shared expert gated by a sigmoid (Qwen2-MoE)."""
+    out = moe.fused(x, moe.router(x))
+    if moe.shared_gate_up is not None:
+        shared = moe.shared_down(spec.act(moe.shared_gate_up(x)))
+        out = out + F.sigmoid(moe.shared_gate(x)) * shared
+    return out
