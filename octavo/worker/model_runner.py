@@ -14,6 +14,8 @@ are written past the counted ones only for the draft model, which runs over them
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import nn
@@ -26,6 +28,19 @@ from octavo.worker.input_batch import InputBatch
 from octavo.worker.sampler import Sampler, SamplingBatch, gather_logprobs
 from octavo.worker.spec.draft import DraftModel
 from octavo.worker.spec.rejection import accept_drafts
+
+
+@dataclass
+class SamplingEntries:
+    """A step's sampling entries [E]: the InputBatch row each samples for, its place among the
+    row's verified positions (0 for the first), its token in the step's hidden states, each
+    sampling request's drafts, and the sampler's inputs."""
+
+    rows: np.ndarray
+    positions: np.ndarray
+    token_idx: np.ndarray
+    req_drafts: list[list[int]]
+    batch: SamplingBatch
 
 
 class ModelRunner:
@@ -68,53 +83,39 @@ class ModelRunner:
         input_ids = b.token_ids[rows[layout.req_of_token], layout.positions]
 
         positions_t = torch.from_numpy(layout.positions).to(self.device)
-        with forward_context(step_context(layout, b.block_table[rows], self.block_size,
-                                          self.kv_caches, self.sliding_window, self.device)):
+        context = step_context(layout, b.block_table[rows], self.block_size, self.kv_caches,
+                               self.sliding_window, self.device)
+        last_stage = is_last_stage()  # else its hidden states go on to the next stage
+        sampling = seq_lens >= b.num_tokens[rows]
+        sample_idx = np.flatnonzero(sampling) if last_stage else np.zeros(0, np.int64)
+        # Everything the sampler takes is prepared before the forward pass: the pass streams
+        # the weights through the caches, and the first numpy calls after it run cold.
+        entries = self._entries(sched, req_ids, rows, ends, sample_idx) if len(sample_idx) else None
+        with forward_context(context):
             hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions_t)
-        if not is_last_stage():  # its hidden states went on to the next stage, which samples
+        if not last_stage:
             return ModelOutput(req_ids, [[] for _ in req_ids])
 
-        sampling = seq_lens >= b.num_tokens[rows]
-        sample_idx = np.flatnonzero(sampling)
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         num_emitted = np.zeros(len(req_ids), np.int64)
         logprobs: dict[str, TopLogprobs] = {}
-        if len(sample_idx):
+        if entries is not None:
             n = len(sample_idx)
-            if drafts:  # one sampling entry per verified position: the last 1 + len(drafts)
-                req_drafts = [drafts.get(req_ids[i], []) for i in sample_idx]
-                num_pos = np.fromiter((1 + len(d) for d in req_drafts), np.int64, n)
-                first_entry = np.cumsum(num_pos) - num_pos
-                entry_req = np.repeat(np.arange(n), num_pos)  # [E]
-                entry_pos = np.arange(int(num_pos.sum())) - first_entry[entry_req]
-                entry_rows = rows[sample_idx][entry_req]
-                token_idx = (ends[sample_idx] - num_pos)[entry_req] + entry_pos
-                lengths = b.num_tokens[entry_rows] + entry_pos
-            else:  # plain decoding: one entry per request, at its last token
-                req_drafts = [[]] * n
-                first_entry, entry_pos = np.arange(n), np.zeros(n, np.int64)
-                entry_rows, token_idx, lengths = rows[sample_idx], ends[sample_idx] - 1, None
-            logits = self.model.compute_logits(hidden[torch.from_numpy(token_idx)])
-            batch = b.sampling_batch(entry_rows, self.device, lengths)
-            if sched.grammar is not None:  # one row per verified position
-                self._add_grammar(batch, sched.grammar,
-                                  {req_ids[i]: int(e) for i, e in zip(sample_idx, first_entry)})
-            if self.drafter is not None and not batch.all_greedy:
-                self._add_draft_probs(batch, [req_ids[i] for i in sample_idx], req_drafts,
-                                      first_entry)
-            tokens, top = self.sampler(logits, batch)
+            # Plain decoding samples every token of the step: hidden is already the rows.
+            rows_hidden = (hidden if len(entries.token_idx) == len(hidden)
+                           else hidden.index_select(0, torch.from_numpy(entries.token_idx)))
+            tokens, top = self.sampler(self.model.compute_logits(rows_hidden), entries.batch)
             tokens_np = tokens.cpu().numpy()
-            emitted, emitted_idx = accept_drafts(tokens_np, req_drafts)
+            emitted, emitted_idx = accept_drafts(tokens_np, entries.req_drafts)
             if self.drafter is not None:
-                b.write_ahead(entry_rows[emitted_idx], entry_pos[emitted_idx],
+                b.write_ahead(entries.rows[emitted_idx], entries.positions[emitted_idx],
                               tokens_np[emitted_idx])
+                num_emitted[sample_idx] = [len(e) for e in emitted]
             if n == len(req_ids):
                 sampled_lists = emitted
             else:
                 for j, i in enumerate(sample_idx.tolist()):
                     sampled_lists[i] = emitted[j]
-            if self.drafter is not None:
-                num_emitted[sample_idx] = [len(e) for e in emitted]
             if top is not None:
                 offset = 0
                 for j, i in enumerate(sample_idx.tolist()):
@@ -130,6 +131,33 @@ class ModelRunner:
             ends = np.where(sampling, b.num_tokens[rows] + num_emitted, seq_lens)
             proposed = self.drafter.propose(b, req_ids, rows, computed, ends, sampling)
         return ModelOutput(req_ids, sampled_lists, logprobs, prompt_logprobs, proposed)
+
+    def _entries(self, sched: SchedulerOutput, req_ids: list[str], rows: np.ndarray,
+                 ends: np.ndarray, sample_idx: np.ndarray) -> SamplingEntries:
+        """The step's sampling entries: one per verified position of the requests that sample
+        (request i's last 1 + len(drafts) tokens), with their sampling inputs."""
+        b, drafts, n = self.batch, sched.spec_token_ids, len(sample_idx)
+        if drafts:
+            req_drafts = [drafts.get(req_ids[i], []) for i in sample_idx]
+            num_pos = np.fromiter((1 + len(d) for d in req_drafts), np.int64, n)
+            first_entry = np.cumsum(num_pos) - num_pos
+            entry_req = np.repeat(np.arange(n), num_pos)  # [E]
+            entry_pos = np.arange(int(num_pos.sum())) - first_entry[entry_req]
+            entry_rows = rows[sample_idx][entry_req]
+            token_idx = (ends[sample_idx] - num_pos)[entry_req] + entry_pos
+            lengths = b.num_tokens[entry_rows] + entry_pos
+        else:  # plain decoding: one entry per request, at its last token
+            req_drafts = [[]] * n
+            first_entry, entry_pos = np.arange(n), np.zeros(n, np.int64)
+            entry_rows, token_idx, lengths = rows[sample_idx], ends[sample_idx] - 1, None
+        batch = b.sampling_batch(entry_rows, self.device, lengths)
+        if sched.grammar is not None:  # one row per verified position
+            self._add_grammar(batch, sched.grammar,
+                              {req_ids[i]: int(e) for i, e in zip(sample_idx, first_entry)})
+        if self.drafter is not None and not batch.all_greedy:
+            self._add_draft_probs(batch, [req_ids[i] for i in sample_idx], req_drafts,
+                                  first_entry)
+        return SamplingEntries(entry_rows, entry_pos, token_idx, req_drafts, batch)
 
     def _add_draft_probs(self, batch: SamplingBatch, ids: list[str], drafts: list[list[int]],
                          first_entry: np.ndarray) -> None:
