@@ -28,10 +28,15 @@ from octavo.model.quant.packed import Int4Packed, Int8Grouped
 
 
 
-def _needs_bf16_kernel() -> None:
-    """After the native_kernels fixture: skip where the 5-bit kernel cannot run."""
-    if not Int4Packed.kernel_ready(torch.bfloat16, 5):
-        pytest.skip("octavo's 5-bit codes run on CPUs with AVX-512-BF16")
+def _needs_kernel(dtype: torch.dtype = torch.bfloat16) -> None:
+    """After the native_kernels fixture: skip where the wide-code kernel of `dtype` cannot run
+    (bf16: AVX-512-BF16; float32: AVX2 and FMA)."""
+    if not Int4Packed.kernel_ready(dtype, 5):
+        pytest.skip(f"octavo's 5-bit codes with {dtype} activations do not run on this CPU")
+
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32],
+                                 ids=["bf16", "float32"])
 
 
 _BITS = {Q.Q5_0: 5, Q.Q8_0: 8}
@@ -79,41 +84,47 @@ def test_codes_give_back_the_gguf_weights(native_kernels, qtype):
     assert again.bits == _BITS[qtype] and torch.equal(again.codes(0, rows), q)
 
 
+@DTYPES
 @WIDE
-def test_kernel_and_tiles_compute_the_exact_weights(native_kernels, qtype):
-    _needs_bf16_kernel()
+def test_kernel_and_tiles_compute_the_exact_weights(native_kernels, qtype, dtype):
+    _needs_kernel(dtype)
     rows, k = 72, 768
     raw = _random_rows(qtype, rows, k, 6)
     reference = torch.from_numpy(dequantize(raw, qtype).reshape(rows, k)).double()
-    packed, _ = _packed(qtype, raw, torch.bfloat16)
+    packed, _ = _packed(qtype, raw, dtype)
+    bf16 = dtype == torch.bfloat16
     for m in (1, 3, 4, 5, 8, 13, 64, 100, 300):  # the kernel 8 (4) rows a pass, then tiles
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
         got = packed.matmul(x)
-        assert got.dtype == torch.bfloat16 and got.shape == (m, rows)
+        assert got.dtype == dtype and got.shape == (m, rows)
         exact = x.double() @ reference.t()
         error = (got.double() - exact).abs()
-        if m <= packed.dense_rows:  # exact weights, float32 sums rounded once to bf16 (8-bit
-            # codes: their sums, 2184 times the scale, cancel a little more than float32 holds)
+        size = x.double().abs() @ reference.abs().t()
+        if not bf16:  # exact weights and float32 sums (the kernel's, or the tiles' GEMM)
+            assert (error <= size * 2 ** -18 + 1e-5).all(), m
+        elif m <= packed.dense_rows:  # exact weights, float32 sums rounded once to bf16
+            # (8-bit codes: their sums, 2184 times the scale, cancel a little more than float32
+            # holds)
             assert (error <= exact.abs() * 2 ** -8 + 1e-4).all(), m
         else:  # tiles of bf16 weights (each rounded once) into the bf16 GEMM
-            size = x.double().abs() @ reference.abs().t()
             assert (error <= exact.abs() * 2 ** -8 + size * 2 ** -8).all(), m
 
 
-def test_four_bit_codes_in_the_wide_layouts_match_the_four_bit_kernel(native_kernels):
+@DTYPES
+def test_four_bit_codes_in_the_wide_layouts_match_the_four_bit_kernel(native_kernels, dtype):
     """A layer mixing Q4 and Q5_0 (or Q8_0) slots keeps the Q4 codes with no high bits: the
     same products as the 4-bit layout (to float32 rounding for the 8-bit sums)."""
-    _needs_bf16_kernel()
+    _needs_kernel(dtype)
     w = torch.randn(48, 256)
     from octavo.model.quant.packed import minmax_int4
 
     q, scale, low = minmax_int4(w, 32)
-    four = Int4Packed.from_affine(q, scale, low, 32, torch.bfloat16)
-    five = Int4Packed.from_affine(q, scale, low, 32, torch.bfloat16, bits=5)
-    eight = Int4Packed.from_affine(q, scale, low, 32, torch.bfloat16, bits=8)
+    four = Int4Packed.from_affine(q, scale, low, 32, dtype)
+    five = Int4Packed.from_affine(q, scale, low, 32, dtype, bits=5)
+    eight = Int4Packed.from_affine(q, scale, low, 32, dtype, bits=8)
     assert five.native_high is not None and int(five.native_high.abs().sum()) == 0
     assert eight.bits == 8 and int(eight.native_high.sum()) == 0
-    x = torch.randn(5, 256).bfloat16()
+    x = torch.randn(5, 256).to(dtype)
     assert torch.equal(five.matmul(x), four.matmul(x))
     torch.testing.assert_close(eight.matmul(x), four.matmul(x), rtol=2 ** -7, atol=1e-3)
 
@@ -158,7 +169,7 @@ def test_tiny_gguf_keeps_q5_0_and_q8_0_as_wide_int4_codes(tmp_path, smollm_oracl
     from tests.kernels.test_decode_stack import _stack_then_layers
     from tests.model.test_gguf_packed import _generate, _top5_agree, _write_tiny
 
-    _needs_bf16_kernel()
+    _needs_kernel()
     path = tmp_path / "tiny-q5.gguf"
     _write_tiny(path, _qtypes)
     # Without prefix caching, the stack and the layers compute the same chunks: the kernel up
@@ -193,5 +204,8 @@ def test_tiny_gguf_q5_0_in_float32_is_exact(tmp_path, smollm_oracle_folder, monk
     dense, _ = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path, dtype="float32",
                          decode_weights="none")
     codes, llm = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path, dtype="float32")
-    assert _kinds(llm)["model.layers.1.mlp.gate_up_proj"] == Int8Grouped.__name__
+    # octavo's float32 kernel (AVX2) runs 5-bit codes: Q5_0 stays in the int4 layout
+    wide = Int4Packed.kernel_ready(torch.float32, 5)
+    assert _kinds(llm)["model.layers.1.mlp.gate_up_proj"] == (
+        "Int4Packed/5" if wide else Int8Grouped.__name__)
     _same_tokens_and_prompt_logprobs(codes, dense)

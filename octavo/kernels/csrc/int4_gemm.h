@@ -122,17 +122,28 @@ inline void int4_block(const uint8_t* q4, const S* sz, const void* high,
 // quad, widened to 32 bits, hold its codes for inputs 4c, 4c + 2, 4c + 1, 4c + 3 at bits 0, 4,
 // 8 and 12. Each code is masked in place, not shifted down, and converts to q * 16^i; the
 // activations come prescaled by 16^-i (a power of two: exact) and in that order (xs, see
-// int4_gemm), so one AND, one conversion and one FMA make a lane's product. Per group,
+// int4_gemm), so one AND, one conversion and one FMA make a lane's product. Wider codes put
+// their high part above the nibble before the conversion (bit 4i + 4 up: 16 q_high * 16^i,
+// below 2^24, exact): the high nibble from its plane, or the fifth bit of the lane's row from
+// the word of its nibble (the low nibbles' word for i = 0, 2, the high nibbles' for 1, 3; bit
+// 2r + j with j = i / 2). Per group,
 //   sum x * w = scale * sum x * q + offset * sum x,
 // with offset = low (w = scale * q + low, a GGUF's form) or zero - 8 * scale (torch's form).
 // Output rows 16b..16b+15 of R activation rows go to out + r * out_stride.
-template <int R, typename S>
-inline void int4_block_f32(const uint8_t* q4, const S* sz, const float* xs, int64_t k,
-                           const float* xsum, float* out, int64_t out_stride, bool once) {
+template <int R, High H, typename S>
+inline void int4_block_f32(const uint8_t* q4, const S* sz, const void* high, const float* xs,
+                           int64_t k, const float* xsum, float* out, int64_t out_stride,
+                           bool once) {
   constexpr int P = R == 1 ? 2 : 1;  // one row alone: two chains per half, to hide latency
   const int64_t groups = k / 32;
   const __m256i mask[4] = {_mm256_set1_epi32(0xF), _mm256_set1_epi32(0xF0),
                            _mm256_set1_epi32(0xF00), _mm256_set1_epi32(0xF000)};
+  const uint8_t* nibbles = static_cast<const uint8_t*>(high);
+  const uint32_t* fifth = static_cast<const uint32_t*>(high);
+  const __m256i one = _mm256_set1_epi32(1);
+  // Lane l of half h is row 8h + l: its fifth bits are bits 2 (8h + l) + j.
+  const __m256i row_bit[2] = {_mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
+                              _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30)};
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -142,21 +153,37 @@ inline void int4_block_f32(const uint8_t* q4, const S* sz, const float* xs, int6
         for (int p = 0; p < P; ++p) part[r][h][p] = _mm256_setzero_ps();
     const uint8_t* qg = q4 + g * 256;
     prefetch_lines(qg + kPrefetchBytes, 256, once);
+    if constexpr (H == High::kNibble) prefetch_lines(nibbles + g * 256 + kPrefetchBytes, 256, once);
     prefetch_lines(sz + g * 32 + kPrefetchBytes / 8, 32 * sizeof(S), once);
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
-      __m256i v[2];
-      for (int h = 0; h < 2; ++h)
+      __m256i v[2], u[2];
+      for (int h = 0; h < 2; ++h) {
         v[h] = _mm256_cvtepu16_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + c * 32 + h * 16)));
+        if constexpr (H == High::kNibble)
+          u[h] = _mm256_cvtepu16_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(nibbles + g * 256 + c * 32 + h * 16)));
+      }
       for (int i = 0; i < 4; ++i) {
         const int p = i % P;
-        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v[0], mask[i]));
-        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(v[1], mask[i]));
+        __m256 q[2];
+        for (int h = 0; h < 2; ++h) {
+          __m256i code = _mm256_and_si256(v[h], mask[i]);
+          if constexpr (H == High::kNibble)
+            code = _mm256_or_si256(code, _mm256_slli_epi32(_mm256_and_si256(u[h], mask[i]), 4));
+          if constexpr (H == High::kFifthBit) {
+            const __m256i word = _mm256_set1_epi32(static_cast<int>(fifth[(g * 8 + c) * 2 + (i & 1)]));
+            const __m256i shift = _mm256_add_epi32(row_bit[h], _mm256_set1_epi32(i >> 1));
+            const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(word, shift), one);
+            code = _mm256_or_si256(code, _mm256_sllv_epi32(bit, _mm256_set1_epi32(4 * i + 4)));
+          }
+          q[h] = _mm256_cvtepi32_ps(code);
+        }
         for (int r = 0; r < R; ++r) {
           const __m256 xv = _mm256_broadcast_ss(xs + r * k + g * 32 + c * 4 + i);
-          part[r][0][p] = _mm256_fmadd_ps(q0, xv, part[r][0][p]);
-          part[r][1][p] = _mm256_fmadd_ps(q1, xv, part[r][1][p]);
+          part[r][0][p] = _mm256_fmadd_ps(q[0], xv, part[r][0][p]);
+          part[r][1][p] = _mm256_fmadd_ps(q[1], xv, part[r][1][p]);
         }
       }
     }
@@ -201,9 +228,10 @@ bool built_with_avx2() {
 #endif
 }
 
-// x [M, K] float32 times int4 weights in octavo's layout -> [M, N] float32 (int4_block_f32).
+// x [M, K] float32 times int4 weights in octavo's layout, with `high` 5- or 8-bit codes ->
+// [M, N] float32 (int4_block_f32).
 at::Tensor int4_gemm_f32(const at::Tensor& x, const at::Tensor& q4, const at::Tensor& sz,
-                            bool half_scales) {
+                            bool half_scales, const std::optional<at::Tensor>& high, High kind) {
   TORCH_CHECK(built_with_avx2(), "int4_gemm with float32 activations needs AVX2 and FMA");
   const int64_t rows = x.size(0), k = x.size(1), blocks = q4.size(0), n = blocks * 16;
   auto out = at::empty({rows, n}, x.options());
@@ -226,17 +254,22 @@ at::Tensor int4_gemm_f32(const at::Tensor& x, const at::Tensor& q4, const at::Te
   }
   const uint8_t* qp = q4.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  const uint8_t* hp = high ? static_cast<const uint8_t*>(high->data_ptr()) : nullptr;
+  const int64_t plane_bytes = kind == High::kNibble ? k * 8 : kind == High::kFifthBit ? k * 2 : 0;
   auto run = [&](const auto* sp) {
-    // A row block (k / 2 bytes) stays in L1 for every chunk of 4 rows of x.
+    // A row block (k / 2 bytes, k with a nibble plane) stays in L1 for every chunk of 4 rows.
     at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b)
         for (int64_t c = 0; c < rows; c += 4) {
           const int64_t m = std::min<int64_t>(4, rows - c);
           for_rows(m, [&](auto r) {
             if constexpr (decltype(r)::value <= 4)
-              int4_block_f32<decltype(r)::value>(qp + b * k * 8, sp + b * groups * 32,
-                                                 xs.data() + c * k, k, xsum.data() + c * groups,
-                                                 op + c * n + b * 16, n, rows <= 4);
+              with_high(kind, [&](auto h) {
+                int4_block_f32<decltype(r)::value, decltype(h)::value>(
+                    qp + b * k * 8, sp + b * groups * 32, hp + b * plane_bytes,
+                    xs.data() + c * k, k, xsum.data() + c * groups, op + c * n + b * 16, n,
+                    rows <= 4);
+              });
           });
         }
     });
@@ -273,16 +306,13 @@ inline High check_int4_layout(const char* op, const at::Tensor& x, const at::Ten
 }
 
 // x [M, K] bf16 or float32 times int4 weights in octavo's layout (see int4_block) -> [M, N] in
-// x's dtype, with N the padded row count (a multiple of 16); with `high`, 5- or 8-bit codes
-// (bf16).
+// x's dtype, with N the padded row count (a multiple of 16); with `high`, 5- or 8-bit codes.
 at::Tensor int4_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
                      std::optional<at::Tensor> high) {
   const High kind = check_int4_layout("int4_gemm", x, q4, sz, high);
-  TORCH_CHECK(kind == High::kNone || x.scalar_type() == at::kBFloat16,
-              "int4_gemm: 5- and 8-bit codes take bf16 activations (AVX-512-BF16)");
   const int64_t rows = x.size(0), k = x.size(1), blocks = q4.size(0), n = blocks * 16;
   const bool half_scales = sz.scalar_type() == at::kHalf;
-  if (x.scalar_type() == at::kFloat) return int4_gemm_f32(x, q4, sz, half_scales);
+  if (x.scalar_type() == at::kFloat) return int4_gemm_f32(x, q4, sz, half_scales, high, kind);
   TORCH_CHECK(built_with_avx512_bf16(), "int4_gemm with bf16 activations needs AVX-512-BF16");
   auto out = at::empty({rows, n}, x.options());
 #if defined(__AVX512BF16__)

@@ -4,15 +4,15 @@ Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m) and Q4_K (per 32 weights w = d * sc
 are 4-bit codes with a scale and an offset per 32 inputs: exactly torch's int4 layout with group
 32, so those codes and scales are copied over, not re-quantized (only scale and torch's zero,
 8 * scale + offset, are rounded to the activation dtype). Q5_0 (w = d * q - 16 d, q 0..31) and
-Q8_0 (w = d * q - 128 d, q 0..255 unsigned) are the same form with wider codes: where octavo's
-bf16 int4 kernel runs (Int4Packed.kernel_ready), a layer of Q5_0 (and Q4) slots keeps them in
-that layout with a plane of fifth bits (6 bits a weight against the file's 5.5; int8 codes took
-8.5), one with a Q8_0 slot with a plane of high nibbles (the int4 kernel twice: 1.6x the int8
-GEMV at 4 rows on a 168M-weight LM head, AMD EPYC AVX-512). The other types go to the nearest
-layout the kernels have: Q6_K (w = d * sc * (q - 32) per 16), and Q8_0 / Q5_0 beside it or
-without that kernel (float32), to int8 codes with a scale per 32 (16 for a layer with a Q6_K
-slot) inputs (`Int8Grouped`), their codes and scales taken from the file (int8_codes: the same
-weights bit for bit); Q5_1/Q5_K to int8 per 32, re-quantized; Q2_K/Q3_K to int4 min/max per
+Q8_0 (w = d * q - 128 d, q 0..255 unsigned) are the same form with wider codes: where octavo's int4
+kernel runs (Int4Packed.kernel_ready: bf16 or float32), a layer of Q5_0 (and Q4) slots keeps them
+in that layout with a plane of fifth bits (6 bits a weight against the file's 5.5; int8 codes took
+8.5), one with a Q8_0 slot with a plane of high nibbles (the int4 kernel twice: 1.6x the int8 GEMV
+at 4 rows on a 168M-weight LM head, AMD EPYC AVX-512). The other types go to the nearest layout the
+kernels have: Q6_K (w = d * sc * (q - 32) per 16), and Q8_0 / Q5_0 beside it or without that kernel
+(the C++ kernels off), to int8 codes with a scale per 32 (16 for a layer with a Q6_K slot)
+inputs (`Int8Grouped`), their codes and scales taken from the file (int8_codes: the same weights
+bit for bit); Q5_1/Q5_K to int8 per 32, re-quantized; Q2_K/Q3_K to int4 min/max per
 32. Measured on Qwen2.5-0.5B's Q4_K_M file
 (relative Frobenius error against the GGUF's own weights): int8 per 32 Q8_0 0%, and before it
 existed, int8 per channel Q8_0 1.8%, Q6_K 1.6%, Q5_0 1.1%; int4 min/max Q8_0 10.6%, Q5_0 8.5%,

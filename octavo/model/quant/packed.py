@@ -126,8 +126,8 @@ class Int4Packed(PackedWeight):
     unsigned; `from_affine(..., bits=5 or 8)`) keep their low 4 bits so and the rest in
     `native_high`: 5 bits, [N / 16, K / 4, 2] int32, bit 2r + j of word h of (row block b,
     quad c) the fifth bit of the code in nibble h of byte 2r + j; 8 bits, [N / 16, K / 4, 32]
-    uint8, the high nibbles laid out as the low ones (see csrc/int4_gemm.h). They run octavo's
-    kernel with bf16 activations only (kernel_ready)."""
+    uint8, the high nibbles laid out as the low ones (see csrc/int4_gemm.h). octavo's kernel
+    runs them with bf16 (AVX-512-BF16) and float32 (AVX2) activations (kernel_ready)."""
 
     @property
     def dense_rows(self) -> int:
@@ -137,8 +137,9 @@ class Int4Packed(PackedWeight):
 
     @staticmethod
     def kernel_ready(dtype: torch.dtype, bits: int) -> bool:
-        """Whether octavo's kernel computes `bits`-bit codes with activations of `dtype`."""
-        return fused.int4_gemm_ready(dtype) and (bits == 4 or dtype == torch.bfloat16)
+        """Whether octavo's kernel computes `bits`-bit codes (4, 5 or 8) with activations of
+        `dtype`."""
+        return fused.int4_gemm_ready(dtype) and bits in (4, 5, 8)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
                  dtype: torch.dtype, perm: torch.Tensor | None = None) -> None:
