@@ -96,16 +96,19 @@ class InputBatch:
         token_rows: list[int] = []
         offsets: list[int] = []
         tokens: list[int] = []
+        counts: list[int] = []
         for row, req in zip(rows, reqs):
             if req.new_block_ids:
                 self._append_blocks(row, req.new_block_ids)
-            if req.new_token_ids:
-                token_rows += [row] * len(req.new_token_ids)
-                offsets += range(len(req.new_token_ids))
-                tokens += req.new_token_ids
+            new = req.new_token_ids
+            counts.append(len(new))
+            if new:
+                token_rows += [row] * len(new)
+                offsets += range(len(new))
+                tokens += new
         if tokens:  # each request once in `reqs`: a row's tokens are together, in order
             self._write_tokens(np.array(token_rows), np.array(offsets), np.array(tokens))
-            self.num_tokens[rows] += [len(req.new_token_ids) for req in reqs]
+            self.num_tokens[rows] += counts
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)

@@ -19,10 +19,9 @@ constexpr int64_t kPrefetchBytes = 3072;
 // `once`: the call reads these weights in one pass (its rows of x fit one chunk), so they are
 // fetched non-temporally. Streaming a model's weights through the caches every decode step
 // otherwise evicts the engine's own working set (its Python and numpy code and data) from L2
-// and L3; the step's bookkeeping after the forward then ran several times slower (each first
-// numpy call 10-16 us instead of 1-2). Measured on an AMD EPYC (Zen 4, AVX-512), SmolLM2
-// batch-1 decode: the time outside the model per step fell from 0.40-0.49 to 0.27-0.35 ms.
-// Weights a call re-reads for later chunks of rows keep the temporal hint.
+// and L3, and the step's bookkeeping after the forward runs several times slower (figures in
+// docs/performance.md, issue 28's fourth sitting). Weights a call re-reads for later chunks of
+// rows keep the temporal hint.
 inline void prefetch_lines(const void* p, int64_t bytes, bool once) {
 #if defined(__AVX2__)
   const char* c = static_cast<const char*>(p);
