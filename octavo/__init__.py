@@ -6,15 +6,15 @@ from typing import TYPE_CHECKING
 from octavo.config import EngineConfig
 from octavo.inputs import PromptType, TextPrompt, TokensPrompt
 from octavo.params import (
-    BeamSearchOutput, BeamSearchParams, CompletionOutput, Logprob, RequestOutput, SamplingParams,
-    StructuredOutputsParams)
+    BeamSearchOutput, BeamSearchParams, CompletionOutput, Logprob, LoRARequest, RequestOutput,
+    SamplingParams, StructuredOutputsParams)
 
 if TYPE_CHECKING:
     from octavo.async_llm import AsyncLLM, AsyncLLMEngine
     from octavo.llm import LLM
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams",
-           "RequestOutput", "CompletionOutput", "Logprob", "BeamSearchOutput", "PromptType",
+           "RequestOutput", "CompletionOutput", "LoRARequest", "Logprob", "BeamSearchOutput", "PromptType",
            "TextPrompt", "TokensPrompt", "AsyncLLM", "AsyncLLMEngine"]
 __version__ = "0.1.0"
 

@@ -148,6 +148,38 @@ class DeviceConfig:
                              f"got {self.native_kernels!r}")
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = field(default=False, metadata=_opt(
+        "serve LoRA adapters beside the base model (requests name theirs: lora_request, or "
+        "the OpenAI model field)"))
+    max_loras: int = field(default=1, metadata=_opt(
+        "adapters resident at once, in preallocated slots: a step runs requests of at most "
+        "this many adapters, the others wait"))
+    max_lora_rank: int = field(default=16, metadata=_opt(
+        "highest adapter rank accepted (the slots are this wide)"))
+    max_cpu_loras: int | None = field(default=None, metadata=_opt(
+        "adapters kept loaded in host memory (least recently used dropped first); "
+        "default: max_loras"))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int)
+                                or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras "
+                             f"({self.max_loras}), got {cpu!r}")
+
+    @property
+    def cpu_slots(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 EXECUTOR_BACKENDS = ("uniproc", "mp", "ray")
 
 
@@ -265,6 +297,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @classmethod
@@ -299,7 +332,7 @@ class EngineConfig:
 
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-    "device": DeviceConfig, "parallel": ParallelConfig}
+    "device": DeviceConfig, "parallel": ParallelConfig, "lora": LoRAConfig}
 
 
 def _parse_bytes(text: str) -> int:

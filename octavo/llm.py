@@ -11,7 +11,8 @@ from octavo.engine.arg_utils import engine_config
 from octavo.engine.llm_engine import LLMEngine
 from octavo.engine.processor import MAX_LOGPROBS, RequestLimits
 from octavo.inputs import PromptType, is_single_prompt
-from octavo.params import BeamSearchOutput, BeamSearchParams, RequestOutput, SamplingParams
+from octavo.params import (
+    BeamSearchOutput, BeamSearchParams, LoRARequest, RequestOutput, SamplingParams)
 from octavo.serving.chat_template import render_chat
 
 Prompt = PromptType
@@ -50,10 +51,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Generate for one prompt or many (strings, token-id lists, TextPrompt or TokensPrompt
-        dicts); outputs in input order."""
+        dicts); outputs in input order. `lora_request`: one adapter for every prompt, or one
+        (or None, the base model) per prompt."""
         if is_single_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
@@ -67,14 +70,24 @@ class LLM:
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
-        return self._run(prompts, list(params), list(priority or [0] * len(prompts)), use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            adapters = [lora_request] * len(prompts)
+        else:
+            adapters = list(lora_request)
+            if len(adapters) != len(prompts):
+                raise ValueError(f"lora_request has {len(adapters)} entries for "
+                                 f"{len(prompts)} prompts")
+        return self._run(prompts, list(params), list(priority or [0] * len(prompts)), use_tqdm,
+                         adapters)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Generate replies to one conversation or many, through the model's chat template (or
         `chat_template`); `tools` reach the template as `tools`, as in vLLM."""
         if not messages:
@@ -83,7 +96,7 @@ class LLM:
         prompts = [self.apply_chat_template(c, chat_template, add_generation_prompt,
                                             chat_template_kwargs, continue_final_message, tools)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation: Sequence[Message], chat_template: str | None = None,
                             add_generation_prompt: bool = True,
@@ -117,13 +130,13 @@ class LLM:
         return self.engine.client.reset_prefix_cache()
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], priority: list[int],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, adapters: list[LoRARequest | None]) -> list[RequestOutput]:
         engine = self.engine
         ids = []
         try:
-            for prompt, p, prio in zip(prompts, params, priority):
+            for prompt, p, prio, lora in zip(prompts, params, priority, adapters):
                 rid = engine.next_request_id()
-                engine.add_request(rid, prompt, p, prio)
+                engine.add_request(rid, prompt, p, prio, lora_request=lora)
                 ids.append(rid)
         except Exception:
             for rid in ids:

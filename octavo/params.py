@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import msgspec
+
 from octavo.param_checks import check_float as _check_float
 from octavo.param_checks import check_int as _check_int
 from octavo.param_checks import check_logprobs, check_token_fields
@@ -366,3 +368,38 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+
+
+class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A LoRA adapter for a request, in vLLM's shape: `lora_name` names it (the OpenAI `model`
+    field selects it by this name), `lora_int_id` (>= 1) identifies it in the engine, and
+    `lora_path` is its directory (PEFT's adapter_config.json and adapter_model.safetensors).
+    Two requests with the same id must name the same adapter."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError("lora_request.lora_name must be a non-empty string")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) \
+                or self.lora_int_id < 1:
+            raise ValueError(f"lora_request.lora_int_id must be an integer >= 1, "
+                             f"got {self.lora_int_id!r:.80}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(f"lora_request.lora_path of adapter {self.lora_name!r} must name "
+                             f"its directory")
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from octavo.params import SamplingParams
+from octavo.params import LoRARequest, SamplingParams
 
 
 @dataclass(slots=True)
@@ -27,6 +27,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_ids: list[int]  # the request's own; the worker masks them under min_tokens
+    lora_request: LoRARequest | None = None  # its adapter (the worker loads it), else None
 
 
 @dataclass(slots=True)

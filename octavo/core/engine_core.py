@@ -87,8 +87,9 @@ class EngineCore:
         spec = config.speculative
         proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         lookahead = spec.num_speculative_tokens if spec is not None and proposer is None else 0
+        max_loras = config.lora.max_loras if config.lora.enable_lora else 0
         self.scheduler = Scheduler(config.scheduler, kv, max_model_len, self.structured, proposer,
-                                   lookahead)
+                                   lookahead, max_loras)
         self.faults = StepFaults(self.scheduler)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -98,7 +99,8 @@ class EngineCore:
             request.req_id, request.prompt_token_ids, request.sampling_params,
             request.eos_token_ids, request.max_tokens, priority=request.priority,
             arrival_time=request.arrival_time, cache_salt=request.cache_salt,
-            bad_words_token_ids=request.bad_words_token_ids))
+            bad_words_token_ids=request.bad_words_token_ids,
+            lora_request=request.lora_request))
 
     def abort_requests(self, req_ids: list[str]) -> list[str]:
         return self.scheduler.abort_requests(req_ids)

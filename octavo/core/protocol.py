@@ -17,7 +17,7 @@ from __future__ import annotations
 import msgspec
 
 from octavo.core.contract import TopLogprobs
-from octavo.params import SamplingParams
+from octavo.params import LoRARequest, SamplingParams
 
 __all__ = ["AbortRequests", "CoreInput", "CoreOutputs", "EngineCoreOutput", "EngineCoreRequest",
            "SchedulerStats", "Shutdown", "TopLogprobs", "UtilityCall"]
@@ -40,6 +40,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True, frozen=True):
     # bad_words as token sequences (the front end tokenizes them; the core masks the last
     # token of each where the output so far ends with the others)
     bad_words_token_ids: list[list[int]] = []
+    lora_request: LoRARequest | None = None  # checked by the front end (octavo/lora/adapter.py)
 
 
 class AbortRequests(msgspec.Struct, tag=True):

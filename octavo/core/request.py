@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from octavo.params import SamplingParams
+from octavo.params import LoRARequest, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -66,6 +66,7 @@ class Request:
     # bad_words as token sequences (the front end tokenizes them): the last token of each is
     # masked where the output so far ends with the others (structured.py applies it)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # the adapter it runs with, else the base model
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -87,8 +88,17 @@ class Request:
         self.num_sent_tokens += len(unsent)
         return unsent
 
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
     def cache_extra_keys(self) -> tuple[object, ...]:
-        return ("salt", self.cache_salt) if self.cache_salt is not None else ()
+        """What besides its tokens makes its KV its own: an adapter changes every layer's
+        keys and values, so blocks are shared only within one adapter (or none)."""
+        salt = ("salt", self.cache_salt) if self.cache_salt is not None else ()
+        lora = self.lora_request
+        return salt if lora is None else (*salt, "lora", lora.lora_int_id, lora.lora_name)
 
     def sort_key(self) -> tuple[int, int]:
         """Queue order: the rank the scheduler's policy gave it (0 for all under fcfs), then

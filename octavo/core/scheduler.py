@@ -58,9 +58,12 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  structured: StructuredOutputManager | None = None,
-                 proposer: NgramProposer | None = None, lookahead: int = 0) -> None:
+                 proposer: NgramProposer | None = None, lookahead: int = 0,
+                 max_loras: int = 0) -> None:
         """proposer: n-gram drafts; lookahead: > 0 when a draft model proposes (its
-        num_speculative_tokens): drafts come in the worker's output, and slots for its KV."""
+        num_speculative_tokens): drafts come in the worker's output, and slots for its KV;
+        max_loras: the most adapters the running requests may use at once (the worker's
+        slots), 0 without LoRA."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -78,6 +81,7 @@ class Scheduler:
         self.peak_running = 0
         self.proposer = proposer
         self.lookahead = lookahead
+        self.max_loras = max_loras
         self.spec_counts = [0, 0, 0]  # draft tokens, accepted, verifications
         self.isolated: str | None = None  # set: a step schedules only this request (faults.py)
         # Requests of batches scheduled but whose output has not come back (pipeline stages
@@ -192,13 +196,18 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        # Adapters in use: a waiting request of another adapter, when they fill the worker's
+        # slots, waits (skipped, as for its grammar) until a running one's adapter is free.
+        adapters = {r.lora_id for r in self.running if r.lora_id}
         idx = 0  # the first waiting request not skipped for its grammar
         while (not preempted_running and idx < len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[idx]
             if (self.structured.is_compiling(req.req_id)
                     or (isolated is not None and req.req_id != isolated)
-                    or req.req_id in self._finished_ids):  # requeued: the worker forgets first
+                    or req.req_id in self._finished_ids  # requeued: the worker forgets first
+                    or (req.lora_id and req.lora_id not in adapters
+                        and len(adapters) >= self.max_loras)):
                 idx += 1
                 continue
             if req.req_id in preempted:  # made room for those before it: it and the rest wait
@@ -225,13 +234,15 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
             bisect.insort(self.running, req, key=Request.sort_key)
+            if req.lora_id:
+                adapters.add(req.lora_id)
             self.peak_running = max(self.peak_running, len(self.running))
             token_ids = req.all_token_ids
             req.num_sent_tokens = len(token_ids)
             new_reqs.append(NewRequestData(
                 req.req_id, token_ids, req.num_prompt_tokens, req.sampling_params,
                 list(self.kv.blocks_of(req.req_id)), req.num_computed_tokens,
-                sorted(req.eos_token_ids)))
+                sorted(req.eos_token_ids), req.lora_request))
             num_scheduled[req.req_id] = num_new
             budget -= num_new
 

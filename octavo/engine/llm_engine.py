@@ -15,8 +15,9 @@ from octavo.engine.grammar import XgrammarBackend
 from octavo.engine.outputs import OutputProcessor
 from octavo.engine.processor import Processor, RequestLimits
 from octavo.engine.tokenizer import load_tokenizer
+from octavo.lora.registry import AdapterRegistry
 from octavo.model_source import ModelSource, resolve_model
-from octavo.params import RequestOutput, SamplingParams
+from octavo.params import LoRARequest, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ class ModelSetup:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         eos_ids = frozenset(eos)
-        processor = Processor(tokenizer, max_model_len, arch.vocab_size, eos_ids, limits)
+        processor = Processor(tokenizer, max_model_len, arch.vocab_size, eos_ids, limits,
+                              AdapterRegistry(arch, config.lora))
         return cls(source, arch, tokenizer, max_model_len, eos_ids, processor)
 
     def adopt_max_model_len(self, max_model_len: int) -> None:
@@ -106,12 +108,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None,
-                    max_logprobs: int | None = None) -> None:
+                    max_logprobs: int | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate, tokenize and queue one request (n > 1 fans out into n core requests)."""
         if request_id in self.outputs.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prepared = self.processor.build(request_id, prompt, params, priority, cache_salt,
-                                        max_logprobs)
+                                        max_logprobs, lora_request=lora_request)
         self.outputs.add_request(prepared)
         for req in prepared.core_requests:
             self.client.add_request(req)

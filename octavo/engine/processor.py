@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from octavo.core.protocol import EngineCoreRequest
 from octavo.engine.grammar import check_structured
 from octavo.inputs import unwrap_prompt
-from octavo.params import SamplingParams
+from octavo.lora.registry import AdapterRegistry
+from octavo.params import LoRARequest, SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_BAD_WORDS = 128  # token sequences after tokenizing, as vLLM bounds them
@@ -45,8 +46,10 @@ class RequestLimits:
 
 class Processor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
-                 eos_token_ids: frozenset[int], limits: RequestLimits | None = None) -> None:
+                 eos_token_ids: frozenset[int], limits: RequestLimits | None = None,
+                 adapters: AdapterRegistry | None = None) -> None:
         self.tokenizer = tokenizer
+        self.adapters = adapters
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -197,7 +200,8 @@ class Processor:
     def build(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
               priority: int = 0, cache_salt: str | None = None,
               max_logprobs: int | None = None,
-              add_special_tokens: bool = True) -> PreparedRequest:
+              add_special_tokens: bool = True,
+              lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Validate and tokenize (a text prompt with the tokenizer's special tokens, e.g. BOS,
         unless `add_special_tokens` is False); keep the last truncate_prompt_tokens of the
         prompt; fan n > 1 (or best_of > 1) out into that many core requests with distinct
@@ -218,6 +222,10 @@ class Processor:
             raise ValueError("cache_salt must be a non-empty string")
         if not isinstance(add_special_tokens, bool):
             raise ValueError(f"add_special_tokens must be a bool, got {add_special_tokens!r:.80}")
+        if lora_request is not None:
+            if self.adapters is None:
+                raise ValueError("lora_request: this engine runs without LoRA")
+            self.adapters.check(lora_request)
         text, prompt_ids = self.tokenize(prompt, add_special_tokens)
         if isinstance(params, SamplingParams):
             prompt_ids = self.truncate(prompt_ids, params)
@@ -229,7 +237,7 @@ class Processor:
         reqs = [EngineCoreRequest(cid, prompt_ids, self.child_params(params, i),
                                   self.eos_token_ids, max_tokens, arrival_time=now,
                                   priority=priority, cache_salt=cache_salt,
-                                  bad_words_token_ids=bad_words)
+                                  bad_words_token_ids=bad_words, lora_request=lora_request)
                 for i, cid in enumerate(ids)]
         return PreparedRequest(request_id, text, prompt_ids, params, reqs)
 

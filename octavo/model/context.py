@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,12 +16,16 @@ import torch
 from octavo.kernels import fused
 from octavo.kernels.paged_attention import AttentionPlan, StepLayout, build_plan, windowed_plan
 
+if TYPE_CHECKING:
+    from octavo.model.layers.lora import LoRAStep
+
 
 @dataclass
 class ForwardContext:
     plan: AttentionPlan
     kv_caches: list[torch.Tensor]  # one [2, num_blocks, block_size, kv_heads, head_dim] per layer
     sliding_plan: AttentionPlan | None = None  # for layers with a sliding window
+    lora: LoRAStep | None = None  # which tokens run which adapter (none: the base model's)
 
 
 _current: list[ForwardContext] = []
@@ -39,6 +44,11 @@ def get_forward_context() -> ForwardContext:
     if not _current:
         raise RuntimeError("attention ran outside a forward_context")
     return _current[-1]
+
+
+def step_lora() -> LoRAStep | None:
+    """The step's adapter segments (None outside a forward pass, or with no adapter)."""
+    return _current[-1].lora if _current else None
 
 
 def step_context(layout: StepLayout, tables: np.ndarray, block_size: int,

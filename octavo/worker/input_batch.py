@@ -47,6 +47,8 @@ class InputBatch:
         self.has_bias = np.zeros(max_num_reqs, bool)
         self.has_listed = np.zeros(max_num_reqs, bool)
         self.penalty_slot = np.zeros(max_num_reqs, np.int64)  # 0: no penalties
+        self.lora_id = np.zeros(max_num_reqs, np.int64)  # the row's adapter, 0: none
+        self.rows_with_lora = 0
         self.penalties = PenaltyCounts(vocab_size, device)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.eos: list[list[int]] = [[] for _ in range(max_num_reqs)]
@@ -85,6 +87,8 @@ class InputBatch:
         self.eos[row] = ([] if p.ignore_eos else req.eos_token_ids) + p.stop_token_ids
         for extra in sampling_extras(p):
             self.rows_using[extra] += 1
+        self.lora_id[row] = 0 if req.lora_request is None else req.lora_request.lora_int_id
+        self.rows_with_lora += bool(self.lora_id[row])
 
     def update(self, reqs: list[CachedRequestData]) -> None:
         """Running requests' deltas: computed counts, new blocks, and the tokens appended to
@@ -118,6 +122,8 @@ class InputBatch:
             self.params[row] = None
             self.penalties.release(int(self.penalty_slot[row]))
             self.penalty_slot[row] = 0
+            self.rows_with_lora -= bool(self.lora_id[row])
+            self.lora_id[row] = 0
             self._free_rows.append(row)
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:

@@ -22,9 +22,10 @@ from torch import nn
 
 from octavo.core.contract import GrammarBitmask, ModelOutput, SchedulerOutput, TopLogprobs
 from octavo.kernels.paged_attention import step_layout
-from octavo.model.context import forward_context, step_context
+from octavo.model.context import ForwardContext, forward_context, step_context
 from octavo.model.pipeline import is_last_stage
 from octavo.worker.input_batch import InputBatch
+from octavo.worker.lora import LoRAManager, segments
 from octavo.worker.sampler import Sampler, SamplingBatch, gather_logprobs
 from octavo.worker.spec.draft import DraftModel
 from octavo.worker.spec.rejection import accept_drafts
@@ -55,6 +56,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         self.kv_caches: list[torch.Tensor] = []
         self.drafter: DraftModel | None = None  # draft-model speculative decoding
+        self.lora: LoRAManager | None = None  # with --enable-lora
 
     def update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
@@ -63,6 +65,8 @@ class ModelRunner:
                 self.drafter.forget(req_id)
         for new in sched.new_requests:
             self.batch.add(new)
+            if new.lora_request is not None:
+                self.lora.register(new.lora_request)
         self.batch.update(sched.cached_requests)
 
     @torch.inference_mode()
@@ -91,6 +95,8 @@ class ModelRunner:
         # Everything the sampler takes is prepared before the forward pass: the pass streams
         # the weights through the caches, and the first numpy calls after it run cold.
         entries = self._entries(sched, req_ids, rows, ends, sample_idx) if len(sample_idx) else None
+        if b.rows_with_lora:
+            context.lora = self.lora.step(b.lora_id[rows][layout.req_of_token])
         with forward_context(context):
             hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions_t)
         if not last_stage:
@@ -104,7 +110,8 @@ class ModelRunner:
             # Plain decoding samples every token of the step: hidden is already the rows.
             rows_hidden = (hidden if len(entries.token_idx) == len(hidden)
                            else hidden.index_select(0, torch.from_numpy(entries.token_idx)))
-            tokens, top = self.sampler(self.model.compute_logits(rows_hidden), entries.batch)
+            logits = self._logits(context, rows_hidden, b.lora_id[entries.rows])
+            tokens, top = self.sampler(logits, entries.batch)
             tokens_np = tokens.cpu().numpy()
             emitted, emitted_idx = accept_drafts(tokens_np, entries.req_drafts)
             if self.drafter is not None:
@@ -123,7 +130,8 @@ class ModelRunner:
                     offset += len(emitted[j])
                     if b.num_logprobs[rows[i]] >= 0:
                         logprobs[req_ids[i]] = top.select(sel, int(b.num_logprobs[rows[i]]) + 1)
-        prompt_logprobs = self._prompt_logprobs(req_ids, rows, computed, seq_lens, starts, hidden)
+        prompt_logprobs = self._prompt_logprobs(req_ids, rows, computed, seq_lens, starts, hidden,
+                                                context)
         proposed = {}
         if self.drafter is not None:
             # The draft runs over this step's real tokens: the whole chunk of a request that
@@ -131,6 +139,15 @@ class ModelRunner:
             ends = np.where(sampling, b.num_tokens[rows] + num_emitted, seq_lens)
             proposed = self.drafter.propose(b, req_ids, rows, computed, ends, sampling)
         return ModelOutput(req_ids, sampled_lists, logprobs, prompt_logprobs, proposed)
+
+    def _logits(self, context: ForwardContext, hidden: torch.Tensor,
+                lora_of: np.ndarray) -> torch.Tensor:
+        """The LM head over these rows, each with its adapter (lora_of: their ids)."""
+        if context.lora is None:
+            return self.model.compute_logits(hidden)
+        context.lora.sample_segments = segments(lora_of, context.lora.slot_of)
+        with forward_context(context):
+            return self.model.compute_logits(hidden)
 
     def _entries(self, sched: SchedulerOutput, req_ids: list[str], rows: np.ndarray,
                  ends: np.ndarray, sample_idx: np.ndarray) -> SamplingEntries:
@@ -189,8 +206,8 @@ class ModelRunner:
         batch.grammar_bitmask = torch.from_numpy(grammar.bitmask).to(self.device)
 
     def _prompt_logprobs(self, req_ids: list[str], rows: np.ndarray, computed: np.ndarray,
-                         seq_lens: np.ndarray, starts: np.ndarray,
-                         hidden: torch.Tensor) -> dict[str, TopLogprobs]:
+                         seq_lens: np.ndarray, starts: np.ndarray, hidden: torch.Tensor,
+                         context: ForwardContext) -> dict[str, TopLogprobs]:
         """Logprobs of prompt tokens 1.. (position p's logits score token p + 1)."""
         b = self.batch
         out: dict[str, TopLogprobs] = {}
@@ -203,7 +220,7 @@ class ModelRunner:
             if last <= first:
                 continue
             idx = torch.arange(first, last) - first + int(starts[i])
-            logits = self.model.compute_logits(hidden[idx])
+            logits = self._logits(context, hidden[idx], np.full(len(idx), b.lora_id[row]))
             targets = torch.from_numpy(b.token_ids[row, first + 1:last + 1]).to(self.device)
             out[req_ids[i]] = gather_logprobs(torch.log_softmax(logits, -1), targets,
                                               int(b.num_prompt_logprobs[row]))

@@ -23,6 +23,7 @@ from octavo.model.loader.gemm_packing import StepwisePacking
 from octavo.model.pipeline import stage_range
 from octavo.model_source import ModelSource, resolve_model
 from octavo.platform import cpu_platform
+from octavo.worker.lora import LoRAManager
 from octavo.worker.model_runner import ModelRunner
 from octavo.worker.spec.draft import DraftModel
 
@@ -108,6 +109,9 @@ class Worker:
             model, self.device, sched.max_num_seqs, self.max_model_len,
             self.config.cache.block_size, self.arch.vocab_size, self.config.device.seed,
             self.arch.sliding_window)
+        if self.config.lora.enable_lora:
+            self.runner.lora = LoRAManager(model, self.config.lora, self.arch, self.dtype,
+                                           self.device)
         spec = self.config.speculative
         if spec is not None and spec.method == "draft_model":
             self.runner.drafter = self._load_draft(spec.model, spec.num_speculative_tokens)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from octavo.distributed import parallel_state
+from octavo.model.context import step_lora
 from octavo.model.quant.decode_weights import make_decode_weight
 from octavo.model.quant.weights import DenseWeights, LinearWeights, PackedWeights
 
@@ -52,6 +53,8 @@ def _load_vocab_rows(param: nn.Parameter, tensor: torch.Tensor, vocab_size: int)
 
 
 class Embedding(nn.Module):
+    lora = None  # the adapters' slots (model/layers/lora.py), where LoRA is on
+
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
@@ -64,11 +67,15 @@ class Embedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if parallel_state.tp_size() == 1:
-            return self.weights.rows(input_ids)
-        local = input_ids - self.first_row
-        outside = (local < 0) | (local >= self.weights_shape[0])
-        x = self.weights.rows(local.masked_fill(outside, 0))
-        return parallel_state.tp_all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+            x = self.weights.rows(input_ids)
+        else:
+            local = input_ids - self.first_row
+            outside = (local < 0) | (local >= self.weights_shape[0])
+            x = self.weights.rows(local.masked_fill(outside, 0))
+            x = parallel_state.tp_all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+        if self.lora is not None and (lora := step_lora()) is not None:
+            x = self.lora.add_delta(input_ids, x, lora.segments)  # every rank holds all of A
+        return x
 
     def process_after_load(self) -> None:
         self.set_weights(DenseWeights(self.weight))
@@ -84,6 +91,8 @@ class LMHead(nn.Module):
     (quant/weights.py): dense, maybe with a low-bit copy for small batches (a GGUF's, made at
     the width of its source: `set_decode_bits`), or that copy alone (`packed_only`). An untied
     head's parameter goes once its weights are made; a tied one's stays the embedding's."""
+
+    lora = None  # the adapters' slots (model/layers/lora.py), where LoRA is on
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: Embedding | None) -> None:
         super().__init__()
@@ -102,7 +111,12 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]"""
-        logits = self.weights.matmul(hidden).float()
+        logits = self.weights.matmul(hidden)
+        if self.lora is not None and (lora := step_lora()) is not None:
+            # this rank's vocabulary rows of B; the rows hidden holds are the sampled ones
+            segments = lora.segments if lora.sample_segments is None else lora.sample_segments
+            logits = self.lora.add_delta(hidden, logits, segments)
+        logits = logits.float()
         if parallel_state.tp_size() == 1:
             return logits
         return parallel_state.tp_all_gather(logits, -1)[:, :self.vocab_size]

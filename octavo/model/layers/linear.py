@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from octavo.distributed import parallel_state
+from octavo.model.context import step_lora
 from octavo.model.quant.base import UNQUANTIZED, Loading, QuantMethod
 from octavo.model.quant.weights import LinearWeights
 
@@ -69,6 +70,7 @@ class Linear(nn.Module):
         # Settled at construction, so a step only reads a flag: with `reduce` False the caller
         # sums the partial outputs (an MoE's experts).
         self.sums_output = reduce and self.splits_input
+        self.lora = None  # the adapters' slots (model/layers/lora.py), where LoRA is on
         self.bias = nn.Parameter(torch.zeros(sum(shards)), requires_grad=False) if bias else None
         self.set_quant_method(UNQUANTIZED)
 
@@ -143,6 +145,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weights.matmul(x)
+        if self.lora is not None and (lora := step_lora()) is not None:
+            y = self.lora.add_delta(x, y, lora.segments)  # partial sums, as y's
         if self.sums_output:
             y = parallel_state.tp_all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -1,0 +1,108 @@
+"""LoRA on a layer, for a batch that mixes adapters: the layer's output plus each token's own
+adapter's `scaling * B (A x)`, computed per adapter over that adapter's tokens (segments, the
+punica/SGMV idea on the CPU: one pair of small GEMMs per adapter in the step, never one forward
+pass per adapter).
+
+The adapters live in `num_slots` preallocated slots per layer, filled and cleared by the
+worker's adapter manager (worker/lora.py) as adapters come and go. A packed layer (q/k/v,
+gate/up) keeps each packed slot's A stacked ([slots, packed * rank, in]) and B block-diagonal
+([slots, out, packed * rank]), so one adapter's delta is two matmuls whichever projections it
+targets; the scaling is folded into B. A rank below the slot width is zero-padded. Under tensor
+parallelism A and B shard with their layer: a column-parallel layer keeps its rows of B, a
+row-parallel one its columns of A, whose partial delta is summed with the partial output.
+
+The step's segments (`LoRAStep`) reach the layers through the forward context, as the
+attention plan does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from octavo.model.layers.linear import Linear
+
+
+@dataclass
+class LoRAStep:
+    """Which tokens of a step run which adapter: (slot, rows) per adapter in the step, rows a
+    slice of consecutive tokens or an index tensor. `sample_segments`: the same for the rows
+    the LM head computes (the sampled positions), None where they are the step's tokens."""
+
+    segments: list[tuple[int, slice | torch.Tensor]]
+    slot_of: dict[int, int]  # adapter id -> its slot
+    sample_segments: list[tuple[int, slice | torch.Tensor]] | None = None
+
+
+class LoRASlots:
+    """The adapters' A and B of one linear layer (or the LM head, or the embedding)."""
+
+    def __init__(self, out_features: int, in_features: int, packed: int, num_slots: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device,
+                 embedding: bool = False) -> None:
+        width = packed * max_rank
+        self.max_rank = max_rank
+        self.embedding = embedding
+        # The embedding's A is looked up by token id: [slots, vocab, rank].
+        self.a = torch.zeros((num_slots, in_features, width) if embedding else
+                             (num_slots, width, in_features), dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, out_features, width, dtype=dtype, device=device)
+        self.used = [False] * num_slots  # the slot's adapter targets this layer
+
+    def clear(self, slot: int) -> None:
+        if self.used[slot]:
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+            self.used[slot] = False
+
+    def set(self, slot: int, index: int, rows: tuple[int, int], a: torch.Tensor,
+            b: torch.Tensor) -> None:
+        """Packed slot `index`'s pair: a [rank, in] (already this rank's columns), b (scaled,
+        this rank's rows) into output rows [rows[0], rows[1])."""
+        rank = a.shape[0]
+        cols = slice(index * self.max_rank, index * self.max_rank + rank)
+        if self.embedding:
+            self.a[slot][:, cols] = a.t()
+        else:
+            self.a[slot][cols] = a
+        self.b[slot][rows[0]:rows[1], cols] = b
+        self.used[slot] = True
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor,
+                  segments: list[tuple[int, slice | torch.Tensor]]) -> torch.Tensor:
+        """y plus each segment's adapter delta of x (token ids for the embedding)."""
+        for slot, rows in segments:
+            if not self.used[slot]:
+                continue
+            xs = x[rows]
+            t = F.embedding(xs, self.a[slot]) if self.embedding else xs @ self.a[slot].t()
+            delta = t @ self.b[slot].t()
+            if isinstance(rows, slice):
+                y[rows] += delta
+            else:
+                y.index_add_(0, rows, delta)
+        return y
+
+
+def linear_slots(layer: Linear, num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> LoRASlots:
+    out, inp = layer.weights_shape
+    return LoRASlots(out, inp, len(layer.shards), num_slots, max_rank, dtype, device)
+
+
+def set_linear_pair(layer: Linear, slots: LoRASlots, slot: int, index: int | None,
+                    a: torch.Tensor, b: torch.Tensor) -> None:
+    """Checkpoint-shaped A [rank, in] and scaled B [out, rank] of packed slot `index` (None:
+    the layer's only one) into `slot`, cut to this rank's share as the layer cut its weight."""
+    index = 0 if index is None else index
+    if layer.input_span is not None:
+        a = layer.input_span.take(a, 1, "lora_A")
+    if layer.slot_spans is not None:
+        b = layer.slot_spans[index].take(b, 0, "lora_B")
+    start = sum(layer.shards[:index])
+    if b.shape[0] != layer.shards[index] or a.shape[1] != layer.in_features:
+        raise ValueError(f"LoRA pair of shapes A {tuple(a.shape)}, B {tuple(b.shape)} for a "
+                         f"layer slot of (out, in) ({layer.shards[index]}, {layer.in_features})")
+    slots.set(slot, index, (start, start + b.shape[0]), a, b)
+

@@ -1,0 +1,184 @@
+"""The worker's adapters: which adapter sits in which of the `max_loras` device slots, an LRU of
+`max_cpu_loras` adapters loaded in host memory, and each step's segments (model/layers/lora.py).
+
+The scheduler never runs requests of more adapters at once than there are slots (core/
+scheduler.py), so a step finds a slot for each of its adapters: one already there, an empty one,
+or one whose adapter no running request uses. An adapter's tensors are read once into host
+memory (in the model's dtype, B scaled) and copied into a slot when a step needs it; loading one
+never touches the slots the step's other adapters use, so their requests compute as before.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from octavo.arch_config import ArchConfig
+from octavo.config import LoRAConfig
+from octavo.lora.adapter import AdapterSpec, read_adapter
+from octavo.model.layers.embedding import Embedding, LMHead
+from octavo.model.layers.linear import Linear
+from octavo.model.layers.lora import LoRASlots, LoRAStep, linear_slots, set_linear_pair
+from octavo.params import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+# The base model's linear layers an adapter may change (the packed names octavo's families
+# give q/k/v and gate/up), and the two vocabulary layers.
+_ADAPTED_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                    "mlp.down_proj")
+
+
+@dataclass
+class LoadedAdapter:
+    """An adapter in host memory: per module it changes, (module, packed index, A, scaled B)."""
+
+    spec: AdapterSpec
+    pairs: list[tuple[str, int | None, torch.Tensor, torch.Tensor]]
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, config: LoRAConfig, arch: ArchConfig,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.config = config
+        self.arch = arch
+        self.dtype = dtype
+        self.slot_adapter = [0] * config.max_loras  # adapter id in each slot, 0: empty
+        self.loaded: OrderedDict[int, LoadedAdapter] = OrderedDict()  # LRU, oldest first
+        self.requests: dict[int, LoRARequest] = {}  # every adapter a request has named
+        self.layers: dict[str, tuple[nn.Module, LoRASlots]] = {}
+        slots, rank = config.max_loras, config.max_lora_rank
+        for name, module in model.named_modules():
+            if isinstance(module, Linear) and name.endswith(_ADAPTED_LINEARS) \
+                    and ".experts." not in name:
+                module.lora = linear_slots(module, slots, rank, dtype, device)
+            elif isinstance(module, LMHead):
+                module.lora = LoRASlots(module.weights_shape[0], module.weights_shape[1], 1,
+                                        slots, rank, dtype, device)
+            elif isinstance(module, Embedding):
+                module.lora = LoRASlots(module.weights_shape[1], arch.vocab_size, 1, slots,
+                                        rank, dtype, device, embedding=True)
+            else:
+                continue
+            self.layers[name] = (module, module.lora)
+
+    def register(self, request: LoRARequest) -> None:
+        """A request names this adapter: remember where it is (loaded when a step needs it)."""
+        known = self.requests.get(request.lora_int_id)
+        if known is not None and known.lora_path != request.lora_path:
+            self.forget(request.lora_int_id)  # the id now names another adapter
+        self.requests[request.lora_int_id] = request
+
+    def forget(self, lora_id: int) -> None:
+        """Drop an unloaded adapter from host memory and its slot (no running request uses
+        it: the front end unloads only then)."""
+        self.loaded.pop(lora_id, None)
+        self.requests.pop(lora_id, None)
+        for slot, held in enumerate(self.slot_adapter):
+            if held == lora_id:
+                self._clear(slot)
+
+    def step(self, token_lora: np.ndarray) -> LoRAStep | None:
+        """The step's segments, with every adapter in it placed in a slot. token_lora: each
+        token's adapter id (0: none)."""
+        ids = np.unique(token_lora)
+        ids = ids[ids > 0]
+        if not len(ids):
+            return None
+        slot_of = self._place([int(i) for i in ids])
+        return LoRAStep(segments(token_lora, slot_of), slot_of)
+
+    def _place(self, ids: list[int]) -> dict[int, int]:
+        needed = set(ids)
+        slot_of = {a: s for s, a in enumerate(self.slot_adapter) if a in needed}
+        free = [s for s, a in enumerate(self.slot_adapter) if a not in needed]
+        for lora_id in ids:
+            if lora_id in slot_of:
+                continue
+            if not free:
+                raise RuntimeError(f"a step with {len(ids)} adapters, above max_loras "
+                                   f"{self.config.max_loras}")
+            slot = free.pop(0)
+            self._fill(slot, self._host(lora_id))
+            slot_of[lora_id] = slot
+        return slot_of
+
+    def _host(self, lora_id: int) -> LoadedAdapter:
+        adapter = self.loaded.get(lora_id)
+        if adapter is None:
+            adapter = self._load(self.requests[lora_id])
+            self.loaded[lora_id] = adapter
+            while len(self.loaded) > self.config.cpu_slots:
+                self.loaded.popitem(last=False)
+        self.loaded.move_to_end(lora_id)
+        return adapter
+
+    def _load(self, request: LoRARequest) -> LoadedAdapter:
+        spec = read_adapter(request, self.arch, self.config.max_lora_rank)
+        pairs = []
+        with safe_open(str(spec.weights_path), framework="pt") as f:
+            for target in spec.targets:
+                where = self._module_of(target.module)
+                if where is None:  # another pipeline stage's layer
+                    continue
+                a = f.get_tensor(target.a_name).to(torch.float32)
+                b = f.get_tensor(target.b_name).to(torch.float32)
+                b = b * target.scaling
+                pairs.append((*where, a.to(self.dtype), b.to(self.dtype)))
+        logger.info("LoRA adapter %r (id %d, rank %d, %d modules) loaded from %s",
+                    request.lora_name, request.lora_int_id, spec.rank, len(pairs),
+                    request.lora_path)
+        return LoadedAdapter(spec, pairs)
+
+    def _module_of(self, module: str) -> tuple[str, int | None] | None:
+        """The octavo module (and packed index) a checkpoint module name maps to."""
+        if module == "lm_head":
+            return next(((n, None) for n, (m, _) in self.layers.items()
+                         if isinstance(m, LMHead)), None)
+        name = self.model.linear_name(f"{module}.weight")
+        if name is None or name not in self.layers:
+            return None
+        leaf = module.rpartition(".")[2]
+        packed = self.model.packed_modules_mapping.get(leaf)
+        return name, None if packed is None else packed[1]
+
+    def _fill(self, slot: int, adapter: LoadedAdapter) -> None:
+        self._clear(slot)
+        for name, index, a, b in adapter.pairs:
+            module, slots = self.layers[name]
+            if isinstance(module, Linear):
+                set_linear_pair(module, slots, slot, index, a, b)
+            elif isinstance(module, LMHead):
+                first = module.first_row
+                rows = b[first:first + module.weights_shape[0]]
+                slots.set(slot, 0, (0, rows.shape[0]), a, rows)
+            else:  # the embedding: A [rank, vocab], B [hidden, rank]
+                slots.set(slot, 0, (0, b.shape[0]), a, b)
+        self.slot_adapter[slot] = adapter.spec.request.lora_int_id
+
+    def _clear(self, slot: int) -> None:
+        for _, slots in self.layers.values():
+            slots.clear(slot)
+        self.slot_adapter[slot] = 0
+
+
+def segments(lora_of: np.ndarray, slot_of: dict[int, int]
+              ) -> list[tuple[int, slice | torch.Tensor]]:
+    """(slot, rows) per adapter in `lora_of`: a slice where its rows are consecutive."""
+    out: list[tuple[int, slice | torch.Tensor]] = []
+    for lora_id, slot in slot_of.items():
+        rows = np.flatnonzero(lora_of == lora_id)
+        if not len(rows):
+            continue
+        first, last = int(rows[0]), int(rows[-1])
+        if last - first + 1 == len(rows):
+            out.append((slot, slice(first, last + 1)))
+        else:
+            out.append((slot, torch.from_numpy(rows)))
+    return out
