@@ -38,6 +38,7 @@ from octavo.kernels.paged_attention import AttentionPlan
 from octavo.model.context import get_forward_context
 from octavo.model.layer_spec import LayerSpec, NormKind
 from octavo.model.layers.linear import Linear
+from octavo.model.layers.lora import LoRAStep
 from octavo.model.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
 from octavo.model.quant.decode_weights import max_rows
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed, PackedWeight
@@ -149,8 +150,9 @@ def _kind(low: PackedWeight | None) -> str:
 def _linear(lin: Linear | torch.Tensor) -> tuple:
     """A linear layer as the C++ stack takes it (csrc/stack_linear.h): dense weight, bias, the
     low-bit kind and its tensors (two, and a wide int4 weight's high plane), output features,
-    and the most rows the low-bit kernel serves (beside a dense weight: its copy's; alone: the
-    packed weight's dense_rows, tiles above them)."""
+    the most rows the low-bit kernel serves (beside a dense weight: its copy's; alone: the
+    packed weight's dense_rows, tiles above them), and its LoRA slots (A, B, which are in use)
+    where LoRA is on."""
     dense, low = _forms(lin)
     kind, c = _kind(low), None
     if kind in ("int4", "int4_int8"):  # octavo's kernel
@@ -166,7 +168,9 @@ def _linear(lin: Linear | torch.Tensor) -> tuple:
     out = dense.shape[0] if dense is not None else low.out_features
     rows = 0 if low is None else max_rows(low) if dense is not None else low.dense_rows
     bias = None if isinstance(lin, torch.Tensor) else lin.bias
-    return dense, bias, kind, a, b, c, out, rows
+    lora = None if isinstance(lin, torch.Tensor) else lin.lora
+    adapters = (None, None, None) if lora is None else (lora.a, lora.b, lora.used_mask)
+    return dense, bias, kind, a, b, c, out, rows, *adapters
 
 
 class DecodeStack:
@@ -198,13 +202,15 @@ class DecodeStack:
         self._stack, self._caches = None, None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
-                 sliding: AttentionPlan | None, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+                 sliding: AttentionPlan | None, kv_caches: list[torch.Tensor],
+                 lora: LoRAStep | None = None) -> torch.Tensor:
         if self._caches is not kv_caches:
             self._build(kv_caches)
         # A windowed layer reads the sliding plan where the step has one, else the step's plan,
         # as PagedAttention does.
         plans = [_kernel_plan(plan)] + ([] if sliding is None else [_kernel_plan(sliding)])
-        return self._stack.forward(x, positions, plan.slot_mapping, plans)
+        segments = [] if lora is None else lora.stack_segments()
+        return self._stack.forward(x, positions, plan.slot_mapping, plans, segments)
 
     def _build(self, kv_caches: list[torch.Tensor]) -> None:
         first = self.specs[0]
@@ -276,9 +282,8 @@ def run_layers(layers: nn.ModuleList, stack: DecodeStack | None, x: torch.Tensor
                positions: torch.Tensor) -> torch.Tensor:
     """The decoder layers over x: as one C++ stack where the step allows it, else one by one."""
     ctx = get_forward_context()
-    if stack is not None and ctx.lora is None and stack.usable(x, ctx.plan, ctx.sliding_plan,
-                                                               ctx.kv_caches):
-        return stack(x, positions, ctx.plan, ctx.sliding_plan, ctx.kv_caches)
+    if stack is not None and stack.usable(x, ctx.plan, ctx.sliding_plan, ctx.kv_caches):
+        return stack(x, positions, ctx.plan, ctx.sliding_plan, ctx.kv_caches, ctx.lora)
     for layer in layers:
         x = layer(positions, x)
     return x

@@ -88,17 +88,31 @@ class DecodeStack : public torch::CustomClassHolder {
                    std::vector<std::optional<at::Tensor>> low_a,
                    std::vector<std::optional<at::Tensor>> low_b,
                    std::vector<std::optional<at::Tensor>> low_c, std::vector<int64_t> out,
-                   std::vector<int64_t> max_rows) {
+                   std::vector<int64_t> max_rows,
+                   std::vector<std::optional<at::Tensor>> lora_a,
+                   std::vector<std::optional<at::Tensor>> lora_b,
+                   std::vector<std::optional<at::Tensor>> lora_used) {
     StackLayer& l = building();
     const size_t count = dense.size();
     for (size_t n : {bias.size(), low_bit.size(), low_a.size(), low_b.size(), low_c.size(),
-                     out.size(), max_rows.size()})
+                     out.size(), max_rows.size(), lora_a.size(), lora_b.size(), lora_used.size()})
       TORCH_CHECK(n == count, "one entry per linear layer in each of its fields");
     TORCH_CHECK(count >= 4, "a layer has qkv, o and an MLP");
     l.linears.clear();
-    for (size_t i = 0; i < count; ++i)
+    for (size_t i = 0; i < count; ++i) {
       l.linears.emplace_back(dense[i], bias[i], low_bit[i], low_a[i], low_b[i], low_c[i], out[i],
                              max_rows[i]);
+      TORCH_CHECK(lora_a[i].has_value() == lora_b[i].has_value() &&
+                  lora_a[i].has_value() == lora_used[i].has_value(),
+                  "LoRA slots come as A, B and their use");
+      if (!lora_a[i]) continue;
+      TORCH_CHECK(lora_used[i]->scalar_type() == at::kBool && lora_a[i]->dim() == 3 &&
+                  lora_b[i]->dim() == 3 && lora_used[i]->size(0) == lora_a[i]->size(0),
+                  "LoRA slots: A [slots, width, K], B [slots, N, width], bool used [slots]");
+      l.linears.back().lora_a = *lora_a[i];
+      l.linears.back().lora_b = *lora_b[i];
+      l.linears.back().lora_used = *lora_used[i];
+    }
   }
 
   // The MLP over the linears given: dense (top_k 0) or a mixture of experts. Completes the layer.
@@ -148,9 +162,9 @@ class DecodeStack : public torch::CustomClassHolder {
   // x: [T, hidden] embeddings of the step's tokens (each plan's token_index maps attention
   // entries to them) -> hidden states before the final norm. plans: the step's plan, then the
   // sliding-window one where the step has it (a layer that reads plan 1 reads plan 0 without
-  // it, as PagedAttention does).
+  // it, as PagedAttention does). lora: the step's adapter segments (empty: none).
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slot_mapping,
-                        std::vector<StackPlan> plans) const {
+                     std::vector<StackPlan> plans, std::vector<LoraSegment> lora) const {
     const int64_t t = x.size(0);
     const int64_t q_size = heads_ * head_dim_;
     TORCH_CHECK(x.is_contiguous() && positions.is_contiguous() && slot_mapping.is_contiguous(),
@@ -164,7 +178,7 @@ class DecodeStack : public torch::CustomClassHolder {
     for (const StackLayer& l : layers_) TORCH_CHECK(l.complete, "a layer is not complete");
     for (const StackLayer& l : layers_) {
       auto xn = pending.defined() ? add_norm(l, x, pending, kAttnIn) : norm(l, x, kAttnIn);
-      auto qkv = l.qkv(xn);
+      auto qkv = l.qkv(xn, lora);
       auto q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
       TORCH_CHECK(qkv.stride(1) == 1, "qkv rows must be contiguous");
       {
@@ -201,7 +215,7 @@ class DecodeStack : public torch::CustomClassHolder {
                          l.scale * l.k_scale, l.softcap, window);
         if (l.v_scale != 1.0) attn.mul_(l.v_scale);
       }
-      auto o = row_parallel(l.o, attn.view({t, q_size}));
+      auto o = row_parallel(l.o, attn.view({t, q_size}), lora);
       if (l.norm_w[kAttnOut].defined()) o = norm(l, o, kAttnOut);
       at::Tensor mlp_x;
       if (l.parallel_residual) {  // x + attn + mlp(norm(x)): the MLP reads x before attn joins
@@ -210,7 +224,7 @@ class DecodeStack : public torch::CustomClassHolder {
       } else {
         mlp_x = add_norm(l, x, o, kMlpIn);
       }
-      pending = mlp(l, mlp_x);
+      pending = mlp(l, mlp_x, lora);
       if (l.norm_w[kMlpOut].defined()) pending = norm(l, pending, kMlpOut);
     }
     if (pending.defined()) x += pending;
@@ -244,15 +258,18 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // A projection whose output the ranks sum (o, down): its bias joins after the sum, once, as
   // the Python Linear adds it.
-  at::Tensor row_parallel(const StackLinear& lin, const at::Tensor& x) const {
-    auto y = lin.product(x);
+  at::Tensor row_parallel(const StackLinear& lin, const at::Tensor& x,
+                          const std::vector<LoraSegment>& lora = {}) const {
+    auto y = lin.product(x, lora);  // a partial adapter delta beside the partial product
     reduce(y);
     return lin.add_bias(y);
   }
 
-  // The MLP of xn, summed over the ranks.
-  at::Tensor mlp(const StackLayer& l, const at::Tensor& xn) const {
-    if (!l.moe) return row_parallel(l.down, activate(l, l.gate_up(xn)));
+  // The MLP of xn, summed over the ranks (adapters change a dense MLP; a mixture's experts
+  // take none).
+  at::Tensor mlp(const StackLayer& l, const at::Tensor& xn,
+                 const std::vector<LoraSegment>& lora) const {
+    if (!l.moe) return row_parallel(l.down, activate(l, l.gate_up(xn, lora)), lora);
     const StackMoe& m = *l.moe;
     RECORD_FUNCTION("octavo::moe", std::vector<c10::IValue>());
     // FusedMoE.forward's ops in its order (the same sums): top-k routing, token rows sorted by

@@ -19,6 +19,10 @@ inline LowBitKind low_bit_kind(const std::string& name) {
               "' (none, int4, int4_int8, int4_torch, int8)");
 }
 
+// The adapters of a step's tokens (octavo/model/layers/lora.py, LoRAStep): per adapter in the
+// step, its slot and its tokens, rows [start, start + length) or the rows listed in `index`.
+using LoraSegment = std::tuple<int64_t, int64_t, int64_t, std::optional<at::Tensor>>;
+
 struct StackLinear {
   at::Tensor dense;  // [N, K], the weight every batch size can use; undefined: packed only
   at::Tensor bias;   // [N] or undefined
@@ -30,6 +34,10 @@ struct StackLinear {
   // The most rows the low-bit kernel serves (its crossover on this CPU); above them the dense
   // weight, or with none, the low-bit weight dequantized tile by tile into the dense GEMM.
   int64_t max_rows = 0;
+  // LoRA slots (LoRASlots: A [slots, width, K], B [slots, N, width], scaled; which slots hold
+  // an adapter that targets this layer), shared with Python, which fills them in place;
+  // undefined without LoRA.
+  at::Tensor lora_a, lora_b, lora_used;
 
   StackLinear() = default;
   StackLinear(const std::optional<at::Tensor>& dense_weight,
@@ -72,6 +80,28 @@ struct StackLinear {
   at::Tensor add_bias(const at::Tensor& y) const { return bias.defined() ? y + bias : y; }
 
   at::Tensor operator()(const at::Tensor& x) const { return add_bias(product(x)); }
+
+  // The product with each token's adapter delta added (LoRASlots.add_delta's ops), without
+  // the bias.
+  at::Tensor product(const at::Tensor& x, const std::vector<LoraSegment>& lora) const {
+    auto y = product(x);
+    if (!lora_a.defined() || lora.empty()) return y;
+    const bool* used = lora_used.data_ptr<bool>();
+    for (const auto& [slot, start, length, index] : lora) {
+      if (!used[slot]) continue;
+      const auto xs = index ? x.index_select(0, *index) : x.narrow(0, start, length);
+      const auto delta = at::matmul(at::matmul(xs, lora_a[slot].t()), lora_b[slot].t());
+      if (index)
+        y.index_add_(0, *index, delta);
+      else
+        y.narrow(0, start, length).add_(delta);
+    }
+    return y;
+  }
+
+  at::Tensor operator()(const at::Tensor& x, const std::vector<LoraSegment>& lora) const {
+    return add_bias(product(x, lora));
+  }
 
   // A weight packed by octavo/kernels/onednn.py: oneDNN's linear op, as its Python side calls it.
   static at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight) {

@@ -34,6 +34,11 @@ class LoRAStep:
     slot_of: dict[int, int]  # adapter id -> its slot
     sample_segments: list[tuple[int, slice | torch.Tensor]] | None = None
 
+    def stack_segments(self) -> list[tuple[int, int, int, torch.Tensor | None]]:
+        """The segments as the C++ decode stack takes them: (slot, start, length, index)."""
+        return [(slot, rows.start, rows.stop - rows.start, None) if isinstance(rows, slice)
+                else (slot, 0, 0, rows) for slot, rows in self.segments]
+
 
 class LoRASlots:
     """The adapters' A and B of one linear layer (or the LM head, or the embedding)."""
@@ -49,12 +54,14 @@ class LoRASlots:
                              (num_slots, width, in_features), dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, out_features, width, dtype=dtype, device=device)
         self.used = [False] * num_slots  # the slot's adapter targets this layer
+        self.used_mask = torch.zeros(num_slots, dtype=torch.bool)  # the same, for the C++ stack
 
     def clear(self, slot: int) -> None:
         if self.used[slot]:
             self.a[slot].zero_()
             self.b[slot].zero_()
             self.used[slot] = False
+            self.used_mask[slot] = False
 
     def set(self, slot: int, index: int, rows: tuple[int, int], a: torch.Tensor,
             b: torch.Tensor) -> None:
@@ -68,6 +75,7 @@ class LoRASlots:
             self.a[slot][cols] = a
         self.b[slot][rows[0]:rows[1], cols] = b
         self.used[slot] = True
+        self.used_mask[slot] = True
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor,
                   segments: list[tuple[int, slice | torch.Tensor]]) -> torch.Tensor:
