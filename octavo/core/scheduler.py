@@ -97,6 +97,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use")
+        if request.lora_id and not self.max_loras:  # it would wait for a slot forever
+            raise ValueError(f"request {request.req_id!r} names a LoRA adapter, and this "
+                             f"engine runs without LoRA")
         self.structured.add_request(request)  # starts its grammar's compile
         request.arrival_seq = self._arrivals
         self._arrivals += 1

@@ -11,7 +11,7 @@ def as_core_request(req: Request) -> EngineCoreRequest:
     """The message that brings `req` to a core: every field a front end sets."""
     return EngineCoreRequest(req.req_id, req.prompt_token_ids, req.sampling_params,
                              req.eos_token_ids, req.max_tokens, req.arrival_time, req.priority,
-                             req.cache_salt, req.bad_words_token_ids)
+                             req.cache_salt, req.bad_words_token_ids, req.lora_request)
 
 
 def submit(core: EngineCore, req: Request) -> None:

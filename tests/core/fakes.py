@@ -36,14 +36,15 @@ def make_request(req_id: str, prompt_len: int, max_tokens: int = 16, priority: i
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int | None = None,
                    enable_caching: bool = False, scheduling_policy: str = "fcfs",
-                   priority_aging_steps: int = 0) -> Scheduler:
+                   priority_aging_steps: int = 0, max_loras: int = 0) -> Scheduler:
     if max_model_len is None:
         max_model_len = num_blocks * block_size
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=max_num_batched_tokens,
                                      scheduling_policy=scheduling_policy,
                                      priority_aging_steps=priority_aging_steps),
-                     KVCacheManager(num_blocks, block_size, enable_caching), max_model_len)
+                     KVCacheManager(num_blocks, block_size, enable_caching), max_model_len,
+                     max_loras=max_loras)
 
 
 # (req_id, output index) -> token id

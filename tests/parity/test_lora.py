@@ -1,0 +1,164 @@
+"""LoRA adapters against transformers + peft on the same base weights: random adapters of ranks
+4, 8 and 16 made with peft at test time, mixed in one batch with base-model requests, on tiny
+random models of several families (and on SmolLM2 in tests/parity/test_lora_smollm.py)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from octavo import LLM, LoRARequest, SamplingParams
+from tests.parity.test_tiny_models import _build
+
+peft = pytest.importorskip("peft")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (rank, targets, rslora): every projection; two of them with rslora; every projection and
+# the vocabulary layers
+ADAPTERS = [(4, ALL, False), (8, ["q_proj", "v_proj"], True),
+            (16, ALL + ["embed_tokens", "lm_head"], False)]
+NEW_TOKENS = 6
+
+
+def make_adapter(base: torch.nn.Module, rank: int, targets: list[str], rslora: bool,
+                 seed: int, folder):
+    """A peft LoRA adapter with random A and B (peft zeroes B by default), saved to `folder`;
+    returns the peft model."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
+        use_rslora=rslora, lora_dropout=0.1))  # dropout is off at inference
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:  # deltas as large as the weights' spread, not larger
+                p.mul_(0.05 if "embedding" in name else 0.5)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["llama-default", "qwen2-bias", "gemma3", "qwen3-moe"])
+def family(request, tmp_path_factory, smollm_oracle_folder):
+    return build_family(request.param, tmp_path_factory, smollm_oracle_folder)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory, smollm_oracle_folder):
+    return build_family("llama-default", tmp_path_factory, smollm_oracle_folder)
+
+
+def build_family(name, tmp_path_factory, smollm_oracle_folder):
+    """A tiny model, its adapters (attention only on a mixture of experts) and peft's greedy
+    tokens and their logprobs for each (None: the base model) on three prompts."""
+    tmp = tmp_path_factory.mktemp(name)
+    folder, base = _build(tmp, smollm_oracle_folder, name)
+    attention_only = name.startswith("qwen3-moe")
+    adapters = []
+    for i, (rank, targets, rslora) in enumerate(ADAPTERS):
+        if attention_only:
+            targets = [t for t in targets if t not in ("gate_proj", "up_proj", "down_proj")]
+        path = tmp / f"adapter{i}"
+        adapters.append((LoRARequest(f"a{i}", i + 1, str(path)),
+                         make_adapter(base, rank, targets, rslora, 10 + i, path)))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 49000, (n,), generator=gen).tolist() for n in (5, 40, 90)]
+    expected = {}
+    with torch.inference_mode():
+        for lora, model in [(None, base)] + adapters:
+            for j, p in enumerate(prompts):
+                out = model.generate(input_ids=torch.tensor([p]), do_sample=False,
+                                     max_new_tokens=NEW_TOKENS, pad_token_id=0)[0]
+                logits = model(input_ids=out[None]).logits[0, len(p) - 1:-1].float()
+                lp = torch.log_softmax(logits, -1)
+                tokens = out[len(p):]
+                expected[(lora and lora.lora_int_id, j)] = (
+                    tokens.tolist(), lp[torch.arange(len(tokens)), tokens])
+    return folder, [a for a, _ in adapters], prompts, expected
+
+
+def _check(outs, cases, expected):
+    for out, (lora, j) in zip(outs, cases):
+        tokens, logprobs = expected[(lora and lora.lora_int_id, j)]
+        got = out.outputs[0]
+        assert got.token_ids == tokens, (lora, j)
+        ours = torch.tensor([lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)])
+        assert torch.allclose(ours, logprobs, atol=1e-3), (lora, j, ours - logprobs)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["fused-stack", "eager"])
+def test_mixed_adapters_match_peft(family, eager):
+    """Every adapter and the base model in one batch, more adapters than slots (requests of
+    the third wait for a slot), prompts in several chunks: each output equals peft's."""
+    folder, adapters, prompts, expected = family
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              max_num_batched_tokens=64, enable_lora=True, max_loras=2, max_lora_rank=16,
+              enforce_eager=eager)
+    cases = [(lora, j) for j in range(len(prompts)) for lora in [None, *adapters]]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    outs = llm.generate([prompts[j] for _, j in cases], params, use_tqdm=False,
+                        lora_request=[lora for lora, _ in cases])
+    _check(outs, cases, expected)
+
+
+def test_prompt_logprobs_with_adapters(family):
+    """Prompt logprobs are the adapter's (its LM head and every layer before it)."""
+    folder, adapters, prompts, expected = family
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              enable_lora=True, max_loras=3, max_lora_rank=16)
+    lora = adapters[2]
+    full = prompts[1] + expected[(lora.lora_int_id, 1)][0]
+    out = llm.generate([full], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
+                       use_tqdm=False, lora_request=lora)[0]
+    ours = torch.tensor([out.prompt_logprobs[p][full[p]].logprob
+                         for p in range(len(prompts[1]), len(full))])
+    assert torch.allclose(ours, expected[(lora.lora_int_id, 1)][1], atol=1e-3)
+
+
+def _generate(llm, cases, prompts):
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    return llm.generate([prompts[j] for _, j in cases], params, use_tqdm=False,
+                        lora_request=[lora for lora, _ in cases])
+
+
+def test_adapters_evicted_and_reloaded_give_the_same_outputs(llama):
+    """One slot and one adapter in host memory: each adapter in turn is loaded, evicted and
+    loaded again; its outputs (and the prefix cache's hits on its own blocks) are unchanged."""
+    folder, adapters, prompts, expected = llama
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=16)
+    manager = llm.engine.client.core.executor.worker.runner.lora
+    for lora in [adapters[0], adapters[1], adapters[2], adapters[0], None, adapters[2]]:
+        cases = [(lora, j) for j in range(len(prompts))]
+        _check(_generate(llm, cases, prompts), cases, expected)
+        assert len(manager.loaded) <= 1
+
+
+def test_adapters_under_preemption(llama):
+    """A KV cache too small for the batch: requests with adapters are preempted and recomputed,
+    and still give peft's outputs."""
+    folder, adapters, prompts, expected = llama
+    block_bytes = 2 * 16 * 2 * 16 * 4 * 2  # K and V, 16 tokens, 2 KV heads of 16, fp32, 2 layers
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=14 * block_bytes,
+              max_num_batched_tokens=32, enable_lora=True, max_loras=3, max_lora_rank=16)
+    cases = [(lora, j) for lora in [*adapters, None] for j in (1, 2)]
+    _check(_generate(llm, cases, prompts), cases, expected)
+    assert llm.engine.client.core.scheduler.num_preemptions > 0
+
+
+def test_int4_base_weights_take_the_same_deltas(llama):
+    """Adapters over int4 base weights: a mixed batch gives each request what it gets alone
+    (the delta is added to the quantized layer's output; tests/model/test_lora_layer.py checks
+    the sum itself)."""
+    folder, adapters, prompts, _ = llama
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              quantization="int4", enable_lora=True, max_loras=2, max_lora_rank=16)
+    cases = [(lora, j) for j in range(len(prompts)) for lora in [None, *adapters]]
+    mixed = _generate(llm, cases, prompts)
+    for out, case in zip(mixed, cases):
+        alone = _generate(llm, [case], prompts)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    base = [o.outputs[0].token_ids for o, (lora, _) in zip(mixed, cases) if lora is None]
+    adapted = [o.outputs[0].token_ids for o, (lora, _) in zip(mixed, cases) if lora is not None]
+    assert all(a not in base for a in adapted[:3])  # the adapters change what comes out
