@@ -111,7 +111,8 @@ class LLM:
                            continue_final_message, kwargs)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
-                    cache_salt: str | None = None) -> list[BeamSearchOutput]:
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None
+                    ) -> list[BeamSearchOutput]:
         """Beam search for one prompt or many (all searched together, one engine step per token):
         one BeamSearchOutput per prompt, in input order, as vLLM returns it: `sequences` are the
         beam_width best beams, best first, each with `tokens` and `text` that include the
@@ -121,7 +122,7 @@ class LLM:
         if is_single_prompt(prompts):
             prompts = [prompts]
         searches = [beam.start(self.engine, self.engine.next_request_id(), p, params,
-                               cache_salt) for p in prompts]
+                               cache_salt, lora_request) for p in prompts]
         beam.run(self.engine, searches)
         return [s.sequences(self.tokenizer) for s in searches]
 

@@ -44,6 +44,14 @@ class EngineMetrics:
         self.loop_tasks = Gauge("octavo:frontend_asyncio_tasks",
                                 "Tasks alive on the front end's event loop", registry=r)
         self.preemptions = Counter("octavo:num_preemptions", "Preempted requests", registry=r)
+        self.lora_requests = Counter("octavo:lora_requests", "Finished requests per LoRA adapter",
+                                     ["lora_name"], registry=r)
+        self.lora_prompt_tokens = Counter("octavo:lora_prompt_tokens",
+                                          "Prompt tokens computed per LoRA adapter",
+                                          ["lora_name"], registry=r)
+        self.lora_generation_tokens = Counter("octavo:lora_generation_tokens",
+                                              "Generated tokens per LoRA adapter",
+                                              ["lora_name"], registry=r)
         self.prefix_queries = Counter("octavo:prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache", registry=r)
         self.prefix_hits = Counter("octavo:prefix_cache_hits",
@@ -102,14 +110,20 @@ class EngineMetrics:
         if queue_time is not None:
             self.queue_time.observe(max(0.0, queue_time))
 
-    def tokens(self, prompt: int, generated: int) -> None:
-        """Counted as they are computed: prompts at their first output, tokens as they stream."""
+    def tokens(self, prompt: int, generated: int, lora_name: str | None = None) -> None:
+        """Counted as they are computed: prompts at their first output, tokens as they stream
+        (also per adapter, for a request with one)."""
         self.prompt_tokens.inc(prompt)
         self.generation_tokens.inc(generated)
+        if lora_name is not None:
+            self.lora_prompt_tokens.labels(lora_name=lora_name).inc(prompt)
+            self.lora_generation_tokens.labels(lora_name=lora_name).inc(generated)
 
     def finished(self, reasons: list[str | None], output_tokens: int, e2e: float,
-                 decode_time: float | None) -> None:
+                 decode_time: float | None, lora_name: str | None = None) -> None:
         self.finished_requests.inc()
+        if lora_name is not None:
+            self.lora_requests.labels(lora_name=lora_name).inc()
         for reason in reasons:
             self.request_success.labels(finished_reason=reason or "abort").inc()
         self.e2e.observe(e2e)

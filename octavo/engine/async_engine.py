@@ -29,7 +29,7 @@ from octavo.engine.outputs import OutputProcessor, ParentState
 from octavo.engine.processor import PreparedRequest, RequestLimits
 from octavo.engine.request_stream import RequestStream
 from octavo.metrics import EngineMetrics
-from octavo.params import RequestOutput, SamplingParams
+from octavo.params import LoRARequest, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,8 @@ class AsyncEngine:
                 self._dequeue(stream)
                 prompt_tokens = stream.prompt_tokens
             out = parent.output(delta=True)
-            self.metrics.tokens(prompt_tokens, sum(len(c.token_ids) for c in out.outputs))
+            self.metrics.tokens(prompt_tokens, sum(len(c.token_ids) for c in out.outputs),
+                                stream.lora_name)
             if stream.first_token is None and any(c.token_ids for c in out.outputs):
                 stream.first_token = now
                 self.metrics.first_token(now - stream.arrival, parent.first_scheduled_time and
@@ -217,7 +218,8 @@ class AsyncEngine:
         outs = parent.children.values()
         n_out = sum(len(c.token_ids) for c in outs)
         self.metrics.finished([c.finish_reason for c in outs], n_out, now - stream.arrival,
-                              None if stream.first_token is None else now - stream.first_token)
+                              None if stream.first_token is None else now - stream.first_token,
+                              stream.lora_name)
 
     def _dequeue(self, stream: RequestStream) -> None:
         stream.queued = False
@@ -246,21 +248,22 @@ class AsyncEngine:
 
     def prepare(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                 priority: int = 0, cache_salt: str | None = None,
-                max_logprobs: int | None = None,
-                add_special_tokens: bool = True) -> PreparedRequest:
+                max_logprobs: int | None = None, add_special_tokens: bool = True,
+                lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Validate and tokenize here (raises ValueError on bad input): for prompts that are
         token ids already; text goes through `prepare_async`."""
         return self.processor.build(request_id, prompt, params, priority, cache_salt,
-                                    max_logprobs, add_special_tokens)
+                                    max_logprobs, add_special_tokens, lora_request)
 
     async def prepare_async(self, request_id: str, prompt: str | Sequence[int],
                             params: SamplingParams, priority: int = 0,
                             cache_salt: str | None = None,
-                            add_special_tokens: bool = True) -> PreparedRequest:
+                            add_special_tokens: bool = True,
+                            lora_request: LoRARequest | None = None) -> PreparedRequest:
         """`prepare` off the event loop, within the preprocess budget."""
         return await self.offload.run("tokenizing and checking the request", self.prepare,
                                       request_id, prompt, params, priority, cache_salt, None,
-                                      add_special_tokens)
+                                      add_special_tokens, lora_request)
 
     def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Admit the request (or raise QueueFullError / EngineDeadError now, before any
@@ -277,7 +280,9 @@ class AsyncEngine:
             raise
         sequences = len(prepared.core_requests)
         tokens = len(prepared.prompt_token_ids) * sequences
-        stream = RequestStream(sequences=sequences, prompt_tokens=tokens)
+        lora = prepared.core_requests[0].lora_request
+        stream = RequestStream(sequences=sequences, prompt_tokens=tokens,
+                               lora_name=None if lora is None else lora.lora_name)
         self._streams[prepared.request_id] = stream
         self._queued_requests += sequences
         self._queued_tokens += tokens

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from octavo.inputs import unwrap_prompt
 from octavo.params import (
     BeamSearchOutput, BeamSearchParams, BeamSearchSequence, CompletionOutput, Logprob,
-    RequestOutput, SamplingParams)
+    LoRARequest, RequestOutput, SamplingParams)
 
 if TYPE_CHECKING:
     from octavo.engine.async_engine import AsyncEngine
@@ -57,6 +57,7 @@ class BeamSearch:
     finished: list[Beam] = field(default_factory=list)  # best first, at most beam_width
     done: bool = False
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # every beam runs with this adapter
 
     def __post_init__(self) -> None:
         if self.params.ignore_eos:
@@ -128,7 +129,7 @@ class BeamSearch:
 
 
 def start(engine, request_id: str, prompt, params: BeamSearchParams,
-          cache_salt: str | None = None) -> BeamSearch:
+          cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> BeamSearch:
     """Tokenize and check one prompt (`engine`: LLMEngine or AsyncEngine)."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
@@ -140,8 +141,10 @@ def start(engine, request_id: str, prompt, params: BeamSearchParams,
     body, own_salt = unwrap_prompt(prompt)
     text, ids = processor.tokenize(body)
     processor.validate(ids, SamplingParams(max_tokens=params.max_tokens))
+    if lora_request is not None:
+        processor.adapters.check(lora_request)
     return BeamSearch(request_id, text, ids, params, engine.processor.eos_token_ids,
-                      cache_salt=own_salt or cache_salt)
+                      cache_salt=own_salt or cache_salt, lora_request=lora_request)
 
 
 def _step_params(search: BeamSearch) -> SamplingParams:
@@ -171,7 +174,8 @@ def run(engine: LLMEngine, searches: list[BeamSearch]) -> None:
                 for i, beam in enumerate(s.running):
                     rid = f"beam-{engine.next_request_id()}"
                     engine.add_request(rid, s.prompt_ids + beam.tokens, params,
-                                       cache_salt=s.cache_salt, max_logprobs=s.num_candidates)
+                                       cache_salt=s.cache_salt, max_logprobs=s.num_candidates,
+                                       lora_request=s.lora_request)
                     pending[rid] = (s, i)
                     waiting.add(rid)
             tops: dict[int, list[TopTokens | None]] = {id(s): [None] * len(s.running)
@@ -204,7 +208,8 @@ async def run_async(engine: AsyncEngine, searches: list[BeamSearch], priority: i
             for i, beam in enumerate(s.running):
                 prepared.append(engine.prepare(
                     f"{s.request_id}-beam{step}.{i}", s.prompt_ids + beam.tokens, params,
-                    priority, s.cache_salt, max_logprobs=s.num_candidates))
+                    priority, s.cache_salt, max_logprobs=s.num_candidates,
+                    lora_request=s.lora_request))
                 owners.append((s, i))
         streams = engine.generate_all(prepared)
         finals = await asyncio.gather(*(_last(st) for st in streams))

@@ -15,6 +15,7 @@ class RequestStream:
 
     sequences: int = 1  # core requests (n > 1 fans out): each counts for admission
     prompt_tokens: int = 0
+    lora_name: str | None = None  # its adapter's (metrics per adapter)
     queued: bool = True  # no output yet: counts against the admission bounds
     arrival: float = field(default_factory=time.time)
     first_token: float | None = None

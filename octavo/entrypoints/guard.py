@@ -39,7 +39,8 @@ class GuardPolicy:
         return frozenset({"/health"} if self.metrics_require_key else {"/health", "/metrics"})
 
 
-ADMIN_PATHS = frozenset({"/reset_prefix_cache"})
+ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/v1/load_lora_adapter",
+                         "/v1/unload_lora_adapter"})
 
 
 class Guard:

@@ -25,6 +25,7 @@ from octavo.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullEr
 from octavo.entrypoints.guard import Guard, GuardPolicy
 from octavo.entrypoints.openai.responses_store import ResponseStore
 from octavo.entrypoints.request_log import ExchangeSink, RequestLog, RequestLogConfig
+from octavo.params import LoRARequest
 from octavo.serving.chat_output import ChatParsers
 from octavo.serving.chat_template import RenderLimits
 
@@ -51,6 +52,9 @@ class ServerState:
     tracer: ExchangeSink | None = None  # --otlp-traces-endpoint
     on_engine_death: Callable[[], None] = lambda: None
     response_store: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses
+    # LoRA adapters loaded and unloaded over HTTP (admin routes), from under lora_root only
+    allow_runtime_lora_updating: bool = False
+    lora_root: str | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -142,15 +146,25 @@ def state_of(request: Request) -> ServerState:
 
 
 def check_model(state: ServerState, model: str | None) -> str:
+    """The name a response reports: the base model's first name, or the adapter's."""
     if model is None or model in state.served_model_names:
         return state.served_model_names[0]
+    if model in state.engine.processor.adapters.named:
+        return model
+    names = [*state.served_model_names, *state.engine.processor.adapters.named]
     raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                        f"{', '.join(state.served_model_names)}", "model")
+                        f"{', '.join(names)}", "model")
+
+
+def adapter_of(state: ServerState, model: str | None) -> LoRARequest | None:
+    """The LoRA adapter the request's `model` names (None: the base model)."""
+    return None if model is None else state.engine.processor.adapters.named.get(model)
 
 
 def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> FastAPI:
     from octavo.entrypoints.anthropic.api import router as anthropic_router
     from octavo.entrypoints.openai.api import router as openai_router
+    from octavo.entrypoints.openai.lora import router as lora_router
     from octavo.entrypoints.openai.responses import router as responses_router
 
     @asynccontextmanager
@@ -229,6 +243,8 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(openai_router)
+    if state.allow_runtime_lora_updating:
+        app.include_router(lora_router)
     app.include_router(responses_router)
     app.include_router(anthropic_router)
     return app

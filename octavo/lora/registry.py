@@ -16,6 +16,8 @@ class AdapterRegistry:
         self.config = config
         self.checked: dict[int, AdapterSpec] = {}  # adapter id -> the adapter it names
         self.named: dict[str, LoRARequest] = {}  # the server's adapters, by name
+        self._last_id = 0  # ids given to named adapters: never reused, so an adapter loaded
+        # anew under an old name never meets the old one's cached blocks or host copy
 
     def check(self, request: LoRARequest | None) -> LoRARequest | None:
         """`request`, checked: ValueError (naming the adapter) if it cannot be served."""
@@ -43,8 +45,10 @@ class AdapterRegistry:
         """A server adapter `name` at `path`, checked, with the next free id."""
         if name in self.named:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
-        lora_id = max([0, *self.checked]) + 1
+        lora_id = self._last_id = max([self._last_id, *self.checked]) + 1
         request = self.check(LoRARequest(name, lora_id, path))
+        if name in self.named:  # loaded meanwhile by another request
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
         self.named[name] = request
         return request
 

@@ -16,7 +16,7 @@ from octavo.entrypoints.anthropic.tools import (
     template_tools, tool_request)
 from octavo.entrypoints.chat_plan import model_defaults, plan_output, render_prompt
 from octavo.entrypoints.http import (
-    APIError, RequestTimedOut, ServerState, check_model, error_body, state_of, timed,
+    APIError, RequestTimedOut, ServerState, adapter_of, check_model, error_body, state_of, timed,
     unless_disconnected)
 from octavo.params import RequestOutput, SamplingParams
 from octavo.serving.chat_output import ChatPlan
@@ -147,7 +147,8 @@ async def messages(body: MessagesRequest, request: Request):
         raise APIError(400, f"temperature must be in [0, 1], got {body.temperature}",
                        "temperature")
     msg_id = f"msg_{uuid.uuid4().hex}"
-    prepared = await state.engine.prepare_async(msg_id, ids, params)
+    prepared = await state.engine.prepare_async(msg_id, ids, params,
+                                                lora_request=adapter_of(state, body.model))
     stream = state.engine.generate(prepared)
     if body.stream:
         return StreamingResponse(_stream(state, plan, prepared, stream, model),

@@ -110,6 +110,17 @@ def add_app_args(s: argparse.ArgumentParser) -> None:
                    help="log each generation request's output text")
     s.add_argument("--max-log-len", type=int, default=None,
                    help="characters of a prompt or output logged (default: all)")
+    s.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters to serve (with --enable-lora), each selected by its name "
+                        "in the OpenAI model field: name=path or JSON {\"name\": ..., "
+                        "\"path\": ...}")
+    s.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="let the admin routes /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "change the adapters (needs --lora-root, and --admin-api-key or "
+                        "--api-key)")
+    s.add_argument("--lora-root", default=None,
+                   help="the directory adapters loaded at run time must lie under (their "
+                        "paths are resolved, symlinks followed)")
     s.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="export one OpenTelemetry span per generation request to this OTLP "
                         "endpoint (needs pip install 'octavo[otlp]'; the protocol is "
@@ -227,6 +238,7 @@ def open_state(args: argparse.Namespace, **server: object) -> ServerState:
     if args.max_logprobs < -1:  # -1: no cap, the whole vocabulary may be asked for (as vLLM)
         raise ValueError(f"--max-logprobs must be >= 0, or -1 for no cap; got "
                          f"{args.max_logprobs}")
+    _check_lora_flags(args, server)
     from octavo.entrypoints.request_log import RequestLogConfig
 
     request_log = RequestLogConfig(not args.disable_access_log, args.enable_log_requests,
@@ -261,6 +273,14 @@ def open_state(args: argparse.Namespace, **server: object) -> ServerState:
                            args.preprocess_timeout, args.engine_timeout)
     engine = AsyncEngine(config, limits, core)
     from octavo.entrypoints.http import ServerState
+    from octavo.entrypoints.openai.lora import add_startup_adapters
+
+    names = args.served_model_name or [args.model]
+    try:
+        add_startup_adapters(engine.processor.adapters, args.lora_modules, names)
+    except BaseException:
+        engine.close()
+        raise
 
     parsers = parsers.for_vocab(engine.tokenizer.get_vocab())
     if parsers.reasoning_parser is not None and parsers.reasoning_end is None:
@@ -268,11 +288,26 @@ def open_state(args: argparse.Namespace, **server: object) -> ServerState:
                        "this model, so structured output and tool_choice required/named apply "
                        "from the first token (those outputs have no reasoning)",
                        args.reasoning_parser)
-    return ServerState(engine, args.served_model_name or [args.model], chat_template=template,
+    return ServerState(engine, names, chat_template=template,
                        parsers=parsers, max_request_bytes=args.max_request_bytes,
                        trust_request_chat_template=args.trust_request_chat_template,
                        request_timeout_s=args.request_timeout, request_log=request_log,
+                       allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                       lora_root=args.lora_root,
                        tracer=tracer, **server)
+
+
+def _check_lora_flags(args: argparse.Namespace, server: dict) -> None:
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    if not args.allow_runtime_lora_updating:
+        return
+    if not args.lora_root or not Path(args.lora_root).is_dir():
+        raise ValueError("--allow-runtime-lora-updating needs --lora-root, an existing "
+                         "directory that adapters loaded at run time must lie under")
+    if not (server.get("admin_api_key") or server.get("api_key")):
+        raise ValueError("--allow-runtime-lora-updating needs --admin-api-key (or --api-key): "
+                         "the routes that load adapters must not be open")
 
 
 def _loopback(host: str) -> bool:

@@ -13,7 +13,8 @@ from fastapi.responses import StreamingResponse
 from octavo.engine.processor import PreparedRequest
 from octavo.entrypoints.chat_plan import model_defaults, plan_output, render_prompt
 from octavo.entrypoints.http import (
-    APIError, RequestTimedOut, ServerState, check_model, state_of, timed, unless_disconnected)
+    APIError, RequestTimedOut, ServerState, adapter_of, check_model, state_of, timed,
+    unless_disconnected)
 from octavo.entrypoints.openai import completions
 from octavo.entrypoints.openai.beam import beam_chat
 from octavo.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
@@ -37,10 +38,16 @@ router.include_router(completions.router)
 async def list_models(request: Request) -> dict:
     state = state_of(request)
     created = int(time.time())
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": created, "owned_by": "octavo",
-         "root": state.engine.config.model.model, "max_model_len": state.engine.max_model_len}
-        for name in state.served_model_names]}
+    base = state.served_model_names[0]
+    cards = [{"id": name, "object": "model", "created": created, "owned_by": "octavo",
+              "root": state.engine.config.model.model, "parent": None,
+              "max_model_len": state.engine.max_model_len}
+             for name in state.served_model_names]
+    cards += [{"id": name, "object": "model", "created": created, "owned_by": "octavo",
+               "root": lora.lora_path, "parent": base,
+               "max_model_len": state.engine.max_model_len}
+              for name, lora in state.engine.processor.adapters.named.items()]
+    return {"object": "list", "data": cards}
 
 
 @router.post("/tokenize")
@@ -97,7 +104,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                   skip_special_tokens=plan.skip_special_tokens)
     rid = response_id("chatcmpl", body)
     prepared = await engine.prepare_async(engine_id(rid, body), ids, params, body.priority,
-                                          body.cache_salt)
+                                          body.cache_salt,
+                                          lora_request=adapter_of(state, body.model))
     created = int(time.time())
     stream = engine.generate(prepared)
     role, echo = _role_and_echo(body)

@@ -8,7 +8,7 @@ import time
 from fastapi import Request
 
 from octavo.engine import beam_search as beam
-from octavo.entrypoints.http import APIError, ServerState, unless_disconnected
+from octavo.entrypoints.http import APIError, ServerState, adapter_of, unless_disconnected
 from octavo.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from octavo.entrypoints.openai.shared import engine_id, response_id
 
@@ -29,7 +29,8 @@ async def _searches(state: ServerState, body, rid: str, prompts: list,
         for i, prompt in enumerate(prompts):
             _, ids = engine.processor.tokenize(prompt)
             params = body.beam_params(max_tokens, engine.max_model_len, len(ids))
-            searches.append(beam.start(engine, f"{rid}-{i}", prompt, params, body.cache_salt))
+            searches.append(beam.start(engine, f"{rid}-{i}", prompt, params, body.cache_salt,
+                                       adapter_of(state, body.model)))
         return searches
 
     try:

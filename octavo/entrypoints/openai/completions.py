@@ -14,7 +14,8 @@ from fastapi.responses import StreamingResponse
 from octavo.engine.processor import PreparedRequest
 from octavo.entrypoints.chat_plan import model_defaults
 from octavo.entrypoints.http import (
-    APIError, RequestTimedOut, ServerState, check_model, state_of, timed, unless_disconnected)
+    APIError, RequestTimedOut, ServerState, adapter_of, check_model, state_of, timed,
+    unless_disconnected)
 from octavo.entrypoints.openai.beam import beam_completions
 from octavo.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs_json
 from octavo.entrypoints.openai.protocol import CompletionRequest
@@ -55,8 +56,9 @@ async def completions(body: CompletionRequest, request: Request):
                                   await structured(state, body))
     rid = response_id("cmpl", body)
     base = engine_id(rid, body)
+    lora = adapter_of(state, body.model)
     prepared = [await engine.prepare_async(f"{base}-{i}", p, params, body.priority,
-                                           body.cache_salt, body.add_special_tokens)
+                                           body.cache_salt, body.add_special_tokens, lora)
                 for i, p in enumerate(prompts)]
     created = int(time.time())
     streams = engine.generate_all(prepared)

@@ -22,7 +22,8 @@ from octavo.engine.processor import PreparedRequest
 from octavo.entrypoints.chat_plan import (
     check_output_spec, model_defaults, plan_output, render_prompt)
 from octavo.entrypoints.http import (
-    APIError, RequestTimedOut, ServerState, check_model, state_of, timed, unless_disconnected)
+    APIError, RequestTimedOut, ServerState, adapter_of, check_model, state_of, timed,
+    unless_disconnected)
 from octavo.entrypoints.openai.responses_output import (
     OutputItems, reasoning_token_count, usage)
 from octavo.entrypoints.openai.responses_protocol import ResponsesRequest, input_messages
@@ -68,7 +69,8 @@ async def create_response(body: ResponsesRequest, request: Request):
     params = body.sampling_params(model_defaults(state), plan.structured,
                                   plan.skip_special_tokens is not False)
     rid = f"resp_{uuid.uuid4().hex}"
-    prepared = await engine.prepare_async(rid, ids, params, body.priority, body.cache_salt)
+    prepared = await engine.prepare_async(rid, ids, params, body.priority, body.cache_salt,
+                                          lora_request=adapter_of(state, body.model))
     run = _Run(state, body, model, plan, params, prepared, conversation)
     stream = engine.generate(prepared)
     if body.stream:
