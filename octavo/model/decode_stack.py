@@ -169,7 +169,8 @@ def _linear(lin: Linear | torch.Tensor) -> tuple:
     rows = 0 if low is None else max_rows(low) if dense is not None else low.dense_rows
     bias = None if isinstance(lin, torch.Tensor) else lin.bias
     lora = None if isinstance(lin, torch.Tensor) else lin.lora
-    adapters = (None, None, None) if lora is None else (lora.a, lora.b, lora.used_mask)
+    adapters = (None, None, None, [0, 0]) if lora is None else (lora.a, lora.b, lora.used_mask,
+                                                                 lora.bounds)
     return dense, bias, kind, a, b, c, out, rows, *adapters
 
 

@@ -59,10 +59,10 @@ class LoRAManager:
                     and ".experts." not in name:
                 module.lora = linear_slots(module, slots, rank, dtype, device)
             elif isinstance(module, LMHead):
-                module.lora = LoRASlots(module.weights_shape[0], module.weights_shape[1], 1,
+                module.lora = LoRASlots([0, module.weights_shape[0]], module.weights_shape[1],
                                         slots, rank, dtype, device)
             elif isinstance(module, Embedding):
-                module.lora = LoRASlots(module.weights_shape[1], arch.vocab_size, 1, slots,
+                module.lora = LoRASlots([0, module.weights_shape[1]], arch.vocab_size, slots,
                                         rank, dtype, device, embedding=True)
             else:
                 continue

@@ -84,3 +84,31 @@ def test_pairs_shard_with_their_layer():
         set_linear_pair(row, row.lora, 0, None, a, b)
         partial += _run(row, x[:, r * k // 2:(r + 1) * k // 2], [(0, slice(0, 3))])
     assert torch.allclose(partial, whole, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 40], ids=["one", "few", "gemm"])
+def test_native_deltas_match_float64(native_kernels, dtype, tokens):
+    """csrc/lora.h (a few rows: one pass over A and B; many: two GEMMs) on consecutive and
+    scattered rows, against the delta in float64."""
+    from octavo.kernels import fused
+
+    torch.manual_seed(2)
+    bounds, k, rank = [0, 48, 64, 80], 64, 8
+    slots = torch.zeros(2, 3 * rank, k), torch.zeros(2, rank, 80)  # A, B^T
+    a, b = torch.randn(3 * rank, k) * 0.3, torch.randn(80, rank) * 0.3
+    slots[0][1].copy_(a)
+    slots[1][1].copy_(b.t())
+    a_t, b_t = slots[0].to(dtype), slots[1].to(dtype)
+    x = torch.randn(tokens + 3, k).to(dtype)
+    for index in (None, torch.arange(1, tokens + 1).flip(0)):
+        y = torch.randn(tokens + 3, 80).to(dtype)
+        want = y.double().clone()
+        rows = range(1, tokens + 1)
+        t = x.double()[list(rows)] @ a_t[1].double().t()
+        for j in range(3):
+            want[list(rows), bounds[j]:bounds[j + 1]] += (
+                t[:, j * rank:(j + 1) * rank] @ b_t[1].double()[:, bounds[j]:bounds[j + 1]])
+        fused.native_module().lora_delta(y, x, a_t, b_t, bounds, 1, 1, tokens, index)
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        assert torch.allclose(y.double(), want, atol=tol), (y.double() - want).abs().max()

@@ -91,11 +91,13 @@ class DecodeStack : public torch::CustomClassHolder {
                    std::vector<int64_t> max_rows,
                    std::vector<std::optional<at::Tensor>> lora_a,
                    std::vector<std::optional<at::Tensor>> lora_b,
-                   std::vector<std::optional<at::Tensor>> lora_used) {
+                   std::vector<std::optional<at::Tensor>> lora_used,
+                   std::vector<std::vector<int64_t>> lora_bounds) {
     StackLayer& l = building();
     const size_t count = dense.size();
     for (size_t n : {bias.size(), low_bit.size(), low_a.size(), low_b.size(), low_c.size(),
-                     out.size(), max_rows.size(), lora_a.size(), lora_b.size(), lora_used.size()})
+                     out.size(), max_rows.size(), lora_a.size(), lora_b.size(), lora_used.size(),
+                     lora_bounds.size()})
       TORCH_CHECK(n == count, "one entry per linear layer in each of its fields");
     TORCH_CHECK(count >= 4, "a layer has qkv, o and an MLP");
     l.linears.clear();
@@ -107,8 +109,11 @@ class DecodeStack : public torch::CustomClassHolder {
                   "LoRA slots come as A, B and their use");
       if (!lora_a[i]) continue;
       TORCH_CHECK(lora_used[i]->scalar_type() == at::kBool && lora_a[i]->dim() == 3 &&
-                  lora_b[i]->dim() == 3 && lora_used[i]->size(0) == lora_a[i]->size(0),
-                  "LoRA slots: A [slots, width, K], B [slots, N, width], bool used [slots]");
+                  lora_b[i]->dim() == 3 && lora_used[i]->size(0) == lora_a[i]->size(0) &&
+                  lora_bounds[i].size() >= 2,
+                  "LoRA slots: A [slots, width, K], B^T [slots, rank, N], bool used [slots], "
+                  "and each packed projection's output bounds");
+      l.linears.back().lora_bounds = lora_bounds[i];
       l.linears.back().lora_a = *lora_a[i];
       l.linears.back().lora_b = *lora_b[i];
       l.linears.back().lora_used = *lora_used[i];

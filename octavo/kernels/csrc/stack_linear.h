@@ -34,10 +34,11 @@ struct StackLinear {
   // The most rows the low-bit kernel serves (its crossover on this CPU); above them the dense
   // weight, or with none, the low-bit weight dequantized tile by tile into the dense GEMM.
   int64_t max_rows = 0;
-  // LoRA slots (LoRASlots: A [slots, width, K], B [slots, N, width], scaled; which slots hold
-  // an adapter that targets this layer), shared with Python, which fills them in place;
-  // undefined without LoRA.
+  // LoRA slots (LoRASlots: A [slots, packed * rank, K], B^T [slots, rank, N], scaled, each
+  // packed projection's output columns; which slots hold an adapter that targets this layer),
+  // shared with Python, which fills them in place; undefined without LoRA.
   at::Tensor lora_a, lora_b, lora_used;
+  std::vector<int64_t> lora_bounds;
 
   StackLinear() = default;
   StackLinear(const std::optional<at::Tensor>& dense_weight,
@@ -87,15 +88,8 @@ struct StackLinear {
     auto y = product(x);
     if (!lora_a.defined() || lora.empty()) return y;
     const bool* used = lora_used.data_ptr<bool>();
-    for (const auto& [slot, start, length, index] : lora) {
-      if (!used[slot]) continue;
-      const auto xs = index ? x.index_select(0, *index) : x.narrow(0, start, length);
-      const auto delta = at::matmul(at::matmul(xs, lora_a[slot].t()), lora_b[slot].t());
-      if (index)
-        y.index_add_(0, *index, delta);
-      else
-        y.narrow(0, start, length).add_(delta);
-    }
+    for (const auto& [slot, start, length, index] : lora)
+      if (used[slot]) lora_delta(y, x, lora_a, lora_b, lora_bounds, slot, start, length, index);
     return y;
   }
 

@@ -5,11 +5,14 @@ pass per adapter).
 
 The adapters live in `num_slots` preallocated slots per layer, filled and cleared by the
 worker's adapter manager (worker/lora.py) as adapters come and go. A packed layer (q/k/v,
-gate/up) keeps each packed slot's A stacked ([slots, packed * rank, in]) and B block-diagonal
-([slots, out, packed * rank]), so one adapter's delta is two matmuls whichever projections it
-targets; the scaling is folded into B. A rank below the slot width is zero-padded. Under tensor
-parallelism A and B shard with their layer: a column-parallel layer keeps its rows of B, a
-row-parallel one its columns of A, whose partial delta is summed with the partial output.
+gate/up) keeps each packed projection's A stacked ([slots, packed * rank, in]) and its B, stored
+transposed, as its own output columns of [slots, rank, out] (`bounds`: each projection's
+columns), so that one pass over A serves every projection and B costs its own outputs, not a
+block-diagonal matrix; the scaling is folded into B. A rank below the slot width is zero-padded. A few tokens of one adapter run
+octavo's kernel (csrc/lora.h: A and B read once for all of them), more run two GEMMs; the fused
+decode stack calls the same function. Under tensor parallelism A and B shard with their layer:
+a column-parallel layer keeps its rows of B, a row-parallel one its columns of A, whose partial
+delta is summed with the partial output.
 
 The step's segments (`LoRAStep`) reach the layers through the forward context, as the
 attention plan does.
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from octavo.kernels import fused
 from octavo.model.layers.linear import Linear
 
 
@@ -43,16 +47,17 @@ class LoRAStep:
 class LoRASlots:
     """The adapters' A and B of one linear layer (or the LM head, or the embedding)."""
 
-    def __init__(self, out_features: int, in_features: int, packed: int, num_slots: int,
-                 max_rank: int, dtype: torch.dtype, device: torch.device,
-                 embedding: bool = False) -> None:
-        width = packed * max_rank
+    def __init__(self, bounds: list[int], in_features: int, num_slots: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device, embedding: bool = False) -> None:
+        """bounds: the output rows of each packed projection, [0, ..., out] (one: [0, out])."""
+        width = (len(bounds) - 1) * max_rank
         self.max_rank = max_rank
+        self.bounds = bounds
         self.embedding = embedding
         # The embedding's A is looked up by token id: [slots, vocab, rank].
         self.a = torch.zeros((num_slots, in_features, width) if embedding else
                              (num_slots, width, in_features), dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, out_features, width, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, max_rank, bounds[-1], dtype=dtype, device=device)  # B^T
         self.used = [False] * num_slots  # the slot's adapter targets this layer
         self.used_mask = torch.zeros(num_slots, dtype=torch.bool)  # the same, for the C++ stack
 
@@ -73,30 +78,43 @@ class LoRASlots:
             self.a[slot][:, cols] = a.t()
         else:
             self.a[slot][cols] = a
-        self.b[slot][rows[0]:rows[1], cols] = b
+        self.b[slot][:rank, rows[0]:rows[1]] = b.t()
         self.used[slot] = True
         self.used_mask[slot] = True
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor,
                   segments: list[tuple[int, slice | torch.Tensor]]) -> torch.Tensor:
         """y plus each segment's adapter delta of x (token ids for the embedding)."""
+        native = not self.embedding and fused.native_active(x) and x.dtype == self.a.dtype \
+            and y.stride(-1) == 1 and x.stride(-1) == 1
         for slot, rows in segments:
             if not self.used[slot]:
                 continue
+            if native:
+                index = None if isinstance(rows, slice) else rows
+                start, length = (rows.start, rows.stop - rows.start) if index is None else (0, 0)
+                fused.native_module().lora_delta(y, x, self.a, self.b, self.bounds, slot,
+                                                 start, length, index)
+                continue
             xs = x[rows]
             t = F.embedding(xs, self.a[slot]) if self.embedding else xs @ self.a[slot].t()
-            delta = t @ self.b[slot].t()
-            if isinstance(rows, slice):
-                y[rows] += delta
-            else:
-                y.index_add_(0, rows, delta)
+            for j in range(len(self.bounds) - 1):  # csrc/lora.h's GEMMs
+                first, end = self.bounds[j], self.bounds[j + 1]
+                delta = t[:, j * self.max_rank:(j + 1) * self.max_rank] @ self.b[slot][
+                    :, first:end]
+                if isinstance(rows, slice):
+                    y[rows, first:end] += delta
+                else:
+                    y[:, first:end].index_add_(0, rows, delta)
         return y
 
 
 def linear_slots(layer: Linear, num_slots: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> LoRASlots:
-    out, inp = layer.weights_shape
-    return LoRASlots(out, inp, len(layer.shards), num_slots, max_rank, dtype, device)
+    bounds = [0]
+    for width in layer.shards:
+        bounds.append(bounds[-1] + width)
+    return LoRASlots(bounds, layer.in_features, num_slots, max_rank, dtype, device)
 
 
 def set_linear_pair(layer: Linear, slots: LoRASlots, slot: int, index: int | None,
