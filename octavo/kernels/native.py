@@ -137,7 +137,7 @@ class Kernels:
     _OPS = ("write_kv", "decode_attention", "rms_norm", "one_plus_rms_norm", "rotary_inplace",
             "silu_and_mul", "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_int8_gemm",
             "int4_dequantize", "int4_tiled_linear", "int4_rows", "int8_dequantize",
-            "int8_tiled_linear", "lora_delta")
+            "int8_tiled_linear", "lora_apply")
 
     def __init__(self) -> None:
         import torch
@@ -182,7 +182,7 @@ def _register_fakes() -> None:
         "int4_tiled_linear": lambda x, codes, scales, high_bits=None: rows_out(
             x, codes.shape[0] * 16),
         "int8_tiled_linear": lambda x, q, scale: rows_out(x, q.shape[0]),
-        "lora_delta": lambda *args: None,
+        "lora_apply": lambda *args: None,
         "int8_dequantize": lambda q, scale, first, count, bf16: q.new_empty(
             count, q.shape[1], dtype=torch.bfloat16 if bf16 else torch.float32),
         "int4_dequantize": lambda codes, scales, high_bits, first_block, blocks, bf16:

@@ -47,7 +47,7 @@ def get_forward_context() -> ForwardContext:
 
 
 def step_lora() -> LoRAStep | None:
-    """The step's adapter segments (None outside a forward pass, or with no adapter)."""
+    """The step's adapter slots (None outside a forward pass, or with no adapter)."""
     return _current[-1].lora if _current else None
 
 

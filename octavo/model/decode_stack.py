@@ -210,8 +210,10 @@ class DecodeStack:
         # A windowed layer reads the sliding plan where the step has one, else the step's plan,
         # as PagedAttention does.
         plans = [_kernel_plan(plan)] + ([] if sliding is None else [_kernel_plan(sliding)])
-        segments = [] if lora is None else lora.stack_segments()
-        return self._stack.forward(x, positions, plan.slot_mapping, plans, segments)
+        if lora is None:
+            return self._stack.forward(x, positions, plan.slot_mapping, plans, None, [])
+        return self._stack.forward(x, positions, plan.slot_mapping, plans, lora.token_slot,
+                                   lora.slots)
 
     def _build(self, kv_caches: list[torch.Tensor]) -> None:
         first = self.specs[0]

@@ -1,5 +1,6 @@
 """The worker's adapters: which adapter sits in which of the `max_loras` device slots, an LRU of
-`max_cpu_loras` adapters loaded in host memory, and each step's segments (model/layers/lora.py).
+`max_cpu_loras` adapters loaded in host memory, and each step's token slots (model/layers/
+lora.py).
 
 The scheduler never runs requests of more adapters at once than there are slots (core/
 scheduler.py), so a step finds a slot for each of its adapters: one already there, an empty one,
@@ -85,14 +86,14 @@ class LoRAManager:
                 self._clear(slot)
 
     def step(self, token_lora: np.ndarray) -> LoRAStep | None:
-        """The step's segments, with every adapter in it placed in a slot. token_lora: each
+        """Each token's slot, with every adapter in the step placed in one. token_lora: each
         token's adapter id (0: none)."""
         ids = np.unique(token_lora)
         ids = ids[ids > 0]
         if not len(ids):
             return None
         slot_of = self._place([int(i) for i in ids])
-        return LoRAStep(segments(token_lora, slot_of), slot_of)
+        return LoRAStep(slots_of(token_lora, slot_of), slot_of)
 
     def _place(self, ids: list[int]) -> dict[int, int]:
         needed = set(ids)
@@ -168,17 +169,9 @@ class LoRAManager:
         self.slot_adapter[slot] = 0
 
 
-def segments(lora_of: np.ndarray, slot_of: dict[int, int]
-              ) -> list[tuple[int, slice | torch.Tensor]]:
-    """(slot, rows) per adapter in `lora_of`: a slice where its rows are consecutive."""
-    out: list[tuple[int, slice | torch.Tensor]] = []
-    for lora_id, slot in slot_of.items():
-        rows = np.flatnonzero(lora_of == lora_id)
-        if not len(rows):
-            continue
-        first, last = int(rows[0]), int(rows[-1])
-        if last - first + 1 == len(rows):
-            out.append((slot, slice(first, last + 1)))
-        else:
-            out.append((slot, torch.from_numpy(rows)))
-    return out
+def slots_of(lora_of: np.ndarray, slot_of: dict[int, int]) -> torch.Tensor:
+    """Each row's slot (-1: no adapter), from its adapter id (lora_of: 0 for none, else one
+    of slot_of's)."""
+    table = np.full(max(slot_of) + 1, -1, np.int64)
+    table[list(slot_of)] = list(slot_of.values())
+    return torch.from_numpy(table[lora_of])

@@ -25,7 +25,7 @@ from octavo.kernels.paged_attention import step_layout
 from octavo.model.context import ForwardContext, forward_context, step_context
 from octavo.model.pipeline import is_last_stage
 from octavo.worker.input_batch import InputBatch
-from octavo.worker.lora import LoRAManager, segments
+from octavo.worker.lora import LoRAManager, slots_of
 from octavo.worker.sampler import Sampler, SamplingBatch, gather_logprobs
 from octavo.worker.spec.draft import DraftModel
 from octavo.worker.spec.rejection import accept_drafts
@@ -145,7 +145,7 @@ class ModelRunner:
         """The LM head over these rows, each with its adapter (lora_of: their ids)."""
         if context.lora is None:
             return self.model.compute_logits(hidden)
-        context.lora.sample_segments = segments(lora_of, context.lora.slot_of)
+        context.lora.sample_slot = slots_of(lora_of, context.lora.slot_of)
         with forward_context(context):
             return self.model.compute_logits(hidden)
 

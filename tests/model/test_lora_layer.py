@@ -23,8 +23,11 @@ def _layer(shards, in_features, weight, quantize, slot_spans=None, input_span=No
     return layer
 
 
-def _run(layer, x, segments):
-    with forward_context(ForwardContext(None, [], lora=LoRAStep(segments, {}))):
+def _run(layer, x, token_slot):
+    """layer(x) with row t running the adapter in slot token_slot[t] (-1: none)."""
+    slots = sorted({s for s in token_slot if s >= 0})
+    step = LoRAStep(torch.tensor(token_slot), {s + 1: s for s in slots})
+    with forward_context(ForwardContext(None, [], lora=step)):
         return layer(x)
 
 
@@ -44,9 +47,9 @@ def test_packed_layer_adds_each_tokens_adapter(quantize):
             set_linear_pair(layer, layer.lora, slot, index, a, b)
             pairs[slot][index] = (a, b)
     x = torch.randn(7, k)
-    segments = [(0, slice(0, 3)), (1, torch.tensor([4, 6]))]  # token 3 and 5: base
-    got = _run(layer, x, segments)
-    base = _run(layer, x, [])
+    token_slot = [0, 0, 0, -1, 1, -1, 1]  # tokens 3 and 5: the base model
+    got = _run(layer, x, token_slot)
+    base = _run(layer, x, [-1] * 7)
     want = base.double().clone()
     token_slots = {0: 0, 1: 0, 2: 0, 4: 1, 6: 1}
     for token, slot in token_slots.items():
@@ -58,7 +61,7 @@ def test_packed_layer_adds_each_tokens_adapter(quantize):
             start += width
     assert torch.allclose(got.double(), want, atol=1e-4)
     layer.lora.clear(1)  # an evicted adapter leaves nothing behind
-    assert torch.allclose(_run(layer, x, segments)[4], base[4])
+    assert torch.allclose(_run(layer, x, token_slot)[4], base[4])
 
 
 def test_pairs_shard_with_their_layer():
@@ -74,7 +77,7 @@ def test_pairs_shard_with_their_layer():
     column.process_after_load()
     column.lora = linear_slots(column, 1, rank, torch.float32, torch.device("cpu"))
     set_linear_pair(column, column.lora, 0, None, a, b)
-    assert torch.allclose(_run(column, x, [(0, slice(0, 3))]), whole[:, n // 2:], atol=1e-4)
+    assert torch.allclose(_run(column, x, [0, 0, 0]), whole[:, n // 2:], atol=1e-4)
     partial = torch.zeros(3, n)
     for r in range(2):
         row = Linear(k // 2, [n], input_span=Span(r * k // 2, k // 2, k), reduce=False)
@@ -82,33 +85,33 @@ def test_pairs_shard_with_their_layer():
         row.process_after_load()
         row.lora = linear_slots(row, 1, rank, torch.float32, torch.device("cpu"))
         set_linear_pair(row, row.lora, 0, None, a, b)
-        partial += _run(row, x[:, r * k // 2:(r + 1) * k // 2], [(0, slice(0, 3))])
+        partial += _run(row, x[:, r * k // 2:(r + 1) * k // 2], [0, 0, 0])
     assert torch.allclose(partial, whole, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 40], ids=["one", "few", "gemm"])
 def test_native_deltas_match_float64(native_kernels, dtype, tokens):
-    """csrc/lora.h (a few rows: one pass over A and B; many: two GEMMs) on consecutive and
-    scattered rows, against the delta in float64."""
+    """csrc/lora.h (a few rows: one pass over A and B; many: two GEMMs) for tokens of two
+    adapters interleaved with base-model tokens, against the deltas in float64."""
     from octavo.kernels import fused
 
     torch.manual_seed(2)
     bounds, k, rank = [0, 48, 64, 80], 64, 8
-    slots = torch.zeros(2, 3 * rank, k), torch.zeros(2, rank, 80)  # A, B^T
-    a, b = torch.randn(3 * rank, k) * 0.3, torch.randn(80, rank) * 0.3
-    slots[0][1].copy_(a)
-    slots[1][1].copy_(b.t())
-    a_t, b_t = slots[0].to(dtype), slots[1].to(dtype)
-    x = torch.randn(tokens + 3, k).to(dtype)
-    for index in (None, torch.arange(1, tokens + 1).flip(0)):
-        y = torch.randn(tokens + 3, 80).to(dtype)
-        want = y.double().clone()
-        rows = range(1, tokens + 1)
-        t = x.double()[list(rows)] @ a_t[1].double().t()
-        for j in range(3):
-            want[list(rows), bounds[j]:bounds[j + 1]] += (
-                t[:, j * rank:(j + 1) * rank] @ b_t[1].double()[:, bounds[j]:bounds[j + 1]])
-        fused.native_module().lora_delta(y, x, a_t, b_t, bounds, 1, 1, tokens, index)
-        tol = 1e-4 if dtype == torch.float32 else 5e-2
-        assert torch.allclose(y.double(), want, atol=tol), (y.double() - want).abs().max()
+    a = (torch.randn(3, 3 * rank, k) * 0.3).to(dtype)  # three slots
+    bt = (torch.randn(3, rank, 80) * 0.3).to(dtype)
+    used = torch.tensor([True, True, False])  # slot 2's adapter does not target this layer
+    n = 3 * tokens
+    token_slot = torch.tensor([[0, -1, 1, 2][t % 4] for t in range(n)])
+    x = torch.randn(n, k).to(dtype)
+    y = torch.randn(n, 80).to(dtype)
+    want = y.double().clone()
+    for t, slot in enumerate(token_slot.tolist()):
+        if slot in (0, 1):
+            h = a[slot].double() @ x[t].double()
+            for j in range(3):
+                want[t, bounds[j]:bounds[j + 1]] += (
+                    h[j * rank:(j + 1) * rank] @ bt[slot].double()[:, bounds[j]:bounds[j + 1]])
+    fused.native_module().lora_apply(y, x, a, bt, bounds, used, token_slot)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(y.double(), want, atol=tol), (y.double() - want).abs().max()

@@ -158,8 +158,8 @@ TORCH_LIBRARY(octavo, m) {
         "-> Tensor");
   m.def("int8_dequantize(Tensor q, Tensor scale, int first, int count, bool bf16) -> Tensor");
   m.def("int8_tiled_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
-  m.def("lora_delta(Tensor(a!) y, Tensor x, Tensor a, Tensor b, int[] bounds, int slot, "
-        "int start, int length, Tensor? index) -> ()");
+  m.def("lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor b, int[] bounds, Tensor used, "
+        "Tensor token_slot) -> ()");
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecodeStack::add_layer)
@@ -186,9 +186,8 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("int4_rows", &int4_rows);
   m.impl("int8_dequantize", &int8_dequantize);
   m.impl("int8_tiled_linear", &int8_tiled_linear);
-  m.impl("lora_delta", [](at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b,
-                          std::vector<int64_t> bounds, int64_t slot, int64_t start,
-                          int64_t length, std::optional<at::Tensor> index) {
-    lora_delta(y, x, a, b, bounds, slot, start, length, index);
+  m.impl("lora_apply", [](at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b,
+                          std::vector<int64_t> bounds, at::Tensor used, at::Tensor token_slot) {
+    lora_apply(y, x, a, b, bounds, used, token_slot);
   });
 }

@@ -167,9 +167,13 @@ class DecodeStack : public torch::CustomClassHolder {
   // x: [T, hidden] embeddings of the step's tokens (each plan's token_index maps attention
   // entries to them) -> hidden states before the final norm. plans: the step's plan, then the
   // sliding-window one where the step has it (a layer that reads plan 1 reads plan 0 without
-  // it, as PagedAttention does). lora: the step's adapter segments (empty: none).
+  // it, as PagedAttention does). lora_slot: each token's adapter slot (-1: none), and
+  // lora_slots the slots in the step (empty: no adapter).
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slot_mapping,
-                     std::vector<StackPlan> plans, std::vector<LoraSegment> lora) const {
+                     std::vector<StackPlan> plans, std::optional<at::Tensor> lora_slot,
+                     std::vector<int64_t> lora_slots) const {
+    LoraStep lora;
+    if (lora_slot && !lora_slots.empty()) lora = {*lora_slot, std::move(lora_slots)};
     const int64_t t = x.size(0);
     const int64_t q_size = heads_ * head_dim_;
     TORCH_CHECK(x.is_contiguous() && positions.is_contiguous() && slot_mapping.is_contiguous(),
@@ -264,7 +268,7 @@ class DecodeStack : public torch::CustomClassHolder {
   // A projection whose output the ranks sum (o, down): its bias joins after the sum, once, as
   // the Python Linear adds it.
   at::Tensor row_parallel(const StackLinear& lin, const at::Tensor& x,
-                          const std::vector<LoraSegment>& lora = {}) const {
+                          const LoraStep& lora = LoraStep()) const {
     auto y = lin.product(x, lora);  // a partial adapter delta beside the partial product
     reduce(y);
     return lin.add_bias(y);
@@ -273,7 +277,7 @@ class DecodeStack : public torch::CustomClassHolder {
   // The MLP of xn, summed over the ranks (adapters change a dense MLP; a mixture's experts
   // take none).
   at::Tensor mlp(const StackLayer& l, const at::Tensor& xn,
-                 const std::vector<LoraSegment>& lora) const {
+                 const LoraStep& lora) const {
     if (!l.moe) return row_parallel(l.down, activate(l, l.gate_up(xn, lora)), lora);
     const StackMoe& m = *l.moe;
     RECORD_FUNCTION("octavo::moe", std::vector<c10::IValue>());

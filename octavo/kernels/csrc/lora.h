@@ -3,12 +3,13 @@
 // [packed * rank, K] (each packed projection's A stacked), B is stored transposed, [rank, N],
 // with output columns [bounds[j], bounds[j + 1]) belonging to packed projection j, which reads
 // A x's entries [j * rank, (j + 1) * rank): so the expansion is rank scaled rows of B^T added
-// along N, which vectorizes. A x and B A x are kept in float32 and y rounded once. The work is
-// a few hundred thousand multiply-adds: one thread does it sooner than two can be woken. More
-// rows than kLoraKernelRows go through two GEMMs instead (lora_delta below, and the Python
-// side's own).
+// along N, which vectorizes. A x and B A x are kept in float32 and y rounded once. More rows
+// than kLoraKernelRows go through two GEMMs instead (lora_apply below, and the Python side's
+// own).
 // Included by cpu_ops.cpp only, after simd.h.
 #pragma once
+
+#include <ATen/record_function.h>
 
 constexpr int64_t kLoraKernelRows = 16;
 
@@ -37,58 +38,67 @@ inline void lora_store<c10::BFloat16>(c10::BFloat16* p, int64_t c, float v) {
   reinterpret_cast<uint16_t*>(p)[c] = static_cast<uint16_t>(bits >> 16);
 }
 
+// out[n] += v[n] * scale (no two of them overlap)
+inline void axpy(float* __restrict out, const float* __restrict v, float scale, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] += v[i] * scale;
+}
+
 template <typename T>
 void lora_rows_typed(const T* x, int64_t x_stride, T* y, int64_t y_stride, const int64_t* index,
                      int64_t first, int64_t count, const T* a, const T* bt,
                      const int64_t* bounds, int64_t packed, int64_t rank, int64_t k) {
   const int64_t width = packed * rank, n_out = bounds[packed];
   auto row = [&](int64_t i) { return index ? index[i] : first + i; };
-  thread_local std::vector<float> xf, t, acc;
-  xf.resize(count * k);
-  t.resize(count * width);
-  acc.assign(count * n_out, 0.f);
+  std::vector<float> xf(count * k), t(count * width);
   for (int64_t i = 0; i < count; ++i) widen(x + row(i) * x_stride, xf.data() + i * k, k);
-  // t = A x: four rows of A at a time against each token
-  for (int64_t w = 0; w < width; w += 4) {
-    const int64_t m = std::min<int64_t>(4, width - w);
-    const T* a0 = a + w * k;
-    const T* a1 = a + (w + (m > 1)) * k;
-    const T* a2 = a + (w + (m > 2) * 2) * k;
-    const T* a3 = a + (w + (m > 3) * 3) * k;
-    for (int64_t i = 0; i < count; ++i) {
-      const float* xi = xf.data() + i * k;
-      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  // t = A x, four rows of A at a time against each token. A and B come from memory, not the
+  // caches (the base weights streamed through them since the last step): both cores read.
+  at::parallel_for(0, (width + 3) / 4, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin * 4; w < std::min(end * 4, width); w += 4) {
+      const int64_t m = std::min<int64_t>(4, width - w);
+      const T* a0 = a + w * k;
+      const T* a1 = a + (w + (m > 1)) * k;
+      const T* a2 = a + (w + (m > 2) * 2) * k;
+      const T* a3 = a + (w + (m > 3) * 3) * k;
+      for (int64_t i = 0; i < count; ++i) {
+        const float* xi = xf.data() + i * k;
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
-      for (int64_t c = 0; c < k; ++c) {
-        s0 += lora_f(a0, c) * xi[c];
-        s1 += lora_f(a1, c) * xi[c];
-        s2 += lora_f(a2, c) * xi[c];
-        s3 += lora_f(a3, c) * xi[c];
+        for (int64_t c = 0; c < k; ++c) {
+          s0 += lora_f(a0, c) * xi[c];
+          s1 += lora_f(a1, c) * xi[c];
+          s2 += lora_f(a2, c) * xi[c];
+          s3 += lora_f(a3, c) * xi[c];
+        }
+        const float sums[4] = {s0, s1, s2, s3};
+        for (int64_t q = 0; q < m; ++q) t[i * width + w + q] = sums[q];
       }
-      const float sums[4] = {s0, s1, s2, s3};
-      for (int64_t q = 0; q < m; ++q) t[i * width + w + q] = sums[q];
     }
-  }
-  // acc = B t: B^T's rows (one per rank) scaled by t and summed along each projection's outputs
-  for (int64_t j = 0; j < packed; ++j) {
-    const int64_t lo = bounds[j], hi = bounds[j + 1];
-    for (int64_t i = 0; i < count; ++i) {
-      const float* ti = t.data() + i * width + j * rank;
-      float* out = acc.data() + i * n_out;
+  });
+  // y += B t over a range of outputs: B^T's rows (one per rank), widened, scaled by t and
+  // summed along each projection's outputs; then added to y with one rounding
+  at::parallel_for(0, n_out, 256, [&](int64_t begin, int64_t end) {
+    const int64_t span = end - begin;
+    std::vector<float> acc(count * span, 0.f), bf(span), yf(span);
+    for (int64_t j = 0; j < packed; ++j) {
+      const int64_t lo = std::max(begin, bounds[j]), hi = std::min(end, bounds[j + 1]);
+      if (lo >= hi) continue;
       for (int64_t r = 0; r < rank; ++r) {
-        const T* br = bt + r * n_out;
-        const float tr = ti[r];
-#pragma omp simd
-        for (int64_t n = lo; n < hi; ++n) out[n] += lora_f(br, n) * tr;
+        widen(bt + r * n_out + lo, bf.data(), hi - lo);
+        for (int64_t i = 0; i < count; ++i)
+          axpy(acc.data() + i * span + (lo - begin), bf.data(), t[i * width + j * rank + r],
+               hi - lo);
       }
     }
-  }
-  for (int64_t i = 0; i < count; ++i) {
-    T* yi = y + row(i) * y_stride;
-    const float* ai = acc.data() + i * n_out;
+    for (int64_t i = 0; i < count; ++i) {
+      T* yi = y + row(i) * y_stride + begin;
+      widen(yi, yf.data(), span);
+      axpy(yf.data(), acc.data() + i * span, 1.f, span);
 #pragma omp simd
-    for (int64_t n = 0; n < n_out; ++n) lora_store(yi, n, lora_f(yi, n) + ai[n]);
-  }
+      for (int64_t n = 0; n < span; ++n) lora_store(yi, n, yf[n]);
+    }
+  });
 }
 
 // y[row(i), lo:lo + width] += delta[i] for each of delta's rows (index_add_ and a narrowed
@@ -110,39 +120,81 @@ void lora_add_rows(at::Tensor& y, const at::Tensor& delta, int64_t lo, const int
   });
 }
 
-// y[rows] += the delta of adapter slot `slot` (a [slots, packed * rank, K], bt [slots, rank, N])
-// for rows [start, start + length) of x, or the rows in `index`.
-inline void lora_delta(at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
-                       const at::Tensor& b, const std::vector<int64_t>& bounds, int64_t slot,
-                       int64_t start, int64_t length, const std::optional<at::Tensor>& index) {
+// Ask for slot `slot`'s A and B before the base product that precedes their delta, so that
+// they arrive while it streams the layer's weights (read cold, they cost more than their
+// arithmetic).
+inline void lora_prefetch(const at::Tensor& a, const at::Tensor& b, int64_t slot) {
+  prefetch_lines(static_cast<const char*>(a.data_ptr()) + slot * a.stride(0) * a.element_size(),
+                 a.stride(0) * a.element_size(), false);
+  prefetch_lines(static_cast<const char*>(b.data_ptr()) + slot * b.stride(0) * b.element_size(),
+                 b.stride(0) * b.element_size(), false);
+}
+
+// The rows of x each adapter slot takes (token_slot[t]: row t's slot, -1 for none), for the
+// slots whose adapter targets this layer (used).
+inline std::vector<std::vector<int64_t>> lora_rows_by_slot(const at::Tensor& token_slot,
+                                                           const at::Tensor& used) {
+  TORCH_CHECK(token_slot.scalar_type() == at::kLong && token_slot.is_contiguous() &&
+              used.scalar_type() == at::kBool, "token_slot: int64 [T]; used: bool [slots]");
+  const int64_t* ts = token_slot.data_ptr<int64_t>();
+  const bool* u = used.data_ptr<bool>();
+  std::vector<std::vector<int64_t>> rows(used.size(0));
+  for (int64_t t = 0; t < token_slot.size(0); ++t) {
+    const int64_t s = ts[t];
+    TORCH_CHECK(s < used.size(0), "token_slot names slot ", s, " of ", used.size(0));
+    if (s >= 0 && u[s]) rows[s].push_back(t);
+  }
+  return rows;
+}
+
+// y += each row's adapter delta (a [slots, packed * rank, K], bt [slots, rank, N]): per slot in
+// the step, its rows in one pass over its A and B (a few rows, the slots side by side on the
+// cores) or two GEMMs (more rows): the punica/SGMV grouping, one call per layer.
+inline void lora_apply(at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
+                       const at::Tensor& b, const std::vector<int64_t>& bounds,
+                       const at::Tensor& used, const at::Tensor& token_slot) {
+  RECORD_FUNCTION("octavo::lora_apply", std::vector<c10::IValue>());
   const int64_t packed = static_cast<int64_t>(bounds.size()) - 1;
   const int64_t rank = b.size(1), k = a.size(2);
-  const int64_t count = index ? index->size(0) : length;
   TORCH_CHECK(packed >= 1 && a.size(1) == packed * rank && b.size(2) == bounds.back() &&
-              x.size(1) == k && y.size(1) == bounds.back(), "LoRA shapes do not agree");
+              x.size(1) == k && y.size(1) == bounds.back() && a.size(0) == used.size(0) &&
+              token_slot.size(0) == x.size(0), "LoRA shapes do not agree");
   TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1 && a.is_contiguous() && b.is_contiguous() &&
               x.scalar_type() == a.scalar_type() && y.scalar_type() == a.scalar_type() &&
               b.scalar_type() == a.scalar_type(), "LoRA tensors: contiguous rows, one dtype");
-  if (count == 0) return;
-  const auto idx = index ? index->contiguous() : at::Tensor();
-  const int64_t* rows = index ? idx.data_ptr<int64_t>() : nullptr;
-  if (count > kLoraKernelRows) {  // GEMMs: LoRASlots.add_delta's large-batch ops
-    const auto xs = index ? x.index_select(0, idx) : x.narrow(0, start, length);
-    const auto t = at::matmul(xs, a[slot].t());
+  const auto rows = lora_rows_by_slot(token_slot, used);
+  std::vector<int64_t> few, many;
+  for (int64_t s = 0; s < static_cast<int64_t>(rows.size()); ++s) {
+    if (rows[s].empty()) continue;
+    (static_cast<int64_t>(rows[s].size()) > kLoraKernelRows ? many : few).push_back(s);
+  }
+  for (int64_t s : many) {  // GEMMs: LoRASlots.add_delta's large-batch ops
+    const auto index = at::tensor(rows[s], token_slot.options());
+    const auto t = at::matmul(x.index_select(0, index), a[s].t());
     for (int64_t j = 0; j < packed; ++j) {
-      const auto cols = b[slot].narrow(1, bounds[j], bounds[j + 1] - bounds[j]);
+      const auto cols = b[s].narrow(1, bounds[j], bounds[j + 1] - bounds[j]);
       const auto delta = at::matmul(t.narrow(1, j * rank, rank), cols).contiguous();
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "lora_add",
-                                      [&] { lora_add_rows<scalar_t>(y, delta, bounds[j], rows,
-                                                                    start, count); });
+                                      [&] { lora_add_rows<scalar_t>(y, delta, bounds[j],
+                                                                    rows[s].data(), 0,
+                                                                    delta.size(0)); });
     }
-    return;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "lora_delta", [&] {
-    lora_rows_typed<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), y.data_ptr<scalar_t>(),
-                              y.stride(0), rows, start,
-                              count, a.data_ptr<scalar_t>() + slot * a.stride(0),
-                              b.data_ptr<scalar_t>() + slot * b.stride(0), bounds.data(), packed,
-                              rank, k);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "lora_apply", [&] {
+    auto one = [&](int64_t s) {
+      lora_rows_typed<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), y.data_ptr<scalar_t>(),
+                                y.stride(0), rows[s].data(), 0,
+                                static_cast<int64_t>(rows[s].size()),
+                                a.data_ptr<scalar_t>() + s * a.stride(0),
+                                b.data_ptr<scalar_t>() + s * b.stride(0), bounds.data(), packed,
+                                rank, k);
+    };
+    if (few.size() == 1) {
+      one(few[0]);  // its own loops take both cores
+    } else {
+      at::parallel_for(0, static_cast<int64_t>(few.size()), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) one(few[i]);
+      });
+    }
   });
 }

@@ -19,9 +19,12 @@ inline LowBitKind low_bit_kind(const std::string& name) {
               "' (none, int4, int4_int8, int4_torch, int8)");
 }
 
-// The adapters of a step's tokens (octavo/model/layers/lora.py, LoRAStep): per adapter in the
-// step, its slot and its tokens, rows [start, start + length) or the rows listed in `index`.
-using LoraSegment = std::tuple<int64_t, int64_t, int64_t, std::optional<at::Tensor>>;
+// The adapters of a step's tokens (octavo/model/layers/lora.py, LoRAStep): each token's slot
+// (-1: none), and the slots in the step. Empty: no adapter in the step.
+struct LoraStep {
+  at::Tensor token_slot;
+  std::vector<int64_t> slots;
+};
 
 struct StackLinear {
   at::Tensor dense;  // [N, K], the weight every batch size can use; undefined: packed only
@@ -84,16 +87,17 @@ struct StackLinear {
 
   // The product with each token's adapter delta added (LoRASlots.add_delta's ops), without
   // the bias.
-  at::Tensor product(const at::Tensor& x, const std::vector<LoraSegment>& lora) const {
-    auto y = product(x);
-    if (!lora_a.defined() || lora.empty()) return y;
+  at::Tensor product(const at::Tensor& x, const LoraStep& lora) const {
+    if (!lora_a.defined() || lora.slots.empty()) return product(x);
     const bool* used = lora_used.data_ptr<bool>();
-    for (const auto& [slot, start, length, index] : lora)
-      if (used[slot]) lora_delta(y, x, lora_a, lora_b, lora_bounds, slot, start, length, index);
+    for (int64_t slot : lora.slots)
+      if (used[slot]) lora_prefetch(lora_a, lora_b, slot);
+    auto y = product(x);
+    lora_apply(y, x, lora_a, lora_b, lora_bounds, lora_used, lora.token_slot);
     return y;
   }
 
-  at::Tensor operator()(const at::Tensor& x, const std::vector<LoraSegment>& lora) const {
+  at::Tensor operator()(const at::Tensor& x, const LoraStep& lora) const {
     return add_bias(product(x, lora));
   }
 

@@ -74,7 +74,8 @@ class Embedding(nn.Module):
             x = self.weights.rows(local.masked_fill(outside, 0))
             x = parallel_state.tp_all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
         if self.lora is not None and (lora := step_lora()) is not None:
-            x = self.lora.add_delta(input_ids, x, lora.segments)  # every rank holds all of A
+            # every rank holds all of A
+            x = self.lora.add_delta(input_ids, x, lora.token_slot, lora.slots)
         return x
 
     def process_after_load(self) -> None:
@@ -114,8 +115,8 @@ class LMHead(nn.Module):
         logits = self.weights.matmul(hidden)
         if self.lora is not None and (lora := step_lora()) is not None:
             # this rank's vocabulary rows of B; the rows hidden holds are the sampled ones
-            segments = lora.segments if lora.sample_segments is None else lora.sample_segments
-            logits = self.lora.add_delta(hidden, logits, segments)
+            rows = lora.token_slot if lora.sample_slot is None else lora.sample_slot
+            logits = self.lora.add_delta(hidden, logits, rows, lora.slots)
         logits = logits.float()
         if parallel_state.tp_size() == 1:
             return logits

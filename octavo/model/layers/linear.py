@@ -146,7 +146,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weights.matmul(x)
         if self.lora is not None and (lora := step_lora()) is not None:
-            y = self.lora.add_delta(x, y, lora.segments)  # partial sums, as y's
+            y = self.lora.add_delta(x, y, lora.token_slot, lora.slots)  # partial sums, as y's
         if self.sums_output:
             y = parallel_state.tp_all_reduce(y)
         return y if self.bias is None else y + self.bias

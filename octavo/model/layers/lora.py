@@ -1,20 +1,21 @@
 """LoRA on a layer, for a batch that mixes adapters: the layer's output plus each token's own
-adapter's `scaling * B (A x)`, computed per adapter over that adapter's tokens (segments, the
-punica/SGMV idea on the CPU: one pair of small GEMMs per adapter in the step, never one forward
-pass per adapter).
+adapter's `scaling * B (A x)`, computed per adapter over that adapter's tokens (the punica/
+SGMV grouping on the CPU: one pass over each adapter's A and B, or a pair of GEMMs, per adapter
+in the step and layer; never one forward pass per adapter).
 
 The adapters live in `num_slots` preallocated slots per layer, filled and cleared by the
 worker's adapter manager (worker/lora.py) as adapters come and go. A packed layer (q/k/v,
 gate/up) keeps each packed projection's A stacked ([slots, packed * rank, in]) and its B, stored
 transposed, as its own output columns of [slots, rank, out] (`bounds`: each projection's
 columns), so that one pass over A serves every projection and B costs its own outputs, not a
-block-diagonal matrix; the scaling is folded into B. A rank below the slot width is zero-padded. A few tokens of one adapter run
-octavo's kernel (csrc/lora.h: A and B read once for all of them), more run two GEMMs; the fused
+block-diagonal matrix; the scaling is folded into B. A rank below the slot width is
+zero-padded. One call per layer (csrc/lora.h, lora_apply) groups the step's tokens by slot: a
+few tokens of one adapter read its A and B once for all of them, more run two GEMMs; the fused
 decode stack calls the same function. Under tensor parallelism A and B shard with their layer:
 a column-parallel layer keeps its rows of B, a row-parallel one its columns of A, whose partial
 delta is summed with the partial output.
 
-The step's segments (`LoRAStep`) reach the layers through the forward context, as the
+Each token's slot (`LoRAStep`) reaches the layers through the forward context, as the
 attention plan does.
 """
 from __future__ import annotations
@@ -30,18 +31,17 @@ from octavo.model.layers.linear import Linear
 
 @dataclass
 class LoRAStep:
-    """Which tokens of a step run which adapter: (slot, rows) per adapter in the step, rows a
-    slice of consecutive tokens or an index tensor. `sample_segments`: the same for the rows
-    the LM head computes (the sampled positions), None where they are the step's tokens."""
+    """Which adapter each token of a step runs: its slot, -1 for the base model. `sample_slot`:
+    the same for the rows the LM head computes (the sampled positions), None where they are the
+    step's tokens."""
 
-    segments: list[tuple[int, slice | torch.Tensor]]
+    token_slot: torch.Tensor  # [T] int64
     slot_of: dict[int, int]  # adapter id -> its slot
-    sample_segments: list[tuple[int, slice | torch.Tensor]] | None = None
+    sample_slot: torch.Tensor | None = None
 
-    def stack_segments(self) -> list[tuple[int, int, int, torch.Tensor | None]]:
-        """The segments as the C++ decode stack takes them: (slot, start, length, index)."""
-        return [(slot, rows.start, rows.stop - rows.start, None) if isinstance(rows, slice)
-                else (slot, 0, 0, rows) for slot, rows in self.segments]
+    @property
+    def slots(self) -> list[int]:
+        return sorted(self.slot_of.values())
 
 
 class LoRASlots:
@@ -82,30 +82,28 @@ class LoRASlots:
         self.used[slot] = True
         self.used_mask[slot] = True
 
-    def add_delta(self, x: torch.Tensor, y: torch.Tensor,
-                  segments: list[tuple[int, slice | torch.Tensor]]) -> torch.Tensor:
-        """y plus each segment's adapter delta of x (token ids for the embedding)."""
-        native = not self.embedding and fused.native_active(x) and x.dtype == self.a.dtype \
-            and y.stride(-1) == 1 and x.stride(-1) == 1
-        for slot, rows in segments:
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor, token_slot: torch.Tensor,
+                  slots: list[int]) -> torch.Tensor:
+        """y plus each row's adapter delta of x (token ids for the embedding); token_slot: each
+        row's slot (-1: none), slots: those in the step."""
+        if not any(self.used[s] for s in slots):
+            return y
+        if not self.embedding and fused.native_active(x) and x.dtype == self.a.dtype \
+                and y.stride(-1) == 1 and x.stride(-1) == 1:
+            fused.native_module().lora_apply(y, x, self.a, self.b, self.bounds, self.used_mask,
+                                             token_slot)
+            return y
+        for slot in slots:
             if not self.used[slot]:
                 continue
-            if native:
-                index = None if isinstance(rows, slice) else rows
-                start, length = (rows.start, rows.stop - rows.start) if index is None else (0, 0)
-                fused.native_module().lora_delta(y, x, self.a, self.b, self.bounds, slot,
-                                                 start, length, index)
-                continue
-            xs = x[rows]
+            rows = torch.nonzero(token_slot == slot).flatten()
+            xs = x.index_select(0, rows)
             t = F.embedding(xs, self.a[slot]) if self.embedding else xs @ self.a[slot].t()
             for j in range(len(self.bounds) - 1):  # csrc/lora.h's GEMMs
                 first, end = self.bounds[j], self.bounds[j + 1]
                 delta = t[:, j * self.max_rank:(j + 1) * self.max_rank] @ self.b[slot][
                     :, first:end]
-                if isinstance(rows, slice):
-                    y[rows, first:end] += delta
-                else:
-                    y[:, first:end].index_add_(0, rows, delta)
+                y[:, first:end].index_add_(0, rows, delta)
         return y
 
 
