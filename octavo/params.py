@@ -8,8 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import msgspec
-
 from octavo.param_checks import check_float as _check_float
 from octavo.param_checks import check_int as _check_int
 from octavo.param_checks import check_logprobs, check_token_fields
@@ -370,7 +368,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
-class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
+@dataclass(frozen=True)
+class LoRARequest:
     """A LoRA adapter for a request, in vLLM's shape: `lora_name` names it (the OpenAI `model`
     field selects it by this name), `lora_int_id` (>= 1) identifies it in the engine, and
     `lora_path` is its directory (PEFT's adapter_config.json and adapter_model.safetensors).

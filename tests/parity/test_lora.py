@@ -162,3 +162,23 @@ def test_int4_base_weights_take_the_same_deltas(llama):
     base = [o.outputs[0].token_ids for o, (lora, _) in zip(mixed, cases) if lora is None]
     adapted = [o.outputs[0].token_ids for o, (lora, _) in zip(mixed, cases) if lora is not None]
     assert all(a not in base for a in adapted[:3])  # the adapters change what comes out
+
+
+def test_two_ranks_shard_the_adapters(llama):
+    """Tensor parallelism on two local processes: each rank holds its share of every A and B
+    (and all of the embedding's and a vocabulary share of the LM head's), and a mixed batch
+    still gives peft's outputs (logprobs within 1e-2: two ranks sum in another order)."""
+    folder, adapters, prompts, expected = llama
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              tensor_parallel_size=2, enable_lora=True, max_loras=3, max_lora_rank=16)
+    try:
+        cases = [(lora, j) for j in (0, 2) for lora in [None, *adapters]]
+        outs = _generate(llm, cases, prompts)
+        for out, (lora, j) in zip(outs, cases):
+            tokens, logprobs = expected[(lora and lora.lora_int_id, j)]
+            got = out.outputs[0]
+            assert got.token_ids == tokens, (lora, j)
+            ours = torch.tensor([lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)])
+            assert torch.allclose(ours, logprobs, atol=1e-2), (lora, j, ours - logprobs)
+    finally:
+        llm.engine.shutdown()

@@ -6,8 +6,10 @@ written from the model's shapes, no peft needed) are served from one engine with
 - `base`: `--num-prompts` requests on the base model, one batch;
 - `lora`: the same requests spread round-robin over `--num-adapters` adapters, one batch;
 - `merged`: each adapter's share of the requests as its own batch on the base model, one after
-  another: what serving a merged copy of the model per adapter costs at best (the merging and
-  loading of each copy are not counted).
+  another: what serving a merged copy of the model per adapter costs in compute alone; and
+  `merged+loads`, the same with one engine start per copy (a merged copy is the base model's
+  size: its start is timed once on the base model, caches warm), which a machine that cannot
+  hold every copy at once pays.
 Then batch-1 decode (one request, `--output-len` tokens) with and without an adapter.
 """
 from __future__ import annotations
@@ -134,21 +136,26 @@ def run(args: argparse.Namespace) -> int:
         for name, fn in runners.items():
             samples[name].append(fn())
     med = {k: statistics.median(v) for k, v in samples.items()}
+    start = time.perf_counter()  # one more engine on the base model: a merged copy's start
+    LLM.from_config(config.replace(enable_lora=False)).engine.shutdown()
+    med["merged+loads"] = med["merged"] + len(loras) * (time.perf_counter() - start)
     tokens = n * (args.input_len + out)
-    tput = {k: tokens / med[k] for k in ("base", "lora", "merged")}
+    tput = {k: tokens / med[k] for k in ("base", "lora", "merged", "merged+loads")}
     report = {"num_prompts": n, "input_len": args.input_len, "output_len": out,
               "num_adapters": len(loras), "rank": args.lora_rank, "repeats": args.repeats,
               "total_tokens_per_s": {k: round(v, 1) for k, v in tput.items()},
               "lora_over_base": round(tput["lora"] / tput["base"], 3),
               "lora_over_merged": round(tput["lora"] / tput["merged"], 3),
+              "lora_over_merged_with_loads": round(tput["lora"] / tput["merged+loads"], 3),
               "decode_tokens_per_s": {"base": round(med["decode_base"], 2),
                                       "lora": round(med["decode_lora"], 2)},
               "decode_lora_over_base": round(med["decode_lora"] / med["decode_base"], 3),
               "samples": samples}
-    for k in ("base", "lora", "merged"):
-        print(f"{k:>7}: {tput[k]:8.1f} total tokens/s (median of {args.repeats})")
+    for k in ("base", "lora", "merged", "merged+loads"):
+        print(f"{k:>12}: {tput[k]:8.1f} total tokens/s (median of {args.repeats})")
     print(f"lora / base {report['lora_over_base']:.2f}x, lora / merged one after another "
-          f"{report['lora_over_merged']:.2f}x")
+          f"{report['lora_over_merged']:.2f}x (with their starts "
+          f"{report['lora_over_merged_with_loads']:.2f}x)")
     print(f"batch-1 decode: base {med['decode_base']:.1f} tokens/s, with an adapter "
           f"{med['decode_lora']:.1f} ({report['decode_lora_over_base']:.2f}x)")
     if args.json:
