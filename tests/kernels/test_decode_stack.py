@@ -336,9 +336,10 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
     dense = [torch.zeros(48, 32), torch.zeros(32, 32), torch.zeros(64, 32), torch.zeros(32, 32)]
     cache, cos, sin = torch.zeros(2, 4, 16, 1, 16), torch.ones(64, 8), torch.zeros(64, 8)
 
-    def linears(kind="none"):
+    def linears(kind="none", lora_a=None):
         stack.set_linears(dense, [None] * 4, [kind] * 4, [None] * 4, [None] * 4, [None] * 4,
-                          [48, 32, 64, 32], [0] * 4)
+                          [48, 32, 64, 32], [0] * 4, [lora_a] * 4, [None] * 4, [None] * 4,
+                          [[0, 0]] * 4)
 
     with pytest.raises(RuntimeError, match="add_layer comes first"):
         stack.set_norms("rms", norms, [None] * 4, False)
@@ -357,6 +358,8 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
         linears("int3")
     with pytest.raises(RuntimeError, match="a low-bit weight needs its tensors"):
         linears("int8")
+    with pytest.raises(RuntimeError, match="LoRA slots come as A, B and their use"):
+        linears(lora_a=torch.zeros(1, 4, 32))
     linears()
     with pytest.raises(RuntimeError, match="unknown activation 'swish'"):
         stack.set_mlp("swish", True, 0, False, False)
@@ -367,8 +370,8 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
             torch.ones(1, dtype=torch.long), 0)
     with pytest.raises(RuntimeError, match="a layer is not complete"):
         stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                      [plan])
+                      [plan], None, [])
     stack.set_mlp("silu", True, 0, False, False)
     out = stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                        [plan])
+                        [plan], None, [])
     assert out.shape == (1, 32)

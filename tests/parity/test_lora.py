@@ -78,13 +78,19 @@ def build_family(name, tmp_path_factory, smollm_oracle_folder):
     return folder, [a for a, _ in adapters], prompts, expected
 
 
-def _check(outs, cases, expected):
+def _generate(llm, cases, prompts):
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    return llm.generate([prompts[j] for _, j in cases], params, use_tqdm=False,
+                        lora_request=[lora for lora, _ in cases])
+
+
+def _check(outs, cases, expected, atol: float = 1e-3):
     for out, (lora, j) in zip(outs, cases):
         tokens, logprobs = expected[(lora and lora.lora_int_id, j)]
         got = out.outputs[0]
         assert got.token_ids == tokens, (lora, j)
         ours = torch.tensor([lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)])
-        assert torch.allclose(ours, logprobs, atol=1e-3), (lora, j, ours - logprobs)
+        assert torch.allclose(ours, logprobs, atol=atol), (lora, j, ours - logprobs)
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["fused-stack", "eager"])
@@ -96,10 +102,7 @@ def test_mixed_adapters_match_peft(family, eager):
               max_num_batched_tokens=64, enable_lora=True, max_loras=2, max_lora_rank=16,
               enforce_eager=eager)
     cases = [(lora, j) for j in range(len(prompts)) for lora in [None, *adapters]]
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-    outs = llm.generate([prompts[j] for _, j in cases], params, use_tqdm=False,
-                        lora_request=[lora for lora, _ in cases])
-    _check(outs, cases, expected)
+    _check(_generate(llm, cases, prompts), cases, expected)
 
 
 def test_prompt_logprobs_with_adapters(family):
@@ -114,12 +117,6 @@ def test_prompt_logprobs_with_adapters(family):
     ours = torch.tensor([out.prompt_logprobs[p][full[p]].logprob
                          for p in range(len(prompts[1]), len(full))])
     assert torch.allclose(ours, expected[(lora.lora_int_id, 1)][1], atol=1e-3)
-
-
-def _generate(llm, cases, prompts):
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-    return llm.generate([prompts[j] for _, j in cases], params, use_tqdm=False,
-                        lora_request=[lora for lora, _ in cases])
 
 
 def test_adapters_evicted_and_reloaded_give_the_same_outputs(llama):
@@ -173,12 +170,6 @@ def test_two_ranks_shard_the_adapters(llama):
               tensor_parallel_size=2, enable_lora=True, max_loras=3, max_lora_rank=16)
     try:
         cases = [(lora, j) for j in (0, 2) for lora in [None, *adapters]]
-        outs = _generate(llm, cases, prompts)
-        for out, (lora, j) in zip(outs, cases):
-            tokens, logprobs = expected[(lora and lora.lora_int_id, j)]
-            got = out.outputs[0]
-            assert got.token_ids == tokens, (lora, j)
-            ours = torch.tensor([lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)])
-            assert torch.allclose(ours, logprobs, atol=1e-2), (lora, j, ours - logprobs)
+        _check(_generate(llm, cases, prompts), cases, expected, atol=1e-2)
     finally:
         llm.engine.shutdown()
