@@ -68,6 +68,10 @@ class LoRAManager:
             else:
                 continue
             self.layers[name] = (module, module.lora)
+        size = sum(s.a.nbytes + s.b.nbytes for _, s in self.layers.values())
+        logger.info("LoRA: %d adapter slots of rank up to %d on %d layers (%.1f MB), %d "
+                    "adapters kept in host memory", slots, rank, len(self.layers), size / 1e6,
+                    config.cpu_slots)
 
     def register(self, request: LoRARequest) -> None:
         """A request names this adapter: remember where it is (loaded when a step needs it)."""
