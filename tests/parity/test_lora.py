@@ -173,3 +173,29 @@ def test_two_ranks_shard_the_adapters(llama):
         _check(_generate(llm, cases, prompts), cases, expected, atol=1e-2)
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_quantized_checkpoints_take_adapters(tmp_path, smollm_oracle_folder, fmt):
+    """A GPTQ or AWQ checkpoint (packed int4, served as it is) with an adapter: its prompt
+    logprobs equal peft's over transformers on the dequantized weights, with the adapter."""
+    from tests.model.test_quant_checkpoints import _build as build_quantized
+
+    qc = ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True,
+           "checkpoint_format": "gptq"} if fmt == "gptq" else
+          {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+           "version": "gemm"})
+    folder, ref = build_quantized(tmp_path, smollm_oracle_folder, fmt, qc, bits=4, group=32,
+                                  sym=fmt == "gptq")
+    adapted = make_adapter(ref, 8, ALL, False, 5, tmp_path / "adapter")
+    prompt = torch.randint(100, 49000, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        lp = torch.log_softmax(adapted(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+    theirs = lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=8 << 20,
+              enable_lora=True, max_lora_rank=8)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False,
+                       lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))[0]
+    ours = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
+    assert torch.allclose(ours, theirs, atol=1e-3), (ours - theirs).abs().max()
