@@ -4,6 +4,8 @@ adapters (--lora-modules, and those loaded at run time) are listed here too, so 
 OpenAI `model` field can select one."""
 from __future__ import annotations
 
+import threading
+
 from octavo.arch_config import ArchConfig
 from octavo.config import LoRAConfig
 from octavo.lora.adapter import AdapterSpec, read_adapter
@@ -18,6 +20,7 @@ class AdapterRegistry:
         self.named: dict[str, LoRARequest] = {}  # the server's adapters, by name
         self._last_id = 0  # ids given to named adapters: never reused, so an adapter loaded
         # anew under an old name never meets the old one's cached blocks or host copy
+        self._lock = threading.Lock()  # runtime loads are checked on the front end's pool
 
     def check(self, request: LoRARequest | None) -> LoRARequest | None:
         """`request`, checked: ValueError (naming the adapter) if it cannot be served."""
@@ -43,18 +46,18 @@ class AdapterRegistry:
 
     def add_named(self, name: str, path: str) -> LoRARequest:
         """A server adapter `name` at `path`, checked, with the next free id."""
-        if name in self.named:
-            raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
-        lora_id = self._last_id = max([self._last_id, *self.checked]) + 1
-        request = self.check(LoRARequest(name, lora_id, path))
-        if name in self.named:  # loaded meanwhile by another request
-            raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
-        self.named[name] = request
-        return request
+        with self._lock:
+            if name in self.named:
+                raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+            lora_id = self._last_id = max([self._last_id, *self.checked]) + 1
+            request = self.check(LoRARequest(name, lora_id, path))
+            self.named[name] = request
+            return request
 
     def remove_named(self, name: str) -> LoRARequest:
-        request = self.named.pop(name, None)
-        if request is None:
-            raise KeyError(name)
-        self.checked.pop(request.lora_int_id, None)
-        return request
+        with self._lock:
+            request = self.named.pop(name, None)
+            if request is None:
+                raise KeyError(name)
+            self.checked.pop(request.lora_int_id, None)
+            return request
