@@ -52,53 +52,47 @@ void lora_rows_typed(const T* x, int64_t x_stride, T* y, int64_t y_stride, const
   auto row = [&](int64_t i) { return index ? index[i] : first + i; };
   std::vector<float> xf(count * k), t(count * width);
   for (int64_t i = 0; i < count; ++i) widen(x + row(i) * x_stride, xf.data() + i * k, k);
-  // t = A x, four rows of A at a time against each token. A and B come from memory, not the
-  // caches (the base weights streamed through them since the last step): both cores read.
-  at::parallel_for(0, (width + 3) / 4, 2, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin * 4; w < std::min(end * 4, width); w += 4) {
-      const int64_t m = std::min<int64_t>(4, width - w);
-      const T* a0 = a + w * k;
-      const T* a1 = a + (w + (m > 1)) * k;
-      const T* a2 = a + (w + (m > 2) * 2) * k;
-      const T* a3 = a + (w + (m > 3) * 3) * k;
-      for (int64_t i = 0; i < count; ++i) {
-        const float* xi = xf.data() + i * k;
-        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-        for (int64_t c = 0; c < k; ++c) {
-          s0 += lora_f(a0, c) * xi[c];
-          s1 += lora_f(a1, c) * xi[c];
-          s2 += lora_f(a2, c) * xi[c];
-          s3 += lora_f(a3, c) * xi[c];
-        }
-        const float sums[4] = {s0, s1, s2, s3};
-        for (int64_t q = 0; q < m; ++q) t[i * width + w + q] = sums[q];
-      }
-    }
-  });
-  // y += B t over a range of outputs: B^T's rows (one per rank), widened, scaled by t and
-  // summed along each projection's outputs; then added to y with one rounding
-  at::parallel_for(0, n_out, 256, [&](int64_t begin, int64_t end) {
-    const int64_t span = end - begin;
-    std::vector<float> acc(count * span, 0.f), bf(span), yf(span);
-    for (int64_t j = 0; j < packed; ++j) {
-      const int64_t lo = std::max(begin, bounds[j]), hi = std::min(end, bounds[j + 1]);
-      if (lo >= hi) continue;
-      for (int64_t r = 0; r < rank; ++r) {
-        widen(bt + r * n_out + lo, bf.data(), hi - lo);
-        for (int64_t i = 0; i < count; ++i)
-          axpy(acc.data() + i * span + (lo - begin), bf.data(), t[i * width + j * rank + r],
-               hi - lo);
-      }
-    }
+  // t = A x, four rows of A at a time against each token. One thread: A and B were prefetched
+  // into its core's caches before the base product (StackLinear), and a second core would
+  // read them from this one's (docs/performance.md, "LoRA adapters").
+  for (int64_t w = 0; w < width; w += 4) {
+    const int64_t m = std::min<int64_t>(4, width - w);
+    const T* a0 = a + w * k;
+    const T* a1 = a + (w + (m > 1)) * k;
+    const T* a2 = a + (w + (m > 2) * 2) * k;
+    const T* a3 = a + (w + (m > 3) * 3) * k;
     for (int64_t i = 0; i < count; ++i) {
-      T* yi = y + row(i) * y_stride + begin;
-      widen(yi, yf.data(), span);
-      axpy(yf.data(), acc.data() + i * span, 1.f, span);
-#pragma omp simd
-      for (int64_t n = 0; n < span; ++n) lora_store(yi, n, yf[n]);
+      const float* xi = xf.data() + i * k;
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+      for (int64_t c = 0; c < k; ++c) {
+        s0 += lora_f(a0, c) * xi[c];
+        s1 += lora_f(a1, c) * xi[c];
+        s2 += lora_f(a2, c) * xi[c];
+        s3 += lora_f(a3, c) * xi[c];
+      }
+      const float sums[4] = {s0, s1, s2, s3};
+      for (int64_t q = 0; q < m; ++q) t[i * width + w + q] = sums[q];
     }
-  });
+  }
+  // y += B t: B^T's rows (one per rank), widened, scaled by t and summed along each
+  // projection's outputs; then added to y with one rounding
+  std::vector<float> acc(count * n_out, 0.f), bf(n_out), yf(n_out);
+  for (int64_t j = 0; j < packed; ++j) {
+    const int64_t lo = bounds[j], hi = bounds[j + 1];
+    for (int64_t r = 0; r < rank; ++r) {
+      widen(bt + r * n_out + lo, bf.data(), hi - lo);
+      for (int64_t i = 0; i < count; ++i)
+        axpy(acc.data() + i * n_out + lo, bf.data(), t[i * width + j * rank + r], hi - lo);
+    }
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    T* yi = y + row(i) * y_stride;
+    widen(yi, yf.data(), n_out);
+    axpy(yf.data(), acc.data() + i * n_out, 1.f, n_out);
+#pragma omp simd
+    for (int64_t n = 0; n < n_out; ++n) lora_store(yi, n, yf[n]);
+  }
 }
 
 // y[row(i), lo:lo + width] += delta[i] for each of delta's rows (index_add_ and a narrowed
@@ -190,7 +184,7 @@ inline void lora_apply(at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
                                 rank, k);
     };
     if (few.size() == 1) {
-      one(few[0]);  // its own loops take both cores
+      one(few[0]);  // on this thread, whose caches hold the prefetched slot
     } else {
       at::parallel_for(0, static_cast<int64_t>(few.size()), 1, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) one(few[i]);
