@@ -199,3 +199,15 @@ def test_quantized_checkpoints_take_adapters(tmp_path, smollm_oracle_folder, fmt
                        lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))[0]
     ours = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
     assert torch.allclose(ours, theirs, atol=1e-3), (ours - theirs).abs().max()
+
+
+def test_ngram_speculation_with_adapters_is_exact(llama):
+    """Drafts verified with each request's adapter: greedy outputs equal peft's."""
+    folder, adapters, prompts, expected = llama
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              enable_lora=True, max_loras=3, max_lora_rank=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    cases = [(lora, j) for j in range(len(prompts)) for lora in [None, *adapters]]
+    _check(_generate(llm, cases, prompts), cases, expected)
+    assert llm.engine.client.stats().spec_draft_tokens > 0
