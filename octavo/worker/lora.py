@@ -74,20 +74,10 @@ class LoRAManager:
                     config.cpu_slots)
 
     def register(self, request: LoRARequest) -> None:
-        """A request names this adapter: remember where it is (loaded when a step needs it)."""
-        known = self.requests.get(request.lora_int_id)
-        if known is not None and known.lora_path != request.lora_path:
-            self.forget(request.lora_int_id)  # the id now names another adapter
+        """A request names this adapter: remember where it is (loaded when a step needs it).
+        An id names one adapter for the engine's life (lora/registry.py holds the front end to
+        it), so what is loaded under an id stays valid."""
         self.requests[request.lora_int_id] = request
-
-    def forget(self, lora_id: int) -> None:
-        """Drop an unloaded adapter from host memory and its slot (no running request uses
-        it: the front end unloads only then)."""
-        self.loaded.pop(lora_id, None)
-        self.requests.pop(lora_id, None)
-        for slot, held in enumerate(self.slot_adapter):
-            if held == lora_id:
-                self._clear(slot)
 
     def step(self, token_lora: np.ndarray) -> LoRAStep | None:
         """Each token's slot, with every adapter in the step placed in one. token_lora: each
@@ -97,7 +87,7 @@ class LoRAManager:
         if not len(ids):
             return None
         slot_of = self._place([int(i) for i in ids])
-        return LoRAStep(slots_of(token_lora, slot_of), slot_of)
+        return LoRAStep(slots_of(token_lora, slot_of), slot_of, sorted(slot_of.values()))
 
     def _place(self, ids: list[int]) -> dict[int, int]:
         needed = set(ids)

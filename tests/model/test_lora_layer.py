@@ -26,7 +26,7 @@ def _layer(shards, in_features, weight, quantize, slot_spans=None, input_span=No
 def _run(layer, x, token_slot):
     """layer(x) with row t running the adapter in slot token_slot[t] (-1: none)."""
     slots = sorted({s for s in token_slot if s >= 0})
-    step = LoRAStep(torch.tensor(token_slot), {s + 1: s for s in slots})
+    step = LoRAStep(torch.tensor(token_slot), {s + 1: s for s in slots}, slots)
     with forward_context(ForwardContext(None, [], lora=step)):
         return layer(x)
 

@@ -45,13 +45,12 @@ inline void axpy(float* __restrict out, const float* __restrict v, float scale, 
 }
 
 template <typename T>
-void lora_rows_typed(const T* x, int64_t x_stride, T* y, int64_t y_stride, const int64_t* index,
-                     int64_t first, int64_t count, const T* a, const T* bt,
+void lora_rows_typed(const T* x, int64_t x_stride, T* y, int64_t y_stride, const int64_t* rows,
+                     int64_t count, const T* a, const T* bt,
                      const int64_t* bounds, int64_t packed, int64_t rank, int64_t k) {
   const int64_t width = packed * rank, n_out = bounds[packed];
-  auto row = [&](int64_t i) { return index ? index[i] : first + i; };
   std::vector<float> xf(count * k), t(count * width);
-  for (int64_t i = 0; i < count; ++i) widen(x + row(i) * x_stride, xf.data() + i * k, k);
+  for (int64_t i = 0; i < count; ++i) widen(x + rows[i] * x_stride, xf.data() + i * k, k);
   // t = A x, four rows of A at a time against each token. One thread: A and B were prefetched
   // into its core's caches before the base product (StackLinear), and a second core would
   // read them from this one's (docs/performance.md, "LoRA adapters").
@@ -87,7 +86,7 @@ void lora_rows_typed(const T* x, int64_t x_stride, T* y, int64_t y_stride, const
     }
   }
   for (int64_t i = 0; i < count; ++i) {
-    T* yi = y + row(i) * y_stride;
+    T* yi = y + rows[i] * y_stride;
     widen(yi, yf.data(), n_out);
     axpy(yf.data(), acc.data() + i * n_out, 1.f, n_out);
 #pragma omp simd
@@ -95,17 +94,17 @@ void lora_rows_typed(const T* x, int64_t x_stride, T* y, int64_t y_stride, const
   }
 }
 
-// y[row(i), lo:lo + width] += delta[i] for each of delta's rows (index_add_ and a narrowed
+// y[rows[i], lo:lo + width] += delta[i] for each of delta's rows (index_add_ and a narrowed
 // add_ cost more than the GEMMs they follow).
 template <typename T>
-void lora_add_rows(at::Tensor& y, const at::Tensor& delta, int64_t lo, const int64_t* index,
-                   int64_t first, int64_t count) {
+void lora_add_rows(at::Tensor& y, const at::Tensor& delta, int64_t lo, const int64_t* rows,
+                   int64_t count) {
   const int64_t width = delta.size(1), y_stride = y.stride(0);
   const T* d = delta.data_ptr<T>();
   T* out = y.data_ptr<T>() + lo;
   at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      T* yi = out + (index ? index[i] : first + i) * y_stride;
+      T* yi = out + rows[i] * y_stride;
       const T* di = d + i * width;
 #pragma omp simd
       for (int64_t n = 0; n < width; ++n)
@@ -170,14 +169,14 @@ inline void lora_apply(at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
       const auto delta = at::matmul(t.narrow(1, j * rank, rank), cols).contiguous();
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "lora_add",
                                       [&] { lora_add_rows<scalar_t>(y, delta, bounds[j],
-                                                                    rows[s].data(), 0,
+                                                                    rows[s].data(),
                                                                     delta.size(0)); });
     }
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "lora_apply", [&] {
     auto one = [&](int64_t s) {
       lora_rows_typed<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), y.data_ptr<scalar_t>(),
-                                y.stride(0), rows[s].data(), 0,
+                                y.stride(0), rows[s].data(),
                                 static_cast<int64_t>(rows[s].size()),
                                 a.data_ptr<scalar_t>() + s * a.stride(0),
                                 b.data_ptr<scalar_t>() + s * b.stride(0), bounds.data(), packed,

@@ -37,11 +37,8 @@ class LoRAStep:
 
     token_slot: torch.Tensor  # [T] int64
     slot_of: dict[int, int]  # adapter id -> its slot
+    slots: list[int]  # the step's slots, sorted: every adapted layer reads them
     sample_slot: torch.Tensor | None = None
-
-    @property
-    def slots(self) -> list[int]:
-        return sorted(self.slot_of.values())
 
 
 class LoRASlots:
