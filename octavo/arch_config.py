@@ -77,6 +77,18 @@ class ArchConfig:
         return self.sliding_window
 
     @property
+    def num_experts(self) -> int:
+        """The routed experts of a mixture-of-experts model's sparse layers (0: dense)."""
+        return int(self.extra.get("num_experts") or self.extra.get("num_local_experts") or 0)
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts: Qwen's mlp_only_layers and
+        decoder_sparse_step keep some layers dense."""
+        step = self.extra.get("decoder_sparse_step") or 1
+        return bool(self.num_experts) and layer not in (self.extra.get("mlp_only_layers") or []) \
+            and (layer + 1) % step == 0
+
+    @property
     def all_layers_sliding(self) -> bool:
         """True when no layer ever reads keys older than the window (blocks may be freed)."""
         return all(self.layer_window(i) is not None for i in range(self.num_layers))

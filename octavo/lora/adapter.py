@@ -32,6 +32,17 @@ _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<kind>lora_A|lora_B|l
 # LoRA training, they equal the base model's unless the vocabulary was resized.
 _BASE_COPY = re.compile(r"^base_model\.model\.(?P<module>.+)\.base_layer\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<rest>.+)$")
+# A mixture's experts, one pair per expert and projection (Mixtral's w1/w3/w2 or gate/up/down:
+# PEFT on transformers 4, and vLLM's layout), or one pair over every expert of a stacked
+# tensor (PEFT's target_parameters on transformers 5's fused experts: gate_up_proj, down_proj).
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(?:(?P<expert>\d+)\.(?P<proj>gate_proj|"
+                     r"up_proj|down_proj|w1|w3|w2)|(?P<stacked>gate_up_proj|down_proj))$")
+# PEFT nests the pairs of a module's targeted parameters as base_layer, in the order the module
+# declares them; their shapes tell which is which.
+_STACKED = re.compile(r"^(?P<experts>model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)"
+                      r"(?:\.base_layer)*$")
+_PROJECTION = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+               "down_proj": "down", "w2": "down", "gate_up_proj": "gate_up"}
 
 
 class AdapterError(ValueError):
@@ -50,6 +61,9 @@ class LoRATarget:
     rank: int
     scaling: float
     embedding: bool  # A is looked up by token id rather than multiplied
+    # A stacked pair over this many experts (A [rank * experts, in], B [out, rank * experts]:
+    # column r * experts + e of B is expert e's); 0 for a pair of one module.
+    experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,27 +120,58 @@ def _read(root: Path, request: LoRARequest, arch: ArchConfig, max_rank: int) -> 
         pairs.setdefault(m["module"], {})[kind] = (key, list(info["shape"]))
     if not pairs:
         raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA tensors")
-    alpha = float(config.get("lora_alpha", 8))
     rslora = bool(config.get("use_rslora", False))
     targets = []
     for module, found in sorted(pairs.items()):
         if set(found) != {"lora_A", "lora_B"}:
             raise AdapterError(f"{module} has {sorted(found)} but needs lora_A and lora_B")
         (a_name, a_shape), (b_name, b_shape) = found["lora_A"], found["lora_B"]
-        rank = a_shape[0] if a_shape else 0
-        if len(a_shape) != 2 or len(b_shape) != 2 or b_shape[1] != rank:
+        if len(a_shape) != 2 or len(b_shape) != 2 or b_shape[1] != a_shape[0]:
             raise AdapterError(f"{module}: A {a_shape} and B {b_shape} do not share a rank")
+        got = (b_shape[0], a_shape[1])  # (out, in)
+        experts = 0
+        if _STACKED.match(module):
+            module, experts = _stacked_module(module, got, arch), arch.num_experts
+            if a_shape[0] % experts:
+                raise AdapterError(f"{module}: A has {a_shape[0]} rows, not a rank for each "
+                                   f"of {experts} experts")
+        rank = a_shape[0] // max(experts, 1)
         if rank > max_rank:
             raise AdapterError(f"{module} has rank {rank}, above --max-lora-rank {max_rank}")
         embedding = "lora_embedding_A" in a_name
         want = module_shape(module, arch)
-        got = (b_shape[0], a_shape[1])  # (out, in)
         if got != want:
             raise AdapterError(f"{module}: the adapter is for a layer of (out, in) {got}, the "
                                f"base model's is {want}")
-        scaling = alpha / (math.sqrt(rank) if rslora else rank)
-        targets.append(LoRATarget(module, a_name, b_name, rank, scaling, embedding))
+        if any(t.module == module for t in targets):
+            raise AdapterError(f"{module} has two LoRA pairs")
+        scaling = _alpha(config, module) / (math.sqrt(rank) if rslora else rank)
+        targets.append(LoRATarget(module, a_name, b_name, rank, scaling, embedding, experts))
     return AdapterSpec(request, weights, max(t.rank for t in targets), tuple(targets))
+
+
+def _stacked_module(module: str, shape: tuple[int, int], arch: ArchConfig) -> str:
+    """The stacked expert tensor a pair on `<layer>.experts` changes, told by its (out, in)."""
+    experts = _STACKED.match(module)["experts"]
+    for proj in ("gate_up_proj", "down_proj"):
+        name = f"{experts}.{proj}"
+        try:
+            if module_shape(name, arch) == shape:
+                return name
+        except AdapterError:
+            break  # not a mixture-of-experts layer: module_shape says so below
+    return f"{experts}.{shape}"  # refused by module_shape with the base model's shapes
+
+
+def expert_projection(rest: str) -> tuple[int | None, str] | None:
+    """(expert, projection: gate, up, down or gate_up) of a layer's module name below
+    model.layers.<n> (expert None: a pair stacked over every expert); None for other modules."""
+    m = _EXPERT.match(rest)
+    if m is None:
+        return None
+    if m["stacked"]:
+        return None, _PROJECTION[m["stacked"]]
+    return int(m["expert"]), _PROJECTION[m["proj"]]
 
 
 def _check_base_copy(module: str, shape: list[int], arch: ArchConfig) -> None:
@@ -149,12 +194,31 @@ def _check_config(config: dict[str, Any]) -> None:
     if config.get("modules_to_save"):
         raise AdapterError(f"modules_to_save {config['modules_to_save']} would replace whole "
                            f"base modules, which octavo does not serve")
-    for key in ("alpha_pattern", "rank_pattern"):
-        if config.get(key):
-            raise AdapterError(f"{key} (per-module ranks or alphas) is not supported")
-    alpha = config.get("lora_alpha", 8)
+    _check_alpha("lora_alpha", config.get("lora_alpha", 8))
+    patterns = config.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise AdapterError("alpha_pattern must map module patterns to alphas")
+    for pattern, alpha in patterns.items():
+        _check_alpha(f"alpha_pattern[{pattern!r}]", alpha)
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise AdapterError(f"alpha_pattern key {pattern!r} is not a regular expression: "
+                               f"{exc}") from None
+
+
+def _check_alpha(field: str, alpha: Any) -> None:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise AdapterError(f"lora_alpha must be a positive number, got {alpha!r}")
+        raise AdapterError(f"{field} must be a positive number, got {alpha!r}")
+
+
+def _alpha(config: dict[str, Any], module: str) -> float:
+    """The module's lora_alpha: alpha_pattern's first key that matches the end of its name
+    (PEFT's rule), else lora_alpha. Ranks come from the tensors' shapes (rank_pattern's)."""
+    for pattern, alpha in (config.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return float(alpha)
+    return float(config.get("lora_alpha", 8))
 
 
 def module_shape(module: str, arch: ArchConfig) -> tuple[int, int]:
@@ -174,18 +238,28 @@ def module_shape(module: str, arch: ArchConfig) -> tuple[int, int]:
         "self_attn.v_proj": (kv * arch.head_dim, hidden),
         "self_attn.o_proj": (hidden, heads * arch.head_dim),
     }
-    if not (arch.extra.get("num_experts") or arch.extra.get("num_local_experts")):
-        shapes.update({"mlp.gate_proj": (arch.intermediate_size, hidden),
-                       "mlp.up_proj": (arch.intermediate_size, hidden),
-                       "mlp.down_proj": (hidden, arch.intermediate_size)})
     rest = m["rest"]
+    if not arch.moe_layer(int(m["layer"])):
+        shapes.update(_mlp_shapes("mlp", arch.intermediate_size, hidden))
+    else:
+        if arch.extra.get("shared_expert_intermediate_size"):
+            shapes.update(_mlp_shapes("mlp.shared_expert",
+                                      arch.extra["shared_expert_intermediate_size"], hidden))
+        expert = expert_projection(rest)
+        if expert is not None and (expert[0] or 0) < arch.num_experts:
+            width = arch.extra.get("moe_intermediate_size") or arch.intermediate_size
+            return {"gate": (width, hidden), "up": (width, hidden), "down": (hidden, width),
+                    "gate_up": (2 * width, hidden)}[expert[1]]
     if rest not in shapes:
-        if ".experts." in rest or ".shared_expert" in rest:
-            raise AdapterError(f"{module}: adapters on a mixture's experts are not supported "
-                               f"yet (only its attention)")
         raise AdapterError(f"the base model has no module {module} that octavo adapts "
-                           f"(q/k/v/o_proj, gate/up/down_proj, embed_tokens, lm_head)")
+                           f"(q/k/v/o_proj, gate/up/down_proj, a mixture's experts and shared "
+                           f"expert, embed_tokens, lm_head)")
     return shapes[rest]
+
+
+def _mlp_shapes(prefix: str, width: int, hidden: int) -> dict[str, tuple[int, int]]:
+    return {f"{prefix}.gate_proj": (width, hidden), f"{prefix}.up_proj": (width, hidden),
+            f"{prefix}.down_proj": (hidden, width)}
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:

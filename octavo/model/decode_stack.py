@@ -38,7 +38,7 @@ from octavo.kernels.paged_attention import AttentionPlan
 from octavo.model.context import get_forward_context
 from octavo.model.layer_spec import LayerSpec, NormKind
 from octavo.model.layers.linear import Linear
-from octavo.model.layers.lora import LoRAStep
+from octavo.model.layers.lora import LoRASlots, LoRAStep
 from octavo.model.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
 from octavo.model.quant.decode_weights import max_rows
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed, PackedWeight
@@ -147,7 +147,18 @@ def _kind(low: PackedWeight | None) -> str:
     return "int8" if isinstance(low, (Int8Packed, Int8Grouped)) else "none"
 
 
-def _linear(lin: Linear | torch.Tensor) -> tuple:
+def _adapters(spec: LayerSpec) -> list[LoRASlots | None]:
+    """The adapter slots of each of _linears(spec) (None: none; a mixture's experts keep theirs
+    in FusedMoE.lora)."""
+    slots = [getattr(lin, "lora", None) for lin in _linears(spec)]
+    fused_moe = None if spec.moe is None else spec.moe.fused
+    if fused_moe is not None and fused_moe.lora is not None:
+        experts = [s for pair in fused_moe.lora for s in pair]
+        slots[len(slots) - len(experts):] = experts
+    return slots
+
+
+def _linear(lin: Linear | torch.Tensor, lora: LoRASlots | None) -> tuple:
     """A linear layer as the C++ stack takes it (csrc/stack_linear.h): dense weight, bias, the
     low-bit kind and its tensors (two, and a wide int4 weight's high plane), output features,
     the most rows the low-bit kernel serves (beside a dense weight: its copy's; alone: the
@@ -168,7 +179,6 @@ def _linear(lin: Linear | torch.Tensor) -> tuple:
     out = dense.shape[0] if dense is not None else low.out_features
     rows = 0 if low is None else max_rows(low) if dense is not None else low.dense_rows
     bias = None if isinstance(lin, torch.Tensor) else lin.bias
-    lora = None if isinstance(lin, torch.Tensor) else lin.lora
     adapters = (None, None, None, [0, 0]) if lora is None else (lora.a, lora.b, lora.used_mask,
                                                                  lora.bounds)
     return dense, bias, kind, a, b, c, out, rows, *adapters
@@ -234,7 +244,8 @@ class DecodeStack:
                             [_norm_weight(spec, n) for n in (*norms, spec.q_norm, spec.k_norm)],
                             [_norm_bias(spec, n) for n in norms], spec.parallel_residual)
             # One list per StackLinear field, over the layer's linear layers (_linears).
-            stack.set_linears(*[list(field) for field in zip(*map(_linear, _linears(spec)))])
+            stack.set_linears(*[list(field) for field in zip(*map(_linear, _linears(spec),
+                                                                     _adapters(spec)))])
             stack.set_mlp(spec.activation.value, spec.gated, *_moe_settings(spec))
         self._stack, self._caches = stack, kv_caches
 

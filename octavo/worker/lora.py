@@ -11,6 +11,7 @@ never touches the slots the step's other adapters use, so their requests compute
 from __future__ import annotations
 
 import logging
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -21,10 +22,12 @@ from torch import nn
 
 from octavo.arch_config import ArchConfig
 from octavo.config import LoRAConfig
-from octavo.lora.adapter import AdapterSpec, read_adapter
+from octavo.lora.adapter import AdapterSpec, LoRATarget, expert_projection, read_adapter
 from octavo.model.layers.embedding import Embedding, LMHead
 from octavo.model.layers.linear import Linear
-from octavo.model.layers.lora import LoRASlots, LoRAStep, linear_slots, set_linear_pair
+from octavo.model.layers.lora import (LoRASlots, LoRAStep, expert_slots, linear_slots,
+                                      set_expert_pair, set_linear_pair)
+from octavo.model.layers.moe import FusedMoE
 from octavo.params import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -32,7 +35,8 @@ logger = logging.getLogger(__name__)
 # The base model's linear layers an adapter may change (the packed names octavo's families
 # give q/k/v and gate/up), and the two vocabulary layers.
 _ADAPTED_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
-                    "mlp.down_proj")
+                    "mlp.down_proj", "shared_expert.gate_up_proj", "shared_expert.down_proj")
+_LAYER_PREFIX = re.compile(r"^(model\.layers\.\d+)\.(.+)$")
 
 
 @dataclass
@@ -54,6 +58,7 @@ class LoRAManager:
         self.loaded: OrderedDict[int, LoadedAdapter] = OrderedDict()  # LRU, oldest first
         self.requests: dict[int, LoRARequest] = {}  # every adapter a request has named
         self.layers: dict[str, tuple[nn.Module, LoRASlots]] = {}
+        self.moe_of: dict[str, str] = {}  # model.layers.<n> -> its FusedMoE's name
         slots, rank = config.max_loras, config.max_lora_rank
         for name, module in model.named_modules():
             if isinstance(module, Linear) and name.endswith(_ADAPTED_LINEARS) \
@@ -65,6 +70,13 @@ class LoRAManager:
             elif isinstance(module, Embedding):
                 module.lora = LoRASlots([0, module.weights_shape[1]], arch.vocab_size, slots,
                                         rank, dtype, device, embedding=True)
+            elif isinstance(module, FusedMoE):
+                module.lora = expert_slots(module, slots, rank, dtype, device)
+                self.moe_of[_LAYER_PREFIX.match(name)[1]] = name
+                for e, (gate_up, down) in enumerate(module.lora):
+                    self.layers[f"{name}.{e}.gate_up"] = (module, gate_up)
+                    self.layers[f"{name}.{e}.down"] = (module, down)
+                continue
             else:
                 continue
             self.layers[name] = (module, module.lora)
@@ -119,13 +131,14 @@ class LoRAManager:
         pairs = []
         with safe_open(str(spec.weights_path), framework="pt") as f:
             for target in spec.targets:
-                where = self._module_of(target.module)
+                expert = self._expert_of(target.module)
+                where = self._module_of(target.module) if expert is None else expert
                 if where is None:  # another pipeline stage's layer
                     continue
                 a = f.get_tensor(target.a_name).to(torch.float32)
-                b = f.get_tensor(target.b_name).to(torch.float32)
-                b = b * target.scaling
-                pairs.append((*where, a.to(self.dtype), b.to(self.dtype)))
+                b = f.get_tensor(target.b_name).to(torch.float32) * target.scaling
+                for name, index, a_part, b_part in _split(where, target, a, b):
+                    pairs.append((name, index, a_part.to(self.dtype), b_part.to(self.dtype)))
         logger.info("LoRA adapter %r (id %d, rank %d, %d modules) loaded from %s",
                     request.lora_name, request.lora_int_id, spec.rank, len(pairs),
                     request.lora_path)
@@ -143,11 +156,24 @@ class LoRAManager:
         packed = self.model.packed_modules_mapping.get(leaf)
         return name, None if packed is None else packed[1]
 
+    def _expert_of(self, module: str) -> tuple[str, int | None, str] | None:
+        """(this stage's FusedMoE, expert or None for all, projection) of an expert target."""
+        m = _LAYER_PREFIX.match(module)
+        found = None if m is None else expert_projection(m[2])
+        if found is None:
+            return None
+        local = self.model.checkpoint_name(f"{module}.weight")
+        if local is None:
+            return None
+        return self.moe_of[_LAYER_PREFIX.match(local)[1]], found[0], found[1]
+
     def _fill(self, slot: int, adapter: LoadedAdapter) -> None:
         self._clear(slot)
         for name, index, a, b in adapter.pairs:
             module, slots = self.layers[name]
-            if isinstance(module, Linear):
+            if isinstance(module, FusedMoE):
+                set_expert_pair(module, slots, slot, index, a, b)
+            elif isinstance(module, Linear):
                 set_linear_pair(module, slots, slot, index, a, b)
             elif isinstance(module, LMHead):
                 first = module.first_row
@@ -161,6 +187,33 @@ class LoRAManager:
         for _, slots in self.layers.values():
             slots.clear(slot)
         self.slot_adapter[slot] = 0
+
+
+def _split(where: tuple, target: LoRATarget, a: torch.Tensor, b: torch.Tensor
+           ) -> list[tuple[str, int | None, torch.Tensor, torch.Tensor]]:
+    """A target's pairs as the slots take them: (layer, packed index, A, scaled B). An expert
+    target becomes its experts' gate_up (index 0 gate, 1 up) and down (None) pairs; a pair
+    stacked over every expert, one per expert (a stacked gate_up's A serves gate and up)."""
+    if len(where) == 2:
+        return [(*where, a, b)]
+    moe, expert, proj = where
+    if expert is None:
+        experts, rank = target.experts, target.rank
+        a_of = a.reshape(experts, rank, a.shape[1])
+        b_of = b.reshape(b.shape[0], rank, experts)
+        pairs = [(e, a_of[e], b_of[:, :, e]) for e in range(experts)]
+    else:
+        pairs = [(expert, a, b)]
+    out = []
+    for e, a_e, b_e in pairs:
+        if proj == "gate_up":
+            width = b_e.shape[0] // 2
+            out += [(f"{moe}.{e}.gate_up", 0, a_e, b_e[:width]),
+                    (f"{moe}.{e}.gate_up", 1, a_e, b_e[width:])]
+        else:
+            name = f"{moe}.{e}.{'down' if proj == 'down' else 'gate_up'}"
+            out.append((name, {"gate": 0, "up": 1, "down": None}[proj], a_e, b_e))
+    return out
 
 
 def slots_of(lora_of: np.ndarray, slot_of: dict[int, int]) -> torch.Tensor:

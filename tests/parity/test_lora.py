@@ -22,15 +22,16 @@ NEW_TOKENS = 6
 
 
 def make_adapter(base: torch.nn.Module, rank: int, targets: list[str], rslora: bool,
-                 seed: int, folder):
+                 seed: int, folder, dropout: float = 0.1):
     """A peft LoRA adapter with random A and B (peft zeroes B by default), saved to `folder`;
-    returns the peft model."""
+    returns the peft model. On a mixture of experts, peft turns gate/up/down into pairs on
+    transformers' stacked expert tensors (gate_up at twice the rank), which take no dropout."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     model = get_peft_model(copy.deepcopy(base), LoraConfig(
         r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
-        use_rslora=rslora, lora_dropout=0.1))  # dropout is off at inference
+        use_rslora=rslora, lora_dropout=dropout))  # dropout is off at inference
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:  # deltas as large as the weights' spread, not larger
@@ -50,18 +51,23 @@ def llama(tmp_path_factory, smollm_oracle_folder):
 
 
 def build_family(name, tmp_path_factory, smollm_oracle_folder):
-    """A tiny model, its adapters (attention only on a mixture of experts) and peft's greedy
-    tokens and their logprobs for each (None: the base model) on three prompts."""
+    """A tiny model, its adapters (on a mixture of experts, the first on every expert too, the
+    last on attention only: its experts' gate_up pair would be of rank 32) and peft's greedy tokens and their logprobs for each
+    (None: the base model) on three prompts."""
     tmp = tmp_path_factory.mktemp(name)
     folder, base = _build(tmp, smollm_oracle_folder, name)
-    attention_only = name.startswith("qwen3-moe")
+    moe = name.startswith(("qwen3-moe", "qwen2-moe", "mixtral"))
     adapters = []
     for i, (rank, targets, rslora) in enumerate(ADAPTERS):
-        if attention_only:
-            targets = [t for t in targets if t not in ("gate_proj", "up_proj", "down_proj")]
         path = tmp / f"adapter{i}"
-        adapters.append((LoRARequest(f"a{i}", i + 1, str(path)),
-                         make_adapter(base, rank, targets, rslora, 10 + i, path)))
+        if moe and rank == 16:
+            targets = [t for t in targets if t not in ("gate_proj", "up_proj", "down_proj")]
+        adapters.append((LoRARequest(f"a{i}", i + 1, str(path)), make_adapter(
+            base, rank, targets, rslora, 10 + i, path, 0.0 if moe else 0.1)))
+    return (folder, [a for a, _ in adapters], *_expected(adapters, base))
+
+
+def _expected(adapters, base):
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(100, 49000, (n,), generator=gen).tolist() for n in (5, 40, 90)]
     expected = {}
@@ -75,7 +81,7 @@ def build_family(name, tmp_path_factory, smollm_oracle_folder):
                 tokens = out[len(p):]
                 expected[(lora and lora.lora_int_id, j)] = (
                     tokens.tolist(), lp[torch.arange(len(tokens)), tokens])
-    return folder, [a for a, _ in adapters], prompts, expected
+    return prompts, expected
 
 
 def _generate(llm, cases, prompts):

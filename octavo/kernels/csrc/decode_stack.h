@@ -274,8 +274,8 @@ class DecodeStack : public torch::CustomClassHolder {
     return lin.add_bias(y);
   }
 
-  // The MLP of xn, summed over the ranks (adapters change a dense MLP; a mixture's experts
-  // take none).
+  // The MLP of xn, summed over the ranks, with each token's adapter delta (on a mixture's
+  // experts: each routed row's, of that expert's projections).
   at::Tensor mlp(const StackLayer& l, const at::Tensor& xn,
                  const LoraStep& lora) const {
     if (!l.moe) return row_parallel(l.down, activate(l, l.gate_up(xn, lora)), lora);
@@ -293,18 +293,23 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t* count = counts.data_ptr<int64_t>();
     auto xs = xn.index_select(0, token);
     auto ys = at::empty_like(xs);
+    const bool adapted = !lora.slots.empty();
+    auto row_slot = adapted ? lora.token_slot.index_select(0, token) : at::Tensor();
     int64_t start = 0;
     for (size_t e = 0; e < m.gate_up.size(); ++e) {
       if (count[e] == 0) continue;
+      const LoraStep rows = adapted ? LoraStep{row_slot.narrow(0, start, count[e]), lora.slots}
+                                    : LoraStep();
       ys.narrow(0, start, count[e])
-          .copy_(m.down[e](activate(l, m.gate_up[e](xs.narrow(0, start, count[e])))));
+          .copy_(m.down[e](activate(l, m.gate_up[e](xs.narrow(0, start, count[e]), rows)),
+                           rows));
       start += count[e];
     }
     ys = ys * weights.reshape(-1).index_select(0, order).unsqueeze(1).to(xn.scalar_type());
     auto out = at::zeros_like(xn).index_add_(0, token, ys);
     reduce(out);
     if (!m.shared) return out;
-    auto shared = row_parallel(m.shared_down, activate(l, m.shared_gate_up(xn)));
+    auto shared = row_parallel(m.shared_down, activate(l, m.shared_gate_up(xn, lora)), lora);
     return out + m.shared_gate(xn).sigmoid() * shared;
   }
 

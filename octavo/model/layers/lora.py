@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from octavo.kernels import fused
 from octavo.model.layers.linear import Linear
+from octavo.model.layers.moe import FusedMoE
 
 
 @dataclass
@@ -127,3 +128,32 @@ def set_linear_pair(layer: Linear, slots: LoRASlots, slot: int, index: int | Non
                          f"layer slot of (out, in) ({layer.shards[index]}, {layer.in_features})")
     slots.set(slot, index, (start, start + b.shape[0]), a, b)
 
+
+
+def expert_slots(moe: FusedMoE, num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> list[tuple[LoRASlots, LoRASlots]]:
+    """Each expert's slots: its gate_up (gate and up packed, this rank's share of the
+    intermediate width) and its down projection, as a linear layer's."""
+    hidden, width = moe.hidden_size, moe.intermediate_size
+    return [(LoRASlots([0, width, 2 * width], hidden, num_slots, max_rank, dtype, device),
+             LoRASlots([0, hidden], width, num_slots, max_rank, dtype, device))
+            for _ in range(moe.num_experts)]
+
+
+def set_expert_pair(moe: FusedMoE, slots: LoRASlots, slot: int, index: int | None,
+                    a: torch.Tensor, b: torch.Tensor) -> None:
+    """One expert's A [rank, in] and scaled B [out, rank] of its gate (index 0), up (1) or
+    down (None) projection into `slot`, cut to this rank's share as FusedMoE cut the weights:
+    gate and up keep their rows of B, down its columns of A."""
+    width = moe.intermediate_size
+    if index is None:
+        a = moe.span.take(a, 1, "lora_A")
+        rows = (0, moe.hidden_size)
+    else:
+        b = moe.span.take(b, 0, "lora_B")
+        rows = (index * width, (index + 1) * width)
+    if b.shape[0] != rows[1] - rows[0] or a.shape[1] != slots.a.shape[2]:
+        raise ValueError(f"expert LoRA pair of shapes A {tuple(a.shape)}, B {tuple(b.shape)} "
+                         f"for a projection of (out, in) ({rows[1] - rows[0]}, "
+                         f"{slots.a.shape[2]})")
+    slots.set(slot, 0 if index is None else index, rows, a, b)

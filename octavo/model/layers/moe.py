@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from octavo.distributed import parallel_state
+from octavo.model.context import step_lora
 from octavo.model.layers.activation import gated_act
 from octavo.model.layers.linear import Linear, column_parallel, even_span, row_parallel
 from octavo.model.quant.base import QuantMethod
@@ -45,8 +46,12 @@ class FusedMoE(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
                                requires_grad=False)
+        self.hidden_size = hidden_size
         self.act = gated_act(hidden_act)
         self.quantized: nn.ModuleList | None = None  # per expert: [gate_up, down] Linears
+        # per expert: its gate_up's and down's adapter slots (model/layers/lora.py), where LoRA
+        # is on
+        self.lora: list | None = None
 
     def quantize_experts(self, method_for: Callable[[Linear], QuantMethod | None]) -> int:
         """Before loading: per-expert Linears with `method_for`'s methods replace w13 and w2
@@ -114,15 +119,24 @@ class FusedMoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         xs = x.index_select(0, token)  # [T * k, H], grouped by expert
         ys = torch.empty_like(xs)
+        lora = step_lora() if self.lora is not None else None
+        row_slot = None if lora is None else lora.token_slot.index_select(0, token)
         start = 0
         for e, n in enumerate(counts):
             if n:
                 rows = xs[start:start + n]
                 if self.quantized is not None:
                     gate_up, down = self.quantized[e]
-                    ys[start:start + n] = down(self.act(gate_up(rows)))
+                    h = gate_up(rows)
                 else:
-                    ys[start:start + n] = self.act(rows @ self.w13[e].t()) @ self.w2[e].t()
+                    h = rows @ self.w13[e].t()
+                if lora is not None:  # each row's adapter's delta of this expert's projections
+                    h = self.lora[e][0].add_delta(rows, h, row_slot[start:start + n], lora.slots)
+                h = self.act(h)
+                y = down(h) if self.quantized is not None else h @ self.w2[e].t()
+                if lora is not None:
+                    y = self.lora[e][1].add_delta(h, y, row_slot[start:start + n], lora.slots)
+                ys[start:start + n] = y
                 start += n
         ys = ys * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
         return parallel_state.tp_all_reduce(torch.zeros_like(x).index_add_(0, token, ys))

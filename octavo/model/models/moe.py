@@ -77,8 +77,7 @@ class _MoeForCausalLM(CausalLM):
         self.lm_head = self.make_lm_head(self.model.embed_tokens)
 
     def _mlp(self, cfg: ArchConfig, layer: int) -> nn.Module:
-        step = cfg.extra.get("decoder_sparse_step") or 1
-        if layer in (cfg.extra.get("mlp_only_layers") or []) or (layer + 1) % step:
+        if not cfg.moe_layer(layer):
             return LlamaMLP(cfg)
         return SparseMoeBlock(cfg, bool(cfg.extra.get("norm_topk_prob", False)),
                               self.shared_expert)
