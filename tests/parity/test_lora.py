@@ -22,16 +22,18 @@ NEW_TOKENS = 6
 
 
 def make_adapter(base: torch.nn.Module, rank: int, targets: list[str], rslora: bool,
-                 seed: int, folder, dropout: float = 0.1):
+                 seed: int, folder, dropout: float = 0.1, parameters: list[str] | None = None):
     """A peft LoRA adapter with random A and B (peft zeroes B by default), saved to `folder`;
     returns the peft model. On a mixture of experts, peft turns gate/up/down into pairs on
-    transformers' stacked expert tensors (gate_up at twice the rank), which take no dropout."""
+    transformers' stacked expert tensors (gate_up at twice the rank) where the model has no
+    such modules, as it does with `parameters` (target_parameters); those take no dropout."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     model = get_peft_model(copy.deepcopy(base), LoraConfig(
         r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False,
-        use_rslora=rslora, lora_dropout=dropout))  # dropout is off at inference
+        use_rslora=rslora, lora_dropout=dropout,  # dropout is off at inference
+        target_parameters=parameters))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:  # deltas as large as the weights' spread, not larger
@@ -52,8 +54,8 @@ def llama(tmp_path_factory, smollm_oracle_folder):
 
 def build_family(name, tmp_path_factory, smollm_oracle_folder):
     """A tiny model, its adapters (on a mixture of experts, the first on every expert too, the
-    last on attention only: its experts' gate_up pair would be of rank 32) and peft's greedy tokens and their logprobs for each
-    (None: the base model) on three prompts."""
+    last on attention only: its experts' gate_up pair would be of rank 32) and peft's greedy
+    tokens and their logprobs for each (None: the base model) on three prompts."""
     tmp = tmp_path_factory.mktemp(name)
     folder, base = _build(tmp, smollm_oracle_folder, name)
     moe = name.startswith(("qwen3-moe", "qwen2-moe", "mixtral"))
@@ -181,6 +183,21 @@ def test_two_ranks_shard_the_adapters(llama):
         llm.engine.shutdown()
 
 
+def test_two_ranks_shard_expert_adapters(tmp_path_factory, smollm_oracle_folder):
+    """Tensor parallelism on a mixture of experts: each rank holds its share of every expert's
+    A and B (gate and up rows of B, down columns of A), and a mixed batch gives peft's
+    outputs."""
+    folder, adapters, prompts, expected = build_family("qwen3-moe", tmp_path_factory,
+                                                       smollm_oracle_folder)
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              tensor_parallel_size=2, enable_lora=True, max_loras=3, max_lora_rank=16)
+    try:
+        cases = [(lora, j) for j in (0, 2) for lora in [None, *adapters]]
+        _check(_generate(llm, cases, prompts), cases, expected)
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])
 def test_quantized_checkpoints_take_adapters(tmp_path, smollm_oracle_folder, fmt):
     """A GPTQ or AWQ checkpoint (packed int4, served as it is) with an adapter: its prompt
@@ -217,3 +234,65 @@ def test_ngram_speculation_with_adapters_is_exact(llama):
     cases = [(lora, j) for j in range(len(prompts)) for lora in [None, *adapters]]
     _check(_generate(llm, cases, prompts), cases, expected)
     assert llm.engine.client.stats().spec_draft_tokens > 0
+
+
+
+def _per_expert_layout(stacked, folder, experts: int, moe_width: int,
+                       names: tuple[str, str, str]) -> None:
+    """Rewrite a peft adapter on transformers' stacked experts into one pair per expert and
+    projection (transformers 4's and vLLM's layout; `names`: gate, up, down, the block): the stacked
+    gate_up pair's A serves gate and up, each with its rows of B; its alpha_pattern follows."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(stacked / "adapter_model.safetensors")
+    out = {}  # the tiny models' hidden size is not the experts' width: A's input tells
+    for key, a in tensors.items():
+        if ".experts." not in key or "lora_A" not in key:
+            if ".experts." not in key:
+                out[key] = a
+            continue
+        b = tensors[key.replace("lora_A", "lora_B")]
+        rank = a.shape[0] // experts
+        a_of, b_of = a.reshape(experts, rank, -1), b.reshape(b.shape[0], rank, experts)
+        block = key.split(".experts.")[0].replace(".mlp", f".{names[3]}")
+        for e in range(experts):
+            pairs = ([(names[0], b_of[:moe_width, :, e]), (names[1], b_of[moe_width:, :, e])]
+                     if a.shape[1] != moe_width else [(names[2], b_of[:, :, e])])
+            for proj, b_e in pairs:
+                out[f"{block}.experts.{e}.{proj}.lora_A.weight"] = a_of[e].clone()
+                out[f"{block}.experts.{e}.{proj}.lora_B.weight"] = b_e.contiguous()
+    folder.mkdir()
+    save_file(out, folder / "adapter_model.safetensors")
+    config = json.loads((stacked / "adapter_config.json").read_text())
+    alpha = config["alpha_pattern"].pop(r".*\.gate_up_proj", None)
+    if alpha is not None:
+        config["alpha_pattern"][rf"experts\.\d+\.({names[0]}|{names[1]})"] = alpha
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("name", ["qwen2-moe", "mixtral"])
+def test_expert_adapters_in_either_layout(tmp_path, smollm_oracle_folder, name):
+    """An adapter on every projection of a mixture (its experts, Qwen2-MoE's shared expert and
+    dense layer; gate_up at the adapter's rank), in peft's stacked layout and rewritten one
+    pair per expert, mixed in one batch with the base model: both equal peft's outputs."""
+    folder, base = _build(tmp_path, smollm_oracle_folder, name)
+    cfg = base.config
+    names = ("w1", "w3", "w2", "block_sparse_moe") if name == "mixtral" else (
+        "gate_proj", "up_proj", "down_proj", "mlp")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = make_adapter(base, 4, targets, False, 7, tmp_path / "stacked", 0.0,
+                         ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    _per_expert_layout(tmp_path / "stacked", tmp_path / "per-expert", experts, width, names)
+    stacked = LoRARequest("stacked", 1, str(tmp_path / "stacked"))
+    per_expert = LoRARequest("per-expert", 2, str(tmp_path / "per-expert"))
+    prompts, expected = _expected([(stacked, model)], base)
+    for j in range(len(prompts)):
+        expected[(2, j)] = expected[(1, j)]
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              enable_lora=True, max_loras=2, max_lora_rank=8)
+    cases = [(lora, j) for j in range(len(prompts)) for lora in [None, stacked, per_expert]]
+    _check(_generate(llm, cases, prompts), cases, expected)
