@@ -38,10 +38,23 @@ inline void lora_store<c10::BFloat16>(c10::BFloat16* p, int64_t c, float v) {
   reinterpret_cast<uint16_t*>(p)[c] = static_cast<uint16_t>(bits >> 16);
 }
 
-// out[n] += v[n] * scale (no two of them overlap)
-inline void axpy(float* __restrict out, const float* __restrict v, float scale, int64_t n) {
+constexpr int64_t kLoraBlock = 64;  // outputs whose sums stay in registers: four AVX-512 ones
+
+// y[0:len] += sum over r of t[r] * bt[r * stride + n]: the sum in float32 from zero, in r's
+// order, then one rounding into y. A compile-time len keeps the sums in registers.
+template <typename T, int64_t kLen = 0>
+inline void lora_expand_block(T* y, const T* bt, int64_t stride, const float* t, int64_t rank,
+                              int64_t len = kLen) {
+  const int64_t n_len = kLen ? kLen : len;
+  float acc[kLoraBlock] = {};
+  for (int64_t r = 0; r < rank; ++r) {
+    const T* br = bt + r * stride;
+    const float s = t[r];
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] += v[i] * scale;
+    for (int64_t n = 0; n < n_len; ++n) acc[n] += lora_f(br, n) * s;
+  }
+#pragma omp simd
+  for (int64_t n = 0; n < n_len; ++n) lora_store(y, n, lora_f(y, n) + acc[n]);
 }
 
 template <typename T>
@@ -74,23 +87,20 @@ void lora_rows_typed(const T* x, int64_t x_stride, T* y, int64_t y_stride, const
       for (int64_t q = 0; q < m; ++q) t[i * width + w + q] = sums[q];
     }
   }
-  // y += B t: B^T's rows (one per rank), widened, scaled by t and summed along each
-  // projection's outputs; then added to y with one rounding
-  std::vector<float> acc(count * n_out, 0.f), bf(n_out), yf(n_out);
+  // y += B t, a block of outputs at a time summed in registers over B^T's rows (one per
+  // rank, scaled by t), then added to y with one rounding
   for (int64_t j = 0; j < packed; ++j) {
-    const int64_t lo = bounds[j], hi = bounds[j + 1];
-    for (int64_t r = 0; r < rank; ++r) {
-      widen(bt + r * n_out + lo, bf.data(), hi - lo);
-      for (int64_t i = 0; i < count; ++i)
-        axpy(acc.data() + i * n_out + lo, bf.data(), t[i * width + j * rank + r], hi - lo);
+    for (int64_t n0 = bounds[j]; n0 < bounds[j + 1]; n0 += kLoraBlock) {
+      const int64_t len = std::min<int64_t>(kLoraBlock, bounds[j + 1] - n0);
+      for (int64_t i = 0; i < count; ++i) {
+        const float* ti = t.data() + i * width + j * rank;
+        T* yi = y + rows[i] * y_stride + n0;
+        if (len == kLoraBlock)
+          lora_expand_block<T, kLoraBlock>(yi, bt + n0, n_out, ti, rank);
+        else
+          lora_expand_block<T>(yi, bt + n0, n_out, ti, rank, len);
+      }
     }
-  }
-  for (int64_t i = 0; i < count; ++i) {
-    T* yi = y + rows[i] * y_stride;
-    widen(yi, yf.data(), n_out);
-    axpy(yf.data(), acc.data() + i * n_out, 1.f, n_out);
-#pragma omp simd
-    for (int64_t n = 0; n < n_out; ++n) lora_store(yi, n, yf[n]);
   }
 }
 
