@@ -91,20 +91,22 @@ def test_pairs_shard_with_their_layer():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 40], ids=["one", "few", "gemm"])
-def test_native_deltas_match_float64(native_kernels, dtype, tokens):
+@pytest.mark.parametrize("bounds", [[0, 48, 64, 80], [0, 160, 224, 232]],
+                         ids=["narrow", "blocks"])  # outputs below and above a register block
+def test_native_deltas_match_float64(native_kernels, dtype, tokens, bounds):
     """csrc/lora.h (a few rows: one pass over A and B; many: two GEMMs) for tokens of two
     adapters interleaved with base-model tokens, against the deltas in float64."""
     from octavo.kernels import fused
 
     torch.manual_seed(2)
-    bounds, k, rank = [0, 48, 64, 80], 64, 8
+    k, rank, out = 64, 8, bounds[-1]
     a = (torch.randn(3, 3 * rank, k) * 0.3).to(dtype)  # three slots
-    bt = (torch.randn(3, rank, 80) * 0.3).to(dtype)
+    bt = (torch.randn(3, rank, out) * 0.3).to(dtype)
     used = torch.tensor([True, True, False])  # slot 2's adapter does not target this layer
     n = 3 * tokens
     token_slot = torch.tensor([[0, -1, 1, 2][t % 4] for t in range(n)])
     x = torch.randn(n, k).to(dtype)
-    y = torch.randn(n, 80).to(dtype)
+    y = torch.randn(n, out).to(dtype)
     want = y.double().clone()
     for t, slot in enumerate(token_slot.tolist()):
         if slot in (0, 1):
@@ -114,4 +116,5 @@ def test_native_deltas_match_float64(native_kernels, dtype, tokens):
                     h[j * rank:(j + 1) * rank] @ bt[slot].double()[:, bounds[j]:bounds[j + 1]])
     fused.native_module().lora_apply(y, x, a, bt, bounds, used, token_slot)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
-    assert torch.allclose(y.double(), want, atol=tol), (y.double() - want).abs().max()
+    rtol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16 rounds its larger sums more
+    assert torch.allclose(y.double(), want, atol=tol, rtol=rtol), (y.double() - want).abs().max()

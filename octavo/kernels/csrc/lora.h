@@ -38,6 +38,7 @@ inline void lora_store<c10::BFloat16>(c10::BFloat16* p, int64_t c, float v) {
   reinterpret_cast<uint16_t*>(p)[c] = static_cast<uint16_t>(bits >> 16);
 }
 
+constexpr int64_t kLoraAhead = 8;  // rows of A prefetched ahead of the four being summed
 constexpr int64_t kLoraBlock = 64;  // outputs whose sums stay in registers: four AVX-512 ones
 
 // y[0:len] += sum over r of t[r] * bt[r * stride + n]: the sum in float32 from zero, in r's
@@ -57,52 +58,89 @@ inline void lora_expand_block(T* y, const T* bt, int64_t stride, const float* t,
   for (int64_t n = 0; n < n_len; ++n) lora_store(y, n, lora_f(y, n) + acc[n]);
 }
 
+// One adapter slot's few rows of a step: y[rows[i]] += B (A x[rows[i]]).
 template <typename T>
-void lora_rows_typed(const T* x, int64_t x_stride, T* y, int64_t y_stride, const int64_t* rows,
-                     int64_t count, const T* a, const T* bt,
-                     const int64_t* bounds, int64_t packed, int64_t rank, int64_t k) {
-  const int64_t width = packed * rank, n_out = bounds[packed];
-  std::vector<float> xf(count * k), t(count * width);
-  for (int64_t i = 0; i < count; ++i) widen(x + rows[i] * x_stride, xf.data() + i * k, k);
-  // t = A x, four rows of A at a time against each token. One thread: A and B were prefetched
-  // into its core's caches before the base product (StackLinear), and a second core would
-  // read them from this one's (docs/performance.md, "LoRA adapters").
-  for (int64_t w = 0; w < width; w += 4) {
-    const int64_t m = std::min<int64_t>(4, width - w);
-    const T* a0 = a + w * k;
-    const T* a1 = a + (w + (m > 1)) * k;
-    const T* a2 = a + (w + (m > 2) * 2) * k;
-    const T* a3 = a + (w + (m > 3) * 3) * k;
-    for (int64_t i = 0; i < count; ++i) {
-      const float* xi = xf.data() + i * k;
-      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-      for (int64_t c = 0; c < k; ++c) {
-        s0 += lora_f(a0, c) * xi[c];
-        s1 += lora_f(a1, c) * xi[c];
-        s2 += lora_f(a2, c) * xi[c];
-        s3 += lora_f(a3, c) * xi[c];
-      }
-      const float sums[4] = {s0, s1, s2, s3};
-      for (int64_t q = 0; q < m; ++q) t[i * width + w + q] = sums[q];
-    }
-  }
-  // y += B t, a block of outputs at a time summed in registers over B^T's rows (one per
-  // rank, scaled by t), then added to y with one rounding
-  for (int64_t j = 0; j < packed; ++j) {
-    for (int64_t n0 = bounds[j]; n0 < bounds[j + 1]; n0 += kLoraBlock) {
-      const int64_t len = std::min<int64_t>(kLoraBlock, bounds[j + 1] - n0);
+struct LoraRows {
+  const T* x;
+  int64_t x_stride;
+  T* y;
+  int64_t y_stride;
+  const int64_t* rows;
+  int64_t count;
+  const T* a;   // [packed * rank, k]
+  const T* bt;  // [rank, n_out]
+  const int64_t* bounds;
+  int64_t packed, rank, k;
+
+  int64_t width() const { return packed * rank; }
+  int64_t n_out() const { return bounds[packed]; }
+
+  // t[i, w] = A[w] . x[rows[i]]: four rows of A at a time against each row of x (xf: x's rows
+  // widened).
+  void shrink(const float* xf, float* t) const {
+    const int64_t w_end = width();
+    for (int64_t w = 0; w < w_end; w += 4) {
+      const int64_t m = std::min<int64_t>(4, w_end - w);
+      if (w + kLoraAhead < w_end)  // the rows two groups on, while these are summed
+        prefetch_lines(a + (w + kLoraAhead) * k, std::min<int64_t>(4, w_end - w - kLoraAhead) *
+                       k * static_cast<int64_t>(sizeof(T)), false);
+      const T* a0 = a + w * k;
+      const T* a1 = a + (w + (m > 1)) * k;
+      const T* a2 = a + (w + (m > 2) * 2) * k;
+      const T* a3 = a + (w + (m > 3) * 3) * k;
       for (int64_t i = 0; i < count; ++i) {
-        const float* ti = t.data() + i * width + j * rank;
-        T* yi = y + rows[i] * y_stride + n0;
-        if (len == kLoraBlock)
-          lora_expand_block<T, kLoraBlock>(yi, bt + n0, n_out, ti, rank);
-        else
-          lora_expand_block<T>(yi, bt + n0, n_out, ti, rank, len);
+        const float* xi = xf + i * k;
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t c = 0; c < k; ++c) {
+          s0 += lora_f(a0, c) * xi[c];
+          s1 += lora_f(a1, c) * xi[c];
+          s2 += lora_f(a2, c) * xi[c];
+          s3 += lora_f(a3, c) * xi[c];
+        }
+        const float sums[4] = {s0, s1, s2, s3};
+        for (int64_t q = 0; q < m; ++q) t[i * width() + w + q] = sums[q];
       }
     }
   }
-}
+
+  // The output blocks of the expansion: (packed projection, first column), kLoraBlock wide.
+  std::vector<std::pair<int64_t, int64_t>> blocks() const {
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (int64_t j = 0; j < packed; ++j)
+      for (int64_t n0 = bounds[j]; n0 < bounds[j + 1]; n0 += kLoraBlock) out.emplace_back(j, n0);
+    return out;
+  }
+
+  // y += B t over one block of outputs, for every row.
+  void expand(const float* t, int64_t j, int64_t n0) const {
+    const int64_t len = std::min<int64_t>(kLoraBlock, bounds[j + 1] - n0);
+    // B^T's rows are read kLoraBlock columns at a time, rank strided streams the hardware
+    // prefetcher does not follow: ask for two blocks on
+    if (n0 + 2 * kLoraBlock < bounds[j + 1])
+      for (int64_t r = 0; r < rank; ++r)
+        prefetch_lines(bt + r * n_out() + n0 + 2 * kLoraBlock,
+                       kLoraBlock * static_cast<int64_t>(sizeof(T)), false);
+    for (int64_t i = 0; i < count; ++i) {
+      const float* ti = t + i * width() + j * rank;
+      T* yi = y + rows[i] * y_stride + n0;
+      if (len == kLoraBlock)
+        lora_expand_block<T, kLoraBlock>(yi, bt + n0, n_out(), ti, rank);
+      else
+        lora_expand_block<T>(yi, bt + n0, n_out(), ti, rank, len);
+    }
+  }
+
+  // Both steps, on this thread: its core's caches hold the slot StackLinear prefetched (a
+  // second core would read it from this one's: shared among the threads, a decode step with
+  // one adapter was no faster on AMD EPYC Zen 4, docs/performance.md "LoRA adapters").
+  void run() const {
+    std::vector<float> xf(count * k), t(count * width());
+    for (int64_t i = 0; i < count; ++i) widen(x + rows[i] * x_stride, xf.data() + i * k, k);
+    shrink(xf.data(), t.data());
+    for (const auto& [j, n0] : blocks()) expand(t.data(), j, n0);
+  }
+};
 
 // y[rows[i], lo:lo + width] += delta[i] for each of delta's rows (index_add_ and a narrowed
 // add_ cost more than the GEMMs they follow).
@@ -184,19 +222,19 @@ inline void lora_apply(at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
     }
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "lora_apply", [&] {
-    auto one = [&](int64_t s) {
-      lora_rows_typed<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), y.data_ptr<scalar_t>(),
+    auto slot = [&](int64_t s) {
+      return LoraRows<scalar_t>{x.data_ptr<scalar_t>(), x.stride(0), y.data_ptr<scalar_t>(),
                                 y.stride(0), rows[s].data(),
                                 static_cast<int64_t>(rows[s].size()),
                                 a.data_ptr<scalar_t>() + s * a.stride(0),
                                 b.data_ptr<scalar_t>() + s * b.stride(0), bounds.data(), packed,
-                                rank, k);
+                                rank, k};
     };
     if (few.size() == 1) {
-      one(few[0]);  // on this thread, whose caches hold the prefetched slot
-    } else {
+      slot(few[0]).run();  // on this thread, whose caches hold the prefetched slot
+    } else {  // the slots side by side on the cores
       at::parallel_for(0, static_cast<int64_t>(few.size()), 1, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) one(few[i]);
+        for (int64_t i = begin; i < end; ++i) slot(few[i]).run();
       });
     }
   });
