@@ -41,21 +41,69 @@ inline void lora_store<c10::BFloat16>(c10::BFloat16* p, int64_t c, float v) {
 constexpr int64_t kLoraAhead = 8;  // rows of A prefetched ahead of the four being summed
 constexpr int64_t kLoraBlock = 64;  // outputs whose sums stay in registers: four AVX-512 ones
 
+// Sixteen float32 lanes (GCC's vector extension: one AVX-512 register, two AVX2 ones), so that
+// a block's sums stay in registers across B^T's rows; an array of them spills to the stack.
+typedef float LoraVec __attribute__((vector_size(64)));
+typedef uint32_t LoraVecBits __attribute__((vector_size(64)));
+typedef uint16_t LoraVecHalf __attribute__((vector_size(32)));
+
+// p[0:16] as float32.
+template <typename B>
+inline LoraVec lora_load16(const B* p) {
+  LoraVec v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
+template <>
+inline LoraVec lora_load16<float>(const float* p) {
+  LoraVec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <>
+inline LoraVec lora_load16<c10::BFloat16>(const c10::BFloat16* p) {
+  LoraVecHalf h;
+  std::memcpy(&h, p, sizeof h);
+  const LoraVecBits bits = __builtin_convertvector(h, LoraVecBits) << 16;
+  LoraVec v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
 // y[0:len] += sum over r of t[r] * bt[r * stride + n]: the sum in float32 from zero, in r's
-// order, then one rounding into y. A compile-time len keeps the sums in registers.
-template <typename T, int64_t kLen = 0>
-inline void lora_expand_block(T* y, const T* bt, int64_t stride, const float* t, int64_t rank,
-                              int64_t len = kLen) {
-  const int64_t n_len = kLen ? kLen : len;
+// order, then one rounding into y. bt: the model's dtype, or float32 (a block widened once
+// for several rows).
+template <typename T, typename B>
+inline void lora_expand_block(T* y, const B* bt, int64_t stride, const float* t, int64_t rank,
+                              int64_t len) {
   float acc[kLoraBlock] = {};
-  for (int64_t r = 0; r < rank; ++r) {
-    const T* br = bt + r * stride;
-    const float s = t[r];
+  if (len == kLoraBlock) {
+    static_assert(kLoraBlock == 64, "four vectors of sums");
+    LoraVec s0 = {}, s1 = {}, s2 = {}, s3 = {};
+    for (int64_t r = 0; r < rank; ++r) {
+      const B* br = bt + r * stride;
+      const LoraVec scale = LoraVec{} + t[r];
+      s0 += lora_load16(br) * scale;
+      s1 += lora_load16(br + 16) * scale;
+      s2 += lora_load16(br + 32) * scale;
+      s3 += lora_load16(br + 48) * scale;
+    }
+    std::memcpy(acc, &s0, sizeof s0);
+    std::memcpy(acc + 16, &s1, sizeof s1);
+    std::memcpy(acc + 32, &s2, sizeof s2);
+    std::memcpy(acc + 48, &s3, sizeof s3);
+  } else {
+    for (int64_t r = 0; r < rank; ++r) {
+      const B* br = bt + r * stride;
+      const float scale = t[r];
 #pragma omp simd
-    for (int64_t n = 0; n < n_len; ++n) acc[n] += lora_f(br, n) * s;
+      for (int64_t n = 0; n < len; ++n) acc[n] += lora_f(br, n) * scale;
+    }
   }
 #pragma omp simd
-  for (int64_t n = 0; n < n_len; ++n) lora_store(y, n, lora_f(y, n) + acc[n]);
+  for (int64_t n = 0; n < len; ++n) lora_store(y, n, lora_f(y, n) + acc[n]);
 }
 
 // One adapter slot's few rows of a step: y[rows[i]] += B (A x[rows[i]]).
@@ -76,32 +124,41 @@ struct LoraRows {
   int64_t n_out() const { return bounds[packed]; }
 
   // t[i, w] = A[w] . x[rows[i]]: four rows of A at a time against each row of x (xf: x's rows
-  // widened).
+  // widened). For several rows the four are widened once, not once per row.
   void shrink(const float* xf, float* t) const {
     const int64_t w_end = width();
+    std::vector<float> af(count > 1 ? 4 * k : 0);
     for (int64_t w = 0; w < w_end; w += 4) {
       const int64_t m = std::min<int64_t>(4, w_end - w);
       if (w + kLoraAhead < w_end)  // the rows two groups on, while these are summed
         prefetch_lines(a + (w + kLoraAhead) * k, std::min<int64_t>(4, w_end - w - kLoraAhead) *
                        k * static_cast<int64_t>(sizeof(T)), false);
-      const T* a0 = a + w * k;
-      const T* a1 = a + (w + (m > 1)) * k;
-      const T* a2 = a + (w + (m > 2) * 2) * k;
-      const T* a3 = a + (w + (m > 3) * 3) * k;
-      for (int64_t i = 0; i < count; ++i) {
-        const float* xi = xf + i * k;
-        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-        for (int64_t c = 0; c < k; ++c) {
-          s0 += lora_f(a0, c) * xi[c];
-          s1 += lora_f(a1, c) * xi[c];
-          s2 += lora_f(a2, c) * xi[c];
-          s3 += lora_f(a3, c) * xi[c];
-        }
-        const float sums[4] = {s0, s1, s2, s3};
-        for (int64_t q = 0; q < m; ++q) t[i * width() + w + q] = sums[q];
+      if (count == 1) {
+        dot4(a + w * k, m, xf, t + w);
+        continue;
       }
+      widen(a + w * k, af.data(), m * k);
+      for (int64_t i = 0; i < count; ++i) dot4(af.data(), m, xf + i * k, t + i * width() + w);
     }
+  }
+
+  // out[q] = rows[q] . xi for the m (<= 4) consecutive rows of k elements at rows.
+  template <typename P>
+  void dot4(const P* rows4, int64_t m, const float* xi, float* out) const {
+    const P* a0 = rows4;
+    const P* a1 = rows4 + (m > 1) * k;
+    const P* a2 = rows4 + (m > 2) * 2 * k;
+    const P* a3 = rows4 + (m > 3) * 3 * k;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t c = 0; c < k; ++c) {
+      s0 += lora_f(a0, c) * xi[c];
+      s1 += lora_f(a1, c) * xi[c];
+      s2 += lora_f(a2, c) * xi[c];
+      s3 += lora_f(a3, c) * xi[c];
+    }
+    const float sums[4] = {s0, s1, s2, s3};
+    for (int64_t q = 0; q < m; ++q) out[q] = sums[q];
   }
 
   // The output blocks of the expansion: (packed projection, first column), kLoraBlock wide.
@@ -112,8 +169,9 @@ struct LoraRows {
     return out;
   }
 
-  // y += B t over one block of outputs, for every row.
-  void expand(const float* t, int64_t j, int64_t n0) const {
+  // y += B t over one block of outputs, for every row (several: the block widened once into
+  // bf, [rank, kLoraBlock]).
+  void expand(const float* t, int64_t j, int64_t n0, float* bf) const {
     const int64_t len = std::min<int64_t>(kLoraBlock, bounds[j + 1] - n0);
     // B^T's rows are read kLoraBlock columns at a time, rank strided streams the hardware
     // prefetcher does not follow: ask for two blocks on
@@ -121,13 +179,21 @@ struct LoraRows {
       for (int64_t r = 0; r < rank; ++r)
         prefetch_lines(bt + r * n_out() + n0 + 2 * kLoraBlock,
                        kLoraBlock * static_cast<int64_t>(sizeof(T)), false);
+    if (count == 1) {
+      expand_rows(t, j, bt + n0, n_out(), len, n0);
+      return;
+    }
+    for (int64_t r = 0; r < rank; ++r) widen(bt + r * n_out() + n0, bf + r * len, len);
+    expand_rows(t, j, bf, len, len, n0);
+  }
+
+  template <typename B>
+  void expand_rows(const float* t, int64_t j, const B* block, int64_t stride, int64_t len,
+                   int64_t n0) const {
     for (int64_t i = 0; i < count; ++i) {
       const float* ti = t + i * width() + j * rank;
       T* yi = y + rows[i] * y_stride + n0;
-      if (len == kLoraBlock)
-        lora_expand_block<T, kLoraBlock>(yi, bt + n0, n_out(), ti, rank);
-      else
-        lora_expand_block<T>(yi, bt + n0, n_out(), ti, rank, len);
+      lora_expand_block(yi, block, stride, ti, rank, len);
     }
   }
 
@@ -136,9 +202,10 @@ struct LoraRows {
   // one adapter was no faster on AMD EPYC Zen 4, docs/performance.md "LoRA adapters").
   void run() const {
     std::vector<float> xf(count * k), t(count * width());
+    std::vector<float> bf(count > 1 ? rank * kLoraBlock : 0);
     for (int64_t i = 0; i < count; ++i) widen(x + rows[i] * x_stride, xf.data() + i * k, k);
     shrink(xf.data(), t.data());
-    for (const auto& [j, n0] : blocks()) expand(t.data(), j, n0);
+    for (const auto& [j, n0] : blocks()) expand(t.data(), j, n0, bf.data());
   }
 };
 

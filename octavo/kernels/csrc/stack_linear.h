@@ -89,9 +89,11 @@ struct StackLinear {
   // the bias.
   at::Tensor product(const at::Tensor& x, const LoraStep& lora) const {
     if (!lora_a.defined() || lora.slots.empty()) return product(x);
-    const bool* used = lora_used.data_ptr<bool>();
-    for (int64_t slot : lora.slots)
-      if (used[slot]) lora_prefetch(lora_a, lora_b, slot);
+    // One adapter's delta runs on this thread (lora_apply): its slot is asked for first, to
+    // arrive while the base product streams. Several run on every core, and more than a
+    // core's cache holds: this thread fetching them all would only delay the product.
+    if (lora.slots.size() == 1 && lora_used.data_ptr<bool>()[lora.slots[0]])
+      lora_prefetch(lora_a, lora_b, lora.slots[0]);
     auto y = product(x);
     lora_apply(y, x, lora_a, lora_b, lora_bounds, lora_used, lora.token_slot);
     return y;
