@@ -221,6 +221,21 @@ def _alpha(config: dict[str, Any], module: str) -> float:
     return float(config.get("lora_alpha", 8))
 
 
+# Families whose checkpoints name their projections otherwise (GPT-2's Conv1D c_attn/c_fc,
+# GPT-NeoX's per-head interleaved query_key_value): no adapter layout of theirs is mapped.
+_UNADAPTED = ("GPT2LMHeadModel", "GPTNeoXForCausalLM")
+# Phi-3's checkpoints hold q/k/v and gate/up fused: an adapter's pair spans the fused layer.
+_FUSED_PAIRS = ("Phi3ForCausalLM",)
+
+
+def check_architecture(arch: ArchConfig) -> None:
+    """ValueError where octavo serves no adapters on the base model's architecture."""
+    if arch.architecture in _UNADAPTED:
+        raise ValueError(f"LoRA adapters are not supported on {arch.architecture} (octavo maps "
+                         f"the adapter layouts of Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, "
+                         f"Mixtral and Qwen2/3-MoE); start without enable_lora")
+
+
 def module_shape(module: str, arch: ArchConfig) -> tuple[int, int]:
     """A base module's (out, in) features as a LoRA pair sees them; AdapterError for a module
     octavo does not adapt or the model lacks."""
@@ -238,6 +253,9 @@ def module_shape(module: str, arch: ArchConfig) -> tuple[int, int]:
         "self_attn.v_proj": (kv * arch.head_dim, hidden),
         "self_attn.o_proj": (hidden, heads * arch.head_dim),
     }
+    if arch.architecture in _FUSED_PAIRS:
+        shapes["self_attn.qkv_proj"] = ((heads + 2 * kv) * arch.head_dim, hidden)
+        shapes["mlp.gate_up_proj"] = (2 * arch.intermediate_size, hidden)
     rest = m["rest"]
     if not arch.moe_layer(int(m["layer"])):
         shapes.update(_mlp_shapes("mlp", arch.intermediate_size, hidden))

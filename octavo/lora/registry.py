@@ -8,12 +8,14 @@ import threading
 
 from octavo.arch_config import ArchConfig
 from octavo.config import LoRAConfig
-from octavo.lora.adapter import AdapterSpec, read_adapter
+from octavo.lora.adapter import AdapterSpec, check_architecture, read_adapter
 from octavo.params import LoRARequest
 
 
 class AdapterRegistry:
     def __init__(self, arch: ArchConfig, config: LoRAConfig) -> None:
+        if config.enable_lora:
+            check_architecture(arch)
         self.arch = arch
         self.config = config
         self.checked: dict[int, AdapterSpec] = {}  # adapter id -> the adapter it names

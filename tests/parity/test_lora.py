@@ -296,3 +296,24 @@ def test_expert_adapters_in_either_layout(tmp_path, smollm_oracle_folder, name):
               enable_lora=True, max_loras=2, max_lora_rank=8)
     cases = [(lora, j) for j in range(len(prompts)) for lora in [None, stacked, per_expert]]
     _check(_generate(llm, cases, prompts), cases, expected)
+
+
+def test_phi3_fused_layers_take_adapters(tmp_path, smollm_oracle_folder):
+    """Phi-3's checkpoint fuses q/k/v and gate/up: a pair on the fused layer (its A serving
+    each packed projection) mixed with the base model gives peft's outputs."""
+    folder, base = _build(tmp_path, smollm_oracle_folder, "phi3-longrope-short")
+    lora = LoRARequest("phi", 1, str(tmp_path / "adapter"))
+    model = make_adapter(base, 8, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], False,
+                         3, tmp_path / "adapter")
+    prompts, expected = _expected([(lora, model)], base)
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              enable_lora=True, max_loras=1, max_lora_rank=8)
+    cases = [(x, j) for j in range(len(prompts)) for x in [None, lora]]
+    _check(_generate(llm, cases, prompts), cases, expected)
+
+
+def test_architectures_without_an_adapter_layout_refuse_lora(tmp_path, smollm_oracle_folder):
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "gpt2")
+    with pytest.raises(ValueError, match="not supported on GPT2LMHeadModel"):
+        LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=8 << 20,
+            enable_lora=True)

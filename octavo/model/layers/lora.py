@@ -116,7 +116,19 @@ def linear_slots(layer: Linear, num_slots: int, max_rank: int, dtype: torch.dtyp
 def set_linear_pair(layer: Linear, slots: LoRASlots, slot: int, index: int | None,
                     a: torch.Tensor, b: torch.Tensor) -> None:
     """Checkpoint-shaped A [rank, in] and scaled B [out, rank] of packed slot `index` (None:
-    the layer's only one) into `slot`, cut to this rank's share as the layer cut its weight."""
+    the whole layer) into `slot`, cut to this rank's share as the layer cut its weight. A pair
+    over a fused checkpoint tensor of a packed layer (Phi-3's qkv_proj and gate_up_proj) is
+    each packed projection's: its A serves all, B's rows split as the fused weight's are."""
+    if index is None and len(layer.shards) > 1:
+        widths = [s.full for s in layer.slot_spans] if layer.slot_spans else layer.shards
+        if b.shape[0] != sum(widths):
+            raise ValueError(f"LoRA pair of B {tuple(b.shape)} for a fused layer of "
+                             f"{sum(widths)} outputs")
+        start = 0
+        for i, width in enumerate(widths):
+            set_linear_pair(layer, slots, slot, i, a, b[start:start + width])
+            start += width
+        return
     index = 0 if index is None else index
     if layer.input_span is not None:
         a = layer.input_span.take(a, 1, "lora_A")
