@@ -194,6 +194,10 @@ class ParallelConfig:
         "how the ranks run: uniproc (in this process; one rank only), mp (one local process "
         "per rank), ray (Ray actors); default: uniproc for one rank, else mp",
         choices=list(EXECUTOR_BACKENDS)))
+    enable_expert_parallel: bool = field(default=False, metadata=_opt(
+        "a mixture's experts partitioned over the tensor-parallel ranks, each rank holding "
+        "whole experts (num_experts / tensor_parallel_size of them), instead of a share of "
+        "every expert"))
     cpu_binding: str = field(default="auto", metadata=_opt(
         "with several ranks on the CPU: auto gives each local rank an equal share of this "
         "process's allowed cores (and as many torch threads); none leaves every rank all of "
@@ -212,6 +216,9 @@ class ParallelConfig:
             raise ValueError(f"distributed_executor_backend uniproc runs one rank in process; "
                              f"tensor_parallel_size x pipeline_parallel_size is "
                              f"{self.world_size}: use mp or ray")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be true or false, got "
+                             f"{self.enable_expert_parallel!r}")
         if self.cpu_binding not in ("auto", "none"):
             raise ValueError(f"cpu_binding must be auto or none, got {self.cpu_binding!r}")
 

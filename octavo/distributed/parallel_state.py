@@ -20,6 +20,9 @@ class RankPlacement:
     rank: int
     tp_size: int = 1
     pp_size: int = 1
+    # a mixture's experts partitioned over the tensor-parallel ranks (each holds whole experts)
+    # rather than each expert sliced over them
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.pp_size < 1:
@@ -65,6 +68,16 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _placement.tp_size
+
+
+def ep_size() -> int:
+    """The ranks a mixture's experts are partitioned over: the tensor-parallel group under
+    expert parallelism, else 1 (every rank holds a share of every expert)."""
+    return _placement.tp_size if _placement.expert_parallel else 1
+
+
+def ep_rank() -> int:
+    return _placement.tp_rank if _placement.expert_parallel else 0
 
 
 def pp_rank() -> int:

@@ -71,6 +71,8 @@ class MoeSpec:
     shared_gate: Linear | None
     fused: nn.Module | None = None  # the Python execution of the routed experts, grouped per
     # step: FusedMoE(x, router logits)
+    first_expert: int = 0  # `experts` are experts [first_expert, + len) of num_experts (expert
+    num_experts: int = 0  # parallelism: this rank's); 0: len(experts)
 
     @property
     def linears(self) -> list[Linear | torch.Tensor]:

@@ -73,7 +73,7 @@ class LoRAManager:
             elif isinstance(module, FusedMoE):
                 module.lora = expert_slots(module, slots, rank, dtype, device)
                 self.moe_of[_LAYER_PREFIX.match(name)[1]] = name
-                for e, (gate_up, down) in enumerate(module.lora):
+                for e, (gate_up, down) in enumerate(module.lora, module.first_expert):
                     self.layers[f"{name}.{e}.gate_up"] = (module, gate_up)
                     self.layers[f"{name}.{e}.down"] = (module, down)
                 continue
@@ -138,7 +138,8 @@ class LoRAManager:
                 a = f.get_tensor(target.a_name).to(torch.float32)
                 b = f.get_tensor(target.b_name).to(torch.float32) * target.scaling
                 for name, index, a_part, b_part in _split(where, target, a, b):
-                    pairs.append((name, index, a_part.to(self.dtype), b_part.to(self.dtype)))
+                    if name in self.layers:  # not an expert another rank holds
+                        pairs.append((name, index, a_part.to(self.dtype), b_part.to(self.dtype)))
         logger.info("LoRA adapter %r (id %d, rank %d, %d modules) loaded from %s",
                     request.lora_name, request.lora_int_id, spec.rank, len(pairs),
                     request.lora_path)

@@ -18,6 +18,7 @@ from octavo.distributed.placement import bind_rank_cpus
 from octavo.kernels import fused
 from octavo.model import decode_stack
 from octavo.model.layers.linear import local_heads
+from octavo.model.layers.moe import FusedMoE
 from octavo.model.loader import load_model
 from octavo.model.loader.gemm_packing import StepwisePacking
 from octavo.model.pipeline import stage_range
@@ -100,6 +101,13 @@ class Worker:
                            dense_prefill=self.config.model.dense_prefill_weights)
         logger.info("loaded %s (%s, %s) in %.1f s", self.source.name, self.arch.architecture,
                     self.dtype, time.perf_counter() - start)
+        mixtures = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        if mixtures and parallel_state.ep_size() > 1:
+            moe = mixtures[0]
+            logger.info("expert parallel: rank %d of %d holds experts %d-%d of %d (whole) in each "
+                        "of its %d MoE layers", parallel_state.ep_rank(), parallel_state.ep_size(),
+                        moe.first_expert, moe.first_expert + moe.num_local - 1, moe.num_experts,
+                        len(mixtures))
         if self.device.type == "cpu" and not self.config.device.enforce_eager:
             decode_stack.attach(model)
         if self.device.type == "cpu":

@@ -11,6 +11,8 @@
 
 #include <ATen/record_function.h>
 
+#include <numeric>
+
 #include "stack_layer.h"
 
 // One attention plan of a step as the kernel reads it (paged_attention.DecodeGroup): the
@@ -122,7 +124,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // The MLP over the linears given: dense (top_k 0) or a mixture of experts. Completes the layer.
   void set_mlp(const std::string& activation, bool gated, int64_t top_k, bool renormalize,
-               bool shared_expert) {
+               bool shared_expert, int64_t first_expert, int64_t num_experts) {
     StackLayer& l = building();
     auto& lin = l.linears;
     TORCH_CHECK(lin.size() >= 4, "set_linears comes before set_mlp");
@@ -154,9 +156,13 @@ class DecodeStack : public torch::CustomClassHolder {
         moe.gate_up.push_back(lin[next]);
         moe.down.push_back(lin[next + 1]);
       }
-      TORCH_CHECK(top_k <= static_cast<int64_t>(moe.gate_up.size()),
-                  "top_k exceeds the number of experts");
+      const int64_t held = static_cast<int64_t>(moe.gate_up.size());
+      TORCH_CHECK(first_expert >= 0 && first_expert + held <= num_experts &&
+                  top_k <= num_experts, "experts [first_expert, + held) of num_experts, and "
+                  "top_k at most num_experts");
       moe.top_k = top_k;
+      moe.first_expert = first_expert;
+      moe.num_experts = num_experts;
       moe.renormalize = renormalize;
       l.moe = std::move(moe);
     }
@@ -288,15 +294,18 @@ class DecodeStack : public torch::CustomClassHolder {
     if (m.renormalize) weights = weights / weights.sum(-1, true);
     auto flat = experts.reshape(-1);
     auto order = flat.argsort(/*stable=*/true);
+    auto counts = at::bincount(flat, {}, m.num_experts);
+    const int64_t* count = counts.data_ptr<int64_t>() + m.first_expert;  // the held experts'
+    const int64_t held = static_cast<int64_t>(m.gate_up.size());
+    const int64_t before = counts.narrow(0, 0, m.first_expert).sum().item<int64_t>();
+    order = order.narrow(0, before, std::accumulate(count, count + held, int64_t{0}));
     auto token = at::div(order, m.top_k, "floor");
-    auto counts = at::bincount(flat, {}, static_cast<int64_t>(m.gate_up.size()));
-    const int64_t* count = counts.data_ptr<int64_t>();
     auto xs = xn.index_select(0, token);
     auto ys = at::empty_like(xs);
     const bool adapted = !lora.slots.empty();
     auto row_slot = adapted ? lora.token_slot.index_select(0, token) : at::Tensor();
     int64_t start = 0;
-    for (size_t e = 0; e < m.gate_up.size(); ++e) {
+    for (int64_t e = 0; e < held; ++e) {
       if (count[e] == 0) continue;
       const LoraStep rows = adapted ? LoraStep{row_slot.narrow(0, start, count[e]), lora.slots}
                                     : LoraStep();

@@ -266,7 +266,9 @@ inline void lora_apply(at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
   const int64_t rank = b.size(1), k = a.size(2);
   TORCH_CHECK(packed >= 1 && a.size(1) == packed * rank && b.size(2) == bounds.back() &&
               x.size(1) == k && y.size(1) == bounds.back() && a.size(0) == used.size(0) &&
-              token_slot.size(0) == x.size(0), "LoRA shapes do not agree");
+              token_slot.size(0) == x.size(0), "LoRA shapes do not agree: y ", y.sizes(),
+              ", x ", x.sizes(), ", A ", a.sizes(), ", B^T ", b.sizes(), ", ", packed,
+              " packed projections, used ", used.sizes(), ", token_slot ", token_slot.sizes());
   TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1 && a.is_contiguous() && b.is_contiguous() &&
               x.scalar_type() == a.scalar_type() && y.scalar_type() == a.scalar_type() &&
               b.scalar_type() == a.scalar_type(), "LoRA tensors: contiguous rows, one dtype");

@@ -46,6 +46,9 @@ struct StackMoe {
   std::vector<StackLinear> gate_up, down;  // per expert
   int64_t top_k = 1;
   bool renormalize = false;
+  // gate_up and down are experts [first_expert, + size) of num_experts: under expert
+  // parallelism this rank's, the others' rows left to their ranks
+  int64_t first_expert = 0, num_experts = 0;
   bool shared = false;  // a shared expert: shared_down(act(shared_gate_up)) * sigmoid(gate)
   StackLinear shared_gate_up, shared_down, shared_gate;
 };

@@ -144,12 +144,12 @@ def set_linear_pair(layer: Linear, slots: LoRASlots, slot: int, index: int | Non
 
 def expert_slots(moe: FusedMoE, num_slots: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> list[tuple[LoRASlots, LoRASlots]]:
-    """Each expert's slots: its gate_up (gate and up packed, this rank's share of the
+    """Each held expert's slots: its gate_up (gate and up packed, this rank's share of the
     intermediate width) and its down projection, as a linear layer's."""
     hidden, width = moe.hidden_size, moe.intermediate_size
     return [(LoRASlots([0, width, 2 * width], hidden, num_slots, max_rank, dtype, device),
              LoRASlots([0, hidden], width, num_slots, max_rank, dtype, device))
-            for _ in range(moe.num_experts)]
+            for _ in range(moe.num_local)]
 
 
 def set_expert_pair(moe: FusedMoE, slots: LoRASlots, slot: int, index: int | None,

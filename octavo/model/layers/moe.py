@@ -7,8 +7,10 @@ become one `Linear` per expert and projection (gate/up packed, down), each with 
 any other linear layer gets, replacing the stacked dense tensors.
 
 Under tensor parallelism every rank holds every expert's share of the intermediate width (gate and
-up rows, down columns: `even_span`), and the layer's output is summed over the ranks once, after
-the experts' outputs are combined.
+up rows, down columns: `even_span`); under expert parallelism (--enable-expert-parallel) a rank
+holds whole experts, num_experts / tensor_parallel_size consecutive ones, and computes the rows
+routed to them (every rank has every token). Either way the layer's output is summed over the
+ranks once, after the experts' outputs are combined.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from torch import nn
 from octavo.distributed import parallel_state
 from octavo.model.context import step_lora
 from octavo.model.layers.activation import gated_act
-from octavo.model.layers.linear import Linear, column_parallel, even_span, row_parallel
+from octavo.model.layers.linear import Linear, Span, column_parallel, even_span, row_parallel
 from octavo.model.quant.base import QuantMethod
 
 # checkpoint projection name -> (packed parameter, slot): Mixtral's w1/w3/w2 and Qwen's names
@@ -38,13 +40,20 @@ class FusedMoE(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        ranks = parallel_state.ep_size()
+        if num_experts % ranks:
+            raise ValueError(f"num_experts ({num_experts}) is not divisible by the "
+                             f"expert-parallel size {ranks} (tensor_parallel_size)")
+        self.num_local = num_experts // ranks  # this rank's experts: [first_expert, + num_local)
+        self.first_expert = parallel_state.ep_rank() * self.num_local
         self.full_intermediate_size = intermediate_size
-        self.span = even_span(intermediate_size, "moe_intermediate_size")
+        self.span = (even_span(intermediate_size, "moe_intermediate_size") if ranks == 1 else
+                     Span(0, intermediate_size, intermediate_size))
         intermediate_size = self.intermediate_size = self.span.width
-        # [E, 2 * I, H]: gate rows then up rows; [E, H, I]: down
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+        # [local experts, 2 * I, H]: gate rows then up rows; [local experts, H, I]: down
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * intermediate_size, hidden_size),
                                 requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, intermediate_size),
                                requires_grad=False)
         self.hidden_size = hidden_size
         self.act = gated_act(hidden_act)
@@ -58,9 +67,13 @@ class FusedMoE(nn.Module):
         (left dense when it has none for them). Returns the number of quantized Linears."""
         hidden, inter = self.w13.shape[2], self.full_intermediate_size
         what = "moe_intermediate_size"
-        experts = [nn.ModuleList([column_parallel(hidden, [inter, inter], what=what),
+
+        def pair() -> nn.ModuleList:
+            if parallel_state.ep_size() > 1:  # whole experts, summed with the others' once
+                return nn.ModuleList([Linear(hidden, [inter, inter]), Linear(inter, [hidden])])
+            return nn.ModuleList([column_parallel(hidden, [inter, inter], what=what),
                                   row_parallel(inter, hidden, what=what, reduce=False)])
-                   for _ in range(self.num_experts)]
+        experts = [pair() for _ in range(self.num_local)]
         methods = [method_for(layer) for layer in experts[0]]
         if any(m is None for m in methods):
             return 0
@@ -69,14 +82,18 @@ class FusedMoE(nn.Module):
                 layer.set_quant_method(method)
         self.quantized = nn.ModuleList(experts)
         del self.w13, self.w2
-        return 2 * self.num_experts
+        return 2 * self.num_local
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor,
-                    kind: str = "weight") -> str:
-        """Copy one expert's gate, up or down tensor in; returns the slot it went to."""
+                    kind: str = "weight") -> str | None:
+        """Copy one expert's gate, up or down tensor in; returns the slot it went to (None: an
+        expert another rank holds, left unread)."""
         if proj not in _PROJ or not 0 <= expert < self.num_experts:
             raise ValueError(f"expert tensor {expert}.{proj} has no place in this MoE layer "
                              f"({self.num_experts} experts)")
+        if self.local_expert(expert) is None:
+            return None
+        expert -= self.first_expert
         name, slot = _PROJ[proj]
         if self.quantized is not None:
             self.quantized[expert][name == "w2"].load_shard(kind, slot, tensor)
@@ -96,15 +113,20 @@ class FusedMoE(nn.Module):
         dest.copy_(tensor)
         return f"{name}.{expert}.{slot}"
 
+    def local_expert(self, expert: int) -> int | None:
+        """Expert `expert`'s index among this rank's, None where another rank holds it."""
+        local = expert - self.first_expert
+        return local if 0 <= local < self.num_local else None
+
     def num_expert_tensors(self) -> int:
-        return 3 * self.num_experts
+        return 3 * self.num_local
 
     def expert_weights(self) -> list[tuple[Linear | torch.Tensor, Linear | torch.Tensor]]:
-        """Each expert's gate_up and down projections, as forward computes them: its Linears
-        (quantized experts), or its slices of the stacked dense weights."""
+        """This rank's experts' gate_up and down projections, as forward computes them: their
+        Linears (quantized experts), or their slices of the stacked dense weights."""
         if self.quantized is not None:
             return [(gate_up, down) for gate_up, down in self.quantized]
-        return [(self.w13[e], self.w2[e]) for e in range(self.num_experts)]
+        return [(self.w13[e], self.w2[e]) for e in range(self.num_local)]
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x: [T, H], router_logits: [T, E] -> [T, H]. The C++ decode stack
@@ -115,9 +137,13 @@ class FusedMoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         flat = experts.reshape(-1)  # [T * k]
         order = flat.argsort(stable=True)
-        token = order // self.top_k  # the token each sorted row came from
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        xs = x.index_select(0, token)  # [T * k, H], grouped by expert
+        first = self.first_expert  # this rank's experts' rows: a run of the sorted ones
+        begin = sum(counts[:first])
+        order = order[begin:begin + sum(counts[first:first + self.num_local])]
+        counts = counts[first:first + self.num_local]
+        token = order // self.top_k  # the token each sorted row came from
+        xs = x.index_select(0, token)  # [rows, H], grouped by expert
         ys = torch.empty_like(xs)
         lora = step_lora() if self.lora is not None else None
         row_slot = None if lora is None else lora.token_slot.index_select(0, token)

@@ -46,6 +46,8 @@ def prepared_path(source: ModelSource, dtype: torch.dtype, decode_weights: str,
     where = parallel_state.placement()  # a rank prepares its own share and stage
     if where.world_size > 1:
         mode = f"{mode}-tp{where.tp_rank}of{where.tp_size}-pp{where.pp_rank}of{where.pp_size}"
+        if where.expert_parallel:
+            mode = f"{mode}-ep"
     h = hashlib.sha256()
     # The packed forms chosen depend on whether the C++ kernels are loaded (quant/gguf.py: the
     # wide int4 codes need them): a start without them must not leave its weights to one with.

@@ -83,8 +83,9 @@ class CausalLM(nn.Module):
             m = EXPERT_TENSOR.match(name)
             if m and hasattr(modules.get(f"{m[1]}.experts"), "load_expert"):
                 moe = modules[f"{m[1]}.experts"]
-                experts.setdefault(f"{m[1]}.experts", set()).add(
-                    moe.load_expert(int(m[2]), m[3], tensor, m[4]))
+                filled = moe.load_expert(int(m[2]), m[3], tensor, m[4])
+                if filled is not None:  # None: another expert-parallel rank's
+                    experts.setdefault(f"{m[1]}.experts", set()).add(filled)
                 continue
             module_name, _, kind = name.rpartition(".")
             owner, leaf = module_name.rsplit(".", 1) if "." in module_name else ("", module_name)

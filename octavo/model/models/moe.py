@@ -43,7 +43,8 @@ class SparseMoeBlock(nn.Module):
                                                              shared.down_proj)
         return MoeSpec(self.gate, self.experts.expert_weights(), self.experts.top_k,
                        self.experts.renormalize, gate_up, down, self.shared_expert_gate,
-                       fused=self.experts)
+                       fused=self.experts, first_expert=self.experts.first_expert,
+                       num_experts=self.experts.num_experts)
 
 
 class MoeDecoderLayer(DecoderLayer):

@@ -1,0 +1,79 @@
+"""Expert parallelism on local processes (--enable-expert-parallel over two tensor-parallel
+ranks): each rank holds whole experts, half of them, and the outputs equal transformers' on the
+same weights (the tensor-parallel test's criterion: greedy tokens agree, or at the first
+divergence each side's token is in the other's top 5; prompt logprobs within 1e-2 in
+float32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo import LLM
+from octavo.distributed.parallel_state import RankPlacement
+from octavo.model.layers.moe import FusedMoE
+from tests.distributed.test_sharded_loading import _load
+from tests.distributed.test_tensor_parallel import _check, _prompt, _reference, _run
+from tests.parity.test_tiny_models import _build
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "qwen2-moe"])
+def test_two_expert_parallel_ranks_match_transformers(tmp_path, smollm_oracle_folder, name):
+    folder, ref = _build(tmp_path, smollm_oracle_folder, name)
+    prompt = _prompt()
+    expected = _reference(ref, prompt)
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              max_num_batched_tokens=64, tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        for out in _run(llm, [prompt]) + _run(llm, [prompt]):
+            _check(out, prompt, *expected)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_every_expert_lives_on_one_rank(tmp_path, smollm_oracle_folder, monkeypatch):
+    """Loaded in this process as each rank of two, every MoE layer holds whole experts (the
+    full intermediate width), the ranks' experts partition the mixture's, and each equals the
+    single-process load's."""
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-moe")
+    whole, _ = _load(folder, RankPlacement(0), monkeypatch)
+    layers = {n: m for n, m in whole.named_modules() if isinstance(m, FusedMoE)}
+    held: dict[str, list[int]] = {n: [] for n in layers}
+    for rank in (0, 1):
+        model, _ = _load(folder, RankPlacement(rank, tp_size=2, expert_parallel=True),
+                         monkeypatch)
+        for name, moe in model.named_modules():
+            if not isinstance(moe, FusedMoE):
+                continue
+            full = layers[name]
+            assert moe.w13.shape == (full.num_experts // 2, *full.w13.shape[1:])
+            for local in range(moe.num_local):
+                expert = moe.first_expert + local
+                held[name].append(expert)
+                assert torch.equal(moe.w13[local], full.w13[expert])
+                assert torch.equal(moe.w2[local], full.w2[expert])
+    assert all(sorted(e) == list(range(layers[n].num_experts)) for n, e in held.items())
+
+
+def test_experts_that_do_not_divide_are_refused(tmp_path, smollm_oracle_folder, monkeypatch):
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-moe-unnormalized")  # 5 experts
+    with pytest.raises(ValueError, match=r"num_experts \(5\) is not divisible"):
+        _load(folder, RankPlacement(0, tp_size=2, expert_parallel=True), monkeypatch)
+
+
+def test_expert_adapters_under_expert_parallelism(tmp_path_factory, smollm_oracle_folder):
+    """A rank keeps the adapter pairs of the experts it holds: a mixed batch gives peft's
+    outputs."""
+    pytest.importorskip("peft")
+    from tests.parity.test_lora import _check as check_lora
+    from tests.parity.test_lora import _generate, build_family
+
+    folder, adapters, prompts, expected = build_family("qwen3-moe", tmp_path_factory,
+                                                       smollm_oracle_folder)
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              tensor_parallel_size=2, enable_expert_parallel=True, enable_lora=True,
+              max_loras=3, max_lora_rank=16)
+    try:
+        cases = [(lora, j) for j in (0, 2) for lora in [None, *adapters]]
+        check_lora(_generate(llm, cases, prompts), cases, expected)
+    finally:
+        llm.engine.shutdown()
