@@ -194,14 +194,14 @@ class ParallelConfig:
         "how the ranks run: uniproc (in this process; one rank only), mp (one local process "
         "per rank), ray (Ray actors); default: uniproc for one rank, else mp",
         choices=list(EXECUTOR_BACKENDS)))
-    enable_expert_parallel: bool = field(default=False, metadata=_opt(
-        "a mixture's experts partitioned over the tensor-parallel ranks, each rank holding "
-        "whole experts (num_experts / tensor_parallel_size of them), instead of a share of "
-        "every expert"))
     cpu_binding: str = field(default="auto", metadata=_opt(
         "with several ranks on the CPU: auto gives each local rank an equal share of this "
         "process's allowed cores (and as many torch threads); none leaves every rank all of "
         "them", choices=["auto", "none"]))
+    enable_expert_parallel: bool = field(default=False, metadata=_opt(
+        "a mixture's experts partitioned over the tensor-parallel ranks, each rank holding "
+        "whole experts (num_experts / tensor_parallel_size of them), instead of a share of "
+        "every expert"))
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

@@ -64,6 +64,11 @@ class EngineMetrics:
             "octavo:spec_decode_num_drafts",
             "Verifications of drafts (mean acceptance length = 1 + accepted / this)", registry=r)
         self._spec_seen = (0, 0, 0)
+        self.expert_tokens = Counter("octavo:expert_parallel_routed_tokens",
+                                     "Token rows routed to each expert-parallel rank's experts "
+                                     "(summed over MoE layers): the ranks' load balance",
+                                     ["rank"], registry=r)
+        self._experts_seen: list[int] = []
         self.ttft = Histogram("octavo:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("octavo:time_per_output_token_seconds",
@@ -104,6 +109,11 @@ class EngineMetrics:
                     self._spec_seen):
                 counter.inc(now - seen)
             self._spec_seen = spec
+        for rank, now in enumerate(stats.expert_tokens):
+            seen = self._experts_seen[rank] if rank < len(self._experts_seen) else 0
+            if now > seen:
+                self.expert_tokens.labels(rank=str(rank)).inc(now - seen)
+        self._experts_seen = list(stats.expert_tokens)
 
     def first_token(self, ttft: float, queue_time: float | None) -> None:
         self.ttft.observe(ttft)

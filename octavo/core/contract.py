@@ -104,3 +104,6 @@ class ModelOutput:
     # Draft-model speculation: request id -> the draft model's tokens to follow this step's last
     # one, to be verified in a later step (their KV slots are the scheduler's lookahead).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Expert parallelism: the rows routed to each rank's experts this step, over the output
+    # rank's MoE layers (empty without it).
+    expert_tokens: list[int] = field(default_factory=list)

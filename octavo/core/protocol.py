@@ -88,6 +88,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_draft_tokens: int = 0  # draft tokens proposed and verified (cumulative)
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_num_drafts: int = 0  # verifications (request-steps with drafts)
+    # expert parallelism: rows routed to each rank's experts (cumulative; empty without it)
+    expert_tokens: list[int] = msgspec.field(default_factory=list)
 
     @property
     def spec_mean_acceptance_length(self) -> float | None:

@@ -83,6 +83,7 @@ class Scheduler:
         self.lookahead = lookahead
         self.max_loras = max_loras
         self.spec_counts = [0, 0, 0]  # draft tokens, accepted, verifications
+        self.expert_tokens: list[int] = []  # rows routed to each expert-parallel rank (cumulative)
         self.isolated: str | None = None  # set: a step schedules only this request (faults.py)
         # Requests of batches scheduled but whose output has not come back (pipeline stages
         # run several batches at once): never scheduled again, nor preempted, until it has.
@@ -153,7 +154,7 @@ class Scheduler:
         return SchedulerStats(len(self.running), len(self.waiting), kv.usage(),
                               self.num_preemptions, kv.prefix_queries, kv.prefix_hits,
                               kv.slots_allocated, kv.slots_unwritten, self.peak_running,
-                              *self.spec_counts)
+                              *self.spec_counts, list(self.expert_tokens))
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -396,6 +397,10 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelOutput) -> list[EngineCoreOutput]:
         self.batch_landed(sched)
+        if out.expert_tokens:
+            if not self.expert_tokens:
+                self.expert_tokens = [0] * len(out.expert_tokens)
+            self.expert_tokens = [a + b for a, b in zip(self.expert_tokens, out.expert_tokens)]
         outputs = []
         for req_id, sampled in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(req_id)

@@ -250,14 +250,15 @@ class DecodeStack:
         self._stack, self._caches = stack, kv_caches
 
 
-def _moe_settings(spec: LayerSpec) -> tuple[int, bool, bool, int, int]:
-    """top_k (0: a dense MLP), renormalize, whether a shared expert comes first, and the
-    experts the layer holds: the first's index and the mixture's count."""
+def _moe_settings(spec: LayerSpec) -> tuple:
+    """top_k (0: a dense MLP), renormalize, whether a shared expert comes first, the experts
+    the layer holds (the first's index and the mixture's count), and the count of rows routed
+    to each expert it adds to (FusedMoE.routed), if any."""
     moe = spec.moe
     if moe is None:
-        return 0, False, False, 0, 0
+        return 0, False, False, 0, 0, None
     return (moe.top_k, moe.renormalize, moe.shared_gate is not None, moe.first_expert,
-            moe.num_experts or len(moe.experts))
+            moe.num_experts or len(moe.experts), getattr(moe.fused, "routed", None))
 
 
 def _kernel_plan(plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

@@ -88,6 +88,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.packing: StepwisePacking | None = None  # the dense weights' packing, until done
         self.draft_arch: ArchConfig | None = None  # speculative decoding's draft model
+        self.routed_by: list[FusedMoE] = []  # MoE layers counting their routing (expert parallel)
 
     def load_model(self) -> None:
         fused.enable_native(self.config.device.native_kernels if self.device.type == "cpu"
@@ -102,6 +103,7 @@ class Worker:
         logger.info("loaded %s (%s, %s) in %.1f s", self.source.name, self.arch.architecture,
                     self.dtype, time.perf_counter() - start)
         mixtures = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        self.routed_by = [m for m in mixtures if m.routed is not None]  # expert parallelism
         if mixtures and parallel_state.ep_size() > 1:
             moe = mixtures[0]
             logger.info("expert parallel: rank %d of %d holds experts %d-%d of %d (whole) in each "
@@ -191,7 +193,11 @@ class Worker:
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         self.do_idle_work()  # a busy engine packs a few weights before each step instead
-        return self.runner.execute(sched)
+        out = self.runner.execute(sched)
+        if self.routed_by:
+            loads = [moe.routed_per_rank() for moe in self.routed_by]
+            out.expert_tokens = [sum(rank) for rank in zip(*loads)]
+        return out
 
     def do_idle_work(self) -> bool:
         """Pack the next few dense weights (about 5 ms); whether any are left."""

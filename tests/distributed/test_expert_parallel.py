@@ -12,7 +12,8 @@ from octavo import LLM
 from octavo.distributed.parallel_state import RankPlacement
 from octavo.model.layers.moe import FusedMoE
 from tests.distributed.test_sharded_loading import _load
-from tests.distributed.test_tensor_parallel import _check, _prompt, _reference, _run
+from tests.distributed.test_tensor_parallel import (NEW, PROMPT_LEN, _check, _prompt,
+                                                    _reference, _run)
 from tests.parity.test_tiny_models import _build
 
 
@@ -24,7 +25,16 @@ def test_two_expert_parallel_ranks_match_transformers(tmp_path, smollm_oracle_fo
     llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
               max_num_batched_tokens=64, tensor_parallel_size=2, enable_expert_parallel=True)
     try:
-        for out in _run(llm, [prompt]) + _run(llm, [prompt]):
+        outs = _run(llm, [prompt])
+        # each rank's load: every computed token's top-k rows in every MoE layer, in all
+        routed = llm.engine.client.stats().expert_tokens
+        cfg = ref.config
+        dense = getattr(cfg, "mlp_only_layers", None) or []
+        top_k = cfg.num_experts_per_tok
+        moe_layers = sum(1 for i in range(cfg.num_hidden_layers) if i not in dense)
+        assert len(routed) == 2 and min(routed) > 0
+        assert sum(routed) == (PROMPT_LEN + NEW - 1) * top_k * moe_layers
+        for out in outs + _run(llm, [prompt]):
             _check(out, prompt, *expected)
     finally:
         llm.engine.shutdown()

@@ -362,16 +362,16 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
         linears(lora_a=torch.zeros(1, 4, 32))
     linears()
     with pytest.raises(RuntimeError, match="unknown activation 'swish'"):
-        stack.set_mlp("swish", True, 0, False, False, 0, 0)
+        stack.set_mlp("swish", True, 0, False, False, 0, 0, None)
     with pytest.raises(RuntimeError, match="a gated MLP takes silu or gelu_tanh"):
-        stack.set_mlp("relu", True, 0, False, False, 0, 0)
+        stack.set_mlp("relu", True, 0, False, False, 0, 0, None)
     x = torch.zeros(1, 32)  # the layer is still open (no MLP): a forward is refused
     plan = (torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
             torch.ones(1, dtype=torch.long), 0)
     with pytest.raises(RuntimeError, match="a layer is not complete"):
         stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                       [plan], None, [])
-    stack.set_mlp("silu", True, 0, False, False, 0, 0)
+    stack.set_mlp("silu", True, 0, False, False, 0, 0, None)
     out = stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                         [plan], None, [])
     assert out.shape == (1, 32)

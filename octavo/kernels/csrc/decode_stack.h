@@ -124,7 +124,8 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // The MLP over the linears given: dense (top_k 0) or a mixture of experts. Completes the layer.
   void set_mlp(const std::string& activation, bool gated, int64_t top_k, bool renormalize,
-               bool shared_expert, int64_t first_expert, int64_t num_experts) {
+               bool shared_expert, int64_t first_expert, int64_t num_experts,
+               std::optional<at::Tensor> routed) {
     StackLayer& l = building();
     auto& lin = l.linears;
     TORCH_CHECK(lin.size() >= 4, "set_linears comes before set_mlp");
@@ -163,6 +164,11 @@ class DecodeStack : public torch::CustomClassHolder {
       moe.top_k = top_k;
       moe.first_expert = first_expert;
       moe.num_experts = num_experts;
+      if (routed) {
+        TORCH_CHECK(routed->scalar_type() == at::kLong && routed->numel() == num_experts,
+                    "routed: int64 [num_experts]");
+        moe.routed = *routed;
+      }
       moe.renormalize = renormalize;
       l.moe = std::move(moe);
     }
@@ -295,6 +301,7 @@ class DecodeStack : public torch::CustomClassHolder {
     auto flat = experts.reshape(-1);
     auto order = flat.argsort(/*stable=*/true);
     auto counts = at::bincount(flat, {}, m.num_experts);
+    if (m.routed.defined()) m.routed.add_(counts);
     const int64_t* count = counts.data_ptr<int64_t>() + m.first_expert;  // the held experts'
     const int64_t held = static_cast<int64_t>(m.gate_up.size());
     const int64_t before = counts.narrow(0, 0, m.first_expert).sum().item<int64_t>();

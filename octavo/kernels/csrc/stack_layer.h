@@ -49,6 +49,7 @@ struct StackMoe {
   // gate_up and down are experts [first_expert, + size) of num_experts: under expert
   // parallelism this rank's, the others' rows left to their ranks
   int64_t first_expert = 0, num_experts = 0;
+  at::Tensor routed;  // int64 [num_experts]: rows routed to each expert, added up; or undefined
   bool shared = false;  // a shared expert: shared_down(act(shared_gate_up)) * sigmoid(gate)
   StackLinear shared_gate_up, shared_down, shared_gate;
 };

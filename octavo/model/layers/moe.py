@@ -61,6 +61,10 @@ class FusedMoE(nn.Module):
         # per expert: its gate_up's and down's adapter slots (model/layers/lora.py), where LoRA
         # is on
         self.lora: list | None = None
+        # Under expert parallelism, the rows routed to each expert since the worker last read
+        # them (routed_per_rank): every rank routes every token alike, so one rank's count is
+        # every rank's load. The decode stack adds to it too.
+        self.routed = torch.zeros(num_experts, dtype=torch.long) if ranks > 1 else None
 
     def quantize_experts(self, method_for: Callable[[Linear], QuantMethod | None]) -> int:
         """Before loading: per-expert Linears with `method_for`'s methods replace w13 and w2
@@ -118,6 +122,13 @@ class FusedMoE(nn.Module):
         local = expert - self.first_expert
         return local if 0 <= local < self.num_local else None
 
+    def routed_per_rank(self) -> list[int]:
+        """The rows routed to each expert-parallel rank's experts since the last call (which
+        resets the count)."""
+        per_rank = self.routed.view(-1, self.num_local).sum(1).tolist()
+        self.routed.zero_()
+        return per_rank
+
     def num_expert_tensors(self) -> int:
         return 3 * self.num_local
 
@@ -137,7 +148,10 @@ class FusedMoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         flat = experts.reshape(-1)  # [T * k]
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        if self.routed is not None:
+            self.routed += counts
+        counts = counts.tolist()
         first = self.first_expert  # this rank's experts' rows: a run of the sorted ones
         begin = sum(counts[:first])
         order = order[begin:begin + sum(counts[first:first + self.num_local])]
