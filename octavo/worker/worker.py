@@ -73,7 +73,7 @@ class Worker:
         if self.device.type != "cpu" or bind_rank_cpus(
                 local_rank, local_world_size, config.parallel.cpu_binding,
                 config.device.num_threads) is None:
-            torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
+            torch.set_num_threads(config.device.num_threads or len(os.sched_getaffinity(0)))
         if placement.world_size > 1:
             if distributed_init_method is None:
                 raise ValueError("a worker of a parallel world needs distributed_init_method")

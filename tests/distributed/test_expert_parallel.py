@@ -87,3 +87,24 @@ def test_expert_adapters_under_expert_parallelism(tmp_path_factory, smollm_oracl
         check_lora(_generate(llm, cases, prompts), cases, expected)
     finally:
         llm.engine.shutdown()
+
+
+def test_quantized_experts_on_expert_parallel_ranks(tmp_path, smollm_oracle_folder):
+    """int4 at load on whole experts (one Linear per held expert and projection): against the
+    single-process engine with the same quantization, whose experts are quantized alike."""
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "mixtral")
+    prompt = _prompt(2)
+    kwargs = dict(dtype="float32", max_model_len=256, quantization="int4",
+                  kv_cache_memory=16 << 20)
+    single = LLM(str(folder), **kwargs)
+    exp = _run(single, [prompt])[0]
+    single.engine.shutdown()
+    scored = torch.tensor([exp.prompt_logprobs[p][prompt[p]].logprob
+                           for p in range(1, len(prompt))])
+    llm = LLM(str(folder), tensor_parallel_size=2, enable_expert_parallel=True, **kwargs)
+    try:
+        ref = exp.outputs[0]
+        _check(_run(llm, [prompt])[0], prompt, ref.token_ids, [list(d) for d in ref.logprobs],
+               scored)
+    finally:
+        llm.engine.shutdown()
