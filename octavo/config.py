@@ -198,13 +198,17 @@ class ParallelConfig:
         "with several ranks on the CPU: auto gives each local rank an equal share of this "
         "process's allowed cores (and as many torch threads); none leaves every rank all of "
         "them", choices=["auto", "none"]))
+    data_parallel_size: int = field(default=1, metadata=_opt(
+        "replicas of the model, each its own engine core process (itself tensor/pipeline "
+        "parallel as set) behind one server: requests go to the least loaded, or to the one "
+        "whose prefix cache holds their leading tokens", aliases=("-dp",)))
     enable_expert_parallel: bool = field(default=False, metadata=_opt(
         "a mixture's experts partitioned over the tensor-parallel ranks, each rank holding "
         "whole experts (num_experts / tensor_parallel_size of them), instead of a share of "
         "every expert"))
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

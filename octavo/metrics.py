@@ -43,7 +43,8 @@ class EngineMetrics:
                                    "Prompt tokens of those sequences", registry=r)
         self.loop_tasks = Gauge("octavo:frontend_asyncio_tasks",
                                 "Tasks alive on the front end's event loop", registry=r)
-        self.preemptions = Counter("octavo:num_preemptions", "Preempted requests", registry=r)
+        self.preemptions = Counter("octavo:num_preemptions", "Preempted requests", ["engine"],
+                                   registry=r)
         self.lora_requests = Counter("octavo:lora_requests", "Finished requests per LoRA adapter",
                                      ["lora_name"], registry=r)
         self.lora_prompt_tokens = Counter("octavo:lora_prompt_tokens",
@@ -53,9 +54,11 @@ class EngineMetrics:
                                               "Generated tokens per LoRA adapter",
                                               ["lora_name"], registry=r)
         self.prefix_queries = Counter("octavo:prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache", registry=r)
+                                      "Prompt tokens looked up in the prefix cache", ["engine"],
+                                      registry=r)
         self.prefix_hits = Counter("octavo:prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache", registry=r)
+                                   "Prompt tokens found in the prefix cache", ["engine"],
+                                   registry=r)
         self.spec_drafts = Counter("octavo:spec_decode_num_draft_tokens",
                                    "Speculative draft tokens proposed and verified", registry=r)
         self.spec_accepted = Counter("octavo:spec_decode_num_accepted_tokens",
@@ -63,12 +66,10 @@ class EngineMetrics:
         self.spec_verifications = Counter(
             "octavo:spec_decode_num_drafts",
             "Verifications of drafts (mean acceptance length = 1 + accepted / this)", registry=r)
-        self._spec_seen = (0, 0, 0)
         self.expert_tokens = Counter("octavo:expert_parallel_routed_tokens",
                                      "Token rows routed to each expert-parallel rank's experts "
                                      "(summed over MoE layers): the ranks' load balance",
                                      ["rank"], registry=r)
-        self._experts_seen: list[int] = []
         self.ttft = Histogram("octavo:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("octavo:time_per_output_token_seconds",
@@ -79,41 +80,58 @@ class EngineMetrics:
         self.queue_time = Histogram("octavo:request_queue_time_seconds",
                                     "Time from arrival to first scheduling",
                                     buckets=_LATENCY_BUCKETS, registry=r)
-        self.running = Gauge("octavo:num_requests_running", "Requests running", registry=r)
-        self.waiting = Gauge("octavo:num_requests_waiting", "Requests waiting", registry=r)
+        # Per engine core (data parallelism: one per replica; "0" without it)
+        self.running = Gauge("octavo:num_requests_running", "Requests running", ["engine"],
+                             registry=r)
+        self.waiting = Gauge("octavo:num_requests_waiting", "Requests waiting", ["engine"],
+                             registry=r)
         self.kv_usage = Gauge("octavo:kv_cache_usage_perc", "Fraction of KV blocks in use",
-                              registry=r)
-        self._preemptions_seen = 0
-        self._prefix_seen = (0, 0)
+                              ["engine"], registry=r)
+        self.engine_up = Gauge("octavo:engine_core_up", "1 while the engine core serves",
+                               ["engine"], registry=r)
+        self._per_engine = (self.running, self.waiting, self.kv_usage, self.preemptions,
+                            self.prefix_queries, self.prefix_hits)
+        self._seen: dict[int, tuple] = {}  # each core's cumulative counters, last observed
+        self._prefix_total = [0, 0]  # prefix-cache queries and hits over every core
         self._prefix_at_last_log = (0, 0)
         self._tokens_at_last_log = (0.0, 0.0)
         self._last_log = time.monotonic()
 
-    def observe_stats(self, stats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        if stats.num_preemptions > self._preemptions_seen:
-            self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
-            self._preemptions_seen = stats.num_preemptions
-        # The core's counters are cumulative; Prometheus counters take the increments.
-        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
-        if queries > self._prefix_seen[0]:
-            self.prefix_queries.inc(queries - self._prefix_seen[0])
-            self.prefix_hits.inc(hits - self._prefix_seen[1])
-            self._prefix_seen = (queries, hits)
-        spec = (stats.spec_draft_tokens, stats.spec_accepted_tokens, stats.spec_num_drafts)
-        if spec[2] > self._spec_seen[2]:
-            for counter, now, seen in zip(
-                    (self.spec_drafts, self.spec_accepted, self.spec_verifications), spec,
-                    self._spec_seen):
-                counter.inc(now - seen)
-            self._spec_seen = spec
-        for rank, now in enumerate(stats.expert_tokens):
-            seen = self._experts_seen[rank] if rank < len(self._experts_seen) else 0
-            if now > seen:
-                self.expert_tokens.labels(rank=str(rank)).inc(now - seen)
-        self._experts_seen = list(stats.expert_tokens)
+    def watch_replicas(self, count: int, alive) -> None:
+        """engine_core_up read from alive(i) for each of `count` cores at each scrape; every
+        core's series present from the start, at zero."""
+        for i in range(count):
+            self.engine_up.labels(engine=str(i)).set_function(lambda i=i: float(alive(i)))
+            for metric in self._per_engine:
+                metric.labels(engine=str(i))
+
+    def observe_stats(self, stats, engine: int = 0) -> None:
+        """Core `engine`'s stats: its gauges set, and the counters advanced by what its
+        cumulative counts grew since its last stats (the core's counters are cumulative;
+        Prometheus counters take the increments)."""
+        label = str(engine)
+        self.running.labels(engine=label).set(stats.num_running)
+        self.waiting.labels(engine=label).set(stats.num_waiting)
+        self.kv_usage.labels(engine=label).set(stats.kv_cache_usage)
+        now = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits,
+               stats.spec_draft_tokens, stats.spec_accepted_tokens, stats.spec_num_drafts)
+        seen = self._seen.get(engine, (0,) * len(now) + ((),))
+        grew = [max(0, a - b) for a, b in zip(now, seen)]
+        counters = (self.preemptions.labels(engine=label),
+                    self.prefix_queries.labels(engine=label),
+                    self.prefix_hits.labels(engine=label), self.spec_drafts,
+                    self.spec_accepted, self.spec_verifications)
+        for counter, step in zip(counters, grew):
+            if step:
+                counter.inc(step)
+        self._prefix_total[0] += grew[1]
+        self._prefix_total[1] += grew[2]
+        experts_seen = seen[-1]
+        for rank, routed in enumerate(stats.expert_tokens):
+            before = experts_seen[rank] if rank < len(experts_seen) else 0
+            if routed > before:
+                self.expert_tokens.labels(rank=str(rank)).inc(routed - before)
+        self._seen[engine] = (*now, tuple(stats.expert_tokens))
 
     def first_token(self, ttft: float, queue_time: float | None) -> None:
         self.ttft.observe(ttft)
@@ -163,15 +181,20 @@ class EngineMetrics:
         last_prompt, last_gen = self._tokens_at_last_log
         elapsed = max(now - self._last_log, 1e-9)
         self._tokens_at_last_log, self._last_log = (prompt, gen), now
-        running, waiting = self.running._value.get(), self.waiting._value.get()
+        running, waiting = _total(self.running), _total(self.waiting)
         if prompt == last_prompt and gen == last_gen and not running and not waiting:
             return None
-        queries, hits = self._prefix_seen
+        queries, hits = self._prefix_total
         dq, dh = queries - self._prefix_at_last_log[0], hits - self._prefix_at_last_log[1]
         self._prefix_at_last_log = (queries, hits)
         hit_rate = f"{100 * dh / dq:.1f}%" if dq else "n/a"
         return (f"prompt throughput {(prompt - last_prompt) / elapsed:.1f} tokens/s, "
                 f"generation throughput {(gen - last_gen) / elapsed:.1f} tokens/s, "
                 f"running {running:.0f}, waiting {waiting:.0f}, "
-                f"KV cache usage {100 * self.kv_usage._value.get():.1f}%, "
+                f"KV cache usage {100 * _total(self.kv_usage) / max(1, len(self._seen)):.1f}%, "
                 f"prefix cache hit rate {hit_rate}")
+
+
+def _total(gauge: Gauge) -> float:
+    """A labelled gauge's samples summed over its label sets."""
+    return sum(sample.value for metric in gauge.collect() for sample in metric.samples)

@@ -6,6 +6,9 @@ hands to the per-request streams. Admission control bounds the queue of sequence
 n > 1 samples count one each) that have not produced a token yet, in sequences and in prompt
 tokens. A stream whose client reads slowly holds one merged output, never a growing backlog.
 A core that has work but has not answered for `engine_timeout_s` makes the engine unhealthy.
+With data parallelism (`--data-parallel-size N`) N cores serve behind this one front end
+(core_replica.py), each request placed on one by the router (replica_router.py); a core that
+dies fails only its own requests.
 """
 from __future__ import annotations
 
@@ -20,13 +23,15 @@ import zmq
 import zmq.asyncio
 
 from octavo.config import EngineConfig
-from octavo.core.protocol import AbortRequests, CoreOutputs, SchedulerStats, Shutdown, UtilityCall
-from octavo.engine.core_launch import CoreLaunch, launch_core
+from octavo.core.protocol import AbortRequests, CoreOutputs, UtilityCall
+from octavo.engine.core_launch import CoreLaunch, launch_cores
+from octavo.engine.core_replica import CoreReplica
 from octavo.engine.llm_engine import ModelSetup
 from octavo.engine.messages import encoder, output_decoder
 from octavo.engine.offload import Offload
 from octavo.engine.outputs import OutputProcessor, ParentState
 from octavo.engine.processor import PreparedRequest, RequestLimits
+from octavo.engine.replica_router import ReplicaRouter
 from octavo.engine.request_stream import RequestStream
 from octavo.metrics import EngineMetrics
 from octavo.params import LoRARequest, RequestOutput, SamplingParams
@@ -61,23 +66,25 @@ class ServingLimits:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, limits: ServingLimits | None = None,
-                 core: CoreLaunch | None = None) -> None:
-        """`core`: a core process already launched for `config` (`octavo serve` starts it
-        before importing this module); by default one starts here. It imports torch while this
-        process reads the model's config and tokenizer, then gets what it needs from them
-        through its setup pipe."""
+                 cores: list[CoreLaunch] | None = None) -> None:
+        """`cores`: the core processes already launched for `config` (`octavo serve` starts
+        them before importing this module), one per data-parallel replica; by default they
+        start here. They import torch while this process reads the model's config and
+        tokenizer, then get what they need from them through their setup pipes."""
         self.config = config
         self.limits = limits = limits or ServingLimits()
-        self.core = core or launch_core(config)
-        self._bind_sockets()
+        self._bind_sockets(cores or launch_cores(config))
         try:
             self.setup = ModelSetup.load(config, limits.request)
         except BaseException:
-            self.core.abandon()
+            for replica in self.replicas:
+                replica.launch.abandon()
             self._close_sockets()
             raise
-        self.core.setup.send(self.setup.core_args())
-        self.core.setup.close()
+        for replica in self.replicas:
+            replica.launch.setup.send(self.setup.core_args())
+            replica.launch.setup.close()
+        self.router = ReplicaRouter(config.cache.block_size)
         self.tokenizer = self.setup.tokenizer
         self.processor = self.setup.processor
         self.max_model_len = self.setup.max_model_len
@@ -88,101 +95,95 @@ class AsyncEngine:
         self.max_queued_tokens = limits.max_queued_tokens or max(
             MIN_QUEUED_TOKENS, 16 * sched.max_num_batched_tokens)
         self.offload = Offload(limits.preprocess_timeout_s)
-        self.stats = SchedulerStats(0, 0, 0.0, 0)
-        self.dead: str | None = None
+        self.dead: str | None = None  # every replica is dead: why
         self._streams: dict[str, RequestStream] = {}
+        self._replica_of: dict[str, CoreReplica] = {}  # each stream's replica
         self._queued_requests = 0
         self._queued_tokens = 0
         self._calls = itertools.count()
-        self._pending_calls: dict[int, asyncio.Future] = {}
-        self._last_heard = time.monotonic()  # the core's last message
 
     # -- process and sockets ---------------------------------------------------------------------
 
-    def _bind_sockets(self) -> None:
+    def _bind_sockets(self, cores: list[CoreLaunch]) -> None:
         self.ctx = zmq.asyncio.Context()
-        self._to_core = self.ctx.socket(zmq.PUSH)
-        self._to_core.bind(self.core.input_addr)
-        self._from_core = self.ctx.socket(zmq.PULL)
-        self._from_core.bind(self.core.output_addr)
-        self.num_blocks: int | None = None
-        self.loaded = ""  # what the core loaded (Executor.describe), once it is ready
-        self._reader: asyncio.Task | None = None
-        self._watchdog: asyncio.Task | None = None
+        self.replicas = [CoreReplica(i, core, self.ctx) for i, core in enumerate(cores)]
+        self.num_blocks: int | None = None  # a replica's KV cache blocks, once ready
+        self.loaded = ""  # what a core loaded (Executor.describe), once it is ready
 
     def wait_until_ready(self) -> None:
-        """Block until the core process has loaded the model (the caller may do its own set-up
-        meanwhile: the core imports torch and loads weights on its own cores)."""
+        """Block until every core process has loaded the model (the caller may do its own
+        set-up meanwhile: the cores import torch and load weights on their own cores)."""
         if self.num_blocks is not None:
             return
-        while not self.core.ready.poll(1.0):
-            if not self.core.process.is_alive():
-                raise RuntimeError(f"engine core exited during start-up "
-                                   f"(code {self.core.process.exitcode})")
-        kind, info = self.core.ready.recv()
-        if kind != "ready":
-            self.core.process.join(5)
-            error_type, message = info
-            if error_type == "ValueError":  # a bad setting (a KV budget past free memory, ...)
-                raise ValueError(message)
-            raise RuntimeError(f"engine core failed to start: {error_type}: {message}")
-        self.num_blocks = info["num_blocks"]
-        self.setup.adopt_max_model_len(info["max_model_len"])  # the core may have cut it
+        for replica in self.replicas:
+            replica.wait_until_ready()
+            logger.info("start-up: engine core process %d (pid %d) ready in %.1f s (imports, "
+                        "weights, KV cache)", replica.index, replica.pid,
+                        time.perf_counter() - replica.launch.started)
+        # a core may have cut the context to what its KV cache holds: every replica's fits
+        self.setup.adopt_max_model_len(min(r.max_model_len for r in self.replicas))
         self.max_model_len = self.setup.max_model_len
-        self.loaded = info["loaded"]
-        logger.info("start-up: engine core process (pid %d) ready in %.1f s (imports, weights, "
-                    "KV cache)", info["pid"], time.perf_counter() - self.core.started)
+        self.num_blocks = min(r.num_blocks for r in self.replicas)
+        self.loaded = self.replicas[0].loaded
 
     def start_background(self) -> None:
-        """Start the output reader and the process watchdog on the running event loop (again
-        on a new loop: a caller's `asyncio.run` per call closes the old one with its tasks)."""
+        """Start each core's output reader and process watchdog on the running event loop
+        (again on a new loop: a caller's `asyncio.run` per call closes the old one with its
+        tasks)."""
         self.wait_until_ready()
         loop = asyncio.get_running_loop()
-        if self._reader is None or self._reader.get_loop() is not loop or self._reader.done():
+        tasks = self.replicas[0].tasks
+        if not tasks or tasks[0].get_loop() is not loop or tasks[0].done():
             self.metrics.watch_frontend(lambda: len(self._streams),
                                         lambda: self._queued_requests,
                                         lambda: self._queued_tokens,
                                         lambda: len(asyncio.all_tasks(loop)))
-            self._reader = loop.create_task(self._read_outputs())
-            self._watchdog = loop.create_task(self._watch_process())
+            self.metrics.watch_replicas(len(self.replicas),
+                                        lambda i: self.replicas[i].dead is None)
+            for replica in self.replicas:
+                replica.tasks = [loop.create_task(self._read_outputs(replica)),
+                                 loop.create_task(self._watch_process(replica))]
 
-    async def _send(self, msg) -> None:
-        if self.dead:
-            raise EngineDeadError(self.dead)
-        await self._to_core.send(encoder.encode(msg))
-
-    async def _watch_process(self) -> None:
-        while self.core.process.is_alive():
+    async def _watch_process(self, replica: CoreReplica) -> None:
+        while replica.process.is_alive():
             await asyncio.sleep(0.2)
-        if self.dead is None:
-            self._die(f"engine core process exited (code {self.core.process.exitcode})")
+        if replica.dead is None:
+            self._die(replica, f"engine core process exited (code {replica.process.exitcode})")
 
-    def _die(self, reason: str) -> None:
+    def _die(self, replica: CoreReplica, reason: str) -> None:
+        """The replica's requests and utility calls fail; the others' go on."""
+        if len(self.replicas) > 1:
+            reason = f"engine core {replica.index}: {reason}"
         logger.error("%s", reason)
-        self.dead = reason
-        for stream in self._streams.values():
-            stream.put(EngineDeadError(reason))
-        for fut in self._pending_calls.values():
+        replica.dead = reason
+        for request_id in list(replica.requests):
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put(EngineDeadError(reason))
+        for fut in replica.pending_calls.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
+        if all(r.dead is not None for r in self.replicas):
+            self.dead = reason if len(self.replicas) == 1 else f"every engine core is dead; " \
+                                                               f"last: {reason}"
 
-    async def _read_outputs(self) -> None:
+    async def _read_outputs(self, replica: CoreReplica) -> None:
         try:
             while True:
-                msg: CoreOutputs = output_decoder.decode(await self._from_core.recv())
-                self._last_heard = time.monotonic()
-                self._on_outputs(msg)
+                msg: CoreOutputs = output_decoder.decode(await replica.from_core.recv())
+                replica.last_heard = time.monotonic()
+                self._on_outputs(replica, msg)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug here must not leave clients hanging
             logger.exception("output reader failed")
-            self._die(f"output reader failed: {exc}")
+            self._die(replica, f"output reader failed: {exc}")
 
-    def _on_outputs(self, msg: CoreOutputs) -> None:
-        self.stats = msg.stats
-        self.metrics.observe_stats(msg.stats)
+    def _on_outputs(self, replica: CoreReplica, msg: CoreOutputs) -> None:
+        replica.stats = msg.stats
+        self.metrics.observe_stats(msg.stats, replica.index)
         if msg.utility_call_id is not None:
-            fut = self._pending_calls.pop(msg.utility_call_id, None)
+            fut = replica.pending_calls.pop(msg.utility_call_id, None)
             if fut and not fut.done():
                 if msg.utility_error:
                     fut.set_exception(RuntimeError(msg.utility_error))
@@ -191,8 +192,8 @@ class AsyncEngine:
         if not msg.outputs:
             return
         changed, to_abort = self.outputs.process(msg.outputs)
-        if to_abort and not self.dead:
-            self._to_core.send(encoder.encode(AbortRequests(to_abort)))  # queued, not awaited
+        if to_abort:
+            replica.send(encoder.encode(AbortRequests(to_abort)))
         now = time.time()
         for parent in changed:
             stream = self._streams.get(parent.request_id)
@@ -212,6 +213,8 @@ class AsyncEngine:
             if out.finished:
                 self._finish_metrics(parent, stream, now)
                 del self._streams[parent.request_id]
+                self._replica_of.pop(parent.request_id, replica).release(parent.request_id,
+                                                                         stream.sequences)
             stream.put(out)
 
     def _finish_metrics(self, parent: ParentState, stream: RequestStream, now: float) -> None:
@@ -236,13 +239,20 @@ class AsyncEngine:
         return len(self._streams)
 
     def hung(self) -> str | None:
-        """Why the core counts as hung (it has work and has said nothing for
-        engine_timeout_s), else None."""
-        silent = time.monotonic() - self._last_heard
-        if self._streams and silent > self.limits.engine_timeout_s:
-            return (f"the engine core has not answered for {silent:.0f} s with "
-                    f"{len(self._streams)} requests in flight")
-        return None
+        """Why the engine counts as hung: every live core has work and has said nothing for
+        engine_timeout_s (one that still answers keeps serving); else None."""
+        reasons = []
+        for replica in self.replicas:
+            if replica.dead is not None:
+                continue
+            silent = replica.silent_for()
+            if not (replica.requests and silent > self.limits.engine_timeout_s):
+                return None
+            core = "the engine core" if len(self.replicas) == 1 else \
+                f"engine core {replica.index}"
+            reasons.append(f"{core} has not answered for {silent:.0f} s with "
+                           f"{len(replica.requests)} requests in flight")
+        return "; ".join(reasons) or None
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -283,13 +293,20 @@ class AsyncEngine:
         lora = prepared.core_requests[0].lora_request
         stream = RequestStream(sequences=sequences, prompt_tokens=tokens,
                                lora_name=None if lora is None else lora.lora_name)
+        first = prepared.core_requests[0]
+        replica = self.replicas[self.router.pick(
+            prepared.prompt_token_ids,
+            [r.sequences if r.dead is None else None for r in self.replicas],
+            (lora and lora.lora_int_id, first.cache_salt))]
         self._streams[prepared.request_id] = stream
+        self._replica_of[prepared.request_id] = replica
+        replica.place(prepared.request_id, sequences)
         self._queued_requests += sequences
         self._queued_tokens += tokens
         try:
             self.outputs.add_request(prepared)
             for msg in messages:
-                self._to_core.send(msg)  # queued, not awaited
+                replica.send(msg)  # queued, not awaited
         except BaseException:
             self.abort(prepared.request_id)
             raise
@@ -370,41 +387,46 @@ class AsyncEngine:
         if final is not None:  # a reader waiting on the stream (an abort from elsewhere) ends
             stream.put(final)
         self.metrics.aborted()
-        if children and not self.dead:
-            self._to_core.send(encoder.encode(AbortRequests(children)))  # queued, not awaited
+        replica = self._replica_of.pop(request_id, None)
+        if replica is not None:
+            replica.release(request_id, stream.sequences)
+            if children:
+                replica.send(encoder.encode(AbortRequests(children)))  # queued, not awaited
 
-    async def call_utility(self, method: str):
+    async def call_utility(self, method: str) -> list:
+        """`method`'s result from every live core (EngineDeadError with none)."""
+        live = [r for r in self.replicas if r.dead is None]
+        if not live:
+            raise EngineDeadError(self.dead)
+        return list(await asyncio.gather(*(self._call(r, method) for r in live)))
+
+    async def _call(self, replica: CoreReplica, method: str):
         call_id = next(self._calls)
         fut = asyncio.get_running_loop().create_future()
-        self._pending_calls[call_id] = fut
+        replica.pending_calls[call_id] = fut
         try:
-            await self._send(UtilityCall(call_id, method))
+            if replica.dead is not None:
+                raise EngineDeadError(replica.dead)
+            await replica.to_core.send(encoder.encode(UtilityCall(call_id, method)))
             return await fut
         finally:
-            self._pending_calls.pop(call_id, None)
+            replica.pending_calls.pop(call_id, None)
 
     async def shutdown(self) -> None:
-        for task in (self._reader, self._watchdog):
-            if task:
+        for replica in self.replicas:
+            for task in replica.tasks:
                 task.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     def close(self) -> None:
-        """Stop the core and release everything, from any thread and with or without an event
-        loop (`shutdown` cancels this loop's tasks first)."""
+        """Stop the cores and release everything, from any thread and with or without an
+        event loop (`shutdown` cancels this loop's tasks first)."""
         self.offload.shutdown()
-        if self.core.process.is_alive():
-            try:  # a plain socket over the same handle: no event loop is needed to send
-                zmq.Socket.shadow(self._to_core.underlying).send(encoder.encode(Shutdown()))
-            except zmq.ZMQError:
-                pass
-            self.core.process.join(10)
-            if self.core.process.is_alive():
-                self.core.process.kill()
+        for replica in self.replicas:
+            replica.stop()
         self._close_sockets()
 
     def _close_sockets(self) -> None:
-        self._to_core.close(linger=0)
-        self._from_core.close(linger=0)
+        for replica in self.replicas:
+            replica.close_sockets()
         self.ctx.term()
-        self.core.remove_ipc_dir()

@@ -47,7 +47,15 @@ class CoreLaunch:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def launch_core(config: EngineConfig) -> CoreLaunch:
+def launch_cores(config: EngineConfig) -> list[CoreLaunch]:
+    """One core process per data-parallel replica."""
+    replicas = config.parallel.data_parallel_size
+    return [launch_core(config, i, replicas) for i in range(replicas)]
+
+
+def launch_core(config: EngineConfig, replica: int = 0, replicas: int = 1) -> CoreLaunch:
+    """Core `replica` of `replicas` (data parallelism: each pinned to its share of the cores
+    with cpu_binding auto)."""
     ipc_dir = tempfile.mkdtemp(prefix="octavo-")
     input_addr, output_addr = f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
     mp = multiprocessing.get_context(_start_method())
@@ -57,7 +65,7 @@ def launch_core(config: EngineConfig) -> CoreLaunch:
     process = mp.Process(
         target=_core_main, name="octavo-engine-core", daemon=True,
         args=(config, setup_child, input_addr, output_addr, ready_child,
-              logging.getLogger().getEffectiveLevel()))
+              logging.getLogger().getEffectiveLevel(), replica, replicas))
     process.start()
     ready_child.close()
     setup_child.close()

@@ -22,6 +22,7 @@ import zmq
 from octavo import startup_gc
 from octavo.config import EngineConfig
 from octavo.core.engine_core import EngineCore, create_engine_core, import_model_side
+from octavo.distributed.placement import rank_cpus
 from octavo.core.protocol import (
     AbortRequests,
     CoreOutputs,
@@ -149,15 +150,24 @@ def _request_id(data: bytes) -> str | None:
 
 
 def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, output_addr: str,
-                    ready: Connection, log_level: int) -> None:
+                    ready: Connection, log_level: int, replica: int = 0,
+                    replicas: int = 1) -> None:
     """Entry point of the core process. It starts before the front end has read the model's
     config and tokenizer: it imports torch meanwhile, then takes (source, arch, max_model_len,
-    eos_token_ids) from `setup` (closed unsent: the front end failed, and so the core quits)."""
+    eos_token_ids) from `setup` (closed unsent: the front end failed, and so the core quits).
+    Data-parallel replica `replica` of `replicas` first takes its share of the cores (its
+    ranks then split that share, distributed/placement.py)."""
     startup_gc.pause()  # until the core is ready (a forked core inherits its parent's pause)
+    if replicas > 1 and config.parallel.cpu_binding == "auto":
+        cpus = rank_cpus(replica, replicas, list(os.sched_getaffinity(0)))
+        os.sched_setaffinity(0, cpus)
     if not die_with_parent():
         logger.warning("PR_SET_PDEATHSIG unavailable: the engine core checks its parent in its "
                        "loop instead")
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    if replicas > 1:
+        logger.info("data-parallel replica %d of %d: cores %s", replica, replicas,
+                    sorted(os.sched_getaffinity(0)))
     # The front end owns SIGINT/SIGTERM and shuts the core down through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

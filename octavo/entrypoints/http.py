@@ -232,7 +232,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
-        if not await state.engine.call_utility("reset_prefix_cache"):
+        if not all(await state.engine.call_utility("reset_prefix_cache")):
             return error_response(request, 409, "the prefix cache cannot be reset while "
                                   "requests are running", kind="ConflictError")
         return Response(status_code=200)

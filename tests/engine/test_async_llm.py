@@ -19,7 +19,7 @@ def engine(smollm_gguf):
         tensor_parallel_size=1, trust_remote_code=False, disable_log_stats=True))
     yield engine
     engine.shutdown()
-    assert not engine.engine.core.process.is_alive()
+    assert not any(r.process.is_alive() for r in engine.engine.replicas)
 
 
 def test_generate_streams_cumulative_outputs_equal_to_offline(engine, smollm_llm):

@@ -225,7 +225,7 @@ def open_state(args: argparse.Namespace, **server: object) -> ServerState:
     """Check the app flags (`add_app_args`), launch the engine core and build the server's
     state; `server`: further ServerState fields (keys, hosts). The core loads while this
     returns: `engine.wait_until_ready()` (or the app's start) waits for it."""
-    from octavo.engine.core_launch import launch_core
+    from octavo.engine.core_launch import launch_cores
 
     for name in ("max_queued_requests", "max_queued_tokens", "max_request_bytes", "max_n",
                  "max_stop", "max_stop_length", "preprocess_timeout", "request_timeout",
@@ -252,7 +252,7 @@ def open_state(args: argparse.Namespace, **server: object) -> ServerState:
     config = EngineConfig.from_cli(args)
     # The core process starts first: its torch import is most of a start, and the front end's
     # own imports and set-up below run beside it.
-    core = launch_core(config)
+    cores = launch_cores(config)
     try:
         template = args.chat_template
         if template and Path(template).is_file():
@@ -265,13 +265,14 @@ def open_state(args: argparse.Namespace, **server: object) -> ServerState:
         from octavo.engine.async_engine import AsyncEngine, ServingLimits
         from octavo.engine.processor import RequestLimits
     except BaseException:
-        core.abandon()
+        for core in cores:
+            core.abandon()
         raise
     limits = ServingLimits(args.max_queued_requests, args.max_queued_tokens,
                            RequestLimits(args.max_n, args.max_stop, args.max_stop_length,
                                          args.max_logprobs),
                            args.preprocess_timeout, args.engine_timeout)
-    engine = AsyncEngine(config, limits, core)
+    engine = AsyncEngine(config, limits, cores)
     from octavo.entrypoints.http import ServerState
     from octavo.entrypoints.openai.lora import add_startup_adapters
 

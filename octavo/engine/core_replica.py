@@ -1,0 +1,95 @@
+"""One engine core process as the server's front end holds it: its two sockets, its last stats,
+whether it is alive, the requests placed on it and its utility calls in flight.
+
+With data parallelism (`--data-parallel-size N`) the front end holds N of them
+(async_engine.py), each a replica of the model with its own scheduler, KV cache and executor
+(itself tensor or pipeline parallel as configured). A replica that dies fails only its own
+requests; the router (replica_router.py) sends new ones to the others.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq
+import zmq.asyncio
+
+from octavo.core.protocol import SchedulerStats, Shutdown
+from octavo.engine.core_launch import CoreLaunch
+from octavo.engine.messages import encoder
+
+
+class CoreReplica:
+    def __init__(self, index: int, launch: CoreLaunch, ctx: zmq.asyncio.Context) -> None:
+        self.index = index
+        self.launch = launch
+        self.to_core = ctx.socket(zmq.PUSH)
+        self.to_core.bind(launch.input_addr)
+        self.from_core = ctx.socket(zmq.PULL)
+        self.from_core.bind(launch.output_addr)
+        self.stats = SchedulerStats(0, 0, 0.0, 0)
+        self.dead: str | None = None
+        self.last_heard = time.monotonic()  # the core's last message
+        self.num_blocks: int | None = None
+        self.loaded = ""  # what the core loaded (Executor.describe), once it is ready
+        self.max_model_len = 0
+        self.requests: set[str] = set()  # the front end's unfinished requests placed here
+        self.sequences = 0  # their sequences: the load the router balances
+        self.pending_calls: dict[int, asyncio.Future] = {}
+        self.tasks: list[asyncio.Task] = []  # its output reader and process watchdog
+
+    @property
+    def process(self):
+        return self.launch.process
+
+    def wait_until_ready(self) -> None:
+        """Block until the core has loaded the model; its failure raised as the core's (a bad
+        setting as ValueError)."""
+        while not self.launch.ready.poll(1.0):
+            if not self.process.is_alive():
+                raise RuntimeError(f"engine core {self.index} exited during start-up "
+                                   f"(code {self.process.exitcode})")
+        kind, info = self.launch.ready.recv()
+        if kind != "ready":
+            self.process.join(5)
+            error_type, message = info
+            if error_type == "ValueError":  # a bad setting (a KV budget past free memory, ...)
+                raise ValueError(message)
+            raise RuntimeError(f"engine core failed to start: {error_type}: {message}")
+        self.num_blocks = info["num_blocks"]
+        self.max_model_len = info["max_model_len"]
+        self.loaded = info["loaded"]
+        self.pid = info["pid"]
+
+    def send(self, data: bytes) -> None:
+        """Queue an encoded message for the core (not awaited; dropped once it is dead)."""
+        if self.dead is None:
+            self.to_core.send(data)
+
+    def place(self, request_id: str, sequences: int) -> None:
+        self.requests.add(request_id)
+        self.sequences += sequences
+
+    def release(self, request_id: str, sequences: int) -> None:
+        if request_id in self.requests:
+            self.requests.discard(request_id)
+            self.sequences -= sequences
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.last_heard
+
+    def stop(self) -> None:
+        """Ask the core to shut down (killed if it has not within 10 s), from any thread."""
+        if self.process.is_alive():
+            try:  # a plain socket over the same handle: no event loop is needed to send
+                zmq.Socket.shadow(self.to_core.underlying).send(encoder.encode(Shutdown()))
+            except zmq.ZMQError:
+                pass
+            self.process.join(10)
+            if self.process.is_alive():
+                self.process.kill()
+
+    def close_sockets(self) -> None:
+        self.to_core.close(linger=0)
+        self.from_core.close(linger=0)
+        self.launch.remove_ipc_dir()
