@@ -14,7 +14,9 @@ _RENAMED = {"gpu_memory_utilization": "kv_cache_memory_fraction"}
 # (tensor_parallel_size, pipeline_parallel_size and distributed_executor_backend are octavo's
 # own names too: they pass through to ParallelConfig.)
 _ONLY = {"data_parallel_size": 1, "trust_remote_code": False}
-_WHY = {"data_parallel_size": "data parallelism (several engine cores) is not built yet",
+_WHY = {"data_parallel_size": "data parallelism runs behind `octavo serve "
+                              "--data-parallel-size N` (a core process per replica); the "
+                              "offline engine's replicas are not built yet",
         "trust_remote_code": "octavo never runs code shipped with a model"}
 _NO_EFFECT = ("disable_log_stats",)  # logging choices with nothing to change here
 
