@@ -149,7 +149,8 @@ class Kernels:
         self.has_int4_gemm = "int4_gemm_bf16" in features
         self.has_int4_gemm_f32 = "int4_gemm_f32" in features
         self.has_prompt_runs = "prompt_runs" in features
-        self.has_int4_int8_gemm = "int4_int8_gemm" in features
+        self.has_int4_int8_gemm = "int4_int8_gemm" in features  # bf16 activations
+        self.has_int4_int8_gemm_f32 = "int4_int8_gemm_f32" in features
         self.DecodeStack = torch.classes.octavo.DecodeStack
 
 

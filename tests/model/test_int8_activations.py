@@ -1,7 +1,9 @@
-"""Packed weights' large batches with activations quantized to int8 (csrc/int4_int8_gemm.h):
-the kernel against the same arithmetic in float64, its error against the exact product, and
-where octavo uses it (bf16 batches past the int4 kernel's rows, on CPUs with AVX-512 VNNI and
-without AMX; float32 stays exact)."""
+"""Packed weights' products with activations quantized to int8 (csrc/int4_int8_gemm.h, and
+int4_int8_avx2.h without AVX-512 VNNI): the kernel against the same arithmetic in float64 (at
+the rows that stream the codes and at those that unpack each row block once), its error against
+the exact product, and where octavo uses it: bf16 batches past the int4 kernel's rows on CPUs
+with AVX-512 VNNI and without AMX; float32 batches of every size on CPUs without native bf16
+(where float32 is `auto`'s dtype); float32 stays exact where bf16 is native."""
 from __future__ import annotations
 
 import pytest
@@ -10,12 +12,14 @@ import torch
 from octavo.model.quant.packed import Int4Packed
 
 
-def _needs_kernel() -> None:
-    """After the native_kernels fixture: skip where the kernel is not built."""
+def _needs_kernel(dtype: torch.dtype = torch.bfloat16) -> None:
+    """After the native_kernels fixture: skip where the kernel of `dtype` is not built."""
     from octavo.kernels import fused
 
-    if not fused._native.has_int4_int8_gemm:
-        pytest.skip("the int8-activation GEMM needs AVX-512 VNNI")
+    if dtype == torch.bfloat16 and not fused._native.has_int4_int8_gemm:
+        pytest.skip("the int8-activation GEMM with bf16 activations needs AVX-512 VNNI")
+    if dtype == torch.float32 and not fused._native.has_int4_int8_gemm_f32:
+        pytest.skip("the int8-activation GEMM with float32 activations needs AVX2")
 
 
 def _weights(n, k, bits, half, seed=0):
@@ -46,11 +50,12 @@ def _quantized(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("half", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_computes_the_quantized_product(native_kernels, bits, half, dtype):
+@pytest.mark.parametrize("rows", [6, 37])
+def test_kernel_computes_the_quantized_product(native_kernels, bits, half, dtype, rows):
     from octavo.kernels import fused
 
-    _needs_kernel()
-    n, k, rows = 100, 320, 37  # rows past a pass of 8 and a partial one; N padded to 112
+    _needs_kernel(dtype)
+    n, k = 100, 320  # N padded to 112; 37 rows: past passes of 8 and a partial one
     packed, w = _weights(n, k, bits, half, seed=bits)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(bits)).to(dtype)
     x[3] = 0  # a zero row: d = 0, q = 0
@@ -68,26 +73,59 @@ def test_kernel_computes_the_quantized_product(native_kernels, bits, half, dtype
     assert (y - exact).norm() / exact.norm() < 0.008
 
 
-def test_bf16_large_batches_take_it_and_float32_stays_exact(native_kernels, monkeypatch):
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_decode_rows_stream_the_codes(native_kernels, bits, rows):
+    """A few rows of float32 x (decode: the AVX2 kernel unpacks the codes as they stream) give
+    the quantized product, the 8-bit codes' signed form included."""
     from octavo.kernels import fused
-    from octavo.platform import cpu_platform
 
-    _needs_kernel()
+    _needs_kernel(torch.float32)
+    n, k = 48, 256
+    packed, w = _weights(n, k, bits, True, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(bits))
+    y = fused.int4_int8_gemm(x, *packed.native_layout())[:, :n].double()
+    ref = _quantized(x) @ w.t()
+    assert ((y - ref).abs() <= 2e-6 * ref.abs().amax(1, keepdim=True)).all()
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_where_octavo_takes_it(native_kernels, monkeypatch, native_bf16):
+    """bf16 batches past the int4 kernel's rows (not on AMX); float32 batches of every size on a
+    CPU without native bf16, and none where bf16 is native (float32 is then asked for: exact)."""
+    from octavo.kernels import fused
+    from octavo.platform import CpuPlatform, cpu_platform
+
+    flags = set(cpu_platform().flags) - {"avx512_bf16", "amx_bf16", "amx_tile"}
+    if native_bf16:
+        flags |= {"avx512_bf16"}
+    platform = CpuPlatform(frozenset(flags))
+    monkeypatch.setattr(fused, "cpu_platform", lambda: platform)
     packed, w = _weights(64, 256, 4, True)
     calls = []
     real = fused.int4_int8_gemm
     monkeypatch.setattr(fused, "int4_int8_gemm", lambda *a: calls.append(1) or real(*a))
     gen = torch.Generator().manual_seed(0)
-    small = torch.randn(packed.dense_rows, 256, generator=gen)
-    large = torch.randn(packed.dense_rows + 9, 256, generator=gen)
-    packed.matmul(small.bfloat16())
-    assert not calls  # the int4 kernel's rows
-    y = packed.matmul(large.bfloat16())
-    assert calls == ([] if cpu_platform().amx else [1])  # AMX: bf16 tiles on its tile units
-    exact = large.bfloat16().double() @ w.t()
-    assert (y.double() - exact).norm() / exact.norm() < 0.01
-    packed.dtype = torch.float32  # float32 activations: exact tiles, never int8
-    large = torch.randn(packed.dense_rows + 9, 256, generator=gen)
-    y32 = packed.matmul(large)
-    assert calls == ([] if cpu_platform().amx else [1])
-    torch.testing.assert_close(y32.double(), large.double() @ w.t(), rtol=1e-4, atol=1e-4)
+    if fused._native.has_int4_int8_gemm:
+        packed.dtype = torch.bfloat16
+        small = torch.randn(packed.dense_rows, 256, generator=gen)
+        large = torch.randn(packed.dense_rows + 9, 256, generator=gen)
+        packed.matmul(small.bfloat16())
+        assert not calls  # the int4 kernel's rows
+        y = packed.matmul(large.bfloat16())
+        assert calls == [1]
+        exact = large.bfloat16().double() @ w.t()
+        assert (y.double() - exact).norm() / exact.norm() < 0.01
+        calls.clear()
+    if not fused._native.has_int4_int8_gemm_f32:
+        pytest.skip("no int8-activation GEMM for float32 in this build")
+    packed.dtype = torch.float32
+    for rows in (1, packed.dense_rows + 9):
+        x = torch.randn(rows, 256, generator=gen)
+        y32 = packed.matmul(x)
+        exact = x.double() @ w.t()
+        if native_bf16:  # exact: the float32 int4 kernel or tiles
+            torch.testing.assert_close(y32.double(), exact, rtol=1e-4, atol=1e-4)
+        else:
+            assert (y32.double() - exact).norm() / exact.norm() < 0.01
+    assert calls == ([] if native_bf16 else [1, 1])

@@ -126,6 +126,7 @@ std::vector<std::string> features() {
   if (built_with_avx512_bf16()) names.insert(names.end(), {"int4_gemm_bf16", "prompt_runs"});
   if (built_with_avx2()) names.push_back("int4_gemm_f32");
   if (kInt4Int8Gemm) names.push_back("int4_int8_gemm");
+  if (kInt4Int8Gemm || kInt4Int8GemmAvx2) names.push_back("int4_int8_gemm_f32");
   return names;
 }
 

@@ -1,5 +1,5 @@
 // Codes in octavo's int4 layout (4, 5 or 8 bits; int4_gemm.h) times activations quantized to
-// int8, with AVX-512 VNNI: the product for batches past the int4 kernel's rows (prefill chunks,
+// int8, with AVX-512 VNNI (with AVX2 alone: int4_int8_avx2.h): the product for batches past the int4 kernel's rows (prefill chunks,
 // large decode batches), and its entry point int4_int8_gemm.
 // Included by cpu_ops.cpp only, after int4_gemm.h.
 #pragma once
@@ -21,15 +21,15 @@
 
 namespace {
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-
-constexpr bool kInt4Int8Gemm = true;
-
 struct QuantizedRows {
   std::vector<int8_t> q;     // [M, K]
   std::vector<float> d;      // [M, K / 32]: q * d approximates x
   std::vector<float> qsum;   // [M, K / 32]: the sums of q (exact integers)
 };
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+
+constexpr bool kInt4Int8Gemm = true;
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
@@ -125,16 +125,23 @@ constexpr bool kInt4Int8Gemm = false;
 
 }  // namespace
 
+#include "int4_int8_avx2.h"
+
 // x [M, K] (bf16 or float32) times codes in octavo's int4 layout (with `high`: 5- or 8-bit) ->
 // [M, N] in x's dtype, N the padded row count, x quantized to int8 per row and 32 inputs.
 at::Tensor int4_int8_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
                           std::optional<at::Tensor> high) {
-  TORCH_CHECK(kInt4Int8Gemm, "int4_int8_gemm needs AVX-512 VNNI");
+  TORCH_CHECK(kInt4Int8Gemm || (kInt4Int8GemmAvx2 && x.scalar_type() == at::kFloat),
+              "int4_int8_gemm needs AVX-512 VNNI, or AVX2 with float32 activations");
   const High kind = check_int4_layout("int4_int8_gemm", x, q4, sz, high);
   const int64_t rows = x.size(0), k = x.size(1), blocks = q4.size(0), n = blocks * 16;
-  const bool half_scales = sz.scalar_type() == at::kHalf;
   auto out = at::empty({rows, n}, x.options());
+  if constexpr (kInt4Int8GemmAvx2) {
+    int4_int8_gemm_avx2(x, q4, sz, high, kind, out);
+    return out;
+  }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const bool half_scales = sz.scalar_type() == at::kHalf;
   const int64_t groups = k / 32;
   const QuantizedRows xq = x.scalar_type() == at::kBFloat16
                                ? quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k)

@@ -235,6 +235,8 @@ class Int4Packed(PackedWeight):
 
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
+        if x.device.type == "cpu" and fused.int4_int8_every_batch(x.dtype):
+            return self._unpadded(fused.int4_int8_gemm(x, *self.native_layout()))
         if x.device.type == "cpu" and self.kernel_ready(x.dtype, self.bits):
             y = fused.int4_gemm(x, *self.native_layout())
         elif self.native_high is not None:  # 5- or 8-bit codes without their kernel
@@ -245,8 +247,10 @@ class Int4Packed(PackedWeight):
         return self._unpadded(y)
 
     def large_batch_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """bf16 x with AVX-512 VNNI and no AMX: x quantized to int8 per row and 32 inputs times
-        the codes (int4_int8_gemm, 1.5-2.5x the tiles' speed); else the tiles."""
+        """Where int4_int8_gemm_ready (bf16 x with AVX-512 VNNI and no AMX, float32 x where bf16
+        is not native): x quantized to int8 per row and 32 inputs times the codes
+        (int4_int8_gemm, 1.5-2.5x the tiles' speed in bf16, 2x the float32 GEMM); else the
+        tiles."""
         x = x.to(self.dtype)
         if x.device.type != "cpu" or not fused.int4_int8_gemm_ready(x.dtype):
             return self.tiled_matmul(x)
