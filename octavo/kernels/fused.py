@@ -170,24 +170,17 @@ def int4_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 
 
 def int4_int8_gemm_ready(dtype: torch.dtype) -> bool:
-    """Whether packed weights' products with activations of `dtype` take them quantized to int8
-    (int4_int8_gemm): bf16 ones past the int4 kernel's rows, on a CPU with AVX-512 VNNI and no
-    AMX (whose bf16 tile units run the dense GEMM on dequantized tiles faster); float32 ones at
-    every batch size (int4_int8_every_batch) where bf16 is not native, so that float32 is
-    `--dtype auto`'s plan: there the exact float32 product converts every code and is bound by
-    that, not by memory (docs/performance.md)."""
+    """Whether packed weights' large batches of `dtype` activations take them quantized to
+    int8 (int4_int8_gemm): bf16 ones on a CPU with AVX-512 VNNI and no AMX (whose bf16 tile
+    units run the dense GEMM on dequantized tiles faster); float32 ones where bf16 is not native
+    (so that float32 is `--dtype auto`'s plan: AVX2), there 2x the float32 GEMM's speed; on a
+    CPU with native bf16, float32 is asked for and stays exact."""
     if _native is None:
         return False
     if dtype == torch.bfloat16:
         return _native.has_int4_int8_gemm and not cpu_platform().amx
     return (dtype == torch.float32 and _native.has_int4_int8_gemm_f32
             and not cpu_platform().native_bf16)
-
-
-def int4_int8_every_batch(dtype: torch.dtype) -> bool:
-    """Whether small batches (decode) of `dtype` activations take the int8 product too, not the
-    exact int4 kernel: float32 ones where the int8 product is ready."""
-    return dtype == torch.float32 and int4_int8_gemm_ready(dtype)
 
 
 def int4_int8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,

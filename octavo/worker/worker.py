@@ -82,6 +82,7 @@ class Worker:
         self.dtype, why = resolve_dtype(config.model.dtype, self.device)
         if placement.rank == 0:
             logger.info("dtype %s: %s", str(self.dtype).removeprefix("torch."), why)
+
         self.kv_dtype = {"auto": self.dtype, "bfloat16": torch.bfloat16,
                          "fp8_e4m3": torch.float8_e4m3fn}[config.cache.kv_cache_dtype]
         self.arch = arch
@@ -99,9 +100,15 @@ class Worker:
         # and before each step (the engine is ready 0.15 s sooner; see gemm_packing).
         model = load_model(self.source, self.arch, self.dtype, self.device, self.max_model_len,
                            self.config.model.decode_weights, quantization, pack_gemm=False,
-                           dense_prefill=self.config.model.dense_prefill_weights)
+                           dense_prefill=self.config.model.dense_prefill_weights,
+                           int8_activations=self.config.model.dtype == "auto")
         logger.info("loaded %s (%s, %s) in %.1f s", self.source.name, self.arch.architecture,
                     self.dtype, time.perf_counter() - start)
+        if (self.placement.rank == 0 and self.config.model.dtype == "auto"
+                and fused.int4_int8_gemm_ready(self.dtype)):
+            logger.info("packed weights' large batches (prefill) take their activations "
+                        "quantized to int8: dtype auto's plan on this CPU; an explicit --dtype "
+                        "computes them exactly")
         mixtures = [m for m in model.modules() if isinstance(m, FusedMoE)]
         self.routed_by = [m for m in mixtures if m.routed is not None]  # expert parallelism
         if mixtures and parallel_state.ep_size() > 1:
@@ -145,7 +152,8 @@ class Worker:
         start = time.perf_counter()
         model = load_model(source, arch, self.dtype, self.device, self.max_model_len,
                            self.config.model.decode_weights,
-                           dense_prefill=self.config.model.dense_prefill_weights)
+                           dense_prefill=self.config.model.dense_prefill_weights,
+                           int8_activations=self.config.model.dtype == "auto")
         logger.info("loaded draft model %s (%s, %d layers) in %.1f s", name, arch.architecture,
                     arch.num_layers, time.perf_counter() - start)
         if self.device.type == "cpu" and not self.config.device.enforce_eager:

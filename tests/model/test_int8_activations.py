@@ -2,8 +2,9 @@
 int4_int8_avx2.h without AVX-512 VNNI): the kernel against the same arithmetic in float64 (at
 the rows that stream the codes and at those that unpack each row block once), its error against
 the exact product, and where octavo uses it: bf16 batches past the int4 kernel's rows on CPUs
-with AVX-512 VNNI and without AMX; float32 batches of every size on CPUs without native bf16
-(where float32 is `auto`'s dtype); float32 stays exact where bf16 is native."""
+with AVX-512 VNNI and without AMX, and float32 ones on CPUs without native bf16 (where float32
+is `auto`'s dtype), both only in `--dtype auto`'s plan (an explicit dtype computes exactly);
+float32 stays exact where bf16 is native, and decode's rows everywhere."""
 from __future__ import annotations
 
 import pytest
@@ -91,8 +92,9 @@ def test_decode_rows_stream_the_codes(native_kernels, bits, rows):
 
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_where_octavo_takes_it(native_kernels, monkeypatch, native_bf16):
-    """bf16 batches past the int4 kernel's rows (not on AMX); float32 batches of every size on a
-    CPU without native bf16, and none where bf16 is native (float32 is then asked for: exact)."""
+    """Batches past the int4 kernel's rows: bf16 ones (not on AMX), float32 ones on a CPU
+    without native bf16 only (where bf16 is native, float32 is asked for: exact); decode's rows
+    never."""
     from octavo.kernels import fused
     from octavo.platform import CpuPlatform, cpu_platform
 
@@ -102,6 +104,8 @@ def test_where_octavo_takes_it(native_kernels, monkeypatch, native_bf16):
     platform = CpuPlatform(frozenset(flags))
     monkeypatch.setattr(fused, "cpu_platform", lambda: platform)
     packed, w = _weights(64, 256, 4, True)
+    assert not packed.int8_activations  # until the load allows it (dtype auto)
+    packed.int8_activations = True
     calls = []
     real = fused.int4_int8_gemm
     monkeypatch.setattr(fused, "int4_int8_gemm", lambda *a: calls.append(1) or real(*a))
@@ -120,12 +124,32 @@ def test_where_octavo_takes_it(native_kernels, monkeypatch, native_bf16):
     if not fused._native.has_int4_int8_gemm_f32:
         pytest.skip("no int8-activation GEMM for float32 in this build")
     packed.dtype = torch.float32
-    for rows in (1, packed.dense_rows + 9):
+    for rows in (1, packed.dense_rows, packed.dense_rows + 9):
         x = torch.randn(rows, 256, generator=gen)
         y32 = packed.matmul(x)
         exact = x.double() @ w.t()
-        if native_bf16:  # exact: the float32 int4 kernel or tiles
+        if native_bf16 or rows <= packed.dense_rows:  # the float32 int4 kernel or tiles
             torch.testing.assert_close(y32.double(), exact, rtol=1e-4, atol=1e-4)
         else:
             assert (y32.double() - exact).norm() / exact.norm() < 0.01
-    assert calls == ([] if native_bf16 else [1, 1])
+    assert calls == ([] if native_bf16 else [1])
+
+
+def test_only_dtype_auto_allows_it(native_kernels, smollm_gguf):
+    """A GGUF loaded with dtype auto lets its packed weights take int8 activations where this
+    CPU has the kernel; an explicit dtype keeps every product exact."""
+    from octavo import LLM
+    from octavo.kernels import fused
+    from octavo.model.quant.weights import PackedWeights
+
+    for dtype in ("auto", "float32"):
+        llm = LLM(str(smollm_gguf), dtype=dtype, max_model_len=64, kv_cache_memory=8 << 20)
+        model = llm.engine.client.core.executor.worker.runner.model
+        packed = [m.weights.packed for m in model.modules()
+                  if isinstance(getattr(m, "weights", None), PackedWeights)]
+        assert packed
+        expected = dtype == "auto"
+        assert all(p.int8_activations == expected for p in packed)
+        ready = any(p.int8_product_ready(p.dtype) for p in packed)
+        assert ready == (expected and fused.int4_int8_gemm_ready(packed[0].dtype))
+        del llm

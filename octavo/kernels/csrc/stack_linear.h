@@ -6,19 +6,17 @@
 
 // The low-bit weight a linear layer of the stack holds, by the name the Python side gives it
 // (octavo/model/decode_stack.py, _linear).
-enum class LowBitKind { kNone, kInt4, kInt4Int8, kInt4Int8Always, kInt4Torch, kInt8 };
+enum class LowBitKind { kNone, kInt4, kInt4Int8, kInt4Torch, kInt8 };
 
 inline LowBitKind low_bit_kind(const std::string& name) {
   if (name == "none") return LowBitKind::kNone;
   if (name == "int4") return LowBitKind::kInt4;  // octavo's layout (int4_gemm.h)
   // The same, its large batches with int8-quantized activations (int4_int8_gemm.h).
   if (name == "int4_int8") return LowBitKind::kInt4Int8;
-  // The same, every batch with int8-quantized activations (float32 where bf16 is not native).
-  if (name == "int4_int8_always") return LowBitKind::kInt4Int8Always;
   if (name == "int4_torch") return LowBitKind::kInt4Torch;  // torch's, groups of 32
   if (name == "int8") return LowBitKind::kInt8;  // a scale per row or per group
   TORCH_CHECK(false, "unknown low-bit weight kind '", name,
-              "' (none, int4, int4_int8, int4_int8_always, int4_torch, int8)");
+              "' (none, int4, int4_int8, int4_torch, int8)");
 }
 
 // The adapters of a step's tokens (octavo/model/layers/lora.py, LoRAStep): each token's slot
@@ -52,8 +50,7 @@ struct StackLinear {
               const std::optional<at::Tensor>& c, int64_t out_features, int64_t rows)
       : kind(low_bit_kind(low_bit)), low_c(c), out(out_features), max_rows(rows) {
     TORCH_CHECK(kind == LowBitKind::kNone || (a && b), "a low-bit weight needs its tensors");
-    TORCH_CHECK(!c || kind == LowBitKind::kInt4 || kind == LowBitKind::kInt4Int8 ||
-                    kind == LowBitKind::kInt4Int8Always,
+    TORCH_CHECK(!c || kind == LowBitKind::kInt4 || kind == LowBitKind::kInt4Int8,
                 "only octavo's int4 layout has a high plane");
     TORCH_CHECK(dense_weight || kind != LowBitKind::kNone,
                 "a linear needs a dense or a packed weight");
@@ -74,7 +71,7 @@ struct StackLinear {
     at::Tensor y;
     if (kind == LowBitKind::kInt4 || (kind == LowBitKind::kInt4Int8 && kernel))
       y = kernel ? int4_gemm(x, low_a, low_b, low_c) : int4_tiled_linear(x, low_a, low_b, low_c);
-    else if (kind == LowBitKind::kInt4Int8 || kind == LowBitKind::kInt4Int8Always)
+    else if (kind == LowBitKind::kInt4Int8)
       y = int4_int8_gemm(x, low_a, low_b, low_c);
     else if (kind == LowBitKind::kInt4Torch)
       y = at::_weight_int4pack_mm_for_cpu(x, low_a, 32, low_b);

@@ -74,6 +74,10 @@ class PackedWeight:
     in_features: int
     perm: torch.Tensor | None
     dense_rows = 64  # above this many rows: large_batch_matmul
+    # Whether large batches may take int8-quantized activations where a kernel computes them
+    # (fused.int4_int8_gemm_ready): `--dtype auto`'s plan, set at load (quant/weights.py,
+    # allow_int8_activations); an explicit dtype computes exactly in it.
+    int8_activations = False
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
@@ -133,7 +137,16 @@ class Int4Packed(PackedWeight):
     def dense_rows(self) -> int:
         """With octavo's kernel, its crossover with the dense GEMM on this CPU (int4_rows);
         torch's int4 kernel (bf16, 2 threads, the table above) stays ahead up to 256 rows."""
-        return int4_rows(self.dtype, self.bits) if fused.int4_gemm_ready(self.dtype) else 256
+        if not fused.int4_gemm_ready(self.dtype):
+            return 256
+        rows = int4_rows(self.dtype, self.bits)
+        # Packed alone, the int8 product takes over where it does in bf16 (its accuracy was
+        # measured there: docs/performance.md), before the float32 kernel's crossover.
+        return min(rows, INT4_ROWS) if self.int8_product_ready(self.dtype) else rows
+
+    def int8_product_ready(self, dtype: torch.dtype) -> bool:
+        """Whether large batches of `dtype` activations take the int8 product."""
+        return self.int8_activations and fused.int4_int8_gemm_ready(dtype)
 
     @staticmethod
     def kernel_ready(dtype: torch.dtype, bits: int) -> bool:
@@ -235,8 +248,6 @@ class Int4Packed(PackedWeight):
 
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
-        if x.device.type == "cpu" and fused.int4_int8_every_batch(x.dtype):
-            return self._unpadded(fused.int4_int8_gemm(x, *self.native_layout()))
         if x.device.type == "cpu" and self.kernel_ready(x.dtype, self.bits):
             y = fused.int4_gemm(x, *self.native_layout())
         elif self.native_high is not None:  # 5- or 8-bit codes without their kernel
@@ -247,12 +258,12 @@ class Int4Packed(PackedWeight):
         return self._unpadded(y)
 
     def large_batch_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """Where int4_int8_gemm_ready (bf16 x with AVX-512 VNNI and no AMX, float32 x where bf16
-        is not native): x quantized to int8 per row and 32 inputs times the codes
-        (int4_int8_gemm, 1.5-2.5x the tiles' speed in bf16, 2x the float32 GEMM); else the
-        tiles."""
+        """With int8 activations allowed, bf16 x on a CPU with AVX-512 VNNI and no AMX, or
+        float32 x where bf16 is not native: x quantized to int8 per row and 32 inputs times the
+        codes (int4_int8_gemm: 1.5-2.5x the tiles' speed in bf16, 2x the float32 GEMM's on
+        AVX2); else the tiles."""
         x = x.to(self.dtype)
-        if x.device.type != "cpu" or not fused.int4_int8_gemm_ready(x.dtype):
+        if x.device.type != "cpu" or not self.int8_product_ready(x.dtype):
             return self.tiled_matmul(x)
         y = fused.int4_int8_gemm(x, *self.native_layout())
         return self._unpadded(y)
