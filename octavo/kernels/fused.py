@@ -183,6 +183,21 @@ def int4_int8_gemm_ready(dtype: torch.dtype) -> bool:
             and not cpu_platform().native_bf16)
 
 
+def int4_int16_gemm_ready(dtype: torch.dtype) -> bool:
+    """Whether small batches of `dtype` activations may take them quantized to int16
+    (int4_int16_gemm): float32 ones where bf16 is not native, C++ built with AVX2."""
+    return (dtype == torch.float32 and _native is not None and _native.has_int4_int16_gemm
+            and not cpu_platform().native_bf16)
+
+
+def int4_int16_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    high_bits: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32, quantized to int16 per row and 32 inputs, times codes in octavo's int4
+    layout -> [M, N padded to 16] float32 (C++ only; csrc/int4_int16_avx2.h states the
+    arithmetic)."""
+    return _native.int4_int16_gemm(x.contiguous(), codes, scales, high_bits)
+
+
 def int4_int8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                    high_bits: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 or float32, quantized to int8 per row and 32 inputs, times codes in octavo's

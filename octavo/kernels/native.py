@@ -136,6 +136,7 @@ class Kernels:
 
     _OPS = ("write_kv", "decode_attention", "rms_norm", "one_plus_rms_norm", "rotary_inplace",
             "silu_and_mul", "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_int8_gemm",
+            "int4_int16_gemm",
             "int4_dequantize", "int4_tiled_linear", "int4_rows", "int8_dequantize",
             "int8_tiled_linear", "lora_apply")
 
@@ -151,6 +152,7 @@ class Kernels:
         self.has_prompt_runs = "prompt_runs" in features
         self.has_int4_int8_gemm = "int4_int8_gemm" in features  # bf16 activations
         self.has_int4_int8_gemm_f32 = "int4_int8_gemm_f32" in features
+        self.has_int4_int16_gemm = "int4_int16_gemm" in features
         self.DecodeStack = torch.classes.octavo.DecodeStack
 
 
@@ -179,6 +181,8 @@ def _register_fakes() -> None:
         "int8_gemv": lambda x, q, scale: rows_out(x, q.shape[0]),
         "int4_gemm": lambda x, codes, scales, high_bits=None: rows_out(x, codes.shape[0] * 16),
         "int4_int8_gemm": lambda x, codes, scales, high_bits=None: rows_out(
+            x, codes.shape[0] * 16),
+        "int4_int16_gemm": lambda x, codes, scales, high_bits=None: rows_out(
             x, codes.shape[0] * 16),
         "int4_tiled_linear": lambda x, codes, scales, high_bits=None: rows_out(
             x, codes.shape[0] * 16),

@@ -44,6 +44,9 @@ from octavo.model.quant.decode_weights import max_rows
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed, PackedWeight
 from octavo.model.quant.weights import DenseWeights, PackedWeights
 
+# The low-bit kinds of octavo's int4 layout (csrc/stack_linear.h).
+INT4_LAYOUT_KINDS = ("int4", "int4_int8", "int4_int16")
+
 logger = logging.getLogger(__name__)
 
 
@@ -130,7 +133,7 @@ def _weight_reason(lin: Linear | torch.Tensor, dtype: torch.dtype) -> str | None
 def _row_limit(lin: Linear | torch.Tensor) -> int | None:
     """The most rows the stack computes of `lin` as its Python layer does (None: any)."""
     dense, low = _forms(lin)
-    if dense is not None or isinstance(low, Int8Grouped) or _kind(low) in ("int4", "int4_int8"):
+    if dense is not None or isinstance(low, Int8Grouped) or _kind(low) in INT4_LAYOUT_KINDS:
         return None  # above its kernel's rows: the dense weight, or the packed one's tiles
     # The Python layer runs torch's int8 kernel for per-channel int8 above 8 rows, and tiles
     # above torch's int4 kernel's rows: the stack has neither.
@@ -139,6 +142,8 @@ def _row_limit(lin: Linear | torch.Tensor) -> int | None:
 
 def _kind(low: PackedWeight | None) -> str:
     """The low-bit kind the C++ stack computes `low` as (csrc/stack_linear.h, LowBitKind)."""
+    if isinstance(low, Int4Packed) and low.int16_product_ready(low.dtype):
+        return "int4_int16"  # int16 activations for small batches, int8 for large ones
     if isinstance(low, Int4Packed) and low.kernel_ready(low.dtype, low.bits):
         # large batches: int8-quantized activations (Int4Packed.large_batch_matmul) or tiles
         return "int4_int8" if low.int8_product_ready(low.dtype) else "int4"
@@ -166,7 +171,7 @@ def _linear(lin: Linear | torch.Tensor, lora: LoRASlots | None) -> tuple:
     where LoRA is on."""
     dense, low = _forms(lin)
     kind, c = _kind(low), None
-    if kind in ("int4", "int4_int8"):  # octavo's kernel
+    if kind in INT4_LAYOUT_KINDS:  # octavo's kernels
         a, b, c = low.native_layout()
     elif kind == "int4_torch":  # torch's kernel, groups of 32
         a, b = low.torch_layout()

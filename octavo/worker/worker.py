@@ -101,7 +101,7 @@ class Worker:
         model = load_model(self.source, self.arch, self.dtype, self.device, self.max_model_len,
                            self.config.model.decode_weights, quantization, pack_gemm=False,
                            dense_prefill=self.config.model.dense_prefill_weights,
-                           int8_activations=self.config.model.dtype == "auto")
+                           quantized_activations=self.config.model.dtype == "auto")
         logger.info("loaded %s (%s, %s) in %.1f s", self.source.name, self.arch.architecture,
                     self.dtype, time.perf_counter() - start)
         if (self.placement.rank == 0 and self.config.model.dtype == "auto"
@@ -153,7 +153,7 @@ class Worker:
         model = load_model(source, arch, self.dtype, self.device, self.max_model_len,
                            self.config.model.decode_weights,
                            dense_prefill=self.config.model.dense_prefill_weights,
-                           int8_activations=self.config.model.dtype == "auto")
+                           quantized_activations=self.config.model.dtype == "auto")
         logger.info("loaded draft model %s (%s, %d layers) in %.1f s", name, arch.architecture,
                     arch.num_layers, time.perf_counter() - start)
         if self.device.type == "cpu" and not self.config.device.enforce_eager:

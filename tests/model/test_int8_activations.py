@@ -104,8 +104,8 @@ def test_where_octavo_takes_it(native_kernels, monkeypatch, native_bf16):
     platform = CpuPlatform(frozenset(flags))
     monkeypatch.setattr(fused, "cpu_platform", lambda: platform)
     packed, w = _weights(64, 256, 4, True)
-    assert not packed.int8_activations  # until the load allows it (dtype auto)
-    packed.int8_activations = True
+    assert not packed.quantized_activations  # until the load allows it (dtype auto)
+    packed.quantized_activations = True
     calls = []
     real = fused.int4_int8_gemm
     monkeypatch.setattr(fused, "int4_int8_gemm", lambda *a: calls.append(1) or real(*a))
@@ -149,7 +149,7 @@ def test_only_dtype_auto_allows_it(native_kernels, smollm_gguf):
                   if isinstance(getattr(m, "weights", None), PackedWeights)]
         assert packed
         expected = dtype == "auto"
-        assert all(p.int8_activations == expected for p in packed)
+        assert all(p.quantized_activations == expected for p in packed)
         ready = any(p.int8_product_ready(p.dtype) for p in packed)
         assert ready == (expected and fused.int4_int8_gemm_ready(packed[0].dtype))
         del llm

@@ -11,6 +11,7 @@
 #include "dequant.h"
 #include "int4_gemm.h"
 #include "int4_int8_gemm.h"
+#include "int4_int16_avx2.h"
 #include "int8_gemm.h"
 #include "layer_ops.h"
 #include "lora.h"
@@ -127,6 +128,7 @@ std::vector<std::string> features() {
   if (built_with_avx2()) names.push_back("int4_gemm_f32");
   if (kInt4Int8Gemm) names.push_back("int4_int8_gemm");
   if (kInt4Int8Gemm || kInt4Int8GemmAvx2) names.push_back("int4_int8_gemm_f32");
+  if (kInt4Int16Gemm) names.push_back("int4_int16_gemm");
   return names;
 }
 
@@ -149,6 +151,8 @@ TORCH_LIBRARY(octavo, m) {
   m.def("int8_gemv(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("int4_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? high_bits=None) -> Tensor");
   m.def("int4_int8_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? high_bits=None) "
+        "-> Tensor");
+  m.def("int4_int16_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? high_bits=None) "
         "-> Tensor");
   m.def("int4_dequantize(Tensor codes, Tensor scales, Tensor? high_bits, int first_block, "
         "int blocks, bool bf16) "
@@ -182,6 +186,7 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("int8_gemv", &int8_gemv);
   m.impl("int4_gemm", &int4_gemm);
   m.impl("int4_int8_gemm", &int4_int8_gemm);
+  m.impl("int4_int16_gemm", &int4_int16_gemm);
   m.impl("int4_dequantize", &int4_dequantize);
   m.impl("int4_tiled_linear", &int4_tiled_linear);
   m.impl("int4_rows", &int4_rows);

@@ -116,6 +116,19 @@ inline void int4_block(const uint8_t* q4, const S* sz, const void* high,
 }
 #endif
 
+#if defined(__AVX2__)
+// Byte i is 16 where bit i of `word` is set (a row block's fifth bits for one nibble of a quad).
+inline __m256i fifth_bit_bytes(uint32_t word) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(word)), spread);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit),
+                          _mm256_set1_epi8(16));
+}
+
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 // The same layout times a few rows of float32 activations, for CPUs without AVX-512-BF16 (where
 // the model computes in float32). A 32-bit lane is one output row again: a row's two bytes of a
@@ -134,7 +147,9 @@ template <int R, High H, typename S>
 inline void int4_block_f32(const uint8_t* q4, const S* sz, const void* high, const float* xs,
                            int64_t k, const float* xsum, float* out, int64_t out_stride,
                            bool once) {
-  constexpr int P = R == 1 ? 2 : 1;  // one row alone: two chains per half, to hide latency
+  // Independent sums per row and half: 2 pipes times a 4-5 cycle FMA latency want 8-10 chains
+  // in flight, and one row has only its two halves.
+  constexpr int P = R == 1 ? 4 : R == 2 ? 2 : 1;
   const int64_t groups = k / 32;
   const __m256i mask[4] = {_mm256_set1_epi32(0xF), _mm256_set1_epi32(0xF0),
                            _mm256_set1_epi32(0xF00), _mm256_set1_epi32(0xF000)};
@@ -199,7 +214,7 @@ inline void int4_block_f32(const uint8_t* q4, const S* sz, const void* high, con
       }
       for (int r = 0; r < R; ++r) {
         __m256 dot = part[r][h][0];
-        if constexpr (P == 2) dot = _mm256_add_ps(dot, part[r][h][1]);
+        for (int p = 1; p < P; ++p) dot = _mm256_add_ps(dot, part[r][h][p]);
         acc[r][h] = _mm256_fmadd_ps(dot, scale, acc[r][h]);
         acc[r][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[r * groups + g]), acc[r][h]);
       }

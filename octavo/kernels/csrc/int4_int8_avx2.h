@@ -56,16 +56,6 @@ inline void quantize_rows_avx2(const float* x, int64_t rows, int64_t k, Quantize
   });
 }
 
-// Byte i is 16 where bit i of `word` is set (a row block's fifth bits for one nibble of a quad).
-inline __m256i fifth_bit_bytes(uint32_t word) {
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(word)), spread);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit),
-                          _mm256_set1_epi8(16));
-}
-
 // Quad c of a row block as (a, b) above; 8-bit codes minus 128.
 template <High H>
 inline void unpack_quad_avx2(const uint8_t* q4, const void* high, int64_t c, __m256i& a,

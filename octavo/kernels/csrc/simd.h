@@ -70,6 +70,22 @@ void write_kv_typed(const at::Tensor& k, const at::Tensor& v, at::Tensor& kc,
 
 constexpr int64_t kMaxGroup = 64;  // query heads per KV head
 
+#if defined(__AVX2__)
+// Horizontal sum and maximum of 8 floats.
+inline float sum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 d = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
+
+inline float max8(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 d = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(d, _mm_movehdup_ps(d)));
+}
+
+#endif
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -184,18 +200,6 @@ inline float peak_of(const float* x, int64_t n) {
 #elif defined(__AVX2__) && defined(__FMA__)
 // The 8-lane versions of the routines above, for CPUs with AVX2 but not AVX-512 (AMD Zen 3 and
 // older, Intel client cores).
-
-inline float sum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 d = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
-}
-
-inline float max8(__m256 v) {
-  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 d = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(d, _mm_movehdup_ps(d)));
-}
 
 // exp of 8 floats as exp16 computes it; 2^k goes into the exponent bits, so below x = -87.3
 // (where float's normal range ends) the result is 0, and above 88 it stays exp(88).

@@ -6,17 +6,19 @@
 
 // The low-bit weight a linear layer of the stack holds, by the name the Python side gives it
 // (octavo/model/decode_stack.py, _linear).
-enum class LowBitKind { kNone, kInt4, kInt4Int8, kInt4Torch, kInt8 };
+enum class LowBitKind { kNone, kInt4, kInt4Int8, kInt4Int16, kInt4Torch, kInt8 };
 
 inline LowBitKind low_bit_kind(const std::string& name) {
   if (name == "none") return LowBitKind::kNone;
   if (name == "int4") return LowBitKind::kInt4;  // octavo's layout (int4_gemm.h)
   // The same, its large batches with int8-quantized activations (int4_int8_gemm.h).
   if (name == "int4_int8") return LowBitKind::kInt4Int8;
+  // The same, small batches with int16-quantized float32 activations (int4_int16_avx2.h).
+  if (name == "int4_int16") return LowBitKind::kInt4Int16;
   if (name == "int4_torch") return LowBitKind::kInt4Torch;  // torch's, groups of 32
   if (name == "int8") return LowBitKind::kInt8;  // a scale per row or per group
   TORCH_CHECK(false, "unknown low-bit weight kind '", name,
-              "' (none, int4, int4_int8, int4_torch, int8)");
+              "' (none, int4, int4_int8, int4_int16, int4_torch, int8)");
 }
 
 // The adapters of a step's tokens (octavo/model/layers/lora.py, LoRAStep): each token's slot
@@ -50,7 +52,8 @@ struct StackLinear {
               const std::optional<at::Tensor>& c, int64_t out_features, int64_t rows)
       : kind(low_bit_kind(low_bit)), low_c(c), out(out_features), max_rows(rows) {
     TORCH_CHECK(kind == LowBitKind::kNone || (a && b), "a low-bit weight needs its tensors");
-    TORCH_CHECK(!c || kind == LowBitKind::kInt4 || kind == LowBitKind::kInt4Int8,
+    TORCH_CHECK(!c || kind == LowBitKind::kInt4 || kind == LowBitKind::kInt4Int8 ||
+                    kind == LowBitKind::kInt4Int16,
                 "only octavo's int4 layout has a high plane");
     TORCH_CHECK(dense_weight || kind != LowBitKind::kNone,
                 "a linear needs a dense or a packed weight");
@@ -69,9 +72,11 @@ struct StackLinear {
     if (dense.defined() && (kind == LowBitKind::kNone || !kernel))
       return dense.is_mkldnn() ? packed_linear(x, dense) : at::linear(x, dense);
     at::Tensor y;
-    if (kind == LowBitKind::kInt4 || (kind == LowBitKind::kInt4Int8 && kernel))
+    if (kind == LowBitKind::kInt4Int16 && kernel)
+      y = int4_int16_gemm(x, low_a, low_b, low_c);
+    else if (kind == LowBitKind::kInt4 || (kind == LowBitKind::kInt4Int8 && kernel))
       y = kernel ? int4_gemm(x, low_a, low_b, low_c) : int4_tiled_linear(x, low_a, low_b, low_c);
-    else if (kind == LowBitKind::kInt4Int8)
+    else if (kind == LowBitKind::kInt4Int8 || kind == LowBitKind::kInt4Int16)
       y = int4_int8_gemm(x, low_a, low_b, low_c);
     else if (kind == LowBitKind::kInt4Torch)
       y = at::_weight_int4pack_mm_for_cpu(x, low_a, 32, low_b);

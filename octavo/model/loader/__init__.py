@@ -71,13 +71,13 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
                decode_weights: str = "auto", quantization: str | None = None,
                pack_gemm: bool = True, dense_prefill: bool = False,
-               int8_activations: bool = False) -> nn.Module:
+               quantized_activations: bool = False) -> nn.Module:
     """Build the model and fill it. A GGUF's linear layers, embedding and LM head keep packed
     int4/int8 weights made from its codes (model/quant/gguf.py), with decode_weights="auto" (on
     the CPU, bf16 or float32) in the layout nearest each tensor's type, with `quantization`
     int4 or int8 in that one; with `dense_prefill` the dense weights stay beside them for
-    prefill; with `int8_activations` packed weights' large batches may take their activations
-    quantized to int8 (PackedWeight.int8_activations). A quantized checkpoint
+    prefill; with `quantized_activations` packed weights' large batches may take their activations
+    quantized to int8 (PackedWeight.quantized_activations). A quantized checkpoint
     (config.json's quantization_config) or `quantization` (int8, int4, fp8: quantize at load)
     hands linear layers their quant methods before the tensors stream in (see model/quant).
     On the CPU, dense bf16 weights are packed for oneDNN's GEMM unless `pack_gemm` is False: the
@@ -111,23 +111,23 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
     if prepared is not None:
         from octavo.model.loader.prepared_cache import load_prepared
         if load_prepared(model, prepared):
-            return _finish(model, source, device, quantization, pack_gemm, int8_activations)
+            return _finish(model, source, device, quantization, pack_gemm, quantized_activations)
     model.load_weights(checkpoint.tensors(codes, plan))
     if plan is not None:
         plan.finish_lm_head(model, checkpoint.bits, checkpoint.table)
     if prepared is not None:
         from octavo.model.loader.prepared_cache import save_prepared
         save_prepared(model, prepared)
-    return _finish(model, source, device, quantization, pack_gemm, int8_activations)
+    return _finish(model, source, device, quantization, pack_gemm, quantized_activations)
 
 
 def _finish(model: nn.Module, source: ModelSource, device: torch.device,
-            quantization: str | None, pack_gemm: bool, int8_activations: bool) -> nn.Module:
+            quantization: str | None, pack_gemm: bool, quantized_activations: bool) -> nn.Module:
     """On the CPU, with `pack_gemm`, dense bf16 weights of linear layers and the LM head are
     packed for oneDNN's GEMM (gemm_packing). The log states what the weights take."""
-    if device.type == "cpu" and int8_activations:
-        from octavo.model.quant.weights import allow_int8_activations
-        allow_int8_activations(model)
+    if device.type == "cpu" and quantized_activations:
+        from octavo.model.quant.weights import allow_quantized_activations
+        allow_quantized_activations(model)
     if device.type == "cpu" and pack_gemm:
         from octavo.model.loader.gemm_packing import pack_now
         pack_now(model, quantization)

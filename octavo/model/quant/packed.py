@@ -74,10 +74,11 @@ class PackedWeight:
     in_features: int
     perm: torch.Tensor | None
     dense_rows = 64  # above this many rows: large_batch_matmul
-    # Whether large batches may take int8-quantized activations where a kernel computes them
-    # (fused.int4_int8_gemm_ready): `--dtype auto`'s plan, set at load (quant/weights.py,
-    # allow_int8_activations); an explicit dtype computes exactly in it.
-    int8_activations = False
+    # Whether products may take their activations quantized where a kernel computes them:
+    # large batches to int8 (fused.int4_int8_gemm_ready), small ones of wide codes to int16
+    # (fused.int4_int16_gemm_ready). `--dtype auto`'s plan, set at load (quant/weights.py,
+    # allow_quantized_activations); an explicit dtype computes exactly in it.
+    quantized_activations = False
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
@@ -146,7 +147,14 @@ class Int4Packed(PackedWeight):
 
     def int8_product_ready(self, dtype: torch.dtype) -> bool:
         """Whether large batches of `dtype` activations take the int8 product."""
-        return self.int8_activations and fused.int4_int8_gemm_ready(dtype)
+        return self.quantized_activations and fused.int4_int8_gemm_ready(dtype)
+
+    def int16_product_ready(self, dtype: torch.dtype) -> bool:
+        """Whether small batches of `dtype` activations take the int16 product: 5- and 8-bit
+        codes, with float32 activations where bf16 is not native (AVX2, 1 row: 5-bit codes
+        2.4x and 8-bit 1.2x the exact float32 kernel's speed; 4-bit codes gain nothing)."""
+        return (self.quantized_activations and self.bits > 4
+                and fused.int4_int16_gemm_ready(dtype) and self.int8_product_ready(dtype))
 
     @staticmethod
     def kernel_ready(dtype: torch.dtype, bits: int) -> bool:
@@ -248,7 +256,9 @@ class Int4Packed(PackedWeight):
 
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
-        if x.device.type == "cpu" and self.kernel_ready(x.dtype, self.bits):
+        if x.device.type == "cpu" and self.int16_product_ready(x.dtype):
+            y = fused.int4_int16_gemm(x, *self.native_layout())
+        elif x.device.type == "cpu" and self.kernel_ready(x.dtype, self.bits):
             y = fused.int4_gemm(x, *self.native_layout())
         elif self.native_high is not None:  # 5- or 8-bit codes without their kernel
             return super().tiled_matmul(x)

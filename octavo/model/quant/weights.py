@@ -143,13 +143,13 @@ class PackedWeights(LinearWeights):
 WEIGHT_KINDS: dict[str, type[LinearWeights]] = {"dense": DenseWeights, "packed": PackedWeights}
 
 
-def allow_int8_activations(model: torch.nn.Module) -> int:
+def allow_quantized_activations(model: torch.nn.Module) -> int:
     """Lets every packed weight of `model` take its large batches with int8-quantized
-    activations (`--dtype auto`'s plan; PackedWeight.int8_activations); returns how many."""
+    activations (`--dtype auto`'s plan; PackedWeight.quantized_activations); returns how many."""
     count = 0
     for module in model.modules():
         weights = getattr(module, "weights", None)
         if isinstance(weights, PackedWeights):
-            weights.packed.int8_activations = True
+            weights.packed.quantized_activations = True
             count += 1
     return count

@@ -1,0 +1,185 @@
+// Codes in octavo's int4 layout (4, 5 or 8 bits; int4_gemm.h) times a few rows of float32
+// activations quantized to int16, with AVX2: decode's product where bf16 is not native, and its
+// entry point int4_int16_gemm. Included by cpu_ops.cpp only, after int4_int8_gemm.h.
+#pragma once
+
+// Why: the exact float32 kernel (int4_block_f32) converts every code to float and is bound by
+// those instructions, not by memory: 10-20 GB/s of weights at one row on an AMD EPYC with AVX2,
+// 5-bit codes the slowest (docs/performance.md). vpmaddwd multiplies 16 pairs of 16-bit words
+// and adds each pair into 32 bits; with the codes widened to words and x quantized per row and
+// 32 inputs to q = round(x * 32767 / max |x|), a quad of a row block (16 rows x 4 inputs) costs
+// four of them a row of x. The rounding error is at most max |x| / 65534 an input: 2^-15 of a
+// group's largest input where bf16 rounding is 2^-9 of each input, so this is nearer the exact
+// product than bf16 activations are. Per group, as in int4_int8_gemm.h,
+//   sum x * w ~ d * (scale * sum code * q + offset * sum q), d = max |x| / 32767,
+// and a group's int32 sums stay below 32 * 255 * 32767 < 2^31.
+
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+constexpr bool kInt4Int16Gemm = true;
+
+struct Int16Rows {
+  std::vector<int16_t> q;   // [M, K]
+  std::vector<float> d;     // [M, K / 32]
+  std::vector<float> qsum;  // [M, K / 32]
+};
+
+inline Int16Rows quantize_rows_int16(const float* x, int64_t rows, int64_t k) {
+  const int64_t groups = k / 32;
+  Int16Rows out{std::vector<int16_t>(rows * k), std::vector<float>(rows * groups),
+                std::vector<float>(rows * groups)};
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + r * k + g * 32;
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xg + 8 * i);
+      const float amax = max8(_mm256_max_ps(
+          _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+          _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      // packs work within 128-bit lanes: `order` puts each pair's words back in input order.
+      int16_t* qg = out.q.data() + r * k + g * 32;
+      for (int i = 0; i < 2; ++i)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg + 16 * i),
+                            _mm256_permutevar8x32_epi32(
+                                _mm256_packs_epi32(q[2 * i], q[2 * i + 1]), order));
+      const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
+                                         _mm256_add_epi32(q[2], q[3]));
+      out.qsum[r * groups + g] = sum8(_mm256_cvtepi32_ps(s));
+      out.d[r * groups + g] = amax / 32767.f;
+    }
+  return out;
+}
+
+// Quad c of a row block as codes in bytes: lo byte 2r + j holds row r's code at input 4c + j,
+// hi byte 2r + j at 4c + 2 + j (5- and 8-bit codes whole).
+template <High H>
+inline void quad_code_bytes(const uint8_t* q4, const void* high, int64_t c, __m256i& lo,
+                            __m256i& hi) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q4 + c * 32));
+  lo = _mm256_and_si256(v, nibble);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+  if constexpr (H == High::kFifthBit) {
+    const uint32_t* fifth = static_cast<const uint32_t*>(high) + c * 2;
+    lo = _mm256_or_si256(lo, fifth_bit_bytes(fifth[0]));
+    hi = _mm256_or_si256(hi, fifth_bit_bytes(fifth[1]));
+  } else if constexpr (H == High::kNibble) {
+    const __m256i u = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint8_t*>(high) + c * 32));
+    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(u, nibble), 4));
+    hi = _mm256_or_si256(hi, _mm256_andnot_si256(nibble, u));
+  }
+}
+
+// Output rows 16b .. 16b + 15 of R rows of int16 x, to out + r * out_stride.
+template <int R, High H, typename S>
+inline void int16_block(const uint8_t* q4, const void* high, const S* sz, const int16_t* xq,
+                        const float* d, const float* qsum, int64_t k, float* out,
+                        int64_t out_stride, bool once) {
+  const int64_t groups = k / 32;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    prefetch_lines(q4 + g * 256 + kPrefetchBytes, 256, once);
+    if constexpr (H == High::kNibble)
+      prefetch_lines(static_cast<const uint8_t*>(high) + g * 256 + kPrefetchBytes, 256, once);
+    prefetch_lines(sz + g * 32 + kPrefetchBytes / 8, 32 * sizeof(S), once);
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const int64_t c = g * 8 + i;
+      __m256i lo, hi;
+      quad_code_bytes<H>(q4, high, c, lo, hi);
+      // Rows 0-7 from the low 16 bytes, 8-15 from the high: dword r = row r's pair of codes.
+      const __m256i words[2][2] = {
+          {_mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)),
+           _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1))},
+          {_mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)),
+           _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1))}};
+      for (int r = 0; r < R; ++r) {
+        int32_t pair[2];
+        std::memcpy(pair, xq + r * k + c * 4, 8);
+        const __m256i x01 = _mm256_set1_epi32(pair[0]), x23 = _mm256_set1_epi32(pair[1]);
+        for (int h = 0; h < 2; ++h)
+          dot[r][h] = _mm256_add_epi32(
+              dot[r][h], _mm256_add_epi32(_mm256_madd_epi16(words[0][h], x01),
+                                          _mm256_madd_epi16(words[1][h], x23)));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256 scale, offset;
+      if constexpr (std::is_same_v<S, float>) {
+        scale = _mm256_loadu_ps(sz + g * 32 + 8 * h);
+        offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scale,
+                                  _mm256_loadu_ps(sz + g * 32 + 16 + 8 * h));
+      } else {
+        scale = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(sz + g * 32 + 8 * h)));
+        offset = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(sz + g * 32 + 16 + 8 * h)));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 sum = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot[r][h]),
+                                           _mm256_mul_ps(offset,
+                                                         _mm256_set1_ps(qsum[r * groups + g])));
+        acc[r][h] = _mm256_fmadd_ps(sum, _mm256_set1_ps(d[r * groups + g]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * out_stride + 8 * h, acc[r][h]);
+}
+
+#else
+constexpr bool kInt4Int16Gemm = false;
+#endif
+
+}  // namespace
+
+// x [M, K] float32, quantized to int16 per row and 32 inputs, times codes in octavo's int4
+// layout (with `high`: 5- or 8-bit) -> [M, N] float32, N the padded row count. For decode's few
+// rows: each pass over the weights takes 4 rows of x.
+at::Tensor int4_int16_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
+                           std::optional<at::Tensor> high) {
+  TORCH_CHECK(kInt4Int16Gemm, "int4_int16_gemm needs AVX2, FMA and F16C");
+  const High kind = check_int4_layout("int4_int16_gemm", x, q4, sz, high);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "int4_int16_gemm: x must be float32");
+  const int64_t rows = x.size(0), k = x.size(1), blocks = q4.size(0), n = blocks * 16;
+  auto out = at::empty({rows, n}, x.options());
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  const int64_t groups = k / 32;
+  const Int16Rows xq = quantize_rows_int16(x.data_ptr<float>(), rows, k);
+  const uint8_t* qp = q4.data_ptr<uint8_t>();
+  const uint8_t* hp = high ? static_cast<const uint8_t*>(high->data_ptr()) : nullptr;
+  const int64_t plane_bytes = kind == High::kNibble ? k * 8 : kind == High::kFifthBit ? k * 2 : 0;
+  float* op = out.data_ptr<float>();
+  auto run = [&](const auto* sp) {
+    at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b)
+        for (int64_t c = 0; c < rows; c += 4) {
+          const int64_t m = std::min<int64_t>(4, rows - c);
+          for_rows(m, [&](auto r) {
+            if constexpr (decltype(r)::value <= 4)
+              with_high(kind, [&](auto h) {
+                int16_block<decltype(r)::value, decltype(h)::value>(
+                    qp + b * k * 8, hp + b * plane_bytes, sp + b * groups * 32,
+                    xq.q.data() + c * k, xq.d.data() + c * groups, xq.qsum.data() + c * groups,
+                    k, op + c * n + b * 16, n, rows <= 4);
+              });
+          });
+        }
+    });
+  };
+  if (sz.scalar_type() == at::kHalf) run(sz.data_ptr<at::Half>());
+  else run(sz.data_ptr<float>());
+#endif
+  return out;
+}
