@@ -153,3 +153,30 @@ def test_only_dtype_auto_allows_it(native_kernels, smollm_gguf):
         ready = any(p.int8_product_ready(p.dtype) for p in packed)
         assert ready == (expected and fused.int4_int8_gemm_ready(packed[0].dtype))
         del llm
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("half", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_int16_kernel_computes_its_quantized_product(native_kernels, bits, half, rows):
+    """int4_int16_gemm (csrc/int4_int16_avx2.h): float32 x rounded to int16 per row and 32
+    inputs, q = round(x * 32767 / max |x|), times the codes; about 2e-5 of the exact product."""
+    from octavo.kernels import fused
+
+    if not fused._native.has_int4_int16_gemm:
+        pytest.skip("the int16-activation kernel needs AVX2")
+    n, k = 40, 256  # a tail row block
+    packed, w = _weights(n, k, bits, half, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(bits))
+    x[0, :32] = 0  # a zero group: d = 0
+    y = fused.int4_int16_gemm(x, *packed.native_layout())[:, :n].double()
+    g = x.view(rows, k // 32, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 32767 / amax.double(), 0).float()
+    xq = ((g * inv).round() * (amax.double() / 32767).float()).view(rows, k).double()
+    ref = xq @ w.t()
+    assert ((y - ref).abs() <= 2e-6 * ref.abs().amax(1, keepdim=True)).all()
+    exact = x.double() @ w.t()
+    assert (y - exact).norm() / exact.norm() < 1e-4
+    with pytest.raises(RuntimeError, match="float32"):
+        fused.int4_int16_gemm(x.bfloat16(), *packed.native_layout())

@@ -209,3 +209,46 @@ def test_tiny_gguf_q5_0_in_float32_is_exact(tmp_path, smollm_oracle_folder, monk
     assert _kinds(llm)["model.layers.1.mlp.gate_up_proj"] == (
         "Int4Packed/5" if wide else Int8Grouped.__name__)
     _same_tokens_and_prompt_logprobs(codes, dense)
+
+
+def test_tiny_gguf_in_auto_float32_takes_int16_activations(tmp_path, smollm_oracle_folder,
+                                                           monkeypatch, native_kernels):
+    """On a CPU without native bf16 (made so here: any CPU with the AVX2 kernels), dtype auto
+    runs float32 with the 5- and 8-bit codes' decode batches on int16-quantized activations:
+    the stack computes them as the Python layers do, and tokens and prompt logprobs stay those
+    of the dense float32 weights (the int16 rounding is 2^-15 of a group's largest input)."""
+    from octavo.kernels import fused
+    from octavo.model import decode_stack
+    from octavo.platform import CpuPlatform, cpu_platform
+    from tests.kernels.test_decode_stack import _stack_then_layers
+    from tests.model.test_gguf_packed import _generate, _top5_agree, _write_tiny
+
+    if not fused._native.has_int4_int16_gemm:
+        pytest.skip("the int16-activation kernel needs AVX2")
+    platform = CpuPlatform(frozenset(set(cpu_platform().flags)
+                                     - {"avx512_bf16", "amx_bf16", "amx_tile"}))
+    monkeypatch.setattr("octavo.kernels.fused.cpu_platform", lambda: platform)
+    monkeypatch.setattr("octavo.worker.worker.cpu_platform", lambda: platform)
+    path = tmp_path / "tiny-q5.gguf"
+    _write_tiny(path, _qtypes)
+    calls = []
+    real = fused.int4_int16_gemm
+    monkeypatch.setattr(fused, "int4_int16_gemm", lambda *a: calls.append(1) or real(*a))
+    auto, llm = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path, dtype="auto",
+                          enable_prefix_caching=False)
+    model = llm.engine.client.core.executor.worker.runner.model
+    assert model.lm_head.weights.packed.dtype == torch.float32
+    layer = model.model.layers[1]
+    assert decode_stack._kind(layer.mlp.gate_up_proj.weights.packed) == "int4_int16"
+    assert calls  # the Python LM head (5-bit, tied) took it
+    _stack_then_layers(llm, bf16=False)
+    del llm
+    dense, _ = _generate(path, smollm_oracle_folder, monkeypatch, tmp_path, dtype="float32",
+                         decode_weights="none")
+    # A tiny random model's logits have near ties (one prompt's top two 2e-4 apart): the
+    # greedy tokens agree to the top-5 criterion, the prompt logprobs within 1e-3.
+    _top5_agree(auto, dense)
+    for x, y in zip(auto, dense):
+        pairs = [(a[t].logprob, b[t].logprob) for a, b, t in
+                 zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:], x.prompt_token_ids[1:])]
+        assert max(abs(a - b) for a, b in pairs) < 1e-3

@@ -8,8 +8,11 @@ int8 kernel (octavo's AVX-512 GEMV in bf16 for <= 8 rows, else torch's) straight
 bytes: their time grows with the rows (one pass over the weights per row or few), so larger
 batches (prefill chunks; large_batch_matmul) dequantize one tile of output rows at a time into
 the activation dtype and use the dense GEMM, the whole matrix never dequantized at once, or, for
-int4-layout codes with bf16 activations on a CPU with AVX-512 VNNI and no AMX, quantize the
-activations to int8 and take vpdpbusd products with the codes (csrc/int4_int8_gemm.h).
+int4-layout codes in `--dtype auto`'s plan (PackedWeight.quantized_activations) with bf16
+activations on a CPU with AVX-512 VNNI and no AMX or float32 ones on a CPU without native bf16,
+quantize the activations to int8 and take vpdpbusd / vpmaddubsw products with the codes
+(csrc/int4_int8_gemm.h); there float32 decode batches of 5- and 8-bit codes take int16
+activations (csrc/int4_int16_avx2.h).
 
 Measured (bf16, 2 threads, SmolLM2's gate/up 3072 x 576; microseconds; dense bf16 in brackets):
 rows      1          4          16         32          128           512
