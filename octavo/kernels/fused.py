@@ -174,7 +174,8 @@ def int4_int8_gemm_ready(dtype: torch.dtype) -> bool:
     int8 (int4_int8_gemm): bf16 ones on a CPU with AVX-512 VNNI and no AMX (whose bf16 tile
     units run the dense GEMM on dequantized tiles faster); float32 ones where bf16 is not native
     (so that float32 is `--dtype auto`'s plan: AVX2), there 2x the float32 GEMM's speed; on a
-    CPU with native bf16, float32 is asked for and stays exact."""
+    CPU with native bf16, float32 is asked for and stays exact. A packed weight takes it only
+    in `--dtype auto`'s plan (PackedWeight.quantized_activations)."""
     if _native is None:
         return False
     if dtype == torch.bfloat16:
