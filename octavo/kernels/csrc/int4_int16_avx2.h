@@ -57,27 +57,6 @@ inline Int16Rows quantize_rows_int16(const float* x, int64_t rows, int64_t k) {
   return out;
 }
 
-// Quad c of a row block as codes in bytes: lo byte 2r + j holds row r's code at input 4c + j,
-// hi byte 2r + j at 4c + 2 + j (5- and 8-bit codes whole).
-template <High H>
-inline void quad_code_bytes(const uint8_t* q4, const void* high, int64_t c, __m256i& lo,
-                            __m256i& hi) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q4 + c * 32));
-  lo = _mm256_and_si256(v, nibble);
-  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-  if constexpr (H == High::kFifthBit) {
-    const uint32_t* fifth = static_cast<const uint32_t*>(high) + c * 2;
-    lo = _mm256_or_si256(lo, fifth_bit_bytes(fifth[0]));
-    hi = _mm256_or_si256(hi, fifth_bit_bytes(fifth[1]));
-  } else if constexpr (H == High::kNibble) {
-    const __m256i u = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(static_cast<const uint8_t*>(high) + c * 32));
-    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(u, nibble), 4));
-    hi = _mm256_or_si256(hi, _mm256_andnot_si256(nibble, u));
-  }
-}
-
 // Output rows 16b .. 16b + 15 of R rows of int16 x, to out + r * out_stride.
 template <int R, High H, typename S>
 inline void int16_block(const uint8_t* q4, const void* high, const S* sz, const int16_t* xq,

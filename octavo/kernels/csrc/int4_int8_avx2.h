@@ -60,21 +60,12 @@ inline void quantize_rows_avx2(const float* x, int64_t rows, int64_t k, Quantize
 template <High H>
 inline void unpack_quad_avx2(const uint8_t* q4, const void* high, int64_t c, __m256i& a,
                              __m256i& b) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q4 + c * 32));
-  __m256i lo = _mm256_and_si256(v, nibble);
-  __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-  if constexpr (H == High::kFifthBit) {
-    const uint32_t* fifth = static_cast<const uint32_t*>(high) + c * 2;
-    lo = _mm256_or_si256(lo, fifth_bit_bytes(fifth[0]));
-    hi = _mm256_or_si256(hi, fifth_bit_bytes(fifth[1]));
-  } else if constexpr (H == High::kNibble) {
-    const __m256i u = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(static_cast<const uint8_t*>(high) + c * 32));
+  __m256i lo, hi;
+  quad_code_bytes<H>(q4, high, c, lo, hi);
+  if constexpr (H == High::kNibble) {
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    lo = _mm256_xor_si256(_mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(u, nibble), 4)),
-                          flip);
-    hi = _mm256_xor_si256(_mm256_or_si256(hi, _mm256_andnot_si256(nibble, u)), flip);
+    lo = _mm256_xor_si256(lo, flip);
+    hi = _mm256_xor_si256(hi, flip);
   }
   a = _mm256_unpacklo_epi16(lo, hi);
   b = _mm256_unpackhi_epi16(lo, hi);

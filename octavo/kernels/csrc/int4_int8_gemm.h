@@ -1,6 +1,6 @@
 // Codes in octavo's int4 layout (4, 5 or 8 bits; int4_gemm.h) times activations quantized to
-// int8, with AVX-512 VNNI (with AVX2 alone: int4_int8_avx2.h): the product for batches past the int4 kernel's rows (prefill chunks,
-// large decode batches), and its entry point int4_int8_gemm.
+// int8, with AVX-512 VNNI (with AVX2 alone: int4_int8_avx2.h): the product for batches past the
+// int4 kernel's rows (prefill chunks, large decode batches), and its entry point int4_int8_gemm.
 // Included by cpu_ops.cpp only, after int4_gemm.h.
 #pragma once
 
