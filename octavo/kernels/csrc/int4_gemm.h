@@ -34,6 +34,17 @@ namespace {
 //      with A, B the sums over x * (128 + nibble) of the low and high nibbles.
 enum class High { kNone, kFifthBit, kNibble };
 
+// Group g of a row block kPrefetchBytes of codes on (in this block or a later one): its codes,
+// its high nibbles (8-bit codes) and its scales.
+template <High H, typename S>
+inline void prefetch_group(const uint8_t* q4, const void* high, const S* sz, int64_t g,
+                           bool once) {
+  prefetch_lines(q4 + g * 256 + kPrefetchBytes, 256, once);
+  if constexpr (H == High::kNibble)
+    prefetch_lines(static_cast<const uint8_t*>(high) + g * 256 + kPrefetchBytes, 256, once);
+  prefetch_lines(sz + g * 32 + kPrefetchBytes / 8, 32 * sizeof(S), once);
+}
+
 // body(std::integral_constant<High, kind>) for the kind given at run time.
 template <typename F>
 void with_high(High kind, F&& body) {
@@ -188,9 +199,7 @@ inline void int4_block_f32(const uint8_t* q4, const S* sz, const void* high, con
       for (int h = 0; h < 2; ++h)
         for (int p = 0; p < P; ++p) part[r][h][p] = _mm256_setzero_ps();
     const uint8_t* qg = q4 + g * 256;
-    prefetch_lines(qg + kPrefetchBytes, 256, once);
-    if constexpr (H == High::kNibble) prefetch_lines(nibbles + g * 256 + kPrefetchBytes, 256, once);
-    prefetch_lines(sz + g * 32 + kPrefetchBytes / 8, 32 * sizeof(S), once);
+    prefetch_group<H>(q4, high, sz, g, once);
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
       __m256i v[2], u[2];

@@ -66,10 +66,7 @@ inline void int16_block(const uint8_t* q4, const void* high, const S* sz, const 
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    prefetch_lines(q4 + g * 256 + kPrefetchBytes, 256, once);
-    if constexpr (H == High::kNibble)
-      prefetch_lines(static_cast<const uint8_t*>(high) + g * 256 + kPrefetchBytes, 256, once);
-    prefetch_lines(sz + g * 32 + kPrefetchBytes / 8, 32 * sizeof(S), once);
+    prefetch_group<H>(q4, high, sz, g, once);
     __m256i dot[R][2];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
