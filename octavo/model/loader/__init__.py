@@ -76,8 +76,8 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
     int4/int8 weights made from its codes (model/quant/gguf.py), with decode_weights="auto" (on
     the CPU, bf16 or float32) in the layout nearest each tensor's type, with `quantization`
     int4 or int8 in that one; with `dense_prefill` the dense weights stay beside them for
-    prefill; with `quantized_activations` packed weights' large batches may take their activations
-    quantized to int8 (PackedWeight.quantized_activations). A quantized checkpoint
+    prefill; with `quantized_activations` packed weights may take their activations quantized
+    (PackedWeight.quantized_activations: `--dtype auto`'s plan). A quantized checkpoint
     (config.json's quantization_config) or `quantization` (int8, int4, fp8: quantize at load)
     hands linear layers their quant methods before the tensors stream in (see model/quant).
     On the CPU, dense bf16 weights are packed for oneDNN's GEMM unless `pack_gemm` is False: the
