@@ -143,13 +143,10 @@ class PackedWeights(LinearWeights):
 WEIGHT_KINDS: dict[str, type[LinearWeights]] = {"dense": DenseWeights, "packed": PackedWeights}
 
 
-def allow_quantized_activations(model: torch.nn.Module) -> int:
-    """Lets every packed weight of `model` take its large batches with int8-quantized
-    activations (`--dtype auto`'s plan; PackedWeight.quantized_activations); returns how many."""
-    count = 0
+def allow_quantized_activations(model: torch.nn.Module) -> None:
+    """Lets every packed weight of `model` take its activations quantized where a kernel
+    computes them (`--dtype auto`'s plan; PackedWeight.quantized_activations)."""
     for module in model.modules():
         weights = getattr(module, "weights", None)
         if isinstance(weights, PackedWeights):
             weights.packed.quantized_activations = True
-            count += 1
-    return count
