@@ -184,6 +184,13 @@ def int4_int8_gemm_ready(dtype: torch.dtype) -> bool:
             and not cpu_platform().native_bf16)
 
 
+def int4_panel_ready(dtype: torch.dtype) -> bool:
+    """Whether octavo's int4 kernel outruns the tiles at every batch of `dtype` activations:
+    float32 ones where bf16 is not native (AVX2), where past a few rows the kernel multiplies
+    them with a float32 panel of each row block (csrc/int4_panel_avx2.h)."""
+    return int4_gemm_ready(dtype) and dtype == torch.float32 and not cpu_platform().native_bf16
+
+
 def int4_int16_gemm_ready(dtype: torch.dtype) -> bool:
     """Whether small batches of `dtype` activations may take them quantized to int16
     (int4_int16_gemm): float32 ones where bf16 is not native, C++ built with AVX2."""

@@ -111,6 +111,29 @@ def test_int4_kernel_with_float32_activations(native_kernels, rows, exact_in_hal
     assert torch.equal(packed.kernel_matmul(x), out[:, :n])  # the Python layer takes it
 
 
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("rows", [6, 23, 40])
+def test_int4_float32_panel_across_input_chunks(native_kernels, bits, rows):
+    """Past a few rows (6 for 5-bit codes, 8 for 8-bit, 20 for 4-bit) the float32 kernel
+    multiplies x with a float32 panel of each row block (csrc/int4_panel_avx2.h), 1,024 inputs
+    at a time: K = 1,088 takes a second, partial chunk; rows go five at a time, with a tail."""
+    from octavo.kernels import fused
+
+    if not fused.int4_gemm_ready(torch.float32):
+        pytest.skip("the float32 int4 kernel needs AVX2 and FMA")
+    n, k = 40, 1088
+    g = torch.Generator().manual_seed(rows * bits)
+    q = torch.randint(0, 1 << bits, (n, k), generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+    low = (-scale * (1 << (bits - 1)) + torch.randn(n, k // 32, generator=g) * 1e-3).half().float()
+    packed = Int4Packed.from_affine(q, scale, low, 32, torch.float32, bits)
+    x = torch.randn(rows, k, generator=g)
+    exact = (q.view(n, -1, 32) * scale[..., None] + low[..., None]).view(n, k)
+    ref = x.double() @ exact.double().t()
+    out = fused.int4_gemm(x, *packed.native_layout())[:, :n].double()
+    assert ((out - ref).abs() <= 2e-6 * ref.abs().amax(1, keepdim=True)).all()
+
+
 @pytest.mark.parametrize("rows", [1, 4, 67])
 @pytest.mark.parametrize("group,asym", [(160, False), (32, True), (64, False)])
 def test_int8_grouped_matches_reference(rows, group, asym):

@@ -273,12 +273,22 @@ bool built_with_avx2() {
 #endif
 }
 
+// The rows of x from which the panel (int4_panel_avx2.h) beats the streaming kernel: it pays
+// the unpacking once, the stream once per 4 rows, which costs more the wider the codes. AMD
+// EPYC Zen 2 (2 threads, cache-hot), panel / stream time: 4-bit codes 1.04 at 10 rows and 0.88
+// at 20 (Qwen2.5's gate/up, 9,728 x 896), 5-bit 0.82 at 6 (its down, 896 x 4,864), 8-bit 1.04
+// at 8 and 0.78 at 10 (Gemma 3's LM head).
+inline int64_t panel_rows_from(High kind) {
+  return kind == High::kNone ? 20 : kind == High::kFifthBit ? 6 : 8;
+}
+
 // x [M, K] float32 times int4 weights in octavo's layout, with `high` 5- or 8-bit codes ->
-// [M, N] float32 (int4_block_f32).
+// [M, N] float32: a few rows streamed (int4_block_f32), more through the panel.
 at::Tensor int4_gemm_f32(const at::Tensor& x, const at::Tensor& q4, const at::Tensor& sz,
                             bool half_scales, const std::optional<at::Tensor>& high, High kind) {
   TORCH_CHECK(built_with_avx2(), "int4_gemm with float32 activations needs AVX2 and FMA");
   const int64_t rows = x.size(0), k = x.size(1), blocks = q4.size(0), n = blocks * 16;
+  if (rows >= panel_rows_from(kind)) return int4_panel_gemm_f32(x, q4, sz, high);
   auto out = at::empty({rows, n}, x.options());
 #if defined(__AVX2__) && defined(__FMA__)
   const int64_t groups = k / 32;

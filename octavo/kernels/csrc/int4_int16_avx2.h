@@ -122,13 +122,17 @@ constexpr bool kInt4Int16Gemm = false;
 
 // x [M, K] float32, quantized to int16 per row and 32 inputs, times codes in octavo's int4
 // layout (with `high`: 5- or 8-bit) -> [M, N] float32, N the padded row count. For decode's few
-// rows: each pass over the weights takes 4 rows of x.
+// rows: each pass over the weights takes 4 rows of x. From the rows where the exact product's
+// panel (int4_panel_avx2.h) is as fast, that computes them (AMD EPYC Zen 2, panel / int16 time:
+// 5-bit codes 0.91-1.03 at 10-12 rows, 8-bit 0.95-0.98 at 8).
 at::Tensor int4_int16_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
                            std::optional<at::Tensor> high) {
   TORCH_CHECK(kInt4Int16Gemm, "int4_int16_gemm needs AVX2, FMA and F16C");
   const High kind = check_int4_layout("int4_int16_gemm", x, q4, sz, high);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "int4_int16_gemm: x must be float32");
   const int64_t rows = x.size(0), k = x.size(1), blocks = q4.size(0), n = blocks * 16;
+  if (rows >= (kind == High::kNibble ? 8 : 12))
+    return int4_gemm_f32(x, q4, sz, sz.scalar_type() == at::kHalf, high, kind);
   auto out = at::empty({rows, n}, x.options());
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   const int64_t groups = k / 32;

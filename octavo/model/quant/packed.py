@@ -49,6 +49,13 @@ INT4_ROWS_AMX = 10
 # vs 206.1 at 128 and 393.3 vs 373.4 at 256. The int8 LM head there: 1.8 vs 9.4 ms at 1 row,
 # 22.8 vs 37.7 at 32, 45.1 vs 43.2 at 64.
 INT4_ROWS_F32 = 128
+# Past 6-20 rows (by code width) the float32 kernel dequantizes each row block once into a
+# float32 panel and multiplies every row with it (csrc/int4_panel_avx2.h). On an AMD EPYC with
+# AVX2 only (Zen 2, 2 threads, cache-hot) it beats the tiles at every batch: Qwen2.5's gate/up
+# (9,728 x 896) at 512 rows 46.9 ms against the tiles' 72.0 (torch's float32 GEMM on the dense
+# weight, 512 x 896 x 4,864: 42.3 ms for half of it); Gemma 3's LM head (262,144 x 640,
+# 8-bit codes) at 64 rows 139 against 385. A packed weight alone takes it for every batch there.
+PANEL_ROWS = 1 << 40
 INT8_ROWS_F32 = 32
 # 8-bit codes in the int4 layout (two planes of nibbles, 4 rows of x a pass) cost the kernel
 # about twice the 4-bit work per row, and the tiles win sooner. AMD EPYC AVX-512 (bf16, 2
@@ -140,24 +147,31 @@ class Int4Packed(PackedWeight):
     @property
     def dense_rows(self) -> int:
         """With octavo's kernel, its crossover with the dense GEMM on this CPU (int4_rows);
-        torch's int4 kernel (bf16, 2 threads, the table above) stays ahead up to 256 rows."""
+        torch's int4 kernel (bf16, 2 threads, the table above) stays ahead up to 256 rows.
+        Where bf16 is not native, the float32 kernel's panel beats the tiles at every batch
+        (int4_panel_ready)."""
         if not fused.int4_gemm_ready(self.dtype):
             return 256
         rows = int4_rows(self.dtype, self.bits)
+        if fused.int4_panel_ready(self.dtype):
+            rows = PANEL_ROWS
         # Packed alone, the int8 product takes over where it does in bf16 (its accuracy was
         # measured there: docs/performance.md), before the float32 kernel's crossover.
         return min(rows, INT4_ROWS) if self.int8_product_ready(self.dtype) else rows
 
     def int8_product_ready(self, dtype: torch.dtype) -> bool:
-        """Whether large batches of `dtype` activations take the int8 product."""
-        return self.quantized_activations and fused.int4_int8_gemm_ready(dtype)
+        """Whether large batches of `dtype` activations take the int8 product; 8-bit codes
+        with float32 activations do not: the exact panel computes them faster."""
+        return (self.quantized_activations and fused.int4_int8_gemm_ready(dtype)
+                and not (dtype == torch.float32 and self.bits == 8))
 
     def int16_product_ready(self, dtype: torch.dtype) -> bool:
         """Whether small batches of `dtype` activations take the int16 product: 5- and 8-bit
         codes, with float32 activations where bf16 is not native (AVX2, 1 row: 5-bit codes
-        2.4x and 8-bit 1.2x the exact float32 kernel's speed; 4-bit codes gain nothing)."""
+        2.4x and 8-bit 1.2x the exact float32 kernel's speed; 4-bit codes gain nothing). From
+        8-12 rows the kernel hands them to the exact panel (csrc/int4_int16_avx2.h)."""
         return (self.quantized_activations and self.bits > 4
-                and fused.int4_int16_gemm_ready(dtype) and self.int8_product_ready(dtype))
+                and fused.int4_int16_gemm_ready(dtype))
 
     @staticmethod
     def kernel_ready(dtype: torch.dtype, bits: int) -> bool:
