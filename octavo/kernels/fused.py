@@ -184,10 +184,10 @@ def int4_int8_gemm_ready(dtype: torch.dtype) -> bool:
             and not cpu_platform().native_bf16)
 
 
-def int4_panel_ready(dtype: torch.dtype) -> bool:
-    """Whether octavo's int4 kernel outruns the tiles at every batch of `dtype` activations:
-    float32 ones where bf16 is not native (AVX2), where past a few rows the kernel multiplies
-    them with a float32 panel of each row block (csrc/int4_panel_avx2.h)."""
+def panel_ready(dtype: torch.dtype) -> bool:
+    """Whether octavo's int4 kernel and int8 GEMV outrun the tiles at every batch of `dtype`
+    activations: float32 ones where bf16 is not native (AVX2), where past a few rows they
+    multiply them with a float32 panel of each block of 16 weight rows (csrc/panel_gemm.h)."""
     return int4_gemm_ready(dtype) and dtype == torch.float32 and not cpu_platform().native_bf16
 
 

@@ -115,7 +115,7 @@ def test_int4_kernel_with_float32_activations(native_kernels, rows, exact_in_hal
 @pytest.mark.parametrize("rows", [6, 23, 40])
 def test_int4_float32_panel_across_input_chunks(native_kernels, bits, rows):
     """Past a few rows (6 for 5-bit codes, 8 for 8-bit, 20 for 4-bit) the float32 kernel
-    multiplies x with a float32 panel of each row block (csrc/int4_panel_avx2.h), 1,024 inputs
+    multiplies x with a float32 panel of each row block (csrc/panel_gemm.h), 1,024 inputs
     at a time: K = 1,088 takes a second, partial chunk; rows go five at a time, with a tail."""
     from octavo.kernels import fused
 
@@ -240,11 +240,13 @@ def test_native_int8_grouped_tiles_match_the_reference(native_kernels, half_scal
     ref = packed.dequantize(0, n, dtype)
     assert torch.equal(fused.int8_dequantize(packed.q, packed.scale, 0, n, dtype), ref)
     assert torch.equal(fused.int8_dequantize(packed.q, packed.scale, 7, 30, dtype), ref[7:37])
-    x = torch.randn(packed.dense_rows + 36, k, generator=g).to(dtype)
-    out = packed.matmul(x)
+    x = torch.randn(100, k, generator=g).to(dtype)
     expect = torch.nn.functional.linear(x, ref)
-    assert torch.allclose(out.float(), expect.float(), rtol=1e-3,
-                          atol=1e-3 if dtype == torch.float32 else 0.5)
+    # the tiles, and what a batch past 64 rows takes (float32 where bf16 is not native: the
+    # GEMV's panel)
+    for out in (packed.tiled_matmul(x), packed.matmul(x)):
+        assert torch.allclose(out.float(), expect.float(), rtol=1e-3,
+                              atol=1e-3 if dtype == torch.float32 else 0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -272,3 +274,25 @@ def test_packed_rows_are_the_dequantized_rows(native_kernels, kernels, dtype):
 def _affine(w):
     from octavo.model.quant.packed import minmax_int4
     return minmax_int4(w, 32)
+
+
+@pytest.mark.parametrize("n, k, group", [(40, 1088, 16), (37, 256, 32), (21, 96, 96)])
+@pytest.mark.parametrize("rows", [20, 23])
+def test_int8_float32_panel(native_kernels, n, k, group, rows):
+    """Past 20 rows the int8 GEMV multiplies float32 x with float32 panels of 16 weight rows
+    (csrc/panel_gemm.h), 8 inputs of 8 rows transposed at a time: groups of 16 and 32, one
+    scale a row (group = K), K in two chunks, a partial last block (N = 37, 21)."""
+    from octavo.kernels import fused
+
+    if not fused.int4_gemm_ready(torch.float32):
+        pytest.skip("the float32 panel needs AVX2 and FMA")
+    g = torch.Generator().manual_seed(rows + n)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // group, generator=g) * 0.01
+    x = torch.randn(rows, k, generator=g)
+    for s in (scale, scale.half()):  # float32 and float16 scales; [N] when one a row
+        s = s.view(n) if group == k else s
+        exact = (q.double().view(n, -1, group) * s.double().view(n, -1, 1)).view(n, k)
+        ref = x.double() @ exact.t()
+        out = fused.int8_gemv(x, q, s).double()
+        assert ((out - ref).abs() <= 2e-6 * ref.abs().amax(1, keepdim=True)).all()

@@ -9,7 +9,7 @@
 #include <torch/library.h>
 
 #include "dequant.h"
-#include "int4_panel_avx2.h"
+#include "panel_gemm.h"
 #include "int4_gemm.h"
 #include "int4_int8_gemm.h"
 #include "int4_int16_avx2.h"

@@ -273,7 +273,7 @@ bool built_with_avx2() {
 #endif
 }
 
-// The rows of x from which the panel (int4_panel_avx2.h) beats the streaming kernel: it pays
+// The rows of x from which the panel (panel_gemm.h) beats the streaming kernel: it pays
 // the unpacking once, the stream once per 4 rows, which costs more the wider the codes. AMD
 // EPYC Zen 2 (2 threads, cache-hot), panel / stream time: 4-bit codes 1.04 at 10 rows and 0.88
 // at 20 (Qwen2.5's gate/up, 9,728 x 896), 5-bit 0.82 at 6 (its down, 896 x 4,864), 8-bit 1.04

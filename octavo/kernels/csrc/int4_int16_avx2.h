@@ -123,7 +123,7 @@ constexpr bool kInt4Int16Gemm = false;
 // x [M, K] float32, quantized to int16 per row and 32 inputs, times codes in octavo's int4
 // layout (with `high`: 5- or 8-bit) -> [M, N] float32, N the padded row count. For decode's few
 // rows: each pass over the weights takes 4 rows of x. From the rows where the exact product's
-// panel (int4_panel_avx2.h) is as fast, that computes them (AMD EPYC Zen 2, panel / int16 time:
+// panel (panel_gemm.h) is as fast, that computes them (AMD EPYC Zen 2, panel / int16 time:
 // 5-bit codes 0.91-1.03 at 10-12 rows, 8-bit 0.95-0.98 at 8).
 at::Tensor int4_int16_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
                            std::optional<at::Tensor> high) {

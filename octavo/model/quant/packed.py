@@ -50,7 +50,7 @@ INT4_ROWS_AMX = 10
 # 22.8 vs 37.7 at 32, 45.1 vs 43.2 at 64.
 INT4_ROWS_F32 = 128
 # Past 6-20 rows (by code width) the float32 kernel dequantizes each row block once into a
-# float32 panel and multiplies every row with it (csrc/int4_panel_avx2.h). On an AMD EPYC with
+# float32 panel and multiplies every row with it (csrc/panel_gemm.h). On an AMD EPYC with
 # AVX2 only (Zen 2, 2 threads, cache-hot) it beats the tiles at every batch: Qwen2.5's gate/up
 # (9,728 x 896) at 512 rows 46.9 ms against the tiles' 72.0 (torch's float32 GEMM on the dense
 # weight, 512 x 896 x 4,864: 42.3 ms for half of it); Gemma 3's LM head (262,144 x 640,
@@ -149,11 +149,11 @@ class Int4Packed(PackedWeight):
         """With octavo's kernel, its crossover with the dense GEMM on this CPU (int4_rows);
         torch's int4 kernel (bf16, 2 threads, the table above) stays ahead up to 256 rows.
         Where bf16 is not native, the float32 kernel's panel beats the tiles at every batch
-        (int4_panel_ready)."""
+        (panel_ready)."""
         if not fused.int4_gemm_ready(self.dtype):
             return 256
         rows = int4_rows(self.dtype, self.bits)
-        if fused.int4_panel_ready(self.dtype):
+        if fused.panel_ready(self.dtype):
             rows = PANEL_ROWS
         # Packed alone, the int8 product takes over where it does in bf16 (its accuracy was
         # measured there: docs/performance.md), before the float32 kernel's crossover.
@@ -428,9 +428,13 @@ class Int8Grouped(PackedWeight):
     stay row-major [N, K], so octavo's int8 GEMV reads each row
     once and applies the scales group by group, for up to 64 rows in bf16 (8 at a time over
     the same cached block of weights); larger batches (or no C++ kernels) take dequantized
-    tiles and the dense GEMM."""
+    tiles and the dense GEMM, except float32 ones where bf16 is not native (dense_rows)."""
 
-    dense_rows = 64
+    @property
+    def dense_rows(self) -> int:
+        """64 rows, or every batch where the GEMV's float32 panel outruns the tiles
+        (fused.panel_ready: past 20 rows it multiplies panels, csrc/panel_gemm.h)."""
+        return PANEL_ROWS if fused.panel_ready(self.dtype) else 64
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         """q: [N, K] codes -127..127; scale: [N, K // group]."""
