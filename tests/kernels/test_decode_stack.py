@@ -117,9 +117,12 @@ def test_packed_only_gguf_layers_run_in_the_stack(smollm_gguf, mode, monkeypatch
     stack = model.model.decode_stack
     assert stack is not None and stack.max_tokens is None
     packed = model.model.layers[0].mlp.down_proj.weights.packed
+    # Where the float32 panel takes every batch (fused.panel_ready) there are no tiles: a batch
+    # past 64 rows still takes the panel, in the stack and in the layers.
+    limit = min(packed.dense_rows, 64)
     long_prompt = "the quick brown fox jumps over the lazy dog " * 12
     prompts = ["The capital of France is", "def add(a, b):", long_prompt]
-    assert len(llm.tokenizer.encode(long_prompt)) > packed.dense_rows
+    assert len(llm.tokenizer.encode(long_prompt)) > limit
     rows = []
     forward = decode_stack.DecodeStack.__call__
 
@@ -129,7 +132,7 @@ def test_packed_only_gguf_layers_run_in_the_stack(smollm_gguf, mode, monkeypatch
 
     monkeypatch.setattr(decode_stack.DecodeStack, "__call__", spy)
     fused_out = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert max(rows) > packed.dense_rows and min(rows) <= packed.dense_rows
+    assert max(rows) > limit and min(rows) <= limit
     model.model.decode_stack = None
     layered = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     for a, b in zip(fused_out, layered):
