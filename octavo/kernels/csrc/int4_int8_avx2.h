@@ -22,6 +22,9 @@ namespace {
     !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__))
 
 constexpr bool kInt4Int8GemmAvx2 = true;
+// For the entry's #if: a discarded `if constexpr` branch outside a template still names its
+// callee, which builds with VNNI do not declare.
+#define OCTAVO_INT4_INT8_AVX2 1
 
 // Rows of float32 x quantized per 32 inputs as quantize_rows (int4_int8_gemm.h) does it:
 // q = round(x * 127 / max |x|), to nearest even.

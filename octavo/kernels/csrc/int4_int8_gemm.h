@@ -136,10 +136,10 @@ at::Tensor int4_int8_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
   const High kind = check_int4_layout("int4_int8_gemm", x, q4, sz, high);
   const int64_t rows = x.size(0), k = x.size(1), blocks = q4.size(0), n = blocks * 16;
   auto out = at::empty({rows, n}, x.options());
-  if constexpr (kInt4Int8GemmAvx2) {
-    int4_int8_gemm_avx2(x, q4, sz, high, kind, out);
-    return out;
-  }
+#if defined(OCTAVO_INT4_INT8_AVX2)
+  int4_int8_gemm_avx2(x, q4, sz, high, kind, out);
+  return out;
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   const bool half_scales = sz.scalar_type() == at::kHalf;
   const int64_t groups = k / 32;
