@@ -133,7 +133,7 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor q, at::Tensor scale) {
   // Past a few rows the panel (panel_gemm.h) computes float32 x: AMD EPYC Zen 2 (2 threads),
   // Qwen2.5's down projection (896 x 4,864, groups of 16) 1.38 against 1.51 ms at 16 rows,
   // 1.61 against 2.27 at 24, 25.8 against 53.8 (and the tiles' 39.0) at 512.
-  if (x.scalar_type() == at::kFloat && built_with_avx2_panel() && rows >= kInt8PanelRows &&
+  if (x.scalar_type() == at::kFloat && kPanelGemm && rows >= kInt8PanelRows &&
       k % 8 == 0)
     return int8_panel_gemm_f32(x, q, scale);
   auto out = at::empty({rows, n}, x.options());

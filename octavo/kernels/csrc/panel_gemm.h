@@ -164,21 +164,19 @@ void panel_gemm(const float* x, int64_t rows, int64_t k, int64_t blocks, float* 
 #endif
 }
 
-}  // namespace
-
-bool built_with_avx2_panel() {
 #if defined(__AVX2__) && defined(__FMA__)
-  return true;
+constexpr bool kPanelGemm = true;
 #else
-  return false;
+constexpr bool kPanelGemm = false;
 #endif
-}
+
+}  // namespace
 
 // x [M, K] float32 times the weight (Int4Weight) -> [M, N padded to 16] float32, each row block
 // dequantized once per kPanelInputs inputs into a panel and multiplied with every row of x.
 inline at::Tensor int4_panel_gemm_f32(const at::Tensor& x, const at::Tensor& q4,
                                       const at::Tensor& sz, const std::optional<at::Tensor>& high) {
-  TORCH_CHECK(built_with_avx2_panel(), "int4_panel_gemm_f32 needs AVX2 and FMA");
+  TORCH_CHECK(kPanelGemm, "int4_panel_gemm_f32 needs AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
               x.size(1) == q4.size(1) * 4, "int4_panel_gemm_f32: x must be a contiguous [M, K] "
               "float32 tensor with the weight's K");
@@ -208,7 +206,7 @@ inline at::Tensor int4_panel_gemm_f32(const at::Tensor& x, const at::Tensor& q4,
 // multiple of 16 inputs ([N, G]), float32 or float16 -> [M, N] float32, through panels.
 inline at::Tensor int8_panel_gemm_f32(const at::Tensor& x, const at::Tensor& q,
                                       const at::Tensor& scale) {
-  TORCH_CHECK(built_with_avx2_panel(), "int8_panel_gemm_f32 needs AVX2 and FMA");
+  TORCH_CHECK(kPanelGemm, "int8_panel_gemm_f32 needs AVX2 and FMA");
   const int64_t rows = x.size(0), n = q.size(0), k = q.size(1);
   const int64_t groups = scale.dim() == 2 ? scale.size(1) : 1, group = k / groups;
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && group % 8 == 0,
