@@ -152,9 +152,7 @@ class Int4Packed(PackedWeight):
         (panel_ready)."""
         if not fused.int4_gemm_ready(self.dtype):
             return 256
-        rows = int4_rows(self.dtype, self.bits)
-        if fused.panel_ready(self.dtype):
-            rows = PANEL_ROWS
+        rows = PANEL_ROWS if fused.panel_ready(self.dtype) else int4_rows(self.dtype, self.bits)
         # Packed alone, the int8 product takes over where it does in bf16 (its accuracy was
         # measured there: docs/performance.md), before the float32 kernel's crossover.
         return min(rows, INT4_ROWS) if self.int8_product_ready(self.dtype) else rows
