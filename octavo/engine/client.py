@@ -24,10 +24,8 @@ class InprocClient:
                  max_model_len: int, eos_token_ids: list[int],
                  grammar_backend: Callable[[], XgrammarBackend] | None = None) -> None:
         if config.parallel.data_parallel_size > 1:
-            raise NotImplementedError(
-                "data_parallel_size > 1 runs behind `octavo serve` (and AsyncLLM): one engine "
-                "core process per replica; the offline LLM runs one core, and its replicas are "
-                "not built yet")
+            raise ValueError("data_parallel_size > 1: the replicas run in core processes "
+                             "(replica_client.py), not in this one")
         self.core = create_engine_core(config, source, arch, max_model_len, eos_token_ids,
                                        grammar_backend)
 

@@ -11,6 +11,7 @@ from typing import Any
 from octavo.arch_config import ArchConfig, read_arch_config
 from octavo.config import EngineConfig
 from octavo.engine.client import InprocClient
+from octavo.engine.replica_client import ReplicaClient
 from octavo.engine.grammar import XgrammarBackend
 from octavo.engine.outputs import OutputProcessor
 from octavo.engine.processor import Processor, RequestLimits
@@ -98,8 +99,11 @@ class LLMEngine:
         self.tokenizer = self.setup.tokenizer
         self.processor = self.setup.processor
         self.outputs = OutputProcessor(self.tokenizer)
-        self.client = InprocClient(config, *self.setup.core_args(),
-                                   grammar_backend=self.setup.grammar_backend)
+        # One core in this process, or one process per data-parallel replica
+        self.client = ReplicaClient(config, self.setup.core_args()) \
+            if config.parallel.data_parallel_size > 1 else \
+            InprocClient(config, *self.setup.core_args(),
+                         grammar_backend=self.setup.grammar_backend)
         self.setup.adopt_max_model_len(self.client.max_model_len)
         self._ids = itertools.count()
 

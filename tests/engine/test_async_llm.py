@@ -70,8 +70,8 @@ def test_engine_args_translate_vllm_names_and_refuse_what_octavo_cannot_do():
     config = EngineArgs(model="smollm2-135m-instruct", gpu_memory_utilization=0.3,
                         max_num_seqs=4).create_engine_config()
     assert config.cache.kv_cache_memory_fraction == 0.3 and config.scheduler.max_num_seqs == 4
-    with pytest.raises(NotImplementedError, match="data_parallel_size"):
-        EngineArgs(data_parallel_size=2)
+    assert EngineArgs(data_parallel_size=2, enable_expert_parallel=True).create_engine_config() \
+        .parallel.data_parallel_size == 2
     with pytest.raises(NotImplementedError, match="never runs code"):
         EngineArgs(trust_remote_code=True)
     with pytest.raises(ValueError, match="unknown engine option"):
