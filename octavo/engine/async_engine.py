@@ -25,7 +25,7 @@ import zmq.asyncio
 from octavo.config import EngineConfig
 from octavo.core.protocol import AbortRequests, CoreOutputs, UtilityCall
 from octavo.engine.core_launch import CoreLaunch, launch_cores
-from octavo.engine.core_replica import CoreReplica
+from octavo.engine.core_replica import CoreReplica, CoreStopper
 from octavo.engine.llm_engine import ModelSetup
 from octavo.engine.messages import encoder, output_decoder
 from octavo.engine.offload import Offload
@@ -79,7 +79,7 @@ class AsyncEngine:
         except BaseException:
             for replica in self.replicas:
                 replica.launch.abandon()
-            self._close_sockets()
+            self._stop_cores()
             raise
         for replica in self.replicas:
             replica.launch.setup.send(self.setup.core_args())
@@ -107,6 +107,7 @@ class AsyncEngine:
     def _bind_sockets(self, cores: list[CoreLaunch]) -> None:
         self.ctx = zmq.asyncio.Context()
         self.replicas = [CoreReplica(i, core, self.ctx) for i, core in enumerate(cores)]
+        self._stop_cores = CoreStopper(self, self.replicas, self.ctx)
         self.num_blocks: int | None = None  # a replica's KV cache blocks, once ready
         self.loaded = ""  # what a core loaded (Executor.describe), once it is ready
 
@@ -422,11 +423,4 @@ class AsyncEngine:
         """Stop the cores and release everything, from any thread and with or without an
         event loop (`shutdown` cancels this loop's tasks first)."""
         self.offload.shutdown()
-        for replica in self.replicas:
-            replica.stop()
-        self._close_sockets()
-
-    def _close_sockets(self) -> None:
-        for replica in self.replicas:
-            replica.close_sockets()
-        self.ctx.term()
+        self._stop_cores()

@@ -5,11 +5,18 @@ With data parallelism (`--data-parallel-size N`) the front end holds N of them
 (async_engine.py), each a replica of the model with its own scheduler, KV cache and executor
 (itself tensor or pipeline parallel as configured). A replica that dies fails only its own
 requests; the router (replica_router.py) sends new ones to the others.
+
+The cores leave SIGTERM to their front end (core_process.py), so multiprocessing's own exit
+hook, which terminates and then joins its daemon children, would wait on them forever: a front
+end that is never shut down (a script that simply ends) stops its cores through `CoreStopper`,
+run at the interpreter's exit ahead of that hook, or when the front end is collected.
 """
 from __future__ import annotations
 
 import asyncio
+import atexit
 import time
+import weakref
 
 import zmq
 import zmq.asyncio
@@ -93,3 +100,25 @@ class CoreReplica:
         self.to_core.close(linger=0)
         self.from_core.close(linger=0)
         self.launch.remove_ipc_dir()
+
+
+class CoreStopper:
+    """Stops a front end's cores and closes its sockets and context: once, when called (its
+    shutdown), when the front end is collected, or at the interpreter's exit."""
+
+    def __init__(self, front_end: object, replicas: list[CoreReplica], ctx: zmq.Context) -> None:
+        self._finalize = weakref.finalize(front_end, _stop_cores, replicas, ctx)
+        # atexit runs the last registered first: this before multiprocessing's hook, which the
+        # cores' start registered.
+        atexit.register(self._finalize)
+
+    def __call__(self) -> None:
+        atexit.unregister(self._finalize)
+        self._finalize()
+
+
+def _stop_cores(replicas: list[CoreReplica], ctx: zmq.Context) -> None:
+    for replica in replicas:
+        replica.stop()
+        replica.close_sockets()
+    ctx.term()

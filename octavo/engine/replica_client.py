@@ -21,7 +21,7 @@ from octavo.core.protocol import (
     UtilityCall,
 )
 from octavo.engine.core_launch import launch_cores
-from octavo.engine.core_replica import CoreReplica
+from octavo.engine.core_replica import CoreReplica, CoreStopper
 from octavo.engine.messages import encoder, output_decoder
 from octavo.engine.replica_router import ReplicaRouter
 
@@ -33,6 +33,7 @@ class ReplicaClient:
         self.ctx = zmq.Context()
         launches = launch_cores(config)
         self.replicas = [CoreReplica(i, launch, self.ctx) for i, launch in enumerate(launches)]
+        self._stop_cores = CoreStopper(self, self.replicas, self.ctx)
         for replica in self.replicas:
             replica.launch.setup.send(core_args)
             replica.launch.setup.close()
@@ -124,6 +125,9 @@ class ReplicaClient:
             results.append(answer.utility_result)
         return results
 
+    def shutdown(self) -> None:
+        self._stop_cores()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.owner)
 
@@ -134,11 +138,6 @@ class ReplicaClient:
         """The replicas' stats summed (KV usage: their mean)."""
         return sum_stats(self._call("stats"))
 
-    def shutdown(self) -> None:
-        for replica in self.replicas:
-            replica.stop()
-            replica.close_sockets()
-        self.ctx.term()
 
 
 def sum_stats(every: list[SchedulerStats]) -> SchedulerStats:

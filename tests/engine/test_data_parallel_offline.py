@@ -26,3 +26,4 @@ def test_two_replicas_give_one_cores_outputs(smollm_llm, smollm_gguf):
     finally:
         llm.engine.shutdown()
     assert not any(r.process.is_alive() for r in llm.engine.client.replicas)
+
