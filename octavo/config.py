@@ -206,8 +206,14 @@ class ParallelConfig:
         "a mixture's experts partitioned over the tensor-parallel ranks, each rank holding "
         "whole experts (num_experts / tensor_parallel_size of them), instead of a share of "
         "every expert"))
+    data_parallel_backend: str = field(default="mp", metadata=_opt(
+        "where data-parallel replicas run: mp (local processes) or ray (Ray actors, spread "
+        "over the machines of a Ray cluster)", choices=["mp", "ray"]))
 
     def __post_init__(self) -> None:
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"data_parallel_backend must be mp or ray, got "
+                             f"{self.data_parallel_backend!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

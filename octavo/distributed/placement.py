@@ -14,6 +14,12 @@ import os
 logger = logging.getLogger(__name__)
 
 
+def local_ranks(nodes: list[str]) -> list[tuple[int, int]]:
+    """Each rank's (index among the ranks on its machine, ranks on that machine), from the
+    machine each rank runs on: what decides its share of that machine's cores."""
+    return [(nodes[:rank].count(node), nodes.count(node)) for rank, node in enumerate(nodes)]
+
+
 def rank_cpus(local_rank: int, local_world_size: int, allowed: list[int]) -> list[int]:
     """`local_rank`'s share of `allowed`: consecutive cores, shares differing by at most one.
     With fewer cores than ranks, ranks share cores round-robin, one core each."""

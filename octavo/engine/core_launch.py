@@ -26,7 +26,8 @@ from octavo.config import EngineConfig
 class CoreLaunch:
     """A started core process and the ends the front end keeps: `ready` (the core's one
     ("ready" | "error", info) message), `setup` (the front end sends the model's setup, or closes
-    it unsent to make the core quit) and the ZeroMQ addresses the front end binds."""
+    it unsent to make the core quit) and the ZeroMQ addresses the front end binds (where one
+    names a wildcard port, the front end writes the bound address back before the setup)."""
     process: BaseProcess
     ready: Connection
     setup: Connection
@@ -41,15 +42,21 @@ class CoreLaunch:
         self.setup.close()
         self.process.kill()
         self.process.join(5)
-        self.remove_ipc_dir()
+        self.release()
 
-    def remove_ipc_dir(self) -> None:
+    def release(self) -> None:
+        """What the launch holds beyond the process, once the sockets are closed."""
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def launch_cores(config: EngineConfig) -> list[CoreLaunch]:
-    """One core process per data-parallel replica."""
+def launch_cores(config: EngineConfig) -> list:
+    """One core per data-parallel replica: local processes (CoreLaunch), or Ray actors with the
+    same surface (core_launch_ray.py, `data_parallel_backend` ray)."""
     replicas = config.parallel.data_parallel_size
+    if config.parallel.data_parallel_backend == "ray":
+        from octavo.engine.core_launch_ray import launch_ray_cores
+
+        return launch_ray_cores(config)
     return [launch_core(config, i, replicas) for i in range(replicas)]
 
 

@@ -158,9 +158,7 @@ def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, ou
     Data-parallel replica `replica` of `replicas` first takes its share of the cores (its
     ranks then split that share, distributed/placement.py)."""
     startup_gc.pause()  # until the core is ready (a forked core inherits its parent's pause)
-    if replicas > 1 and config.parallel.cpu_binding == "auto":
-        cpus = rank_cpus(replica, replicas, list(os.sched_getaffinity(0)))
-        os.sched_setaffinity(0, cpus)
+    pin_replica(config, replica, replicas)
     if not die_with_parent():
         logger.warning("PR_SET_PDEATHSIG unavailable: the engine core checks its parent in its "
                        "loop instead")
@@ -173,10 +171,34 @@ def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, ou
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import_model_side()
     try:
-        source, arch, max_model_len, eos_token_ids = setup.recv()
+        core_args = setup.recv()
     except EOFError:
         return
     setup.close()
+    try:
+        core = build_core(config, core_args)
+    except BaseException as exc:
+        ready.send(("error", (type(exc).__name__, str(exc))))
+        raise
+    proc = EngineCoreProcess(core, input_addr, output_addr)
+    startup_gc.settle()
+    ready.send(("ready", ready_info(core)))
+    try:
+        proc.run()
+    finally:
+        proc.close()
+
+
+def pin_replica(config: EngineConfig, replica: int, replicas: int) -> None:
+    """Data-parallel replica `replica` of the `replicas` on this machine takes its share of the
+    cores (cpu_binding auto); its ranks then split that share (distributed/placement.py)."""
+    if replicas > 1 and config.parallel.cpu_binding == "auto":
+        os.sched_setaffinity(0, rank_cpus(replica, replicas, list(os.sched_getaffinity(0))))
+
+
+def build_core(config: EngineConfig, core_args: tuple) -> EngineCore:
+    """The engine core from the front end's (source, arch, max_model_len, eos_token_ids)."""
+    source, arch, max_model_len, eos_token_ids = core_args
 
     def grammar_backend() -> XgrammarBackend:  # on the first constrained request
         from octavo.engine.tokenizer import load_tokenizer
@@ -184,18 +206,47 @@ def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, ou
         return XgrammarBackend(load_tokenizer(source, config.model.tokenizer), arch.vocab_size,
                                eos_token_ids)
 
-    try:
-        core = create_engine_core(config, source, arch, max_model_len, eos_token_ids,
-                                  grammar_backend)
-    except BaseException as exc:
-        ready.send(("error", (type(exc).__name__, str(exc))))
-        raise
-    proc = EngineCoreProcess(core, input_addr, output_addr)
-    startup_gc.settle()
-    ready.send(("ready", {"num_blocks": core.num_blocks, "pid": os.getpid(),
-                          "max_model_len": core.max_model_len,
-                          "loaded": core.describe()}))
-    try:
-        proc.run()
-    finally:
-        proc.close()
+    return create_engine_core(config, source, arch, max_model_len, eos_token_ids,
+                              grammar_backend)
+
+
+def ready_info(core: EngineCore) -> dict:
+    """What the front end learns of a core once it is ready."""
+    return {"num_blocks": core.num_blocks, "pid": os.getpid(),
+            "max_model_len": core.max_model_len, "loaded": core.describe()}
+
+
+class RayEngineCore:
+    """The class a data-parallel replica's Ray actor is made of (core_launch_ray.py): the same
+    core and loop as the process above, in a Ray worker process on any machine of the cluster,
+    speaking to the front end over TCP. `start` builds the core and answers what the ready pipe
+    says; `run` is the loop, to the Shutdown message (its end is how the front end sees the
+    core stop)."""
+
+    def __init__(self) -> None:
+        self.proc: EngineCoreProcess | None = None
+
+    def where(self) -> tuple[str, str, int]:
+        """(Ray node id, node IP address, pid) of this actor."""
+        import ray
+
+        return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
+                os.getpid())
+
+    def start(self, config: EngineConfig, core_args: tuple, input_addr: str, output_addr: str,
+              log_level: int, replica: int, replicas: int) -> dict:
+        """`replica` of the `replicas` on this machine."""
+        logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+        pin_replica(config, replica, replicas)
+        import_model_side()
+        core = build_core(config, core_args)
+        self.proc = EngineCoreProcess(core, input_addr, output_addr)
+        return ready_info(core)
+
+    def run(self) -> None:
+        if self.proc is None:
+            raise RuntimeError("the engine core did not start")
+        try:
+            self.proc.run()
+        finally:
+            self.proc.close()

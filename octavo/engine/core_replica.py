@@ -34,6 +34,9 @@ class CoreReplica:
         self.to_core.bind(launch.input_addr)
         self.from_core = ctx.socket(zmq.PULL)
         self.from_core.bind(launch.output_addr)
+        # A core on another machine (Ray) is told the ports bound here, in its setup.
+        launch.input_addr = self.to_core.getsockopt_string(zmq.LAST_ENDPOINT)
+        launch.output_addr = self.from_core.getsockopt_string(zmq.LAST_ENDPOINT)
         self.stats = SchedulerStats(0, 0, 0.0, 0)
         self.dead: str | None = None
         self.last_heard = time.monotonic()  # the core's last message
@@ -99,7 +102,7 @@ class CoreReplica:
     def close_sockets(self) -> None:
         self.to_core.close(linger=0)
         self.from_core.close(linger=0)
-        self.launch.remove_ipc_dir()
+        self.launch.release()
 
 
 class CoreStopper:

@@ -108,9 +108,14 @@ class ReplicaClient:
 
     def _check_alive(self) -> None:
         for replica in self.replicas:
-            if not replica.process.is_alive():
-                raise RuntimeError(f"engine core {replica.index} exited (code "
-                                   f"{replica.process.exitcode})")
+            if replica.dead is None and not replica.process.is_alive():
+                # Sends to it are dropped from now on: a send to a socket with no peer would
+                # block (the aborts of the failed call's requests, say).
+                replica.dead = f"engine core {replica.index} exited (code " \
+                               f"{replica.process.exitcode})"
+        dead = [r.dead for r in self.replicas if r.dead is not None]
+        if dead:
+            raise RuntimeError("; ".join(dead))
 
     def _call(self, method: str) -> list:
         results = []

@@ -22,7 +22,8 @@ from octavo.arch_config import ArchConfig
 from octavo.config import EngineConfig
 from octavo.executor import wire
 from octavo.executor.mp_worker import rank_identity
-from octavo.executor.ranks import RankExecutor, WorkerFailed, local_ranks
+from octavo.distributed.placement import local_ranks
+from octavo.executor.ranks import RankExecutor, WorkerFailed
 from octavo.model_source import ModelSource
 
 logger = logging.getLogger(__name__)

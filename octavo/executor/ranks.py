@@ -256,12 +256,6 @@ class RankExecutor(Executor):
         raise WorkerFailed(self.failure)
 
 
-def local_ranks(nodes: list[str]) -> list[tuple[int, int]]:
-    """Each rank's (index among the ranks on its machine, ranks on that machine), from the
-    machine each rank runs on: what decides its share of that machine's cores."""
-    return [(nodes[:rank].count(node), nodes.count(node)) for rank, node in enumerate(nodes)]
-
-
 def _first_error(errors: dict[int, str]) -> str:
     if not errors:
         return ""

@@ -3,10 +3,9 @@ bundle per rank ({"CPU": cores per rank} on the CPU, {"GPU": 1} on CUDA) packed 
 as hold them; every call broadcast and gathered as ranks.py does it, each an encoded wire message
 passed to the actors as bytes.
 
-It joins the Ray cluster this process is connected to, else the one `RAY_ADDRESS` names or a
-`ray start` on this machine started, else starts a local one (and stops it at shutdown). So one
-model runs across machines with `ray start --head` on one and `ray start --address=HEAD:6379` on
-the others, then `octavo serve ... --distributed-executor-backend ray` on the head.
+It joins a Ray cluster as distributed/ray_cluster.py says (a local one it started is stopped at
+shutdown): `octavo serve ... --distributed-executor-backend ray` on the head of a cluster runs
+one model across its machines.
 
 A rank's death is seen when one of its calls' results fails (polled with `ray.wait` and a
 timeout, never waited on without one); between steps `check_health` sends every rank a call it
@@ -15,33 +14,24 @@ answers at once. Each machine's ranks split that machine's cores (`local_rank` a
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from octavo.arch_config import ArchConfig
 from octavo.config import EngineConfig
 from octavo.executor import wire
-from octavo.executor.ranks import RankExecutor, WorkerFailed, local_ranks
+from octavo.distributed.placement import local_ranks
+from octavo.distributed.ray_cluster import connect, import_ray, why
+from octavo.executor.ranks import RankExecutor, WorkerFailed
 from octavo.executor.ray_worker import RayRankWorker
 from octavo.model_source import ModelSource
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RayExecutor", "WorkerFailed", "import_ray"]
+__all__ = ["RayExecutor", "WorkerFailed"]
 
 PLACEMENT_TIMEOUT_S = 120.0  # for the cluster to find the bundles and the actors to start
 HEALTH_TIMEOUT_S = 5.0  # an idle rank answers a health check at once; this long is a hang
 SHUTDOWN_GRACE_S = 5.0  # how long ranks may take to answer the shutdown call and to die
-
-
-def import_ray():
-    try:
-        import ray
-    except ImportError as exc:
-        raise ImportError("distributed_executor_backend ray needs Ray, an optional extra: "
-                          "pip install 'octavo[ray]' (or use mp: local worker "
-                          "processes)") from exc
-    return ray
 
 
 class RayExecutor(RankExecutor):
@@ -49,7 +39,7 @@ class RayExecutor(RankExecutor):
                  max_model_len: int, eos_token_ids: list[int]) -> None:
         super().__init__(config)
         self.ray = ray = import_ray()
-        self.started_ray = _connect(ray)
+        self.started_ray = connect(ray)
         self.actors: list = []
         self.pending: dict = {}  # ObjectRef of a call's reply -> its rank
         self.deaths: dict[int, str] = {}  # rank -> how its actor failed
@@ -95,7 +85,7 @@ class RayExecutor(RankExecutor):
             where = ray.get([actor.where.remote() for actor in self.actors],
                             timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.RayError as exc:
-            self._fail(f"the rank actors did not start: {_why(exc)}")
+            self._fail(f"the rank actors did not start: {why(exc)}")
         self.nodes = [node for node, _, _ in where]
         self.names = [f"worker rank {rank} (pid {pid}, node {ip})"
                       for rank, (_, ip, pid) in enumerate(where)]
@@ -138,7 +128,7 @@ class RayExecutor(RankExecutor):
             try:
                 replies.append(self.ray.get(ref))
             except self.ray.exceptions.RayError as exc:
-                self.deaths.setdefault(rank, _why(exc))
+                self.deaths.setdefault(rank, why(exc))
         return replies
 
     def _rank_name(self, rank: int) -> str:
@@ -179,26 +169,3 @@ class RayExecutor(RankExecutor):
             self.placement_group = None
         if self.started_ray:
             ray.shutdown()
-
-
-def _connect(ray) -> bool:
-    """Connect to the Ray cluster there is, else start a local one; whether it was started."""
-    if ray.is_initialized():
-        return False
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address="auto")  # the cluster RAY_ADDRESS names: an error if it is not there
-        return False
-    try:
-        ray.init(address="auto")  # a `ray start` on this machine
-        return False
-    except ConnectionError:
-        pass
-    ray.init(include_dashboard=False)
-    logger.info("ray executor: started a local Ray instance (%s)", ray.cluster_resources())
-    return True
-
-
-def _why(exc: BaseException) -> str:
-    """A Ray error on one line (its text spans many)."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:400]}"

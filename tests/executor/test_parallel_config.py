@@ -27,6 +27,7 @@ def test_the_default_backend_follows_the_world_size():
     ({"pipeline_parallel_size": 1.5}, "pipeline_parallel_size"),
     ({"distributed_executor_backend": "threads"}, "distributed_executor_backend"),
     ({"cpu_binding": "numa"}, "cpu_binding"),
+    ({"data_parallel_backend": "threads"}, "data_parallel_backend"),
 ])
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -50,6 +51,9 @@ def test_flags_are_derived_with_vllms_short_aliases():
     assert EngineConfig.from_cli(args).parallel == ParallelConfig(4, 1)
     with pytest.raises(SystemExit):
         parser.parse_args(["--distributed-executor-backend", "threads"])
+    args = parser.parse_args(["-dp", "2", "--data-parallel-backend", "ray"])
+    parallel = EngineConfig.from_cli(args).parallel
+    assert (parallel.data_parallel_size, parallel.data_parallel_backend) == (2, "ray")
 
 
 def test_vllm_keywords_reach_the_parallel_config():
@@ -61,3 +65,5 @@ def test_vllm_keywords_reach_the_parallel_config():
         .executor_backend == "mp"
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineArgs("m", tensor_parallel_size=0)
+    assert engine_config("m", data_parallel_size=2, data_parallel_backend="ray").parallel \
+        .data_parallel_backend == "ray"

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from octavo import LLM, SamplingParams
-from octavo.executor.ranks import local_ranks
+from octavo.distributed.placement import local_ranks
 from tests.executor.procs import alive, children, descendants
 
 ray = pytest.importorskip("ray")
