@@ -9,7 +9,7 @@ import time
 import pytest
 
 from octavo import LLM, SamplingParams
-from tests.executor.procs import alive
+from tests.executor.procs import alive, gone
 
 ray = pytest.importorskip("ray")
 
@@ -27,15 +27,6 @@ def ray_cluster():
     ray.init(num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
-
-
-def _gone(pids: list[int], bound_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + bound_s
-    while any(alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_replicas_on_ray_give_one_cores_outputs(smollm_llm, smollm_gguf, ray_cluster):
@@ -59,7 +50,7 @@ def test_replicas_on_ray_give_one_cores_outputs(smollm_llm, smollm_gguf, ray_clu
     finally:
         llm.engine.shutdown()
     assert not any(r.process.is_alive() for r in replicas)
-    assert _gone(pids), [p for p in pids if alive(p)]
+    assert gone(pids, 15.0), [p for p in pids if alive(p)]
     _all_cpus_free()
     assert ray.is_initialized()  # the cluster was the test's: octavo leaves it running
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 
@@ -51,3 +52,13 @@ def descendants(parent: int | None = None) -> set[int]:
 def alive(pid: int) -> bool:
     stat = _stat(pid)
     return stat is not None and stat[0] != "Z"
+
+
+def gone(pids, bound_s: float) -> bool:
+    """Whether every pid in `pids` has exited within `bound_s` seconds."""
+    deadline = time.monotonic() + bound_s
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -13,7 +13,7 @@ import pytest
 
 from octavo import LLM, SamplingParams
 from octavo.distributed.placement import local_ranks
-from tests.executor.procs import alive, children, descendants
+from tests.executor.procs import alive, children, descendants, gone
 
 ray = pytest.importorskip("ray")
 
@@ -42,12 +42,7 @@ def ray_cluster():
 
 
 def _gone(pids, bound_s: float = EXIT_BOUND_S) -> bool:
-    deadline = time.monotonic() + bound_s
-    while any(alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    return gone(pids, bound_s)
 
 
 def _prompts() -> list[list[int]]:
