@@ -200,8 +200,8 @@ class ParallelConfig:
         "them", choices=["auto", "none"]))
     data_parallel_size: int = field(default=1, metadata=_opt(
         "replicas of the model, each its own engine core process (itself tensor/pipeline "
-        "parallel as set) behind one server: requests go to the least loaded, or to the one "
-        "whose prefix cache holds their leading tokens", aliases=("-dp",)))
+        "parallel as set) behind one server or offline LLM: requests go to the least loaded, or "
+        "to the one whose prefix cache holds their leading tokens", aliases=("-dp",)))
     enable_expert_parallel: bool = field(default=False, metadata=_opt(
         "a mixture's experts partitioned over the tensor-parallel ranks, each rank holding "
         "whole experts (num_experts / tensor_parallel_size of them), instead of a share of "
