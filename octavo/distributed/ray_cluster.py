@@ -13,7 +13,7 @@ import os
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["connect", "import_ray", "why"]
+__all__ = ["connect", "import_ray", "where", "why"]
 
 
 def import_ray():
@@ -40,6 +40,14 @@ def connect(ray) -> bool:
     ray.init(include_dashboard=False)
     logger.info("started a local Ray instance (%s)", ray.cluster_resources())
     return True
+
+
+def where() -> tuple[str, str, int]:
+    """(Ray node id, node IP address, pid) of the calling actor."""
+    import ray
+
+    return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
+            os.getpid())
 
 
 def why(exc: BaseException) -> str:

@@ -104,7 +104,6 @@ class _ActorProcess:
         self.ray, self.actor, self.pid = ray, actor, pid
         self.start_ref = self.run_ref = None
         self.exitcode: int | None = None
-        self.why = ""
 
     def is_alive(self) -> bool:
         if self.exitcode is None and self.run_ref is not None:
@@ -118,8 +117,8 @@ class _ActorProcess:
             self.ray.get(self.run_ref)
             self.exitcode = 0
         except self.ray.exceptions.RayError as exc:
-            self.exitcode, self.why = 1, why(exc)
-            logger.error("engine core actor (pid %d) ended: %s", self.pid, self.why)
+            self.exitcode = 1
+            logger.error("engine core actor (pid %d) ended: %s", self.pid, why(exc))
 
     def join(self, timeout: float) -> None:
         if self.run_ref is not None and self.exitcode is None:

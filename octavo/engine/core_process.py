@@ -22,6 +22,7 @@ import zmq
 from octavo import startup_gc
 from octavo.config import EngineConfig
 from octavo.core.engine_core import EngineCore, create_engine_core, import_model_side
+from octavo.distributed import ray_cluster
 from octavo.distributed.placement import rank_cpus
 from octavo.core.protocol import (
     AbortRequests,
@@ -228,10 +229,7 @@ class RayEngineCore:
 
     def where(self) -> tuple[str, str, int]:
         """(Ray node id, node IP address, pid) of this actor."""
-        import ray
-
-        return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
-                os.getpid())
+        return ray_cluster.where()
 
     def start(self, config: EngineConfig, core_args: tuple, input_addr: str, output_addr: str,
               log_level: int, replica: int, replicas: int) -> dict:

@@ -4,9 +4,9 @@ one call at a time, in the order the executor sent them."""
 from __future__ import annotations
 
 import logging
-import os
 import socket
 
+from octavo.distributed import ray_cluster
 from octavo.executor import wire
 from octavo.executor.rank_worker import RankWorker
 
@@ -17,10 +17,7 @@ class RayRankWorker:
 
     def where(self) -> tuple[str, str, int]:
         """(Ray node id, node IP address, pid) of this actor."""
-        import ray
-
-        return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
-                os.getpid())
+        return ray_cluster.where()
 
     def free_port(self) -> int:
         """A TCP port free now on this node, for the ranks' torch.distributed rendezvous."""
