@@ -209,12 +209,23 @@ class ParallelConfig:
     data_parallel_backend: str = field(default="mp", metadata=_opt(
         "where data-parallel replicas run: mp (local processes) or ray (Ray actors, spread "
         "over the machines of a Ray cluster)", choices=["mp", "ray"]))
+    prefill_context_parallel_size: int = field(default=1, metadata=_opt(
+        "context-parallel ranks that split each step's tokens along the sequence (a long "
+        "prompt's chunk computed a share per rank, their keys and values exchanged for "
+        "attention); a dimension of its own: the world is tp x cp x pp ranks", aliases=("-pcp",)))
+    decode_context_parallel_size: int = field(default=1, metadata=_opt(
+        "context-parallel ranks that each keep a share of every request's KV blocks along the "
+        "sequence (block j on rank j mod size); each rank attends over its share and the "
+        "partial outputs are combined by their log-sum-exp. With "
+        "--prefill-context-parallel-size too, the two must be equal (one group of ranks)",
+        aliases=("-dcp",)))
 
     def __post_init__(self) -> None:
         if self.data_parallel_backend not in ("mp", "ray"):
             raise ValueError(f"data_parallel_backend must be mp or ray, got "
                              f"{self.data_parallel_backend!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                     "prefill_context_parallel_size", "decode_context_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -224,8 +235,13 @@ class ParallelConfig:
                              f"{', '.join(EXECUTOR_BACKENDS)} (or unset), got {backend!r}")
         if backend == "uniproc" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend uniproc runs one rank in process; "
-                             f"tensor_parallel_size x pipeline_parallel_size is "
-                             f"{self.world_size}: use mp or ray")
+                             f"tensor_parallel_size x context parallel x pipeline_parallel_size "
+                             f"is {self.world_size}: use mp or ray")
+        pcp, dcp = self.prefill_context_parallel_size, self.decode_context_parallel_size
+        if pcp > 1 and dcp > 1 and pcp != dcp:
+            raise ValueError(f"prefill_context_parallel_size ({pcp}) and "
+                             f"decode_context_parallel_size ({dcp}) share one group of ranks: "
+                             f"give them equal, or one of them 1")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be true or false, got "
                              f"{self.enable_expert_parallel!r}")
@@ -233,8 +249,21 @@ class ParallelConfig:
             raise ValueError(f"cpu_binding must be auto or none, got {self.cpu_binding!r}")
 
     @property
+    def context_parallel_size(self) -> int:
+        """The ranks of a context-parallel group (one for no context parallelism)."""
+        return max(self.prefill_context_parallel_size, self.decode_context_parallel_size)
+
+    @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return (self.tensor_parallel_size * self.context_parallel_size
+                * self.pipeline_parallel_size)
+
+    @property
+    def output_rank(self) -> int:
+        """The rank that samples and answers a step: the last stage's first rank (rank =
+        (pp_rank * cp_size + cp_rank) * tp_size + tp_rank)."""
+        return (self.pipeline_parallel_size - 1) * self.context_parallel_size * \
+            self.tensor_parallel_size
 
     @property
     def executor_backend(self) -> str:
@@ -316,6 +345,23 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+
+    def __post_init__(self) -> None:
+        if self.parallel.context_parallel_size > 1:
+            if self.lora.enable_lora:
+                raise NotImplementedError("context parallelism with enable_lora: the adapters' "
+                                          "per-token slots are not split over the ranks yet")
+            if self.speculative is not None and self.speculative.method == "draft_model":
+                raise NotImplementedError("context parallelism with a draft model "
+                                          "(speculative_config.model): the draft's KV cache is "
+                                          "not split over the ranks yet; method ngram works")
+
+    @property
+    def core_block_size(self) -> int:
+        """Tokens per KV block as the core counts them: under decode context parallelism one
+        core block is a block on each rank of the group (its j-th block_size tokens on rank
+        j mod size), so every rank holds block_size of them."""
+        return self.cache.block_size * self.parallel.decode_context_parallel_size
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -46,7 +46,7 @@ class EngineCore:
         self.executor = executor
         # Batches started and not yet taken back, oldest first: (its schedule, its pending output).
         self.batches: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
-        block_size = config.cache.block_size
+        block_size = config.core_block_size
 
         def tokens_needed(max_len: int) -> int:
             # A request must fit alone: all of it, or with every layer sliding, its window and

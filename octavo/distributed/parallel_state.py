@@ -1,10 +1,11 @@
 """Which rank this process is and the collectives between ranks (torch.distributed: gloo on the
 CPU, nccl on CUDA).
 
-Ranks are laid out as vLLM lays them out: rank = pp_rank * tp_size + tp_rank, so a tensor-parallel
-group is tp_size consecutive ranks and a pipeline group is the ranks with the same tp_rank. A
-process that never called `init` is the only rank of both groups: every collective is then the
-identity, so the model code calls them unconditionally.
+Ranks are laid out as vLLM lays them out, context parallelism between the two: rank = (pp_rank *
+cp_size + cp_rank) * tp_size + tp_rank, so a tensor-parallel group is tp_size consecutive ranks, a
+context-parallel group the ranks of one stage with the same tp_rank, and a pipeline group the ranks
+with the same tp_rank and cp_rank. A process that never called `init` is the only rank of every
+group: every collective is then the identity, so the model code calls them unconditionally.
 """
 from __future__ import annotations
 
@@ -23,37 +24,57 @@ class RankPlacement:
     # a mixture's experts partitioned over the tensor-parallel ranks (each holds whole experts)
     # rather than each expert sliced over them
     expert_parallel: bool = False
+    cp_size: int = 1  # context parallel: ranks that split a step's tokens or its KV cache
 
     def __post_init__(self) -> None:
-        if self.tp_size < 1 or self.pp_size < 1:
-            raise ValueError(f"tensor and pipeline parallel sizes must be >= 1, got "
-                             f"{self.tp_size} and {self.pp_size}")
+        if self.tp_size < 1 or self.pp_size < 1 or self.cp_size < 1:
+            raise ValueError(f"tensor, context and pipeline parallel sizes must be >= 1, got "
+                             f"{self.tp_size}, {self.cp_size} and {self.pp_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside a world of {self.world_size}")
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size
+        return self.tp_size * self.cp_size * self.pp_size
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp_size
 
     @property
+    def cp_rank(self) -> int:
+        return self.rank // self.tp_size % self.cp_size
+
+    @property
     def pp_rank(self) -> int:
-        return self.rank // self.tp_size
+        return self.rank // (self.tp_size * self.cp_size)
+
+    def _rank_of(self, pp: int, cp: int, tp: int) -> int:
+        return (pp * self.cp_size + cp) * self.tp_size + tp
 
     def tp_ranks(self) -> list[int]:
-        first = self.pp_rank * self.tp_size
-        return list(range(first, first + self.tp_size))
+        return [self._rank_of(self.pp_rank, self.cp_rank, t) for t in range(self.tp_size)]
+
+    def cp_ranks(self) -> list[int]:
+        return [self._rank_of(self.pp_rank, c, self.tp_rank) for c in range(self.cp_size)]
 
     def pp_ranks(self) -> list[int]:
-        return [stage * self.tp_size + self.tp_rank for stage in range(self.pp_size)]
+        return [self._rank_of(stage, self.cp_rank, self.tp_rank) for stage in range(self.pp_size)]
+
+    def groups(self) -> dict[str, list[list[int]]]:
+        """Every group of each kind, in one order every rank agrees on."""
+        ranks = [RankPlacement(r, self.tp_size, self.pp_size, cp_size=self.cp_size)
+                 for r in range(self.world_size)]
+        kinds = {"tp": RankPlacement.tp_ranks, "cp": RankPlacement.cp_ranks,
+                 "pp": RankPlacement.pp_ranks}
+        return {kind: sorted({tuple(ranks_of(r)) for r in ranks}) for kind, ranks_of in
+                kinds.items()}
 
 
 _SINGLE = RankPlacement(0)
 _placement = _SINGLE
 _tp_group = None
+_cp_group = None
 _pp_group = None
 _tp_shm = None  # the tp group's shared-memory all-reduce, where its ranks share this machine
 
@@ -80,6 +101,14 @@ def ep_rank() -> int:
     return _placement.tp_rank if _placement.expert_parallel else 0
 
 
+def cp_rank() -> int:
+    return _placement.cp_rank
+
+
+def cp_size() -> int:
+    return _placement.cp_size
+
+
 def pp_rank() -> int:
     return _placement.pp_rank
 
@@ -92,7 +121,7 @@ def init(where: RankPlacement, init_method: str, backend: str = "gloo",
          timeout_s: float = 600.0) -> None:
     """Join the world at `init_method` (tcp://host:port) as `where.rank` and make the groups.
     Every rank must call it with the same sizes."""
-    global _placement, _tp_group, _pp_group, _tp_shm
+    global _placement, _tp_group, _cp_group, _pp_group, _tp_shm
     import datetime
 
     import torch.distributed as dist
@@ -100,16 +129,16 @@ def init(where: RankPlacement, init_method: str, backend: str = "gloo",
                             world_size=where.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     # new_group is collective: every rank creates every group, in the same order.
-    for stage in range(where.pp_size):
-        ranks = list(range(stage * where.tp_size, (stage + 1) * where.tp_size))
-        group = dist.new_group(ranks)
-        if where.rank in ranks:
-            _tp_group = group
-    for tp in range(where.tp_size):
-        ranks = [stage * where.tp_size + tp for stage in range(where.pp_size)]
-        group = dist.new_group(ranks)
-        if where.rank in ranks:
-            _pp_group = group
+    mine = {}
+    for kind, groups in where.groups().items():
+        if kind == "cp" and where.cp_size == 1:
+            mine[kind] = None  # no collective of its own; cp_all_gather is then the identity
+            continue
+        for ranks in groups:
+            group = dist.new_group(list(ranks))
+            if where.rank in ranks:
+                mine[kind] = group
+    _tp_group, _cp_group, _pp_group = mine["tp"], mine["cp"], mine["pp"]
     if backend == "gloo" and where.tp_size > 1:
         from octavo.distributed import shm_all_reduce
         _tp_shm = shm_all_reduce.open_for_group(_tp_group, where.tp_ranks(), where.tp_rank,
@@ -118,14 +147,14 @@ def init(where: RankPlacement, init_method: str, backend: str = "gloo",
 
 
 def destroy() -> None:
-    global _placement, _tp_group, _pp_group, _tp_shm
+    global _placement, _tp_group, _cp_group, _pp_group, _tp_shm
     import torch.distributed as dist
     if _tp_shm is not None:
         _tp_shm.close()
         _tp_shm = None
     if dist.is_initialized():
         dist.destroy_process_group()
-    _placement, _tp_group, _pp_group = _SINGLE, None, None
+    _placement, _tp_group, _cp_group, _pp_group = _SINGLE, None, None, None
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -160,6 +189,17 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_placement.tp_size)]
     dist.all_gather(parts, x, group=_tp_group)
     return torch.cat(parts, dim)
+
+
+def cp_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every context-parallel rank's `x` (the same shape on each), stacked in rank order:
+    [cp_size, *x.shape]."""
+    if _placement.cp_size == 1:
+        return x[None]
+    import torch.distributed as dist
+    out = x.new_empty((_placement.cp_size, *x.shape))
+    dist.all_gather(list(out.unbind(0)), x.contiguous(), group=_cp_group)
+    return out
 
 
 def pp_send(x: torch.Tensor, stage: int) -> None:

@@ -84,7 +84,7 @@ class AsyncEngine:
         for replica in self.replicas:
             replica.launch.setup.send(self.setup.core_args())
             replica.launch.setup.close()
-        self.router = ReplicaRouter(config.cache.block_size)
+        self.router = ReplicaRouter(config.core_block_size)
         self.tokenizer = self.setup.tokenizer
         self.processor = self.setup.processor
         self.max_model_len = self.setup.max_model_len

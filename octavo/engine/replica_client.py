@@ -43,7 +43,7 @@ class ReplicaClient:
         except BaseException:
             self.shutdown()
             raise
-        self.router = ReplicaRouter(config.cache.block_size)
+        self.router = ReplicaRouter(config.core_block_size)
         self.owner: dict[str, CoreReplica] = {}  # each unfinished core request's replica
         self.poller = zmq.Poller()
         for replica in self.replicas:

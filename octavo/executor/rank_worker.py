@@ -17,7 +17,7 @@ class RankWorker:
         self.spec = spec
         self.worker = None
         # The last stage's first tp rank samples; its ModelOutput is the one returned.
-        self.is_output_rank = spec.rank == (spec.pp_size - 1) * spec.tp_size
+        self.is_output_rank = spec.rank == spec.config.parallel.output_rank
 
     def start(self) -> tuple[bytes, bool]:
         """Build and load the rank's Worker (joining the other ranks first): the ready reply (or
@@ -31,7 +31,8 @@ class RankWorker:
                                  spec.eos_token_ids,
                                  placement=RankPlacement(
                                      spec.rank, spec.tp_size, spec.pp_size,
-                                     spec.config.parallel.enable_expert_parallel),
+                                     spec.config.parallel.enable_expert_parallel,
+                                     spec.config.parallel.context_parallel_size),
                                  distributed_init_method=spec.distributed_init_method,
                                  local_rank=spec.local_rank,
                                  local_world_size=spec.local_world_size)

@@ -1,7 +1,8 @@
 """What the executors whose ranks run elsewhere (mp: local processes, ray: Ray actors) share: every
 call goes to every rank, in the same order, so the collectives inside a step line up, and is
 gathered before the next; only the output rank's ModelOutput comes back from a step (rank =
-pp_rank * tp_size + tp_rank; the output rank is the last stage's first tp rank). Calls and
+(pp_rank * cp_size + cp_rank) * tp_size + tp_rank; the output rank is the last stage's first,
+ParallelConfig.output_rank). Calls and
 replies are the same msgspec messages (`wire.py`, never pickle) whatever carries them: a
 subclass only moves bytes to a rank and back (`_post`, `_receive`), says whether a rank is gone
 (`_death`) and kills them all (`_kill_workers`, `_stop`).
@@ -44,7 +45,7 @@ class RankExecutor(Executor):
         parallel = config.parallel
         self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         self.world_size = parallel.world_size
-        self.output_rank = (self.pp_size - 1) * self.tp_size
+        self.output_rank = parallel.output_rank
         self.failure: str | None = None
         self.ready = False  # every rank loaded its model
         self.stopped = False

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from octavo.kernels import fused
+from octavo.kernels.context_parallel import ContextParallel, ContextParallelStep, build_step
 from octavo.kernels.paged_attention import AttentionPlan, StepLayout, build_plan, windowed_plan
 
 if TYPE_CHECKING:
@@ -22,10 +23,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class ForwardContext:
-    plan: AttentionPlan
+    plan: AttentionPlan | None  # None under context parallelism
     kv_caches: list[torch.Tensor]  # one [2, num_blocks, block_size, kv_heads, head_dim] per layer
     sliding_plan: AttentionPlan | None = None  # for layers with a sliding window
     lora: LoRAStep | None = None  # which tokens run which adapter (none: the base model's)
+    # this rank's share of the step under context parallelism (model/context_parallel.py)
+    context_parallel: ContextParallelStep | None = None
 
 
 _current: list[ForwardContext] = []
@@ -53,12 +56,16 @@ def step_lora() -> LoRAStep | None:
 
 def step_context(layout: StepLayout, tables: np.ndarray, block_size: int,
                  kv_caches: list[torch.Tensor], sliding_window: int | None,
-                 device: torch.device) -> ForwardContext:
+                 device: torch.device, cp: ContextParallel | None = None) -> ForwardContext:
     """The context of one forward pass over the requests whose block tables are `tables`:
     the attention plan, and the sliding-window plan of a model with windowed layers (the same
     slots and kernel entries, the window applied). Whether the C++ kernels take the short
     queries is decided per step: kernels built in the background take over once they are
-    ready."""
+    ready. Under context parallelism (`cp`), this rank's share of the step instead, whose
+    attention applies each layer's own window."""
+    if cp is not None:
+        return ForwardContext(None, kv_caches, context_parallel=build_step(cp, layout, tables,
+                                                                           device))
     native = device.type == "cpu" and fused.native_ready()
     runs = native and fused.prompt_runs_ready(kv_caches[0])
     plan = build_plan(layout, tables, block_size, device=device, native_decode=native,

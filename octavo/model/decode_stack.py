@@ -304,7 +304,8 @@ def run_layers(layers: nn.ModuleList, stack: DecodeStack | None, x: torch.Tensor
                positions: torch.Tensor) -> torch.Tensor:
     """The decoder layers over x: as one C++ stack where the step allows it, else one by one."""
     ctx = get_forward_context()
-    if stack is not None and stack.usable(x, ctx.plan, ctx.sliding_plan, ctx.kv_caches):
+    if (stack is not None and ctx.context_parallel is None
+            and stack.usable(x, ctx.plan, ctx.sliding_plan, ctx.kv_caches)):
         return stack(x, positions, ctx.plan, ctx.sliding_plan, ctx.kv_caches, ctx.lora)
     for layer in layers:
         x = layer(positions, x)

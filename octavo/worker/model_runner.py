@@ -21,8 +21,10 @@ import torch
 from torch import nn
 
 from octavo.core.contract import GrammarBitmask, ModelOutput, SchedulerOutput, TopLogprobs
+from octavo.kernels.context_parallel import ContextParallel
 from octavo.kernels.paged_attention import step_layout
 from octavo.model.context import ForwardContext, forward_context, step_context
+from octavo.model.context_parallel import gather_rows, own_rows
 from octavo.model.pipeline import is_last_stage
 from octavo.worker.input_batch import InputBatch
 from octavo.worker.lora import LoRAManager, slots_of
@@ -47,8 +49,12 @@ class SamplingEntries:
 class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, max_num_seqs: int,
                  max_model_len: int, block_size: int, vocab_size: int, seed: int,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 context_parallel: ContextParallel | None = None) -> None:
+        """block_size: tokens of a core block (under decode context parallelism, a block on
+        each rank of the group)."""
         self.model = model
+        self.context_parallel = context_parallel
         self.device = device
         self.block_size = block_size
         self.sliding_window = sliding_window
@@ -88,7 +94,7 @@ class ModelRunner:
 
         positions_t = torch.from_numpy(layout.positions).to(self.device)
         context = step_context(layout, b.block_table[rows], self.block_size, self.kv_caches,
-                               self.sliding_window, self.device)
+                               self.sliding_window, self.device, self.context_parallel)
         last_stage = is_last_stage()  # else its hidden states go on to the next stage
         sampling = seq_lens >= b.num_tokens[rows]
         sample_idx = np.flatnonzero(sampling) if last_stage else np.zeros(0, np.int64)
@@ -97,10 +103,17 @@ class ModelRunner:
         entries = self._entries(sched, req_ids, rows, ends, sample_idx) if len(sample_idx) else None
         if b.rows_with_lora:
             context.lora = self.lora.step(b.lora_id[rows][layout.req_of_token])
+        input_ids_t = torch.from_numpy(input_ids).to(self.device)
+        cp_step = context.context_parallel
+        if cp_step is not None:  # with split tokens, this rank runs its share of them
+            input_ids_t, positions_t = own_rows(cp_step, input_ids_t), own_rows(cp_step,
+                                                                                positions_t)
         with forward_context(context):
-            hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions_t)
+            hidden = self.model(input_ids_t, positions_t)
         if not last_stage:
             return ModelOutput(req_ids, [[] for _ in req_ids])
+        if cp_step is not None:
+            hidden = gather_rows(cp_step, hidden)
 
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         num_emitted = np.zeros(len(req_ids), np.int64)

@@ -16,6 +16,7 @@ from octavo.distributed import parallel_state
 from octavo.distributed.parallel_state import RankPlacement
 from octavo.distributed.placement import bind_rank_cpus
 from octavo.kernels import fused
+from octavo.kernels.context_parallel import ContextParallel
 from octavo.model import decode_stack
 from octavo.model.layers.linear import local_heads
 from octavo.model.layers.moe import FusedMoE
@@ -124,14 +125,29 @@ class Worker:
         sched = self.config.scheduler
         self.runner = ModelRunner(
             model, self.device, sched.max_num_seqs, self.max_model_len,
-            self.config.cache.block_size, self.arch.vocab_size, self.config.device.seed,
-            self.arch.sliding_window)
+            self.config.core_block_size, self.arch.vocab_size, self.config.device.seed,
+            self.arch.sliding_window, self._context_parallel())
         if self.config.lora.enable_lora:
             self.runner.lora = LoRAManager(model, self.config.lora, self.arch, self.dtype,
                                            self.device)
         spec = self.config.speculative
         if spec is not None and spec.method == "draft_model":
             self.runner.drafter = self._load_draft(spec.model, spec.num_speculative_tokens)
+
+    def _context_parallel(self) -> ContextParallel | None:
+        parallel = self.config.parallel
+        if parallel.context_parallel_size == 1:
+            return None
+        if self.placement.rank == 0:
+            logger.info("context parallel: %d ranks, %s", parallel.context_parallel_size,
+                        " and ".join(what for what, on in (
+                            ("each step's tokens split", parallel.prefill_context_parallel_size > 1),
+                            ("each request's KV blocks split",
+                             parallel.decode_context_parallel_size > 1)) if on))
+        return ContextParallel(parallel.context_parallel_size, self.placement.cp_rank,
+                               parallel.prefill_context_parallel_size > 1,
+                               parallel.decode_context_parallel_size > 1,
+                               self.config.cache.block_size)
 
     def _load_draft(self, name: str, k: int) -> DraftModel:
         if self.placement.pp_size > 1:
@@ -178,8 +194,14 @@ class Worker:
         return (f"{self.arch.architecture}, {str(self.dtype).removeprefix('torch.')}, "
                 f"quantization {quantization}, {kernels}")
 
+    def _rank_block(self, block_size: int) -> int:
+        """The tokens of a core block of `block_size` this rank caches (decode context
+        parallelism: a share)."""
+        return block_size // self.config.parallel.decode_context_parallel_size
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        block_size = self._rank_block(block_size)
         return sum(2 * block_size * _kv_heads(a) * a.head_dim * elem for a in self._kv_layers())
 
     def available_memory(self) -> int | None:
@@ -192,7 +214,7 @@ class Worker:
             raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than one "
                              f"block ({self.kv_bytes_per_block(block_size)} bytes)")
         _check_kv_fits(kv_cache_memory, self.device)
-        caches = [_zeros((2, num_blocks, block_size, _kv_heads(a), a.head_dim), self.kv_dtype,
+        caches = [_zeros((2, num_blocks, self._rank_block(block_size), _kv_heads(a), a.head_dim), self.kv_dtype,
                          self.device) for a in self._kv_layers()]
         self.runner.kv_caches = caches[:len(stage_range(self.arch.num_layers))]
         if self.runner.drafter is not None:

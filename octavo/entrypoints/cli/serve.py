@@ -199,7 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
     server.config.load()  # uvicorn's protocol imports, while the core still loads
     engine.wait_until_ready()
     startup_gc.settle()
-    block_size = engine.config.cache.block_size
+    block_size = engine.config.core_block_size
     ready = (f"{engine.setup.source.name} ({engine.loaded}), KV cache "
              f"{engine.num_blocks * block_size:,} tokens, context {engine.max_model_len:,}; "
              f"serving as {', '.join(state.served_model_names)} on "

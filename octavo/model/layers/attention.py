@@ -6,6 +6,7 @@ from torch import nn
 
 from octavo.kernels.fused import write_kv
 from octavo.kernels.paged_attention import paged_attention
+from octavo.model import context_parallel
 from octavo.model.context import get_forward_context
 
 
@@ -33,9 +34,13 @@ class PagedAttention(nn.Module):
         """q: [T, H, D], k/v: [T, KVH, D] -> [T, H * D]"""
         ctx = get_forward_context()
         cache = ctx.kv_caches[self.layer_index]
-        plan = ctx.sliding_plan if self.sliding_window and ctx.sliding_plan else ctx.plan
         ks, vs = ((self.k_scale, self.v_scale) if cache.dtype == torch.float8_e4m3fn
                   else (1.0, 1.0))
+        if ctx.context_parallel is not None:
+            out = context_parallel.attention(ctx.context_parallel, q, k, v, cache, self.scale,
+                                             self.softcap, self.sliding_window, ks, vs)
+            return out.reshape(q.shape[0], -1)
+        plan = ctx.sliding_plan if self.sliding_window and ctx.sliding_plan else ctx.plan
         write_kv(cache, k, v, plan.slot_mapping, ks, vs)
         out = paged_attention(q, cache, plan, self.scale, self.softcap, ks, vs)
         return out.reshape(q.shape[0], -1)

@@ -1,0 +1,193 @@
+"""Context parallelism's share of a step's attention, in torch: which tokens a rank computes, which
+keys and values it keeps, and attention over its keys with each query's log-sum-exp, so that the
+partial outputs of several ranks combine into the exact softmax.
+
+A context-parallel group of C ranks runs every step together. Split tokens (prefill context
+parallel): rank r computes the step's flat tokens [r * S, (r + 1) * S), S = ceil(T / C), padded to
+S rows; the attention layers exchange the step's keys and values (and queries, with the cache
+sharded too). Sharded KV (decode context parallel): position p of a request lives on rank
+(p // B) % C, B the cache's block size, in the physical block `table[p // (B * C)]` at offset
+p % B: the core's block of B * C tokens is one block on each rank, so the core allocates and
+caches blocks as it always does and every rank holds a C-th of every request's KV. Each rank
+attends every query to the keys it holds; a query none of whose keys a rank holds gets a
+log-sum-exp of -inf there and weighs nothing in the combination.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from octavo.kernels.paged_attention import StepLayout, _gather, _length_buckets
+
+# Scores of one slice of a group's queries at a time: at most this many elements (fp32).
+SCORE_ELEMENTS = 1 << 24
+_FAR = np.iinfo(np.int64).max // 2  # the position of a padded key: after every query
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """A rank's place in its context-parallel group and what the group splits."""
+
+    size: int
+    rank: int
+    split_tokens: bool  # --prefill-context-parallel-size
+    shard_kv: bool  # --decode-context-parallel-size
+    block_size: int  # tokens of a block of this rank's cache
+
+    @property
+    def kv_ranks(self) -> int:
+        return self.size if self.shard_kv else 1
+
+    @property
+    def kv_rank(self) -> int:
+        return self.rank if self.shard_kv else 0
+
+
+@dataclass
+class ContextGroup:
+    """Requests whose queries attend to this rank's keys in one padded batch."""
+
+    token_index: torch.Tensor  # [R, Qmax] each query's row in the step's queries; padding = Q
+    token_valid: torch.Tensor  # [R, Qmax]
+    key_slots: torch.Tensor  # [R, Lmax] local cache slots (0 for padding)
+    query_pos: torch.Tensor  # [R, Qmax] positions in the request
+    key_pos: torch.Tensor  # [R, Lmax] (padding: after every query)
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by sliding window
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[R, 1, Qmax, Lmax], True = attend."""
+        if window not in self.masks:
+            q, k = self.query_pos[:, :, None], self.key_pos[:, None, :]
+            allowed = k <= q
+            if window is not None:
+                allowed &= k > q - window
+            self.masks[window] = allowed[:, None]
+        return self.masks[window]
+
+
+@dataclass
+class ContextParallelStep:
+    cp: ContextParallel
+    num_tokens: int  # T, the step's tokens over the whole group
+    chunk: int  # the rows this rank computes (its tokens, padded): T without split tokens
+    own_start: int  # its tokens are the step's [own_start, own_end)
+    own_end: int
+    write_index: torch.Tensor  # [W] the step's tokens whose K/V this rank keeps
+    write_slots: torch.Tensor  # [W] their slots in its cache
+    query_start: int  # attention's queries are the step's tokens [query_start, query_end)
+    query_end: int
+    groups: list[ContextGroup]
+
+
+def build_step(cp: ContextParallel, layout: StepLayout, tables: np.ndarray,
+               device: torch.device | str = "cpu") -> ContextParallelStep:
+    """One step's share for this rank. tables[r]: request r's core block ids."""
+    t = layout.num_tokens
+    if cp.split_tokens:
+        chunk = -(-t // cp.size)
+        own_start = min(cp.rank * chunk, t)
+        own_end = min(own_start + chunk, t)
+    else:
+        chunk, own_start, own_end = t, 0, t
+    block, kv_ranks, kv_rank = cp.block_size, cp.kv_ranks, cp.kv_rank
+    span = block * kv_ranks  # tokens of a core block
+    pos, req = layout.positions, layout.req_of_token
+    kept = np.flatnonzero((pos // block) % kv_ranks == kv_rank)
+    slots = tables[req[kept], pos[kept] // span] * block + pos[kept] % block
+    # A rank holding every key computes its own tokens' queries; one holding a share computes
+    # every query against that share.
+    q_start, q_end = (0, t) if cp.shard_kv else (own_start, own_end)
+    first = np.clip(layout.starts, q_start, q_end)
+    last = np.clip(layout.ends, q_start, q_end)
+    num_queries = last - first
+    # a request's keys run up to its last query; how many of them this rank holds
+    context = layout.seq_lens - (layout.ends - last)
+    local_lens = (context // span) * block + np.clip(context % span - kv_rank * block, 0, block)
+    members = np.flatnonzero((num_queries > 0) & (local_lens > 0))
+    groups = [_group(bucket, first, q_start, q_end, num_queries, local_lens, layout, tables,
+                     block, span, kv_rank, device)
+              for bucket in (_length_buckets(members, num_queries, local_lens)
+                             if len(members) else [])]
+    return ContextParallelStep(
+        cp, t, chunk, own_start, own_end, torch.from_numpy(kept).to(device),
+        torch.from_numpy(slots.astype(np.int64, copy=False)).to(device), q_start, q_end, groups)
+
+
+def _group(members: np.ndarray, first: np.ndarray, q_start: int, q_end: int,
+           num_queries: np.ndarray, local_lens: np.ndarray, layout: StepLayout,
+           tables: np.ndarray, block: int, span: int, kv_rank: int,
+           device: torch.device | str) -> ContextGroup:
+    """first[r]: the step's token of request r's first query here."""
+    nq, nk = num_queries[members], local_lens[members]
+    i, j = np.arange(int(nq.max())), np.arange(int(nk.max()))
+    valid = i[None, :] < nq[:, None]
+    tokens = np.minimum(first[members][:, None] + i[None, :], layout.num_tokens - 1)
+    token_index = np.where(valid, tokens - q_start, q_end - q_start)
+    query_pos = np.where(valid, layout.positions[tokens], 0)
+    key_valid = j[None, :] < nk[:, None]
+    key_pos = np.where(key_valid, (j // block) * span + kv_rank * block + j % block, _FAR)
+    key_slots = np.where(key_valid, tables[members][:, j // block] * block + j % block, 0)
+    return ContextGroup(*(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (
+        token_index.astype(np.int64), valid, key_slots.astype(np.int64),
+        query_pos.astype(np.int64), key_pos.astype(np.int64))))
+
+
+def partial_attention(q: torch.Tensor, kv_cache: torch.Tensor, step: ContextParallelStep,
+                      scale: float, softcap: float | None, window: int | None,
+                      k_scale: float = 1.0, v_scale: float = 1.0
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [Q, H, D], the step's queries [query_start, query_end) -> their attention over this
+    rank's keys, [Q, H, D] in fp32, and its log-sum-exp [Q, H] (-inf: no key here)."""
+    num_queries, heads, dim = q.shape
+    kvh = kv_cache.shape[3]
+    out = q.new_zeros((num_queries, heads, dim), dtype=torch.float32)
+    lse = q.new_full((num_queries, heads), float("-inf"), dtype=torch.float32)
+    q_padded = torch.cat([q, q.new_zeros(1, heads, dim)]).float()
+    k_flat = kv_cache[0].view(-1, kvh, dim)
+    v_flat = kv_cache[1].view(-1, kvh, dim)
+    for g in step.groups:
+        kg = _gather(k_flat, g.key_slots).float()  # [R, KVH, L, D]
+        vg = _gather(v_flat, g.key_slots).float()
+        if k_scale != 1.0 or v_scale != 1.0:
+            kg, vg = kg * k_scale, vg * v_scale
+        mask = g.mask(window)
+        r, q_max = g.token_index.shape
+        rows = max(1, SCORE_ELEMENTS // max(1, r * heads * kg.shape[2]))
+        for lo in range(0, q_max, rows):
+            index = g.token_index[:, lo:lo + rows]
+            o, s = _attend(q_padded[index], kg, vg, mask[:, :, lo:lo + rows], scale, softcap)
+            valid = g.token_valid[:, lo:lo + rows]
+            out[index[valid]] = o[valid]
+            lse[index[valid]] = s[valid]
+    return out, lse
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [R, Q, H, D] over k, v [R, KVH, L, D] -> out [R, Q, H, D], lse [R, Q, H]. The query
+    heads of a KV head are folded into the query axis, so GQA needs no copy of K/V."""
+    r, q_len, h, d = q.shape
+    kvh = k.shape[1]
+    groups = h // kvh
+    qf = q.permute(0, 2, 1, 3).reshape(r, kvh, groups * q_len, d)
+    scores = torch.matmul(qf, k.transpose(-1, -2)) * scale  # [R, KVH, G*Q, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(r, kvh, groups, q_len, -1).masked_fill(~mask.unsqueeze(1),
+                                                                 float("-inf"))
+    lse = torch.logsumexp(scores, -1)  # [R, KVH, G, Q]
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    out = torch.matmul(probs.view(r, kvh, groups * q_len, -1), v)  # [R, KVH, G*Q, D]
+    out = out.view(r, h, q_len, d).transpose(1, 2)
+    return out, lse.view(r, h, q_len).transpose(1, 2)
+
+
+def combine(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """The ranks' partial attentions [C, Q, H, D] with their log-sum-exps [C, Q, H] -> the
+    attention over all their keys, [Q, H, D]."""
+    top = lses.max(0).values
+    weights = torch.exp(lses - torch.where(torch.isinf(top), 0.0, top))  # [C, Q, H]
+    total = (outs * weights.unsqueeze(-1)).sum(0)
+    return total / weights.sum(0).clamp_min(torch.finfo(weights.dtype).tiny).unsqueeze(-1)

@@ -1,0 +1,58 @@
+"""Context parallelism in the model: the attention layers' exchange between the ranks of a
+context-parallel group, and the split of a step's tokens around the forward pass.
+
+The math of a rank's share (which tokens, which keys, attention with its log-sum-exp) is in
+kernels/context_parallel.py; this module adds the collectives. With split tokens, each rank runs
+the layers over its own rows only (the linear layers' work is divided), and the attention layers
+gather the step's keys and values so that every rank can write the ones it keeps; with the KV
+sharded, every rank attends all of the step's queries to its keys and the group combines the
+partial outputs by their log-sum-exp. After the last layer the ranks gather their rows, so the
+LM head and the sampler see the whole step, as without context parallelism.
+"""
+from __future__ import annotations
+
+import torch
+
+from octavo.distributed import parallel_state
+from octavo.kernels.context_parallel import ContextParallelStep, combine, partial_attention
+from octavo.kernels.fused import write_kv
+
+
+def own_rows(step: ContextParallelStep, x: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of the step's per-token `x`, padded (with zeros: token 0 at position 0,
+    whose output is dropped) to the chunk every rank computes."""
+    if not step.cp.split_tokens:
+        return x
+    mine = x[step.own_start:step.own_end]
+    missing = step.chunk - len(mine)
+    if missing == 0:
+        return mine
+    return torch.cat([mine, mine.new_zeros((missing, *x.shape[1:]))])
+
+
+def gather_rows(step: ContextParallelStep, x: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows (`chunk` each, in token order) -> the step's [T, ...]."""
+    if not step.cp.split_tokens:
+        return x
+    every = parallel_state.cp_all_gather(x)
+    return every.reshape(-1, *x.shape[1:])[:step.num_tokens]
+
+
+def attention(step: ContextParallelStep, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              cache: torch.Tensor, scale: float, softcap: float | None, window: int | None,
+              k_scale: float, v_scale: float) -> torch.Tensor:
+    """q: [rows, H, D], k/v: [rows, KVH, D] of this rank's rows -> its rows' attention output,
+    [rows, H, D]."""
+    k, v = gather_rows(step, k), gather_rows(step, v)
+    if step.cp.shard_kv:
+        q = gather_rows(step, q)
+    write_kv(cache, k[step.write_index], v[step.write_index], step.write_slots, k_scale,
+             v_scale)
+    queries = q[:step.query_end - step.query_start]
+    out, lse = partial_attention(queries, cache, step, scale, softcap, window, k_scale, v_scale)
+    if step.cp.shard_kv:
+        out = combine(parallel_state.cp_all_gather(out), parallel_state.cp_all_gather(lse))
+        out = own_rows(step, out)
+    elif len(out) < len(q):  # this rank's padding rows
+        out = torch.cat([out, out.new_zeros((len(q) - len(out), *out.shape[1:]))])
+    return out.to(q.dtype)
