@@ -259,6 +259,14 @@ class ParallelConfig:
                 * self.pipeline_parallel_size)
 
     @property
+    def layout(self) -> str:
+        """The ranks' layout as logs show it: "tp 2, pp 1" (and the context-parallel group's
+        size when there is one)."""
+        cp = self.context_parallel_size
+        return (f"tp {self.tensor_parallel_size}, " + (f"cp {cp}, " if cp > 1 else "")
+                + f"pp {self.pipeline_parallel_size}")
+
+    @property
     def output_rank(self) -> int:
         """The rank that samples and answers a step: the last stage's first rank (rank =
         (pp_rank * cp_size + cp_rank) * tp_size + tp_rank)."""

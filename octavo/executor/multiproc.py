@@ -66,12 +66,12 @@ class MultiprocExecutor(RankExecutor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("mp executor: %d worker processes (tp %d, pp %d), pids %s", self.world_size,
-                    self.tp_size, self.pp_size, [p.pid for p in self.procs])
+        logger.info("mp executor: %d worker processes (%s), pids %s", self.world_size,
+                    self.layout, [p.pid for p in self.procs])
 
     def describe(self) -> str:
         return (f"{super().describe()}, {self.world_size} worker processes "
-                f"(tp {self.tp_size}, pp {self.pp_size})")
+                f"({self.layout})")
 
     # --- the transport ------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ class RankExecutor(Executor):
         self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         self.world_size = parallel.world_size
         self.output_rank = parallel.output_rank
+        self.layout = parallel.layout  # as logs show it
         self.failure: str | None = None
         self.ready = False  # every rank loaded its model
         self.stopped = False

@@ -51,8 +51,8 @@ class RayExecutor(RankExecutor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("ray executor: %d actors (tp %d, pp %d): %s", self.world_size, self.tp_size,
-                    self.pp_size, ", ".join(self.names))
+        logger.info("ray executor: %d actors (%s): %s", self.world_size, self.layout,
+                    ", ".join(self.names))
 
     def _start(self, config: EngineConfig, source: ModelSource, arch: ArchConfig,
                max_model_len: int, eos_token_ids: list[int]) -> None:
@@ -105,7 +105,7 @@ class RayExecutor(RankExecutor):
     def describe(self) -> str:
         return (f"{super().describe()}, {self.world_size} Ray actors on {len(set(self.nodes))} "
                 f"node(s) "
-                f"(tp {self.tp_size}, pp {self.pp_size})")
+                f"({self.layout})")
 
     def check_health(self) -> None:
         super().check_health()

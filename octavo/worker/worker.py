@@ -138,16 +138,15 @@ class Worker:
         parallel = self.config.parallel
         if parallel.context_parallel_size == 1:
             return None
+        split_tokens = parallel.prefill_context_parallel_size > 1
+        shard_kv = parallel.decode_context_parallel_size > 1
         if self.placement.rank == 0:
-            logger.info("context parallel: %d ranks, %s", parallel.context_parallel_size,
+            logger.info("context parallel over %d ranks: %s", parallel.context_parallel_size,
                         " and ".join(what for what, on in (
-                            ("each step's tokens split", parallel.prefill_context_parallel_size > 1),
-                            ("each request's KV blocks split",
-                             parallel.decode_context_parallel_size > 1)) if on))
+                            ("each step's tokens split", split_tokens),
+                            ("each request's KV blocks split", shard_kv)) if on))
         return ContextParallel(parallel.context_parallel_size, self.placement.cp_rank,
-                               parallel.prefill_context_parallel_size > 1,
-                               parallel.decode_context_parallel_size > 1,
-                               self.config.cache.block_size)
+                               split_tokens, shard_kv, self.config.cache.block_size)
 
     def _load_draft(self, name: str, k: int) -> DraftModel:
         if self.placement.pp_size > 1:
@@ -214,7 +213,8 @@ class Worker:
             raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than one "
                              f"block ({self.kv_bytes_per_block(block_size)} bytes)")
         _check_kv_fits(kv_cache_memory, self.device)
-        caches = [_zeros((2, num_blocks, self._rank_block(block_size), _kv_heads(a), a.head_dim), self.kv_dtype,
+        rank_block = self._rank_block(block_size)
+        caches = [_zeros((2, num_blocks, rank_block, _kv_heads(a), a.head_dim), self.kv_dtype,
                          self.device) for a in self._kv_layers()]
         self.runner.kv_caches = caches[:len(stage_range(self.arch.num_layers))]
         if self.runner.drafter is not None:

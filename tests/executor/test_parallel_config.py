@@ -67,3 +67,46 @@ def test_vllm_keywords_reach_the_parallel_config():
         EngineArgs("m", tensor_parallel_size=0)
     assert engine_config("m", data_parallel_size=2, data_parallel_backend="ray").parallel \
         .data_parallel_backend == "ray"
+
+
+def test_context_parallelism_is_a_dimension_of_its_own():
+    parallel = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2,
+                              prefill_context_parallel_size=3, decode_context_parallel_size=3)
+    assert (parallel.context_parallel_size, parallel.world_size) == (3, 12)
+    assert parallel.output_rank == 6 and parallel.layout == "tp 2, cp 3, pp 2"
+    assert ParallelConfig(decode_context_parallel_size=2).executor_backend == "mp"
+    assert ParallelConfig(pipeline_parallel_size=2).output_rank == 1
+    assert EngineConfig.from_kwargs(decode_context_parallel_size=4, block_size=8) \
+        .core_block_size == 32
+    assert EngineConfig.from_kwargs(prefill_context_parallel_size=4).core_block_size == 16
+    with pytest.raises(ValueError, match="decode_context_parallel_size"):
+        ParallelConfig(decode_context_parallel_size=0)
+    with pytest.raises(ValueError, match="share one group"):
+        ParallelConfig(prefill_context_parallel_size=2, decode_context_parallel_size=4)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    parallel = EngineConfig.from_cli(parser.parse_args(["-pcp", "2", "-dcp", "2"])).parallel
+    assert (parallel.prefill_context_parallel_size, parallel.decode_context_parallel_size) == (2, 2)
+    assert engine_config("m", decode_context_parallel_size=2).parallel.world_size == 2
+
+
+@pytest.mark.parametrize("kwargs, what", [
+    ({"enable_lora": True}, "enable_lora"),
+    ({"speculative_config": {"method": "draft_model", "model": "m"}}, "draft model")])
+def test_context_parallelism_refuses_what_it_does_not_split_yet(kwargs, what):
+    with pytest.raises(NotImplementedError, match=what):
+        EngineConfig.from_kwargs(decode_context_parallel_size=2, **kwargs)
+    EngineConfig.from_kwargs(**kwargs)  # fine without it
+
+
+def test_rank_layout_puts_context_parallel_between_tensor_and_pipeline():
+    from octavo.distributed.parallel_state import RankPlacement
+
+    where = RankPlacement(5, tp_size=2, pp_size=2, cp_size=2)
+    assert (where.tp_rank, where.cp_rank, where.pp_rank) == (1, 0, 1)
+    assert (where.tp_ranks(), where.cp_ranks(), where.pp_ranks()) == ([4, 5], [5, 7], [1, 5])
+    groups = where.groups()
+    assert groups["cp"] == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    for kind in ("tp", "cp", "pp"):  # each kind partitions the world
+        assert sorted(r for g in groups[kind] for r in g) == list(range(8))
+    assert RankPlacement(3, tp_size=2, pp_size=2).pp_ranks() == [1, 3]  # as before without cp
