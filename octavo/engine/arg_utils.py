@@ -11,9 +11,9 @@ from octavo.config import DEFAULT_MODEL, EngineConfig
 # vLLM's name -> octavo's. gpu_memory_utilization is the share of memory the KV cache may take.
 _RENAMED = {"gpu_memory_utilization": "kv_cache_memory_fraction"}
 # vLLM options accepted only at the value that means "as octavo does anyway".
-# (tensor_parallel_size, pipeline_parallel_size, data_parallel_size, enable_expert_parallel
-# and distributed_executor_backend are octavo's own names too: they pass through to
-# ParallelConfig.)
+# (tensor_parallel_size, pipeline_parallel_size, data_parallel_size, enable_expert_parallel,
+# the two context-parallel sizes and distributed_executor_backend are octavo's own names too:
+# they pass through to ParallelConfig.)
 _ONLY = {"trust_remote_code": False}
 _WHY = {"trust_remote_code": "octavo never runs code shipped with a model"}
 _NO_EFFECT = ("disable_log_stats",)  # logging choices with nothing to change here

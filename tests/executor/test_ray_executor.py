@@ -1,5 +1,6 @@
 """The ray executor on a local Ray cluster (started here, 2 CPUs) and the tiny random Llama: TP=2
-gives the mp executor's greedy tokens and prompt logprobs; an actor killed mid-run is a clear
+gives the mp executor's greedy tokens and prompt logprobs, context parallelism over two actors
+one process's; an actor killed mid-run is a clear
 error within seconds and leaves no actor; shutdown and ray.shutdown() leave no process; without
 Ray the backend is refused naming the extra."""
 from __future__ import annotations
@@ -100,6 +101,29 @@ def test_tensor_parallel_on_ray_actors_gives_the_mp_executors_outputs(tiny_llama
     with pytest.raises(WorkerFailed, match="shut down"):
         executor.check_health()
     assert ray.util.placement_group_table(group)["state"] == "REMOVED"
+
+
+def test_context_parallel_ranks_on_ray_actors_give_one_process_outputs(tiny_llama, ray_cluster):
+    """Both context-parallel modes on two actors: the group's collectives run between actors."""
+    prompts = _prompts()
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    kw = {**KW, "tensor_parallel_size": 1}
+    one = LLM(str(tiny_llama), **kw)
+    try:
+        ref = one.generate(prompts, params, use_tqdm=False)
+    finally:
+        one.engine.shutdown()
+    llm = LLM(str(tiny_llama), distributed_executor_backend="ray", **kw,
+              prefill_context_parallel_size=2, decode_context_parallel_size=2)
+    try:
+        assert "(tp 1, cp 2, pp 1)" in _executor(llm).describe()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    for a, b in zip(outs, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert _logprobs(a.prompt_logprobs[1:]) == \
+            pytest.approx(_logprobs(b.prompt_logprobs[1:]), abs=1e-4)
 
 
 def test_an_actor_killed_mid_run_is_a_clear_error_within_seconds(tiny_llama, ray_cluster):
