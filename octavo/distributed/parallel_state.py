@@ -77,6 +77,7 @@ _tp_group = None
 _cp_group = None
 _pp_group = None
 _tp_shm = None  # the tp group's shared-memory all-reduce, where its ranks share this machine
+_cp_shm = None  # the cp group's, for its all-gathers
 
 
 def placement() -> RankPlacement:
@@ -121,7 +122,7 @@ def init(where: RankPlacement, init_method: str, backend: str = "gloo",
          timeout_s: float = 600.0) -> None:
     """Join the world at `init_method` (tcp://host:port) as `where.rank` and make the groups.
     Every rank must call it with the same sizes."""
-    global _placement, _tp_group, _cp_group, _pp_group, _tp_shm
+    global _placement, _tp_group, _cp_group, _pp_group, _tp_shm, _cp_shm
     import datetime
 
     import torch.distributed as dist
@@ -143,15 +144,20 @@ def init(where: RankPlacement, init_method: str, backend: str = "gloo",
         from octavo.distributed import shm_all_reduce
         _tp_shm = shm_all_reduce.open_for_group(_tp_group, where.tp_ranks(), where.tp_rank,
                                                 timeout_s=timeout_s)
+    if backend == "gloo" and where.cp_size > 1:
+        from octavo.distributed import shm_all_reduce
+        _cp_shm = shm_all_reduce.open_for_group(_cp_group, where.cp_ranks(), where.cp_rank,
+                                                timeout_s=timeout_s)
     _placement = where
 
 
 def destroy() -> None:
-    global _placement, _tp_group, _cp_group, _pp_group, _tp_shm
+    global _placement, _tp_group, _cp_group, _pp_group, _tp_shm, _cp_shm
     import torch.distributed as dist
-    if _tp_shm is not None:
-        _tp_shm.close()
-        _tp_shm = None
+    for shm in (_tp_shm, _cp_shm):
+        if shm is not None:
+            shm.close()
+    _tp_shm = _cp_shm = None
     if dist.is_initialized():
         dist.destroy_process_group()
     _placement, _tp_group, _cp_group, _pp_group = _SINGLE, None, None, None
@@ -197,8 +203,11 @@ def cp_all_gather(x: torch.Tensor) -> torch.Tensor:
     if _placement.cp_size == 1:
         return x[None]
     import torch.distributed as dist
+    x = x.contiguous()
     out = x.new_empty((_placement.cp_size, *x.shape))
-    dist.all_gather(list(out.unbind(0)), x.contiguous(), group=_cp_group)
+    if _cp_shm is not None and _cp_shm.fits(x):
+        return _cp_shm.all_gather(x, out)
+    dist.all_gather(list(out.unbind(0)), x, group=_cp_group)
     return out
 
 

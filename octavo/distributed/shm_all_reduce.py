@@ -1,4 +1,4 @@
-"""All-reduce through shared memory for tensor-parallel CPU ranks on one machine.
+"""All-reduce (and all-gather) through shared memory for the CPU ranks of a group on one machine.
 
 gloo's all-reduce goes through TCP on the loopback: a few hundred microseconds for a decode
 step's hidden state, twice per layer. Ranks on one machine can instead share a mapping: each
@@ -7,7 +7,9 @@ sums the slots itself in rank order (so every rank gets the same bits). Two sets
 alternate between calls: a rank reuses a set only after every rank has raised its flag for the
 call in between, which each does only once it has read the set. The flags' ordering relies on
 x86's stores becoming visible in program order (the data before the flag), so `supported()`
-is x86 only; elsewhere, and for tensors larger than the slots, the caller keeps gloo.
+is x86 only; elsewhere, and for tensors larger than the slots, the caller keeps gloo. An
+all-gather is the same exchange, each rank copying the slots instead of summing them (the
+context-parallel group's).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def supported() -> bool:
 
 
 class ShmAllReduce:
-    """One tensor-parallel group's all-reduce over a shared file that every rank has mapped."""
+    """One group's all-reduce and all-gather over a shared file that every rank has mapped."""
 
     def __init__(self, path: str, rank: int, world_size: int, capacity: int = DEFAULT_CAPACITY,
                  timeout_s: float = 600.0) -> None:
@@ -70,19 +72,30 @@ class ShmAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the group, in place (summed in rank order on every rank)."""
-        nbytes = x.numel() * x.element_size()
-        call = self.calls + 1
-        slots = self._slots[call % 2]
+        parts = self._exchange(x)
         flat = x.view(-1)
-        slots[self.rank, :nbytes].copy_(flat.view(torch.uint8))
-        self._flags[self.rank] = call  # after the data: x86 keeps the two stores in order
-        self._wait(call)
-        parts = [slots[r, :nbytes].view(x.dtype) for r in range(self.world_size)]
         flat.copy_(parts[0])
         for part in parts[1:]:
             flat.add_(part)
-        self.calls = call
         return x
+
+    def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` into `out` ([world_size, *x.shape]), in rank order."""
+        for r, part in enumerate(self._exchange(x)):
+            out[r].view(-1).copy_(part)
+        return out
+
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Publish `x` and wait for every rank's: their flat tensors, read in place (valid
+        until this rank's next call)."""
+        nbytes = x.numel() * x.element_size()
+        call = self.calls + 1
+        slots = self._slots[call % 2]
+        slots[self.rank, :nbytes].copy_(x.view(-1).view(torch.uint8))
+        self._flags[self.rank] = call  # after the data: x86 keeps the two stores in order
+        self._wait(call)
+        self.calls = call
+        return [slots[r, :nbytes].view(x.dtype) for r in range(self.world_size)]
 
     def _wait(self, call: int) -> None:
         flags = self._flags

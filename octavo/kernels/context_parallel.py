@@ -54,7 +54,9 @@ class ContextGroup:
     key_slots: torch.Tensor  # [R, Lmax] local cache slots (0 for padding)
     query_pos: torch.Tensor  # [R, Qmax] positions in the request
     key_pos: torch.Tensor  # [R, Lmax] (padding: after every query)
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by sliding window
+    # computed for the first layer, reused by the others: by sliding window (and query slice)
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    biases: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[R, 1, Qmax, Lmax], True = attend."""
@@ -65,6 +67,22 @@ class ContextGroup:
                 allowed &= k > q - window
             self.masks[window] = allowed[:, None]
         return self.masks[window]
+
+    def bias(self, window: int | None, lo: int, rows: int, groups: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [lo, lo + rows)'s mask as an additive fp32 bias, repeated for the `groups`
+        query heads of a KV head ([R, 1, groups * rows, Lmax]), and whether each query has a
+        key ([R, rows])."""
+        key = (window, lo, rows, groups)
+        if key not in self.biases:
+            allowed = self.mask(window)[:, :, lo:lo + rows]  # [R, 1, Q, L]
+            r, _, q_len, length = allowed.shape
+            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+            bias.masked_fill_(~allowed, float("-inf"))
+            bias = bias[:, :, None].expand(r, 1, groups, q_len, length).reshape(
+                r, 1, groups * q_len, length)
+            self.biases[key] = bias, allowed[:, 0].any(-1)
+        return self.biases[key]
 
 
 @dataclass
@@ -152,16 +170,39 @@ def partial_attention(q: torch.Tensor, kv_cache: torch.Tensor, step: ContextPara
         vg = _gather(v_flat, g.key_slots).float()
         if k_scale != 1.0 or v_scale != 1.0:
             kg, vg = kg * k_scale, vg * v_scale
-        mask = g.mask(window)
         r, q_max = g.token_index.shape
         rows = max(1, SCORE_ELEMENTS // max(1, r * heads * kg.shape[2]))
         for lo in range(0, q_max, rows):
             index = g.token_index[:, lo:lo + rows]
-            o, s = _attend(q_padded[index], kg, vg, mask[:, :, lo:lo + rows], scale, softcap)
+            if softcap is None and q.device.type == "cpu":
+                bias, has_key = g.bias(window, lo, rows, heads // kvh)
+                o, s = _flash(q_padded[index], kg, vg, bias, has_key, scale)
+            else:
+                o, s = _attend(q_padded[index], kg, vg, g.mask(window)[:, :, lo:lo + rows],
+                               scale, softcap)
             valid = g.token_valid[:, lo:lo + rows]
             out[index[valid]] = o[valid]
             lse[index[valid]] = s[valid]
     return out, lse
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+           has_key: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """_attend through PyTorch's fused CPU attention, which returns the log-sum-exp (4x faster
+    than the matmuls at 256 queries over 4,000 keys). bias: [R, 1, G*Q, L] additive (-inf:
+    masked), in the folded query order; has_key: [R, Q], whether a query has any key here (the
+    kernel gives a query with none a log-sum-exp of 0)."""
+    r, q_len, h, d = q.shape
+    kvh = k.shape[1]
+    qf = q.permute(0, 2, 1, 3).reshape(r, kvh, h // kvh * q_len, d)
+    out, lse = _FLASH_CPU(qf, k, v, attn_mask=bias, scale=scale)
+    out = out.reshape(r, h, q_len, d).transpose(1, 2)
+    lse = lse.reshape(r, h, q_len).transpose(1, 2)
+    none = ~has_key[:, :, None]
+    return out.masked_fill(none[..., None], 0.0), lse.masked_fill(none, float("-inf"))
+
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

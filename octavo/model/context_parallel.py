@@ -38,20 +38,31 @@ def gather_rows(step: ContextParallelStep, x: torch.Tensor) -> torch.Tensor:
     return every.reshape(-1, *x.shape[1:])[:step.num_tokens]
 
 
+def _gather_together(step: ContextParallelStep, parts: list[torch.Tensor]
+                     ) -> list[torch.Tensor]:
+    """gather_rows of several per-token tensors of one dtype, as one collective."""
+    rows = gather_rows(step, torch.cat([p.flatten(1) for p in parts], 1))
+    pieces = rows.split([p[0].numel() for p in parts], 1)
+    return [piece.unflatten(1, p.shape[1:]) for piece, p in zip(pieces, parts)]
+
+
 def attention(step: ContextParallelStep, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               cache: torch.Tensor, scale: float, softcap: float | None, window: int | None,
               k_scale: float, v_scale: float) -> torch.Tensor:
     """q: [rows, H, D], k/v: [rows, KVH, D] of this rank's rows -> its rows' attention output,
     [rows, H, D]."""
-    k, v = gather_rows(step, k), gather_rows(step, v)
-    if step.cp.shard_kv:
-        q = gather_rows(step, q)
+    if step.cp.split_tokens:  # one collective for the step's K and V (and Q)
+        k, v, *rest = _gather_together(step, [k, v] + ([q] if step.cp.shard_kv else []))
+        q = rest[0] if rest else q
     write_kv(cache, k[step.write_index], v[step.write_index], step.write_slots, k_scale,
              v_scale)
     queries = q[:step.query_end - step.query_start]
     out, lse = partial_attention(queries, cache, step, scale, softcap, window, k_scale, v_scale)
-    if step.cp.shard_kv:
-        out = combine(parallel_state.cp_all_gather(out), parallel_state.cp_all_gather(lse))
+    if step.cp.shard_kv:  # one collective for the outputs and their log-sum-exps
+        heads, dim = out.shape[1:]
+        every = parallel_state.cp_all_gather(torch.cat([out.flatten(1), lse], 1))
+        out = combine(every[..., :heads * dim].unflatten(-1, (heads, dim)),
+                      every[..., heads * dim:])
         out = own_rows(step, out)
     elif len(out) < len(q):  # this rank's padding rows
         out = torch.cat([out, out.new_zeros((len(q) - len(out), *out.shape[1:]))])

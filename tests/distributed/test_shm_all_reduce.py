@@ -1,6 +1,7 @@
 """The shared-memory all-reduce of local CPU ranks gives gloo's sums (bit for bit with two ranks,
 whose sum has one order; within rounding with three), the same bits on every rank, over many
-calls in a row of changing sizes and dtypes; tensors larger than its slots go to gloo; and
+calls in a row of changing sizes and dtypes (its all-gather gloo's, interleaved with them);
+tensors larger than its slots go to gloo; and
 parallel_state's tp all-reduce uses it on local ranks."""
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ def _rank_main(rank: int, world: int, init_method: str, results) -> None:
             ref = x.clone()
             dist.all_reduce(ref)
             if shm.fits(x):
+                gathered = shm.all_gather(x, x.new_empty((world, numel)))
+                expected = [torch.empty_like(x) for _ in range(world)]
+                dist.all_gather(expected, x)
+                assert torch.equal(gathered, torch.stack(expected)), ("all_gather", i)
                 got = shm.all_reduce(x.clone())
             else:
                 assert numel * x.element_size() > CAPACITY
