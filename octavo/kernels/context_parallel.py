@@ -3,9 +3,12 @@ keys and values it keeps, and attention over its keys with each query's log-sum-
 partial outputs of several ranks combine into the exact softmax.
 
 A context-parallel group of C ranks runs every step together. Split tokens (prefill context
-parallel): rank r computes the step's flat tokens [r * S, (r + 1) * S), S = ceil(T / C), padded to
-S rows; the attention layers exchange the step's keys and values (and queries, with the cache
-sharded too). Sharded KV (decode context parallel): position p of a request lives on rank
+parallel): in a step with a prompt chunk (some request brings more than one token), rank r
+computes the step's flat tokens [r * S, (r + 1) * S), S = ceil(T / C), padded to S rows; the
+attention layers exchange the step's keys and values (and queries, with the cache sharded too).
+A step of single-token decodes is not split: cutting a few tokens C ways saves less than the
+exchange costs, so every rank computes all of them (with a whole cache on each rank, as one
+process would: `splits` says when). Sharded KV (decode context parallel): position p of a request lives on rank
 (p // B) % C, B the cache's block size, in the physical block `table[p // (B * C)]` at offset
 p % B: the core's block of B * C tokens is one block on each rank, so the core allocates and
 caches blocks as it always does and every rank holds a C-th of every request's KV. Each rank
@@ -35,6 +38,10 @@ class ContextParallel:
     split_tokens: bool  # --prefill-context-parallel-size
     shard_kv: bool  # --decode-context-parallel-size
     block_size: int  # tokens of a block of this rank's cache
+
+    def splits(self, layout: StepLayout) -> bool:
+        """Whether this step's tokens are split over the ranks: those with a prompt chunk."""
+        return self.split_tokens and layout.num_tokens > len(layout.query_lens)
 
     @property
     def kv_ranks(self) -> int:
@@ -88,6 +95,7 @@ class ContextGroup:
 @dataclass
 class ContextParallelStep:
     cp: ContextParallel
+    split: bool  # the step's tokens are split (cp.splits)
     num_tokens: int  # T, the step's tokens over the whole group
     chunk: int  # the rows this rank computes (its tokens, padded): T without split tokens
     own_start: int  # its tokens are the step's [own_start, own_end)
@@ -103,7 +111,8 @@ def build_step(cp: ContextParallel, layout: StepLayout, tables: np.ndarray,
                device: torch.device | str = "cpu") -> ContextParallelStep:
     """One step's share for this rank. tables[r]: request r's core block ids."""
     t = layout.num_tokens
-    if cp.split_tokens:
+    split = cp.splits(layout)
+    if split:
         chunk = -(-t // cp.size)
         own_start = min(cp.rank * chunk, t)
         own_end = min(own_start + chunk, t)
@@ -129,7 +138,7 @@ def build_step(cp: ContextParallel, layout: StepLayout, tables: np.ndarray,
               for bucket in (_length_buckets(members, num_queries, local_lens)
                              if len(members) else [])]
     return ContextParallelStep(
-        cp, t, chunk, own_start, own_end, torch.from_numpy(kept).to(device),
+        cp, split, t, chunk, own_start, own_end, torch.from_numpy(kept).to(device),
         torch.from_numpy(slots.astype(np.int64, copy=False)).to(device), q_start, q_end, groups)
 
 

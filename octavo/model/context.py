@@ -62,8 +62,9 @@ def step_context(layout: StepLayout, tables: np.ndarray, block_size: int,
     slots and kernel entries, the window applied). Whether the C++ kernels take the short
     queries is decided per step: kernels built in the background take over once they are
     ready. Under context parallelism (`cp`), this rank's share of the step instead, whose
-    attention applies each layer's own window."""
-    if cp is not None:
+    attention applies each layer's own window; a step it does not split on a rank holding the
+    whole cache is the single process's."""
+    if cp is not None and (cp.shard_kv or cp.splits(layout)):
         return ForwardContext(None, kv_caches, context_parallel=build_step(cp, layout, tables,
                                                                            device))
     native = device.type == "cpu" and fused.native_ready()

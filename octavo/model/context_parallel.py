@@ -21,7 +21,7 @@ from octavo.kernels.fused import write_kv
 def own_rows(step: ContextParallelStep, x: torch.Tensor) -> torch.Tensor:
     """This rank's rows of the step's per-token `x`, padded (with zeros: token 0 at position 0,
     whose output is dropped) to the chunk every rank computes."""
-    if not step.cp.split_tokens:
+    if not step.split:
         return x
     mine = x[step.own_start:step.own_end]
     missing = step.chunk - len(mine)
@@ -32,7 +32,7 @@ def own_rows(step: ContextParallelStep, x: torch.Tensor) -> torch.Tensor:
 
 def gather_rows(step: ContextParallelStep, x: torch.Tensor) -> torch.Tensor:
     """Every rank's rows (`chunk` each, in token order) -> the step's [T, ...]."""
-    if not step.cp.split_tokens:
+    if not step.split:
         return x
     every = parallel_state.cp_all_gather(x)
     return every.reshape(-1, *x.shape[1:])[:step.num_tokens]
@@ -51,7 +51,7 @@ def attention(step: ContextParallelStep, q: torch.Tensor, k: torch.Tensor, v: to
               k_scale: float, v_scale: float) -> torch.Tensor:
     """q: [rows, H, D], k/v: [rows, KVH, D] of this rank's rows -> its rows' attention output,
     [rows, H, D]."""
-    if step.cp.split_tokens:  # one collective for the step's K and V (and Q)
+    if step.split:  # one collective for the step's K and V (and Q)
         k, v, *rest = _gather_together(step, [k, v] + ([q] if step.cp.shard_kv else []))
         q = rest[0] if rest else q
     write_kv(cache, k[step.write_index], v[step.write_index], step.write_slots, k_scale,

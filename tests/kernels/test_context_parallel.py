@@ -114,3 +114,16 @@ def test_decode_context_parallel_keeps_half_of_each_request_per_rank():
         assert len(set(step.write_slots.tolist())) == len(positions)
         kept.append(positions)
     assert sorted(np.concatenate(kept).tolist()) == list(range(length))
+
+
+def test_only_steps_with_a_prompt_chunk_are_split():
+    decodes = step_layout(np.array([1, 1, 1]), np.array([40, 7, 90]))
+    mixed = step_layout(np.array([1, 30]), np.array([40, 30]))
+    tables = np.arange(36).reshape(3, 12)
+    cp = ContextParallel(2, 1, True, True, BLOCK)
+    assert not cp.splits(decodes) and cp.splits(mixed)
+    assert not ContextParallel(2, 1, False, True, BLOCK).splits(mixed)
+    step = build_step(cp, decodes, tables)  # every rank computes the three decodes
+    assert (step.split, step.own_start, step.own_end, step.chunk) == (False, 0, 3, 3)
+    step = build_step(cp, mixed, tables[:2])  # 31 tokens: rank 1 computes the last 15
+    assert (step.split, step.own_start, step.own_end, step.chunk) == (True, 16, 31, 16)
