@@ -14,6 +14,12 @@ p % B: the core's block of B * C tokens is one block on each rank, so the core a
 caches blocks as it always does and every rank holds a C-th of every request's KV. Each rank
 attends every query to the keys it holds; a query none of whose keys a rank holds gets a
 log-sum-exp of -inf there and weighs nothing in the combination.
+
+A query's keys on a rank are a prefix of the rank's keys in their order (those at positions up
+to its own), so the in-place C++ kernel computes decodes and short queries as it does without
+context parallelism, over the rank's blocks with the local count as the length, and returns
+each query's log-sum-exp; longer prompt chunks go to PyTorch's fused attention in padded
+groups. (A sliding window over a sharded cache is no prefix in local order: groups only.)
 """
 from __future__ import annotations
 
@@ -22,7 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from octavo.kernels.paged_attention import StepLayout, _gather, _length_buckets
+from octavo.kernels import fused
+from octavo.kernels.paged_attention import (KERNEL_CONTEXT_LEN, KERNEL_QUERY_LEN, StepLayout,
+                                            _gather, _length_buckets)
 
 # Scores of one slice of a group's queries at a time: at most this many elements (fp32).
 SCORE_ELEMENTS = 1 << 24
@@ -93,6 +101,15 @@ class ContextGroup:
 
 
 @dataclass
+class KernelQueries:
+    """Queries for the in-place kernel, one entry each, over this rank's keys."""
+
+    token_index: torch.Tensor  # [N] rows in the step's queries
+    block_table: torch.Tensor  # [N, blocks] its request's core blocks (one block here each)
+    seq_lens: torch.Tensor  # [N] how many of this rank's keys it attends to
+
+
+@dataclass
 class ContextParallelStep:
     cp: ContextParallel
     split: bool  # the step's tokens are split (cp.splits)
@@ -105,11 +122,14 @@ class ContextParallelStep:
     query_start: int  # attention's queries are the step's tokens [query_start, query_end)
     query_end: int
     groups: list[ContextGroup]
+    kernel: KernelQueries | None = None
 
 
 def build_step(cp: ContextParallel, layout: StepLayout, tables: np.ndarray,
-               device: torch.device | str = "cpu") -> ContextParallelStep:
-    """One step's share for this rank. tables[r]: request r's core block ids."""
+               device: torch.device | str = "cpu", kernel: bool = False) -> ContextParallelStep:
+    """One step's share for this rank. tables[r]: request r's core block ids. kernel: the C++
+    kernel takes decodes and short queries (it is loaded, and no window crosses a sharded
+    cache)."""
     t = layout.num_tokens
     split = cp.splits(layout)
     if split:
@@ -133,13 +153,43 @@ def build_step(cp: ContextParallel, layout: StepLayout, tables: np.ndarray,
     context = layout.seq_lens - (layout.ends - last)
     local_lens = (context // span) * block + np.clip(context % span - kv_rank * block, 0, block)
     members = np.flatnonzero((num_queries > 0) & (local_lens > 0))
+    queries = None
+    if kernel and len(members):
+        short = ((num_queries[members] <= KERNEL_QUERY_LEN)
+                 | (context[members] <= KERNEL_CONTEXT_LEN))
+        queries = _kernel_queries(members[short], first, num_queries, q_start, layout, tables,
+                                  block, span, kv_rank, device)
+        members = members[~short]
     groups = [_group(bucket, first, q_start, q_end, num_queries, local_lens, layout, tables,
                      block, span, kv_rank, device)
               for bucket in (_length_buckets(members, num_queries, local_lens)
                              if len(members) else [])]
     return ContextParallelStep(
         cp, split, t, chunk, own_start, own_end, torch.from_numpy(kept).to(device),
-        torch.from_numpy(slots.astype(np.int64, copy=False)).to(device), q_start, q_end, groups)
+        torch.from_numpy(slots.astype(np.int64, copy=False)).to(device), q_start, q_end, groups,
+        queries)
+
+
+def _kernel_queries(members: np.ndarray, first: np.ndarray, num_queries: np.ndarray,
+                    q_start: int, layout: StepLayout, tables: np.ndarray, block: int, span: int,
+                    kv_rank: int, device: torch.device | str) -> KernelQueries | None:
+    if not len(members):
+        return None
+    counts = num_queries[members]
+    req = np.repeat(members, counts)
+    tokens = np.repeat(first[members], counts) + (np.arange(int(counts.sum()))
+                                                  - np.repeat(np.cumsum(counts) - counts, counts))
+    keys = layout.positions[tokens] + 1  # a query's keys: the positions up to its own
+    local = (keys // span) * block + np.clip(keys % span - kv_rank * block, 0, block)
+    has = local > 0
+    if not has.any():
+        return None
+    req, tokens, local = req[has], tokens[has], local[has]
+    used = -(-int(local.max()) // block)
+    return KernelQueries(torch.from_numpy(tokens - q_start).to(device),
+                         torch.from_numpy(np.ascontiguousarray(tables[req, :used],
+                                                               np.int64)).to(device),
+                         torch.from_numpy(local.astype(np.int64)).to(device))
 
 
 def _group(members: np.ndarray, first: np.ndarray, q_start: int, q_end: int,
@@ -172,6 +222,12 @@ def partial_attention(q: torch.Tensor, kv_cache: torch.Tensor, step: ContextPara
     out = q.new_zeros((num_queries, heads, dim), dtype=torch.float32)
     lse = q.new_full((num_queries, heads), float("-inf"), dtype=torch.float32)
     q_padded = torch.cat([q, q.new_zeros(1, heads, dim)]).float()
+    if step.kernel is not None:
+        e = step.kernel
+        fused.decode_attention(out, q_padded[:num_queries], kv_cache, e.token_index,
+                               e.block_table, e.seq_lens, scale * k_scale, softcap, window, lse)
+        if v_scale != 1.0:
+            out[e.token_index] *= v_scale
     k_flat = kv_cache[0].view(-1, kvh, dim)
     v_flat = kv_cache[1].view(-1, kvh, dim)
     for g in step.groups:

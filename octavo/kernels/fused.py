@@ -132,12 +132,12 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
                      token_index: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, softcap: float | None,
-                     window: int | None) -> None:
+                     window: int | None, lse: torch.Tensor | None = None) -> None:
     """Single-query attention read in place from the paged cache: out[token_index[r]] for each
     request r with context seq_lens[r] (C++ only; the reference is paged_attention's padded
-    group path)."""
+    group path). lse: a float32 [tokens, heads] that receives each query's log-sum-exp."""
     _native.decode_attention(out, q, kv_cache[0], kv_cache[1], token_index, block_table,
-                             seq_lens, scale, softcap or 0.0, window or 0)
+                             seq_lens, scale, softcap or 0.0, window or 0, lse)
 
 
 def prompt_runs_ready(kv_cache: torch.Tensor) -> bool:

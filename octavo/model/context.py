@@ -64,10 +64,11 @@ def step_context(layout: StepLayout, tables: np.ndarray, block_size: int,
     ready. Under context parallelism (`cp`), this rank's share of the step instead, whose
     attention applies each layer's own window; a step it does not split on a rank holding the
     whole cache is the single process's."""
-    if cp is not None and (cp.shard_kv or cp.splits(layout)):
-        return ForwardContext(None, kv_caches, context_parallel=build_step(cp, layout, tables,
-                                                                           device))
     native = device.type == "cpu" and fused.native_ready()
+    if cp is not None and (cp.shard_kv or cp.splits(layout)):
+        kernel = native and (cp.kv_ranks == 1 or sliding_window is None)
+        return ForwardContext(None, kv_caches, context_parallel=build_step(
+            cp, layout, tables, device, kernel))
     runs = native and fused.prompt_runs_ready(kv_caches[0])
     plan = build_plan(layout, tables, block_size, device=device, native_decode=native,
                       prompt_runs=runs)

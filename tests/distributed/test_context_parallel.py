@@ -1,6 +1,6 @@
 """Context parallelism on local processes against the single-process engine, float32: a 4,000-token
 prompt (chunked over 512-token steps, beside a shorter one) with each context-parallel mode of two
-ranks, prompt logprobs within 1e-3 and the same greedy continuation; sliding windows, softcaps
+ranks, prompt logprobs within 1e-3 and the same greedy continuation, again from the prefix cache; sliding windows, softcaps
 and a mixture of experts; context parallelism beside tensor and pipeline parallelism; and the
 decode mode holding a request twice as long as one rank's cache."""
 from __future__ import annotations
@@ -37,6 +37,11 @@ def _run(folder, prompts, **kwargs):
         params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=5,
                                 prompt_logprobs=0)
         outs = llm.generate(prompts, params, use_tqdm=False)
+        # again, the prompts' leading blocks now in the prefix cache
+        again = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0,
+                                                     ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+        assert all(o.num_cached_tokens > 0 for o in again)
         capacity = (llm.engine.client.core.num_blocks
                     * llm.engine.config.core_block_size)
     finally:

@@ -62,8 +62,15 @@ def _expected(keys, values, queries, scale, softcap, window) -> torch.Tensor:
 
 @pytest.mark.parametrize("split_tokens,shard_kv,size", [(False, True, 2), (True, False, 2),
                                                         (True, True, 2), (True, True, 3)])
-@pytest.mark.parametrize("softcap,window", [(None, None), (5.0, 9)])
-def test_ranks_combine_to_full_attention(split_tokens, shard_kv, size, softcap, window):
+@pytest.mark.parametrize("softcap,window", [(None, None), (5.0, 9), (None, 9)])
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "cpp"])
+def test_ranks_combine_to_full_attention(request, split_tokens, shard_kv, size, softcap, window,
+                                         kernel):
+    """With the C++ kernel, it takes the decodes and short queries (no window over a sharded
+    cache, as step_context decides)."""
+    if kernel:
+        request.getfixturevalue("native_kernels")
+    kernel = kernel and not (shard_kv and window is not None)
     gen = torch.Generator().manual_seed(size * 10 + split_tokens * 2 + shard_kv)
     kv_ranks = size if shard_kv else 1
     tables, keys, values, queries, layout, num_blocks = _world(kv_ranks, gen)
@@ -74,7 +81,8 @@ def test_ranks_combine_to_full_attention(split_tokens, shard_kv, size, softcap, 
     outs, lses, rows = [], [], []
     for rank in range(size):
         cp = ContextParallel(size, rank, split_tokens, shard_kv, BLOCK)
-        step = build_step(cp, layout, tables)
+        step = build_step(cp, layout, tables, kernel=kernel)
+        assert (step.kernel is not None) == kernel
         cache = torch.zeros(2, num_blocks, BLOCK, KV_HEADS, DIM)
         # the context cached before the step, where the layout says this rank keeps it
         for r, (cached, _) in enumerate(REQUESTS):

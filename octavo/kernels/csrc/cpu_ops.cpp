@@ -40,8 +40,16 @@ void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
 
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache,
                       at::Tensor v_cache, at::Tensor token_index, at::Tensor block_table,
-                      at::Tensor seq_lens, double scale, double softcap, int64_t window) {
+                      at::Tensor seq_lens, double scale, double softcap, int64_t window,
+                      const std::optional<at::Tensor>& lse = std::nullopt) {
   check_cache(k_cache, v_cache);
+  float* lse_out = nullptr;  // each query's log-sum-exp per head, [tokens, heads] (optional)
+  if (lse.has_value()) {
+    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->is_contiguous() &&
+                lse->dim() == 2 && lse->size(0) == q.size(0) && lse->size(1) == q.size(1),
+                "lse must be a contiguous float32 [tokens, heads]");
+    lse_out = lse->data_ptr<float>();
+  }
   TORCH_CHECK(q.scalar_type() == out.scalar_type(), "out and q differ in dtype");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
@@ -53,13 +61,13 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache,
     if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {  // fp8 cache: the caller folds in scales
       decode_attention_typed<q_t, c10::Float8_e4m3fn>(out, q, k_cache, v_cache, token_index,
                                                       block_table, seq_lens, scale, softcap,
-                                                      window);
+                                                      window, lse_out);
       return;
     }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_c",
                                     [&] {
       decode_attention_typed<q_t, scalar_t>(out, q, k_cache, v_cache, token_index, block_table,
-                                            seq_lens, scale, softcap, window);
+                                            seq_lens, scale, softcap, window, lse_out);
     });
   });
 }
@@ -143,7 +151,7 @@ TORCH_LIBRARY(octavo, m) {
         "Tensor slot_mapping) -> ()");
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor token_index, Tensor block_table, Tensor seq_lens, float scale, float softcap, "
-        "int window) -> ()");
+        "int window, Tensor(b!)? lse=None) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("one_plus_rms_norm(Tensor x, Tensor plus_one, float eps) -> Tensor");
   m.def("rotary_inplace(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");

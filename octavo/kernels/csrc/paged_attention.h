@@ -235,12 +235,15 @@ void prefill_runs(const std::vector<QueryRun>& runs, const c10::BFloat16* qp, in
 // busy, and the ranges' unnormalized sums are merged by their peak scores afterwards). Each item
 // takes all heads; the query heads sharing a KV head read the same keys, from L1 after the
 // first. Scores are exact (logits, then a max-subtracted softmax), matching the reference up to
-// float rounding.
+// float rounding. With `lse`, each query's log-sum-exp of its scores per head goes there too
+// ([tokens, heads]: context parallelism combines partial attentions by it), and prompts are taken
+// a token at a time.
 template <typename q_t, typename cache_t>
 void decode_attention_typed(at::Tensor& out, const at::Tensor& q, const at::Tensor& kc,
                             const at::Tensor& vc, const at::Tensor& token_index,
                             const at::Tensor& block_table, const at::Tensor& seq_lens,
-                            double scale, double softcap, int64_t window) {
+                            double scale, double softcap, int64_t window,
+                            float* lse = nullptr) {
   const int64_t num_req = token_index.size(0);
   const int64_t heads = q.size(1), dim = q.size(2);
   const int64_t block_size = kc.size(1), kv_heads = kc.size(2);
@@ -260,7 +263,7 @@ void decode_attention_typed(at::Tensor& out, const at::Tensor& q, const at::Tens
   // Prompt tokens go in runs to prefill_block; the rest (`single`, indices of entries) below.
   std::vector<QueryRun> runs;
   std::vector<int64_t> single;
-  if (runs_supported<q_t, cache_t>(dim)) {
+  if (lse == nullptr && runs_supported<q_t, cache_t>(dim)) {
     split_runs(num_req, tok, lens, tables, bt_stride, block_size, runs, single);
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>)
@@ -414,6 +417,7 @@ void decode_attention_typed(at::Tensor& out, const at::Tensor& q, const at::Tens
         q_t* dst = op + tok[r] * os0 + h * os1;
         const float inv = 1.f / total[h];
         for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<q_t>(acc[h * dim + d] * inv);
+        if (lse != nullptr) lse[tok[r] * heads + h] = peak[h] + std::log(total[h]);
       }
     }
   });
@@ -437,6 +441,7 @@ void decode_attention_typed(at::Tensor& out, const at::Tensor& q, const at::Tens
           sum += weights[c] * part_acc[(item0 + c) * width + h * dim + d];
         dst[d] = static_cast<q_t>(sum / denom);
       }
+      if (lse != nullptr) lse[tok[r] * heads + h] = top + std::log(denom);
     }
   }
 }
