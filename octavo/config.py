@@ -203,9 +203,10 @@ class ParallelConfig:
         "parallel as set) behind one server or offline LLM: requests go to the least loaded, or "
         "to the one whose prefix cache holds their leading tokens", aliases=("-dp",)))
     enable_expert_parallel: bool = field(default=False, metadata=_opt(
-        "a mixture's experts partitioned over the tensor-parallel ranks, each rank holding "
-        "whole experts (num_experts / tensor_parallel_size of them), instead of a share of "
-        "every expert"))
+        "a mixture's experts partitioned over the tensor- and context-parallel ranks, each "
+        "rank holding whole experts (num_experts / (tp x cp) of them), instead of a share of "
+        "every expert; context-parallel ranks send rows to their experts' ranks and back "
+        "(all-to-all)"))
     data_parallel_backend: str = field(default="mp", metadata=_opt(
         "where data-parallel replicas run: mp (local processes) or ray (Ray actors, spread "
         "over the machines of a Ray cluster)", choices=["mp", "ray"]))

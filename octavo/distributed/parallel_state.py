@@ -21,8 +21,8 @@ class RankPlacement:
     rank: int
     tp_size: int = 1
     pp_size: int = 1
-    # a mixture's experts partitioned over the tensor-parallel ranks (each holds whole experts)
-    # rather than each expert sliced over them
+    # a mixture's experts partitioned over the tensor- and context-parallel ranks of a stage
+    # (each holds whole experts) rather than each expert sliced over them
     expert_parallel: bool = False
     cp_size: int = 1  # context parallel: ranks that split a step's tokens or its KV cache
 
@@ -61,12 +61,17 @@ class RankPlacement:
     def pp_ranks(self) -> list[int]:
         return [self._rank_of(stage, self.cp_rank, self.tp_rank) for stage in range(self.pp_size)]
 
+    def ep_ranks(self) -> list[int]:
+        """The stage's ranks in expert-parallel order (ep_rank = cp_rank * tp_size + tp_rank)."""
+        return [self._rank_of(self.pp_rank, c, t) for c in range(self.cp_size)
+                for t in range(self.tp_size)]
+
     def groups(self) -> dict[str, list[list[int]]]:
         """Every group of each kind, in one order every rank agrees on."""
         ranks = [RankPlacement(r, self.tp_size, self.pp_size, cp_size=self.cp_size)
                  for r in range(self.world_size)]
         kinds = {"tp": RankPlacement.tp_ranks, "cp": RankPlacement.cp_ranks,
-                 "pp": RankPlacement.pp_ranks}
+                 "pp": RankPlacement.pp_ranks, "ep": RankPlacement.ep_ranks}
         return {kind: sorted({tuple(ranks_of(r)) for r in ranks}) for kind, ranks_of in
                 kinds.items()}
 
@@ -76,8 +81,10 @@ _placement = _SINGLE
 _tp_group = None
 _cp_group = None
 _pp_group = None
+_ep_group = None  # only where experts are dispatched across context-parallel ranks
 _tp_shm = None  # the tp group's shared-memory all-reduce, where its ranks share this machine
 _cp_shm = None  # the cp group's, for its all-gathers
+_ep_shm = None  # the ep group's, where it has one
 
 
 def placement() -> RankPlacement:
@@ -93,13 +100,23 @@ def tp_size() -> int:
 
 
 def ep_size() -> int:
-    """The ranks a mixture's experts are partitioned over: the tensor-parallel group under
-    expert parallelism, else 1 (every rank holds a share of every expert)."""
-    return _placement.tp_size if _placement.expert_parallel else 1
+    """The ranks a mixture's experts are partitioned over: a stage's tensor- and
+    context-parallel ranks under expert parallelism, else 1 (every rank holds a share of every
+    expert)."""
+    return _placement.tp_size * _placement.cp_size if _placement.expert_parallel else 1
 
 
 def ep_rank() -> int:
-    return _placement.tp_rank if _placement.expert_parallel else 0
+    return (_placement.cp_rank * _placement.tp_size + _placement.tp_rank
+            if _placement.expert_parallel else 0)
+
+
+def ep_dispatches() -> bool:
+    """Whether a mixture's tokens go to their experts' ranks and back (all-to-all): where the
+    expert-parallel ranks may hold different tokens (context-parallel ranks split a step's).
+    Tensor-parallel ranks hold the same tokens: each computes its experts' rows and the
+    layer's all-reduce sums them."""
+    return _placement.expert_parallel and _placement.cp_size > 1
 
 
 def cp_rank() -> int:
@@ -122,7 +139,7 @@ def init(where: RankPlacement, init_method: str, backend: str = "gloo",
          timeout_s: float = 600.0) -> None:
     """Join the world at `init_method` (tcp://host:port) as `where.rank` and make the groups.
     Every rank must call it with the same sizes."""
-    global _placement, _tp_group, _cp_group, _pp_group, _tp_shm, _cp_shm
+    global _placement, _tp_group, _cp_group, _pp_group, _ep_group, _tp_shm, _cp_shm, _ep_shm
     import datetime
 
     import torch.distributed as dist
@@ -132,14 +149,15 @@ def init(where: RankPlacement, init_method: str, backend: str = "gloo",
     # new_group is collective: every rank creates every group, in the same order.
     mine = {}
     for kind, groups in where.groups().items():
-        if kind == "cp" and where.cp_size == 1:
-            mine[kind] = None  # no collective of its own; cp_all_gather is then the identity
+        if (kind == "cp" and where.cp_size == 1) or (kind == "ep" and not (
+                where.expert_parallel and where.cp_size > 1)):
+            mine[kind] = None  # no collective of its own (the identity, or the tp group's)
             continue
         for ranks in groups:
             group = dist.new_group(list(ranks))
             if where.rank in ranks:
                 mine[kind] = group
-    _tp_group, _cp_group, _pp_group = mine["tp"], mine["cp"], mine["pp"]
+    _tp_group, _cp_group, _pp_group, _ep_group = mine["tp"], mine["cp"], mine["pp"], mine["ep"]
     if backend == "gloo" and where.tp_size > 1:
         from octavo.distributed import shm_all_reduce
         _tp_shm = shm_all_reduce.open_for_group(_tp_group, where.tp_ranks(), where.tp_rank,
@@ -148,19 +166,23 @@ def init(where: RankPlacement, init_method: str, backend: str = "gloo",
         from octavo.distributed import shm_all_reduce
         _cp_shm = shm_all_reduce.open_for_group(_cp_group, where.cp_ranks(), where.cp_rank,
                                                 timeout_s=timeout_s)
+        if _ep_group is not None:
+            _ep_shm = shm_all_reduce.open_for_group(_ep_group, where.ep_ranks(),
+                                                    where.ep_ranks().index(where.rank),
+                                                    timeout_s=timeout_s)
     _placement = where
 
 
 def destroy() -> None:
-    global _placement, _tp_group, _cp_group, _pp_group, _tp_shm, _cp_shm
+    global _placement, _tp_group, _cp_group, _pp_group, _ep_group, _tp_shm, _cp_shm, _ep_shm
     import torch.distributed as dist
-    for shm in (_tp_shm, _cp_shm):
+    for shm in (_tp_shm, _cp_shm, _ep_shm):
         if shm is not None:
             shm.close()
-    _tp_shm = _cp_shm = None
+    _tp_shm = _cp_shm = _ep_shm = None
     if dist.is_initialized():
         dist.destroy_process_group()
-    _placement, _tp_group, _cp_group, _pp_group = _SINGLE, None, None, None
+    _placement, _tp_group, _cp_group, _pp_group, _ep_group = _SINGLE, None, None, None, None
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -208,6 +230,33 @@ def cp_all_gather(x: torch.Tensor) -> torch.Tensor:
     if _cp_shm is not None and _cp_shm.fits(x):
         return _cp_shm.all_gather(x, out)
     dist.all_gather(list(out.unbind(0)), x, group=_cp_group)
+    return out
+
+
+def ep_all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+                  ) -> torch.Tensor:
+    """Rows of `x` to the expert-parallel ranks: the first send_counts[0] to ep rank 0, the
+    next to 1...; returns the rows received, recv_counts[r] from ep rank r, in rank order."""
+    import torch.distributed as dist
+    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=_ep_group)
+    return out
+
+
+def ep_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over the expert-parallel ranks that dispatch (ep_dispatches), in place."""
+    if _ep_shm is not None and _ep_shm.fits(x):
+        return _ep_shm.all_reduce(x)
+    import torch.distributed as dist
+    dist.all_reduce(x, group=_ep_group)
+    return x
+
+
+def ep_exchange_counts(counts: torch.Tensor) -> torch.Tensor:
+    """counts[r]: what this rank sends ep rank r -> what each ep rank sends this one."""
+    import torch.distributed as dist
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=_ep_group)
     return out
 
 

@@ -49,6 +49,12 @@ def get_forward_context() -> ForwardContext:
     return _current[-1]
 
 
+def step_splits_tokens() -> bool:
+    """Whether context-parallel ranks hold different tokens in this forward pass."""
+    return bool(_current) and _current[-1].context_parallel is not None and \
+        _current[-1].context_parallel.split
+
+
 def step_lora() -> LoRAStep | None:
     """The step's adapter slots (None outside a forward pass, or with no adapter)."""
     return _current[-1].lora if _current else None

@@ -58,6 +58,8 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
         if not hasattr(layer, "spec"):
             return f"layer type {type(layer).__name__}"
         spec: LayerSpec = layer.spec()
+        if spec.moe is not None and parallel_state.ep_dispatches():
+            return "experts dispatched to other context-parallel ranks (all-to-all)"
         if spec.activation is None:
             return "an activation other than silu or gelu (tanh) gated, or silu, gelu or relu"
         if spec.rotary is not None and type(spec.rotary) not in (RotaryEmbedding,

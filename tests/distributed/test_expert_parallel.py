@@ -1,5 +1,6 @@
 """Expert parallelism on local processes (--enable-expert-parallel over two tensor-parallel
-ranks): each rank holds whole experts, half of them, and the outputs equal transformers' on the
+ranks, and over context-parallel ranks whose tokens differ: all-to-all): each rank holds whole
+experts, its share of them, and the outputs equal transformers' on the
 same weights (the tensor-parallel test's criterion: greedy tokens agree, or at the first
 divergence each side's token is in the other's top 5; prompt logprobs within 1e-2 in
 float32)."""
@@ -40,22 +41,53 @@ def test_two_expert_parallel_ranks_match_transformers(tmp_path, smollm_oracle_fo
         llm.engine.shutdown()
 
 
-def test_every_expert_lives_on_one_rank(tmp_path, smollm_oracle_folder, monkeypatch):
-    """Loaded in this process as each rank of two, every MoE layer holds whole experts (the
+@pytest.mark.parametrize("name, tp", [("qwen3-moe", 1), ("mixtral", 1), ("qwen3-moe", 2)])
+def test_experts_dispatched_across_context_parallel_ranks(tmp_path, smollm_oracle_folder, name,
+                                                          tp):
+    """Prefill context parallelism over two ranks (each tp ranks) with expert parallelism: a
+    step's tokens are split, so the ranks of the two halves send each row to its expert's rank
+    and back (all-to-all); a step of decodes is not split and every rank holds every token. Each
+    rank holds num_experts / (2 tp) whole experts; the outputs equal transformers'; each rank's
+    load is counted once."""
+    folder, ref = _build(tmp_path, smollm_oracle_folder, name)
+    prompt = _prompt(4)
+    expected = _reference(ref, prompt)
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              max_num_batched_tokens=64, tensor_parallel_size=tp, enable_expert_parallel=True,
+              prefill_context_parallel_size=2)
+    try:
+        for out in _run(llm, [prompt]):
+            _check(out, prompt, *expected)
+        routed = llm.engine.client.stats().expert_tokens
+        cfg = ref.config
+        experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+        assert len(routed) == 2 * tp and min(routed) > 0
+        # every computed token's top-k rows in each layer, each on one rank: the prompt's split
+        # chunks (64 + 64 + 22 tokens, no padding) and the decodes
+        assert sum(routed) == (PROMPT_LEN + NEW - 1) * cfg.num_experts_per_tok * \
+            cfg.num_hidden_layers
+        assert experts % (2 * tp) == 0
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("tp, cp", [(2, 1), (1, 2), (2, 2)])
+def test_every_expert_lives_on_one_rank(tmp_path, smollm_oracle_folder, monkeypatch, tp, cp):
+    """Loaded in this process as each rank of tp x cp, every MoE layer holds whole experts (the
     full intermediate width), the ranks' experts partition the mixture's, and each equals the
     single-process load's."""
     folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-moe")
     whole, _ = _load(folder, RankPlacement(0), monkeypatch)
     layers = {n: m for n, m in whole.named_modules() if isinstance(m, FusedMoE)}
     held: dict[str, list[int]] = {n: [] for n in layers}
-    for rank in (0, 1):
-        model, _ = _load(folder, RankPlacement(rank, tp_size=2, expert_parallel=True),
-                         monkeypatch)
+    for rank in range(tp * cp):
+        model, _ = _load(folder, RankPlacement(rank, tp_size=tp, expert_parallel=True,
+                                                cp_size=cp), monkeypatch)
         for name, moe in model.named_modules():
             if not isinstance(moe, FusedMoE):
                 continue
             full = layers[name]
-            assert moe.w13.shape == (full.num_experts // 2, *full.w13.shape[1:])
+            assert moe.w13.shape == (full.num_experts // (tp * cp), *full.w13.shape[1:])
             for local in range(moe.num_local):
                 expert = moe.first_expert + local
                 held[name].append(expert)

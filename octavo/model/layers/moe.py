@@ -8,9 +8,12 @@ any other linear layer gets, replacing the stacked dense tensors.
 
 Under tensor parallelism every rank holds every expert's share of the intermediate width (gate and
 up rows, down columns: `even_span`); under expert parallelism (--enable-expert-parallel) a rank
-holds whole experts, num_experts / tensor_parallel_size consecutive ones, and computes the rows
-routed to them (every rank has every token). Either way the layer's output is summed over the
-ranks once, after the experts' outputs are combined.
+holds whole experts, num_experts / (tensor x context parallel size) consecutive ones. Ranks that
+hold the same tokens (a tensor-parallel group; every rank, in a step context parallelism does
+not split) each compute the rows routed to their experts, and the layer's output is summed over
+them once, after the experts' outputs are combined; where context-parallel ranks hold different
+tokens, rows are dispatched to their experts' ranks and brought back with two all-to-alls
+(`_dispatched`), then summed over the tensor-parallel group.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch
 from torch import nn
 
 from octavo.distributed import parallel_state
-from octavo.model.context import step_lora
+from octavo.model.context import step_lora, step_splits_tokens
 from octavo.model.layers.activation import gated_act
 from octavo.model.layers.linear import Linear, Span, column_parallel, even_span, row_parallel
 from octavo.model.quant.base import QuantMethod
@@ -43,7 +46,8 @@ class FusedMoE(nn.Module):
         ranks = parallel_state.ep_size()
         if num_experts % ranks:
             raise ValueError(f"num_experts ({num_experts}) is not divisible by the "
-                             f"expert-parallel size {ranks} (tensor_parallel_size)")
+                             f"expert-parallel size {ranks} (tensor_parallel_size x the "
+                             f"context-parallel size)")
         self.num_local = num_experts // ranks  # this rank's experts: [first_expert, + num_local)
         self.first_expert = parallel_state.ep_rank() * self.num_local
         self.full_intermediate_size = intermediate_size
@@ -124,7 +128,10 @@ class FusedMoE(nn.Module):
 
     def routed_per_rank(self) -> list[int]:
         """The rows routed to each expert-parallel rank's experts since the last call (which
-        resets the count)."""
+        resets the count). Collective where rows are dispatched: each rank counted the rows it
+        computed."""
+        if parallel_state.ep_dispatches():
+            parallel_state.ep_all_reduce(self.routed)
         per_rank = self.routed.view(-1, self.num_local).sum(1).tolist()
         self.routed.zero_()
         return per_rank
@@ -146,20 +153,36 @@ class FusedMoE(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
+        dispatching = parallel_state.ep_dispatches()
+        if dispatching and step_splits_tokens():
+            return self._dispatched(x, weights, experts)
         flat = experts.reshape(-1)  # [T * k]
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
-        if self.routed is not None:
+        first = self.first_expert  # this rank's experts' rows: a run of the sorted ones
+        if self.routed is not None and dispatching:  # the ranks sum what each computed
+            self.routed[first:first + self.num_local] += counts[first:first + self.num_local]
+        elif self.routed is not None:  # every rank routes every token alike
             self.routed += counts
         counts = counts.tolist()
-        first = self.first_expert  # this rank's experts' rows: a run of the sorted ones
         begin = sum(counts[:first])
         order = order[begin:begin + sum(counts[first:first + self.num_local])]
         counts = counts[first:first + self.num_local]
         token = order // self.top_k  # the token each sorted row came from
-        xs = x.index_select(0, token)  # [rows, H], grouped by expert
+        ys = self._experts(x.index_select(0, token), counts, token)
+        ys = ys * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, token, ys)
+        # Every expert-parallel rank holds this step's tokens (context-parallel ranks too,
+        # when the step is not split): the sum over them all is the layer's output.
+        return parallel_state.ep_all_reduce(out) if dispatching else \
+            parallel_state.tp_all_reduce(out)
+
+    def _experts(self, xs: torch.Tensor, counts: list[int],
+                 token: torch.Tensor | None) -> torch.Tensor:
+        """xs [rows, H], grouped by this rank's experts (counts[e] rows for its e-th) -> each
+        row's expert output. token: each row's token in the step, for its adapter."""
         ys = torch.empty_like(xs)
-        lora = step_lora() if self.lora is not None else None
+        lora = step_lora() if self.lora is not None and token is not None else None
         row_slot = None if lora is None else lora.token_slot.index_select(0, token)
         start = 0
         for e, n in enumerate(counts):
@@ -178,5 +201,31 @@ class FusedMoE(nn.Module):
                     y = self.lora[e][1].add_delta(h, y, row_slot[start:start + n], lora.slots)
                 ys[start:start + n] = y
                 start += n
-        ys = ys * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
-        return parallel_state.tp_all_reduce(torch.zeros_like(x).index_add_(0, token, ys))
+        return ys
+
+    def _dispatched(self, x: torch.Tensor, weights: torch.Tensor,
+                    experts: torch.Tensor) -> torch.Tensor:
+        """Each routed row to the rank holding its expert, computed there, and back: two
+        all-to-alls of rows (and one of counts, one of expert indices)."""
+        tp = parallel_state.tp_size()
+        flat = experts.reshape(-1)  # [T * k]
+        dest = flat // self.num_local  # the ep rank holding each row's expert
+        # A tensor-parallel group's ranks hold the same tokens: tp rank t sends the rows bound
+        # for the ranks of tp index t, so each row goes out once and comes back to one rank.
+        mine = torch.nonzero(dest % tp == parallel_state.tp_rank()).flatten()
+        mine = mine[dest[mine].argsort(stable=True)]
+        send_counts = torch.bincount(dest[mine], minlength=parallel_state.ep_size())
+        send = send_counts.tolist()
+        recv = parallel_state.ep_exchange_counts(send_counts).tolist()
+        token = mine // self.top_k
+        rows = parallel_state.ep_all_to_all(x.index_select(0, token), send, recv)
+        local = parallel_state.ep_all_to_all(flat[mine] - dest[mine] * self.num_local, send,
+                                             recv)
+        by_expert = local.argsort(stable=True)
+        counts = torch.bincount(local, minlength=self.num_local)
+        self.routed[self.first_expert:self.first_expert + self.num_local] += counts
+        ys = torch.empty_like(rows)
+        ys[by_expert] = self._experts(rows.index_select(0, by_expert), counts.tolist(), None)
+        back = parallel_state.ep_all_to_all(ys, recv, send)
+        back = back * weights.reshape(-1)[mine].unsqueeze(1).to(x.dtype)
+        return parallel_state.tp_all_reduce(torch.zeros_like(x).index_add_(0, token, back))
