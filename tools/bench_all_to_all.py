@@ -40,11 +40,9 @@ def _rank(rank: int, init: str, tokens: int, hidden: int, iters: int, results) -
         moe(x, logits)
 
     def exchanges() -> None:
-        counts = parallel_state.ep_exchange_counts(torch.tensor(send))
-        recv = counts.tolist()
-        back = parallel_state.ep_all_to_all(x.new_empty(rows * 2, hidden), send, recv)
-        parallel_state.ep_all_to_all(torch.zeros(rows * 2, dtype=torch.long), send, recv)
-        parallel_state.ep_all_to_all(back, recv, send)
+        (back, _), recv, matrix = parallel_state.ep_all_to_all(
+            [x.new_empty(rows * 2, hidden), torch.zeros(rows * 2, dtype=torch.long)], send)
+        parallel_state.ep_all_to_all([back], recv, matrix.t())
 
     out = {}
     for name, run in (("MoE layer", layer), ("its all-to-alls alone", exchanges)):

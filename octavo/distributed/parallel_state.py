@@ -9,6 +9,7 @@ group: every collective is then the identity, so the model code calls them uncon
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -233,14 +234,36 @@ def cp_all_gather(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def ep_all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int]
-                  ) -> torch.Tensor:
-    """Rows of `x` to the expert-parallel ranks: the first send_counts[0] to ep rank 0, the
-    next to 1...; returns the rows received, recv_counts[r] from ep rank r, in rank order."""
+def ep_all_to_all(parts: list[torch.Tensor], send_counts: list[int],
+                  matrix: torch.Tensor | None = None
+                  ) -> tuple[list[torch.Tensor], list[int], torch.Tensor]:
+    """Rows to the expert-parallel ranks: each of `parts` (the same number of rows) holds
+    send_counts[0] rows for ep rank 0, then send_counts[1] for ep rank 1...; returns each
+    part's rows received (every rank's, in rank order), how many each rank sent, and the
+    group's counts, matrix[r][d] rows from rank r to d (give its transpose to send the rows
+    back: then nothing is exchanged to learn it). Through shared memory where every rank's
+    rows fit its slot (one decision, from the matrix every rank has), else gloo."""
     import torch.distributed as dist
-    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=_ep_group)
-    return out
+    me = ep_rank()
+    counts = torch.tensor(send_counts, dtype=torch.int64)
+    if matrix is None:
+        matrix = counts.new_empty((len(send_counts), len(send_counts)))
+        if _ep_shm is not None:
+            _ep_shm.all_gather(counts, matrix)
+        else:
+            dist.all_gather(list(matrix.unbind(0)), counts, group=_ep_group)
+    recv_counts = matrix[:, me].tolist()
+    row_bytes = sum(math.prod(p.shape[1:]) * p.element_size() for p in parts)
+    largest = 8 * len(send_counts) + int(matrix.sum(1).max()) * row_bytes + 8 * len(parts)
+    if _ep_shm is not None and largest <= _ep_shm.capacity:
+        received, _ = _ep_shm.all_to_all(parts, send_counts)
+        return received, recv_counts, matrix
+    out = []
+    for part in parts:
+        got = part.new_empty((sum(recv_counts), *part.shape[1:]))
+        dist.all_to_all_single(got, part.contiguous(), recv_counts, send_counts, group=_ep_group)
+        out.append(got)
+    return out, recv_counts, matrix
 
 
 def ep_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -250,14 +273,6 @@ def ep_all_reduce(x: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
     dist.all_reduce(x, group=_ep_group)
     return x
-
-
-def ep_exchange_counts(counts: torch.Tensor) -> torch.Tensor:
-    """counts[r]: what this rank sends ep rank r -> what each ep rank sends this one."""
-    import torch.distributed as dist
-    out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=_ep_group)
-    return out
 
 
 def pp_send(x: torch.Tensor, stage: int) -> None:

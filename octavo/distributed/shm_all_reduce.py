@@ -14,6 +14,7 @@ context-parallel group's).
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 import platform
@@ -85,9 +86,39 @@ class ShmAllReduce:
             out[r].view(-1).copy_(part)
         return out
 
-    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Publish `x` and wait for every rank's: their flat tensors, read in place (valid
-        until this rank's next call)."""
+    def all_to_all(self, parts: list[torch.Tensor], send_counts: list[int]
+                   ) -> tuple[list[torch.Tensor], list[int]]:
+        """Rows to each rank: parts (the same number of rows each, dtypes of their own) hold
+        send_counts[0] rows for rank 0, then send_counts[1] for rank 1...; returns the rows
+        every rank sent this one, in rank order, and how many each sent. One exchange: a slot
+        holds its rank's counts, then each part's rows (from an 8-byte boundary)."""
+        counts = torch.tensor(send_counts, dtype=torch.int64)
+        pieces = [counts.view(torch.uint8)]
+        for p in parts:  # each part from an 8-byte boundary, so that any dtype views it
+            data = p.contiguous().view(-1).view(torch.uint8)
+            pieces += [data, data.new_zeros(-len(data) % 8)]
+        payload = torch.cat(pieces)
+        slots = self._exchange(payload, whole=True)
+        header = 8 * self.world_size
+        received = [[] for _ in parts]
+        recv_counts = []
+        for slot in slots:
+            theirs = slot[:header].view(torch.int64).tolist()
+            total, before, n = sum(theirs), sum(theirs[:self.rank]), theirs[self.rank]
+            recv_counts.append(n)
+            at = header
+            for out, part in zip(received, parts):
+                row = math.prod(part.shape[1:]) * part.element_size()
+                start = at + before * row
+                out.append(slot[start:start + n * row].view(part.dtype).view(
+                    n, *part.shape[1:]))
+                at += total * row + (-total * row) % 8
+        return [torch.cat(r) for r in received], recv_counts  # copies: the slots are reused
+
+    def _exchange(self, x: torch.Tensor, whole: bool = False) -> list[torch.Tensor]:
+        """Publish `x` and wait for every rank's: their flat tensors of x's size and dtype (or
+        their whole slots, as bytes: ranks that publish sizes of their own), read in place
+        (valid until this rank's next call)."""
         nbytes = x.numel() * x.element_size()
         call = self.calls + 1
         slots = self._slots[call % 2]
@@ -95,6 +126,8 @@ class ShmAllReduce:
         self._flags[self.rank] = call  # after the data: x86 keeps the two stores in order
         self._wait(call)
         self.calls = call
+        if whole:
+            return [slots[r] for r in range(self.world_size)]
         return [slots[r, :nbytes].view(x.dtype) for r in range(self.world_size)]
 
     def _wait(self, call: int) -> None:

@@ -1,5 +1,5 @@
-"""Context parallelism's share of a step's attention, in torch: which tokens a rank computes, which
-keys and values it keeps, and attention over its keys with each query's log-sum-exp, so that the
+"""Context parallelism's share of a step's attention: which tokens a rank computes, which keys
+and values it keeps, and attention over its keys with each query's log-sum-exp, so that the
 partial outputs of several ranks combine into the exact softmax.
 
 A context-parallel group of C ranks runs every step together. Split tokens (prefill context
@@ -8,10 +8,11 @@ computes the step's flat tokens [r * S, (r + 1) * S), S = ceil(T / C), padded to
 attention layers exchange the step's keys and values (and queries, with the cache sharded too).
 A step of single-token decodes is not split: cutting a few tokens C ways saves less than the
 exchange costs, so every rank computes all of them (with a whole cache on each rank, as one
-process would: `splits` says when). Sharded KV (decode context parallel): position p of a request lives on rank
-(p // B) % C, B the cache's block size, in the physical block `table[p // (B * C)]` at offset
-p % B: the core's block of B * C tokens is one block on each rank, so the core allocates and
-caches blocks as it always does and every rank holds a C-th of every request's KV. Each rank
+process would: `splits` says when). Sharded KV (decode context parallel): position p of a
+request lives on rank (p // B) % C, B the cache's block size, in the physical block
+`table[p // (B * C)]` at offset p % B: the core's block of B * C tokens is one block on each
+rank, so the core allocates and caches blocks as it always does and every rank holds a C-th of
+every request's KV. Each rank
 attends every query to the keys it holds; a query none of whose keys a rank holds gets a
 log-sum-exp of -inf there and weighs nothing in the combination.
 

@@ -1,7 +1,7 @@
 """Context parallelism on local processes against the single-process engine, float32: a 4,000-token
 prompt (chunked over 512-token steps, beside a shorter one) with each context-parallel mode of two
-ranks, prompt logprobs within 1e-3 and the same greedy continuation, again from the prefix cache; sliding windows, softcaps
-and a mixture of experts; context parallelism beside tensor and pipeline parallelism; and the
+ranks, prompt logprobs within 1e-3 and the same greedy continuation, again from the prefix
+cache; sliding windows, softcaps and a mixture of experts; context parallelism beside tensor and pipeline parallelism; and the
 decode mode holding a request twice as long as one rank's cache."""
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ def test_families_match_one_process(tmp_path, smollm_oracle_folder, monkeypatch,
 
 @pytest.mark.parametrize("kwargs", [
     {"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
-    {"pipeline_parallel_size": 2, "prefill_context_parallel_size": 2}], ids=["tp2-dcp2", "pp2-pcp2"])
+    {"pipeline_parallel_size": 2, "prefill_context_parallel_size": 2}],
+    ids=["tp2-dcp2", "pp2-pcp2"])
 def test_beside_tensor_and_pipeline_parallelism(tmp_path, smollm_oracle_folder, monkeypatch,
                                                 kwargs):
     folder = _model(tmp_path, smollm_oracle_folder, "qwen3-moe", monkeypatch)

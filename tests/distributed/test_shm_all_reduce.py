@@ -1,6 +1,7 @@
 """The shared-memory all-reduce of local CPU ranks gives gloo's sums (bit for bit with two ranks,
 whose sum has one order; within rounding with three), the same bits on every rank, over many
-calls in a row of changing sizes and dtypes (its all-gather gloo's, interleaved with them);
+calls in a row of changing sizes and dtypes (its all-gather gloo's, interleaved with them; its
+all-to-all of rows gloo's);
 tensors larger than its slots go to gloo; and
 parallel_state's tp all-reduce uses it on local ranks."""
 from __future__ import annotations
@@ -72,6 +73,19 @@ def _rank_main(rank: int, world: int, init_method: str, results) -> None:
                            torch.equal(through_state, got) if shm.fits(x) or world == 2
                            else float((through_state.double() - got.double()).abs().max())
                            <= _tolerance(dtype, float(ref.double().abs().max()))))
+        for i in range(20):  # all-to-all of rows, sizes of each rank's own, against gloo's
+            gen = torch.Generator().manual_seed(100 * i + rank)
+            send = torch.randint(0, 7, (world,), generator=gen).tolist()
+            rows = torch.randn(sum(send), 3, 5, generator=gen).to(torch.bfloat16)
+            ids = torch.randint(0, 99, (sum(send),), generator=gen)
+            (got_rows, got_ids), recv = shm.all_to_all([rows, ids], send)
+            counts = torch.empty(world, dtype=torch.int64)
+            dist.all_to_all_single(counts, torch.tensor(send))
+            assert recv == counts.tolist(), ("all_to_all counts", i)
+            for part, got in ((rows, got_rows), (ids, got_ids)):
+                want = part.new_empty((sum(recv), *part.shape[1:]))
+                dist.all_to_all_single(want, part, recv, send)
+                assert torch.equal(got, want), ("all_to_all", i)
         shm.close()
         parallel_state.destroy()
         results.put((rank, report, None))

@@ -205,8 +205,8 @@ class FusedMoE(nn.Module):
 
     def _dispatched(self, x: torch.Tensor, weights: torch.Tensor,
                     experts: torch.Tensor) -> torch.Tensor:
-        """Each routed row to the rank holding its expert, computed there, and back: two
-        all-to-alls of rows (and one of counts, one of expert indices)."""
+        """Each routed row to the rank holding its expert, computed there, and back: an
+        exchange of counts and two all-to-alls (rows with their experts; outputs)."""
         tp = parallel_state.tp_size()
         flat = experts.reshape(-1)  # [T * k]
         dest = flat // self.num_local  # the ep rank holding each row's expert
@@ -214,18 +214,15 @@ class FusedMoE(nn.Module):
         # for the ranks of tp index t, so each row goes out once and comes back to one rank.
         mine = torch.nonzero(dest % tp == parallel_state.tp_rank()).flatten()
         mine = mine[dest[mine].argsort(stable=True)]
-        send_counts = torch.bincount(dest[mine], minlength=parallel_state.ep_size())
-        send = send_counts.tolist()
-        recv = parallel_state.ep_exchange_counts(send_counts).tolist()
+        send = torch.bincount(dest[mine], minlength=parallel_state.ep_size()).tolist()
         token = mine // self.top_k
-        rows = parallel_state.ep_all_to_all(x.index_select(0, token), send, recv)
-        local = parallel_state.ep_all_to_all(flat[mine] - dest[mine] * self.num_local, send,
-                                             recv)
+        (rows, local), recv, matrix = parallel_state.ep_all_to_all(
+            [x.index_select(0, token), flat[mine] - dest[mine] * self.num_local], send)
         by_expert = local.argsort(stable=True)
         counts = torch.bincount(local, minlength=self.num_local)
         self.routed[self.first_expert:self.first_expert + self.num_local] += counts
         ys = torch.empty_like(rows)
         ys[by_expert] = self._experts(rows.index_select(0, by_expert), counts.tolist(), None)
-        back = parallel_state.ep_all_to_all(ys, recv, send)
+        (back,), _, _ = parallel_state.ep_all_to_all([ys], recv, matrix.t())
         back = back * weights.reshape(-1)[mine].unsqueeze(1).to(x.dtype)
         return parallel_state.tp_all_reduce(torch.zeros_like(x).index_add_(0, token, back))
