@@ -1,8 +1,9 @@
 """Context parallelism on local processes against the single-process engine, float32: a 4,000-token
 prompt (chunked over 512-token steps, beside a shorter one) with each context-parallel mode of two
 ranks, prompt logprobs within 1e-3 and the same greedy continuation, again from the prefix
-cache; sliding windows, softcaps and a mixture of experts; context parallelism beside tensor and pipeline parallelism; and the
-decode mode holding a request twice as long as one rank's cache."""
+cache; sliding windows, softcaps and a mixture of experts; context parallelism beside tensor
+and pipeline parallelism; and the decode mode holding a request twice as long as one rank's
+cache."""
 from __future__ import annotations
 
 import pytest
