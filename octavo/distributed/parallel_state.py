@@ -245,7 +245,7 @@ def ep_all_to_all(parts: list[torch.Tensor], send_counts: list[int],
     rows fit its slot (one decision, from the matrix every rank has), else gloo."""
     import torch.distributed as dist
     me = ep_rank()
-    counts = torch.tensor(send_counts, dtype=torch.int64)
+    counts = torch.tensor(send_counts, dtype=torch.int64, device=parts[0].device)
     if matrix is None:
         matrix = counts.new_empty((len(send_counts), len(send_counts)))
         if _ep_shm is not None:

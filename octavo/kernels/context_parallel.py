@@ -35,6 +35,9 @@ from octavo.kernels.paged_attention import (KERNEL_CONTEXT_LEN, KERNEL_QUERY_LEN
 
 # Scores of one slice of a group's queries at a time: at most this many elements (fp32).
 SCORE_ELEMENTS = 1 << 24
+# A step keeps its slices' attention biases for the next layers up to this many bytes (a long
+# context's would otherwise hold the whole padded score matrix); beyond, each layer rebuilds them.
+BIAS_CACHE_BYTES = 256 << 20
 _FAR = np.iinfo(np.int64).max // 2  # the position of a padded key: after every query
 
 
@@ -90,15 +93,19 @@ class ContextGroup:
         query heads of a KV head ([R, 1, groups * rows, Lmax]), and whether each query has a
         key ([R, rows])."""
         key = (window, lo, rows, groups)
-        if key not in self.biases:
-            allowed = self.mask(window)[:, :, lo:lo + rows]  # [R, 1, Q, L]
-            r, _, q_len, length = allowed.shape
-            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
-            bias.masked_fill_(~allowed, float("-inf"))
-            bias = bias[:, :, None].expand(r, 1, groups, q_len, length).reshape(
-                r, 1, groups * q_len, length)
-            self.biases[key] = bias, allowed[:, 0].any(-1)
-        return self.biases[key]
+        if key in self.biases:
+            return self.biases[key]
+        allowed = self.mask(window)[:, :, lo:lo + rows]  # [R, 1, Q, L]
+        r, _, q_len, length = allowed.shape
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+        bias.masked_fill_(~allowed, float("-inf"))
+        bias = bias[:, :, None].expand(r, 1, groups, q_len, length).reshape(
+            r, 1, groups * q_len, length)
+        made = bias, allowed[:, 0].any(-1)
+        held = sum(b.numel() * 4 for b, _ in self.biases.values())
+        if held + bias.numel() * 4 <= BIAS_CACHE_BYTES:
+            self.biases[key] = made
+        return made
 
 
 @dataclass

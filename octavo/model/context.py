@@ -49,10 +49,11 @@ def get_forward_context() -> ForwardContext:
     return _current[-1]
 
 
-def step_splits_tokens() -> bool:
-    """Whether context-parallel ranks hold different tokens in this forward pass."""
-    return bool(_current) and _current[-1].context_parallel is not None and \
-        _current[-1].context_parallel.split
+def step_real_rows() -> int | None:
+    """How many of this rank's rows are tokens where context parallelism split the step (the
+    rest pad it to the rows every rank computes); None where it did not."""
+    step = _current[-1].context_parallel if _current else None
+    return step.own_end - step.own_start if step is not None and step.split else None
 
 
 def step_lora() -> LoRAStep | None:

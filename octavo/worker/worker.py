@@ -19,7 +19,7 @@ from octavo.kernels import fused
 from octavo.kernels.context_parallel import ContextParallel
 from octavo.model import decode_stack
 from octavo.model.layers.linear import local_heads
-from octavo.model.layers.moe import FusedMoE
+from octavo.model.layers.moe import FusedMoE, tokens_per_rank
 from octavo.model.loader import load_model
 from octavo.model.loader.gemm_packing import StepwisePacking
 from octavo.model.pipeline import stage_range
@@ -225,8 +225,7 @@ class Worker:
         self.do_idle_work()  # a busy engine packs a few weights before each step instead
         out = self.runner.execute(sched)
         if self.routed_by:
-            loads = [moe.routed_per_rank() for moe in self.routed_by]
-            out.expert_tokens = [sum(rank) for rank in zip(*loads)]
+            out.expert_tokens = tokens_per_rank(self.routed_by)
         return out
 
     def do_idle_work(self) -> bool:

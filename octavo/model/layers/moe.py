@@ -9,11 +9,12 @@ any other linear layer gets, replacing the stacked dense tensors.
 Under tensor parallelism every rank holds every expert's share of the intermediate width (gate and
 up rows, down columns: `even_span`); under expert parallelism (--enable-expert-parallel) a rank
 holds whole experts, num_experts / (tensor x context parallel size) consecutive ones. Ranks that
-hold the same tokens (a tensor-parallel group; every rank, in a step context parallelism does
-not split) each compute the rows routed to their experts, and the layer's output is summed over
-them once, after the experts' outputs are combined; where context-parallel ranks hold different
-tokens, rows are dispatched to their experts' ranks and brought back with two all-to-alls
-(`_dispatched`), then summed over the tensor-parallel group.
+hold the same tokens (a tensor-parallel group) each compute the rows routed to their experts,
+and the layer's output is summed over them once, after the experts' outputs are combined. With
+context-parallel ranks, which may hold different tokens (those of a split step), rows go to
+their experts' ranks and back with all-to-alls (`_dispatched`), then are summed over the
+tensor-parallel group: each context-parallel rank's rows come back to it alone, so its tokens'
+routing is its own, even in a step every rank computes whole.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from octavo.distributed import parallel_state
-from octavo.model.context import step_lora, step_splits_tokens
+from octavo.model.context import step_lora, step_real_rows
 from octavo.model.layers.activation import gated_act
 from octavo.model.layers.linear import Linear, Span, column_parallel, even_span, row_parallel
 from octavo.model.quant.base import QuantMethod
@@ -128,10 +129,7 @@ class FusedMoE(nn.Module):
 
     def routed_per_rank(self) -> list[int]:
         """The rows routed to each expert-parallel rank's experts since the last call (which
-        resets the count). Collective where rows are dispatched: each rank counted the rows it
-        computed."""
-        if parallel_state.ep_dispatches():
-            parallel_state.ep_all_reduce(self.routed)
+        resets the count)."""
         per_rank = self.routed.view(-1, self.num_local).sum(1).tolist()
         self.routed.zero_()
         return per_rank
@@ -153,29 +151,22 @@ class FusedMoE(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
-        dispatching = parallel_state.ep_dispatches()
-        if dispatching and step_splits_tokens():
+        if parallel_state.ep_dispatches():
             return self._dispatched(x, weights, experts)
         flat = experts.reshape(-1)  # [T * k]
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
-        first = self.first_expert  # this rank's experts' rows: a run of the sorted ones
-        if self.routed is not None and dispatching:  # the ranks sum what each computed
-            self.routed[first:first + self.num_local] += counts[first:first + self.num_local]
-        elif self.routed is not None:  # every rank routes every token alike
+        if self.routed is not None:  # every rank routes every token alike
             self.routed += counts
         counts = counts.tolist()
+        first = self.first_expert  # this rank's experts' rows: a run of the sorted ones
         begin = sum(counts[:first])
         order = order[begin:begin + sum(counts[first:first + self.num_local])]
         counts = counts[first:first + self.num_local]
         token = order // self.top_k  # the token each sorted row came from
         ys = self._experts(x.index_select(0, token), counts, token)
         ys = ys * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, token, ys)
-        # Every expert-parallel rank holds this step's tokens (context-parallel ranks too,
-        # when the step is not split): the sum over them all is the layer's output.
-        return parallel_state.ep_all_reduce(out) if dispatching else \
-            parallel_state.tp_all_reduce(out)
+        return parallel_state.tp_all_reduce(torch.zeros_like(x).index_add_(0, token, ys))
 
     def _experts(self, xs: torch.Tensor, counts: list[int],
                  token: torch.Tensor | None) -> torch.Tensor:
@@ -212,7 +203,12 @@ class FusedMoE(nn.Module):
         dest = flat // self.num_local  # the ep rank holding each row's expert
         # A tensor-parallel group's ranks hold the same tokens: tp rank t sends the rows bound
         # for the ranks of tp index t, so each row goes out once and comes back to one rank.
-        mine = torch.nonzero(dest % tp == parallel_state.tp_rank()).flatten()
+        # A split step's padding rows (model/context_parallel.own_rows) go nowhere.
+        sent = dest % tp == parallel_state.tp_rank()
+        real = step_real_rows()
+        if real is not None:
+            sent &= torch.arange(len(flat), device=flat.device) < real * self.top_k
+        mine = torch.nonzero(sent).flatten()
         mine = mine[dest[mine].argsort(stable=True)]
         send = torch.bincount(dest[mine], minlength=parallel_state.ep_size()).tolist()
         token = mine // self.top_k
@@ -226,3 +222,15 @@ class FusedMoE(nn.Module):
         (back,), _, _ = parallel_state.ep_all_to_all([ys], recv, matrix.t())
         back = back * weights.reshape(-1)[mine].unsqueeze(1).to(x.dtype)
         return parallel_state.tp_all_reduce(torch.zeros_like(x).index_add_(0, token, back))
+
+
+def tokens_per_rank(mixtures: list[FusedMoE]) -> list[int]:
+    """The rows each expert-parallel rank computed in these MoE layers since the last call.
+    Collective where rows are dispatched: each rank counted those it computed, and one
+    all-reduce sums every layer's counts."""
+    if parallel_state.ep_dispatches():
+        counts = parallel_state.ep_all_reduce(torch.stack([m.routed for m in mixtures]))
+        for m, summed in zip(mixtures, counts):
+            m.routed.copy_(summed)
+    loads = [m.routed_per_rank() for m in mixtures]
+    return [sum(rank) for rank in zip(*loads)]
