@@ -1,15 +1,15 @@
 """Micro-benchmark (not a test): gloo's all-reduce against the shared-memory one
 (octavo/distributed/shm_all_reduce.py) between two ranks pinned to one core each.
 
-    python3 tools/bench_all_reduce.py [values=576] [iterations=2000]
+    python3 -m tools.bench_all_reduce [values=576] [iterations=2000]
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
-import socket
 import sys
 import time
+
+from tools.pinned_ranks import run_two
 
 
 def _rank(rank: int, init: str, n: int, iters: int, results) -> None:
@@ -40,19 +40,9 @@ def _rank(rank: int, init: str, n: int, iters: int, results) -> None:
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 576
     iters = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, init, n, iters, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join()
+    got = run_two(_rank, n, iters, timeout_s=300)
     print(f"{n} bf16 values, 2 pinned ranks, mean of {iters}: " + ", ".join(
-        f"{name} {us:.1f} us" for name, us in got[0].items()))
+        f"{name} {us:.1f} us" for name, us in got.items()))
 
 
 if __name__ == "__main__":

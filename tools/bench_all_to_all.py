@@ -2,17 +2,17 @@
 context-parallel ranks (rows dispatched to their experts' ranks and back, moe.FusedMoE._dispatched)
 against its all-to-alls alone, two ranks pinned to one core each, gloo.
 
-    python3 tools/bench_all_to_all.py [tokens per rank=256] [hidden=1024] [iterations=200]
+    python3 -m tools.bench_all_to_all [tokens per rank=256] [hidden=1024] [iterations=200]
 
 The layer: 16 experts of width 512, top 4, float32, random weights and tokens.
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
-import socket
 import sys
 import time
+
+from tools.pinned_ranks import run_two
 
 EXPERTS, TOP_K, WIDTH = 16, 4, 512
 
@@ -60,21 +60,10 @@ def main() -> None:
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     hidden = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
     iters = int(sys.argv[3]) if len(sys.argv) > 3 else 200
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, init, tokens, hidden, iters, results))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join()
+    got = run_two(_rank, tokens, hidden, iters)
     print(f"{tokens} tokens per rank, hidden {hidden}, {EXPERTS} experts top {TOP_K}, "
           f"2 pinned ranks, mean of {iters}: " + ", ".join(
-              f"{name} {ms:.3f} ms" for name, ms in got[0].items()))
+              f"{name} {ms:.3f} ms" for name, ms in got.items()))
 
 
 if __name__ == "__main__":
