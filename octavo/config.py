@@ -211,9 +211,10 @@ class ParallelConfig:
         "where data-parallel replicas run: mp (local processes) or ray (Ray actors, spread "
         "over the machines of a Ray cluster)", choices=["mp", "ray"]))
     prefill_context_parallel_size: int = field(default=1, metadata=_opt(
-        "context-parallel ranks that split each step's tokens along the sequence (a long "
-        "prompt's chunk computed a share per rank, their keys and values exchanged for "
-        "attention); a dimension of its own: the world is tp x cp x pp ranks", aliases=("-pcp",)))
+        "context-parallel ranks that split the tokens of each step with a prompt chunk along "
+        "the sequence (a share per rank, their keys and values exchanged for attention; a step "
+        "of decodes runs whole on each); a dimension of its own: the world is tp x cp x pp "
+        "ranks", aliases=("-pcp",)))
     decode_context_parallel_size: int = field(default=1, metadata=_opt(
         "context-parallel ranks that each keep a share of every request's KV blocks along the "
         "sequence (block j on rank j mod size); each rank attends over its share and the "

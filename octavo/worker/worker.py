@@ -143,7 +143,7 @@ class Worker:
         if self.placement.rank == 0:
             logger.info("context parallel over %d ranks: %s", parallel.context_parallel_size,
                         " and ".join(what for what, on in (
-                            ("each step's tokens split", split_tokens),
+                            ("prompt steps' tokens split", split_tokens),
                             ("each request's KV blocks split", shard_kv)) if on))
         return ContextParallel(parallel.context_parallel_size, self.placement.cp_rank,
                                split_tokens, shard_kv, self.config.cache.block_size)
