@@ -62,6 +62,19 @@ class RankPlacement:
     def pp_ranks(self) -> list[int]:
         return [self._rank_of(stage, self.cp_rank, self.tp_rank) for stage in range(self.pp_size)]
 
+    @property
+    def ep_rank(self) -> int:
+        """Its place among the stage's ranks the experts are partitioned over."""
+        return self.cp_rank * self.tp_size + self.tp_rank if self.expert_parallel else 0
+
+    @property
+    def dispatches_experts(self) -> bool:
+        """Whether a mixture's rows go to their experts' ranks and back (all-to-all): where
+        the expert-parallel ranks may hold different tokens (context-parallel ranks split a
+        step's). Tensor-parallel ranks hold the same tokens: each computes its experts' rows and
+        the layer's all-reduce sums them."""
+        return self.expert_parallel and self.cp_size > 1
+
     def ep_ranks(self) -> list[int]:
         """The stage's ranks in expert-parallel order (ep_rank = cp_rank * tp_size + tp_rank)."""
         return [self._rank_of(self.pp_rank, c, t) for c in range(self.cp_size)
@@ -108,24 +121,11 @@ def ep_size() -> int:
 
 
 def ep_rank() -> int:
-    return (_placement.cp_rank * _placement.tp_size + _placement.tp_rank
-            if _placement.expert_parallel else 0)
+    return _placement.ep_rank
 
 
 def ep_dispatches() -> bool:
-    """Whether a mixture's tokens go to their experts' ranks and back (all-to-all): where the
-    expert-parallel ranks may hold different tokens (context-parallel ranks split a step's).
-    Tensor-parallel ranks hold the same tokens: each computes its experts' rows and the
-    layer's all-reduce sums them."""
-    return _placement.expert_parallel and _placement.cp_size > 1
-
-
-def cp_rank() -> int:
-    return _placement.cp_rank
-
-
-def cp_size() -> int:
-    return _placement.cp_size
+    return _placement.dispatches_experts
 
 
 def pp_rank() -> int:
@@ -150,8 +150,8 @@ def init(where: RankPlacement, init_method: str, backend: str = "gloo",
     # new_group is collective: every rank creates every group, in the same order.
     mine = {}
     for kind, groups in where.groups().items():
-        if (kind == "cp" and where.cp_size == 1) or (kind == "ep" and not (
-                where.expert_parallel and where.cp_size > 1)):
+        if (kind == "cp" and where.cp_size == 1) or (kind == "ep"
+                                                      and not where.dispatches_experts):
             mine[kind] = None  # no collective of its own (the identity, or the tp group's)
             continue
         for ranks in groups:
@@ -168,8 +168,7 @@ def init(where: RankPlacement, init_method: str, backend: str = "gloo",
         _cp_shm = shm_all_reduce.open_for_group(_cp_group, where.cp_ranks(), where.cp_rank,
                                                 timeout_s=timeout_s)
         if _ep_group is not None:
-            _ep_shm = shm_all_reduce.open_for_group(_ep_group, where.ep_ranks(),
-                                                    where.ep_ranks().index(where.rank),
+            _ep_shm = shm_all_reduce.open_for_group(_ep_group, where.ep_ranks(), where.ep_rank,
                                                     timeout_s=timeout_s)
     _placement = where
 

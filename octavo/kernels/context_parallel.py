@@ -159,7 +159,7 @@ def build_step(cp: ContextParallel, layout: StepLayout, tables: np.ndarray,
     num_queries = last - first
     # a request's keys run up to its last query; how many of them this rank holds
     context = layout.seq_lens - (layout.ends - last)
-    local_lens = (context // span) * block + np.clip(context % span - kv_rank * block, 0, block)
+    local_lens = _held(context, block, span, kv_rank)
     members = np.flatnonzero((num_queries > 0) & (local_lens > 0))
     queries = None
     if kernel and len(members):
@@ -178,6 +178,12 @@ def build_step(cp: ContextParallel, layout: StepLayout, tables: np.ndarray,
         queries)
 
 
+def _held(length: np.ndarray, block: int, span: int, kv_rank: int) -> np.ndarray:
+    """How many of a request's first `length` positions this rank keeps (blocks of `block`
+    positions in turn, `span` = block x ranks)."""
+    return (length // span) * block + np.clip(length % span - kv_rank * block, 0, block)
+
+
 def _kernel_queries(members: np.ndarray, first: np.ndarray, num_queries: np.ndarray,
                     q_start: int, layout: StepLayout, tables: np.ndarray, block: int, span: int,
                     kv_rank: int, device: torch.device | str) -> KernelQueries | None:
@@ -188,7 +194,7 @@ def _kernel_queries(members: np.ndarray, first: np.ndarray, num_queries: np.ndar
     tokens = np.repeat(first[members], counts) + (np.arange(int(counts.sum()))
                                                   - np.repeat(np.cumsum(counts) - counts, counts))
     keys = layout.positions[tokens] + 1  # a query's keys: the positions up to its own
-    local = (keys // span) * block + np.clip(keys % span - kv_rank * block, 0, block)
+    local = _held(keys, block, span, kv_rank)
     has = local > 0
     if not has.any():
         return None

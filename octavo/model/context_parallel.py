@@ -23,11 +23,13 @@ def own_rows(step: ContextParallelStep, x: torch.Tensor) -> torch.Tensor:
     whose output is dropped) to the chunk every rank computes."""
     if not step.split:
         return x
-    mine = x[step.own_start:step.own_end]
-    missing = step.chunk - len(mine)
-    if missing == 0:
-        return mine
-    return torch.cat([mine, mine.new_zeros((missing, *x.shape[1:]))])
+    return _padded(x[step.own_start:step.own_end], step.chunk)
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with zero rows after it up to `rows`."""
+    missing = rows - len(x)
+    return x if missing == 0 else torch.cat([x, x.new_zeros((missing, *x.shape[1:]))])
 
 
 def gather_rows(step: ContextParallelStep, x: torch.Tensor) -> torch.Tensor:
@@ -64,6 +66,6 @@ def attention(step: ContextParallelStep, q: torch.Tensor, k: torch.Tensor, v: to
         out = combine(every[..., :heads * dim].unflatten(-1, (heads, dim)),
                       every[..., heads * dim:])
         out = own_rows(step, out)
-    elif len(out) < len(q):  # this rank's padding rows
-        out = torch.cat([out, out.new_zeros((len(q) - len(out), *out.shape[1:]))])
+    else:  # this rank's own queries, and its padding rows
+        out = _padded(out, len(q))
     return out.to(q.dtype)
