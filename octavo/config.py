@@ -203,10 +203,10 @@ class ParallelConfig:
         "parallel as set) behind one server or offline LLM: requests go to the least loaded, or "
         "to the one whose prefix cache holds their leading tokens", aliases=("-dp",)))
     enable_expert_parallel: bool = field(default=False, metadata=_opt(
-        "a mixture's experts partitioned over the tensor- and context-parallel ranks, each "
-        "rank holding whole experts (num_experts / (tp x cp) of them), instead of a share of "
-        "every expert; context-parallel ranks send rows to their experts' ranks and back "
-        "(all-to-all)"))
+        "a mixture's experts partitioned over the tensor- and context-parallel ranks of every "
+        "data-parallel replica, each rank holding whole experts (num_experts / (tp x cp x dp) "
+        "of them), instead of a share of every expert; context-parallel ranks and replicas send "
+        "rows to their experts' ranks and back (all-to-all), the replicas stepping in lockstep"))
     data_parallel_backend: str = field(default="mp", metadata=_opt(
         "where data-parallel replicas run: mp (local processes) or ray (Ray actors, spread "
         "over the machines of a Ray cluster)", choices=["mp", "ray"]))
@@ -221,6 +221,12 @@ class ParallelConfig:
         "partial outputs are combined by their log-sum-exp. With "
         "--prefill-context-parallel-size too, the two must be equal (one group of ranks)",
         aliases=("-dcp",)))
+    # Set by the launchers for each data-parallel replica, not options: its index, and where the
+    # replicas meet when the experts span them (the ranks' world; the cores' lockstep group).
+    data_parallel_rank: int = 0
+    data_parallel_master_ip: str = "127.0.0.1"
+    data_parallel_master_port: int = 0
+    data_parallel_rpc_port: int = 0
 
     def __post_init__(self) -> None:
         if self.data_parallel_backend not in ("mp", "ray"):
@@ -249,6 +255,24 @@ class ParallelConfig:
                              f"{self.enable_expert_parallel!r}")
         if self.cpu_binding not in ("auto", "none"):
             raise ValueError(f"cpu_binding must be auto or none, got {self.cpu_binding!r}")
+        if self.experts_span_replicas and self.pipeline_parallel_size > 1:
+            raise NotImplementedError(
+                "expert parallelism across data-parallel replicas with pipeline parallelism: "
+                "the replicas' stages would have to run their batches in lockstep; use "
+                "tensor or context parallelism within a replica")
+
+    @property
+    def experts_span_replicas(self) -> bool:
+        """Expert parallelism with several replicas: a mixture's experts are partitioned over
+        every replica's ranks, which then form one world and step in lockstep."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
+
+    @property
+    def replica_init_method(self) -> str | None:
+        """Where the joined replicas' ranks meet (torch.distributed), else None."""
+        if not self.experts_span_replicas:
+            return None
+        return f"tcp://{self.data_parallel_master_ip}:{self.data_parallel_master_port}"
 
     @property
     def context_parallel_size(self) -> int:
@@ -365,6 +389,16 @@ class EngineConfig:
                 raise NotImplementedError("context parallelism with a draft model "
                                           "(speculative_config.model): the draft's KV cache is "
                                           "not split over the ranks yet; method ngram works")
+        if self.parallel.experts_span_replicas:
+            if self.lora.enable_lora:
+                raise NotImplementedError("expert parallelism across data-parallel replicas "
+                                          "with enable_lora: a dispatched row's adapter does "
+                                          "not travel with it yet")
+            if self.speculative is not None and self.speculative.method == "draft_model":
+                raise NotImplementedError("expert parallelism across data-parallel replicas "
+                                          "with a draft model (speculative_config.model): the "
+                                          "replicas step in lockstep one forward pass at a "
+                                          "time; method ngram works")
 
     @property
     def core_block_size(self) -> int:
@@ -421,7 +455,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
     for section in _SECTIONS.values():
         group = parser.add_argument_group(section.__name__)
         for f in fields(section):
-            if f.name in skip:
+            if f.name in skip or "help" not in f.metadata:  # set by octavo, not an option
                 continue
             meta = dict(f.metadata)
             flags = ("--" + f.name.replace("_", "-"), *meta.pop("aliases", ()))

@@ -46,6 +46,7 @@ class EngineCore:
         self.executor = executor
         # Batches started and not yet taken back, oldest first: (its schedule, its pending output).
         self.batches: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
+        self.batches_started = 0
         block_size = config.core_block_size
 
         def tokens_needed(max_len: int) -> int:
@@ -129,6 +130,7 @@ class EngineCore:
                     # request is in one batch at a time): fill its bitmask now (microseconds)
                     # so that the worker only applies it.
                     sched.grammar = self.structured.bitmask_for(sched, self.scheduler.requests)
+                    self.batches_started += 1
                     self.batches.append((sched, self.executor.execute_async(sched)))
                     started = True
                 except Exception as exc:  # noqa: BLE001 - attributed to a request, or EngineFault
@@ -150,6 +152,19 @@ class EngineCore:
             return failed + self.faults.failed(sched, exc)
         self.faults.succeeded(sched)
         return failed + outputs
+
+    def step_in_lockstep(self) -> list[EngineCoreOutput]:
+        """A step of a replica whose experts span the others' (distributed/lockstep.py): one
+        batch per call, and an empty one where this replica has none to run, so that every
+        replica's MoE layers take part in each other's exchanges. One batch in flight at a
+        time (no pipeline stages)."""
+        started = self.batches_started
+        outputs = self.step() if self.has_unfinished_requests() else []
+        if self.batches_started == started:
+            # the rows its experts computed for the others are its own ranks' load
+            self.scheduler.count_expert_tokens(
+                self.executor.execute(SchedulerOutput.empty()).expert_tokens)
+        return outputs
 
     def do_idle_work(self) -> bool:
         """See Executor.do_idle_work: call only with no unfinished request."""

@@ -3,8 +3,9 @@ front end may import (a contract in pyproject.toml holds it to that; the other i
 that builds a core, `engine_core.create_engine_core`, called only by the core's two hosts).
 
 In: `EngineCoreRequest` (one sequence to generate; the front end fans n > 1 out into n of them),
-`AbortRequests`, `UtilityCall`, `Shutdown`. Out: one `CoreOutputs` per step, with each changed
-request's `EngineCoreOutput` and the scheduler's `SchedulerStats`. The core turns a request into
+`AbortRequests`, `UtilityCall`, `Shutdown`, `Wake` (replicas in lockstep). Out: one
+`CoreOutputs` per step, with each changed request's `EngineCoreOutput` and the scheduler's
+`SchedulerStats`. The core turns a request into
 its own mutable `Request` (core/request.py) and keeps it; nothing the front end holds is ever
 the core's state.
 
@@ -20,7 +21,7 @@ from octavo.core.contract import TopLogprobs
 from octavo.params import LoRARequest, SamplingParams
 
 __all__ = ["AbortRequests", "CoreInput", "CoreOutputs", "EngineCoreOutput", "EngineCoreRequest",
-           "SchedulerStats", "Shutdown", "TopLogprobs", "UtilityCall"]
+           "SchedulerStats", "Shutdown", "TopLogprobs", "UtilityCall", "Wake"]
 
 # TopLogprobs is the worker's type (core/contract.py), carried to the front end unchanged: it is
 # listed here so that the front end reads it from the protocol.
@@ -56,7 +57,12 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown
+class Wake(msgspec.Struct, tag=True):
+    """Nothing for this core, but another replica in lockstep has news: join the next round
+    now rather than at the idle poll's end (distributed/lockstep.py)."""
+
+
+CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown | Wake
 
 
 # The per-step structs are arrays on the wire (both ends run the same code): no field names

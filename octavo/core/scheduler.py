@@ -395,12 +395,16 @@ class Scheduler:
         """A batch's output came back (or its step failed): its requests may be scheduled."""
         self.in_flight.difference_update(sched.num_scheduled_tokens)
 
+    def count_expert_tokens(self, per_rank: list[int]) -> None:
+        """Add a step's rows per expert-parallel rank to the running count."""
+        if per_rank:
+            if not self.expert_tokens:
+                self.expert_tokens = [0] * len(per_rank)
+            self.expert_tokens = [a + b for a, b in zip(self.expert_tokens, per_rank)]
+
     def update_from_output(self, sched: SchedulerOutput, out: ModelOutput) -> list[EngineCoreOutput]:
         self.batch_landed(sched)
-        if out.expert_tokens:
-            if not self.expert_tokens:
-                self.expert_tokens = [0] * len(out.expert_tokens)
-            self.expert_tokens = [a + b for a, b in zip(self.expert_tokens, out.expert_tokens)]
+        self.count_expert_tokens(out.expert_tokens)
         outputs = []
         for req_id, sampled in zip(out.req_ids, out.sampled_token_ids):
             req = self.requests.get(req_id)

@@ -4,7 +4,10 @@ CPU, nccl on CUDA).
 Ranks are laid out as vLLM lays them out, context parallelism between the two: rank = (pp_rank *
 cp_size + cp_rank) * tp_size + tp_rank, so a tensor-parallel group is tp_size consecutive ranks, a
 context-parallel group the ranks of one stage with the same tp_rank, and a pipeline group the ranks
-with the same tp_rank and cp_rank. A process that never called `init` is the only rank of every
+with the same tp_rank and cp_rank. Where a mixture's experts span data-parallel replicas (expert
+parallelism with several replicas), the replicas' ranks form one world, replica after replica:
+global rank = dp_rank * (a replica's ranks) + rank; every other group stays within its replica.
+A process that never called `init` is the only rank of every
 group: every collective is then the identity, so the model code calls them unconditionally.
 """
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch
 
 @dataclass(frozen=True)
 class RankPlacement:
-    """Where one rank sits in a tp_size x pp_size layout."""
+    """Where one rank sits in a tp_size x cp_size x pp_size layout (`rank`: its place in its
+    replica), and its replica among the dp_size whose ranks form one world."""
 
     rank: int
     tp_size: int = 1
@@ -26,17 +30,42 @@ class RankPlacement:
     # (each holds whole experts) rather than each expert sliced over them
     expert_parallel: bool = False
     cp_size: int = 1  # context parallel: ranks that split a step's tokens or its KV cache
+    # data-parallel replicas joined in one world: their experts are partitioned over all of them
+    dp_size: int = 1
+    dp_rank: int = 0
 
     def __post_init__(self) -> None:
-        if self.tp_size < 1 or self.pp_size < 1 or self.cp_size < 1:
-            raise ValueError(f"tensor, context and pipeline parallel sizes must be >= 1, got "
-                             f"{self.tp_size}, {self.cp_size} and {self.pp_size}")
+        if self.tp_size < 1 or self.pp_size < 1 or self.cp_size < 1 or self.dp_size < 1:
+            raise ValueError(f"tensor, context, pipeline and data parallel sizes must be >= 1, "
+                             f"got {self.tp_size}, {self.cp_size}, {self.pp_size} and "
+                             f"{self.dp_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside a world of {self.world_size}")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"replica {self.dp_rank} outside {self.dp_size} replicas")
+
+    @classmethod
+    def of(cls, parallel, rank: int) -> RankPlacement:
+        """Rank `rank` of a replica run with this ParallelConfig."""
+        spans = parallel.experts_span_replicas
+        return cls(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                   parallel.enable_expert_parallel, parallel.context_parallel_size,
+                   parallel.data_parallel_size if spans else 1,
+                   parallel.data_parallel_rank if spans else 0)
 
     @property
     def world_size(self) -> int:
+        """The replica's ranks."""
         return self.tp_size * self.cp_size * self.pp_size
+
+    @property
+    def global_rank(self) -> int:
+        """Its rank in the world of every joined replica's ranks."""
+        return self.dp_rank * self.world_size + self.rank
+
+    @property
+    def global_world_size(self) -> int:
+        return self.dp_size * self.world_size
 
     @property
     def tp_rank(self) -> int:
@@ -50,8 +79,10 @@ class RankPlacement:
     def pp_rank(self) -> int:
         return self.rank // (self.tp_size * self.cp_size)
 
-    def _rank_of(self, pp: int, cp: int, tp: int) -> int:
-        return (pp * self.cp_size + cp) * self.tp_size + tp
+    def _rank_of(self, pp: int, cp: int, tp: int, dp: int | None = None) -> int:
+        """A global rank: of this rank's replica unless `dp` names another."""
+        dp = self.dp_rank if dp is None else dp
+        return dp * self.world_size + (pp * self.cp_size + cp) * self.tp_size + tp
 
     def tp_ranks(self) -> list[int]:
         return [self._rank_of(self.pp_rank, self.cp_rank, t) for t in range(self.tp_size)]
@@ -65,25 +96,38 @@ class RankPlacement:
     @property
     def ep_rank(self) -> int:
         """Its place among the stage's ranks the experts are partitioned over."""
-        return self.cp_rank * self.tp_size + self.tp_rank if self.expert_parallel else 0
+        if not self.expert_parallel:
+            return 0
+        return (self.dp_rank * self.cp_size + self.cp_rank) * self.tp_size + self.tp_rank
+
+    @property
+    def ep_size(self) -> int:
+        return self.tp_size * self.cp_size * self.dp_size if self.expert_parallel else 1
 
     @property
     def dispatches_experts(self) -> bool:
         """Whether a mixture's rows go to their experts' ranks and back (all-to-all): where
         the expert-parallel ranks may hold different tokens (context-parallel ranks split a
-        step's). Tensor-parallel ranks hold the same tokens: each computes its experts' rows and
-        the layer's all-reduce sums them."""
-        return self.expert_parallel and self.cp_size > 1
+        step's, replicas run batches of their own). Tensor-parallel ranks hold the same tokens:
+        each computes its experts' rows and the layer's all-reduce sums them."""
+        return self.expert_parallel and (self.cp_size > 1 or self.dp_size > 1)
 
     def ep_ranks(self) -> list[int]:
-        """The stage's ranks in expert-parallel order (ep_rank = cp_rank * tp_size + tp_rank)."""
-        return [self._rank_of(self.pp_rank, c, t) for c in range(self.cp_size)
-                for t in range(self.tp_size)]
+        """The stage's ranks over every joined replica, in expert-parallel order (ep_rank =
+        (dp_rank * cp_size + cp_rank) * tp_size + tp_rank)."""
+        return [self._rank_of(self.pp_rank, c, t, d) for d in range(self.dp_size)
+                for c in range(self.cp_size) for t in range(self.tp_size)]
+
+    def replica_ep_ranks(self) -> range:
+        """The ep ranks of this rank's replica."""
+        per_replica = self.tp_size * self.cp_size
+        return range(self.dp_rank * per_replica, (self.dp_rank + 1) * per_replica)
 
     def groups(self) -> dict[str, list[list[int]]]:
-        """Every group of each kind, in one order every rank agrees on."""
-        ranks = [RankPlacement(r, self.tp_size, self.pp_size, cp_size=self.cp_size)
-                 for r in range(self.world_size)]
+        """Every group of each kind over the whole world, in one order every rank agrees on."""
+        ranks = [RankPlacement(r, self.tp_size, self.pp_size, cp_size=self.cp_size,
+                               dp_size=self.dp_size, dp_rank=d)
+                 for d in range(self.dp_size) for r in range(self.world_size)]
         kinds = {"tp": RankPlacement.tp_ranks, "cp": RankPlacement.cp_ranks,
                  "pp": RankPlacement.pp_ranks, "ep": RankPlacement.ep_ranks}
         return {kind: sorted({tuple(ranks_of(r)) for r in ranks}) for kind, ranks_of in
@@ -95,7 +139,7 @@ _placement = _SINGLE
 _tp_group = None
 _cp_group = None
 _pp_group = None
-_ep_group = None  # only where experts are dispatched across context-parallel ranks
+_ep_group = None  # only where experts are dispatched (across context-parallel ranks, replicas)
 _tp_shm = None  # the tp group's shared-memory all-reduce, where its ranks share this machine
 _cp_shm = None  # the cp group's, for its all-gathers
 _ep_shm = None  # the ep group's, where it has one
@@ -115,9 +159,9 @@ def tp_size() -> int:
 
 def ep_size() -> int:
     """The ranks a mixture's experts are partitioned over: a stage's tensor- and
-    context-parallel ranks under expert parallelism, else 1 (every rank holds a share of every
-    expert)."""
-    return _placement.tp_size * _placement.cp_size if _placement.expert_parallel else 1
+    context-parallel ranks (of every joined replica) under expert parallelism, else 1 (every
+    rank holds a share of every expert)."""
+    return _placement.ep_size
 
 
 def ep_rank() -> int:
@@ -138,14 +182,14 @@ def pp_size() -> int:
 
 def init(where: RankPlacement, init_method: str, backend: str = "gloo",
          timeout_s: float = 600.0) -> None:
-    """Join the world at `init_method` (tcp://host:port) as `where.rank` and make the groups.
-    Every rank must call it with the same sizes."""
+    """Join the world at `init_method` (tcp://host:port) as `where.global_rank` and make the
+    groups. Every rank must call it with the same sizes."""
     global _placement, _tp_group, _cp_group, _pp_group, _ep_group, _tp_shm, _cp_shm, _ep_shm
     import datetime
 
     import torch.distributed as dist
-    dist.init_process_group(backend, init_method=init_method, rank=where.rank,
-                            world_size=where.world_size,
+    dist.init_process_group(backend, init_method=init_method, rank=where.global_rank,
+                            world_size=where.global_world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     # new_group is collective: every rank creates every group, in the same order.
     mine = {}
@@ -156,20 +200,19 @@ def init(where: RankPlacement, init_method: str, backend: str = "gloo",
             continue
         for ranks in groups:
             group = dist.new_group(list(ranks))
-            if where.rank in ranks:
+            if where.global_rank in ranks:
                 mine[kind] = group
     _tp_group, _cp_group, _pp_group, _ep_group = mine["tp"], mine["cp"], mine["pp"], mine["ep"]
+    from octavo.distributed import shm_all_reduce
     if backend == "gloo" and where.tp_size > 1:
-        from octavo.distributed import shm_all_reduce
         _tp_shm = shm_all_reduce.open_for_group(_tp_group, where.tp_ranks(), where.tp_rank,
                                                 timeout_s=timeout_s)
     if backend == "gloo" and where.cp_size > 1:
-        from octavo.distributed import shm_all_reduce
         _cp_shm = shm_all_reduce.open_for_group(_cp_group, where.cp_ranks(), where.cp_rank,
                                                 timeout_s=timeout_s)
-        if _ep_group is not None:
-            _ep_shm = shm_all_reduce.open_for_group(_ep_group, where.ep_ranks(), where.ep_rank,
-                                                    timeout_s=timeout_s)
+    if backend == "gloo" and _ep_group is not None:
+        _ep_shm = shm_all_reduce.open_for_group(_ep_group, where.ep_ranks(), where.ep_rank,
+                                                timeout_s=timeout_s)
     _placement = where
 
 

@@ -25,7 +25,7 @@ import zmq.asyncio
 from octavo.config import EngineConfig
 from octavo.core.protocol import AbortRequests, CoreOutputs, UtilityCall
 from octavo.engine.core_launch import CoreLaunch, launch_cores
-from octavo.engine.core_replica import CoreReplica, CoreStopper
+from octavo.engine.core_replica import CoreReplica, CoreStopper, link
 from octavo.engine.llm_engine import ModelSetup
 from octavo.engine.messages import encoder, output_decoder
 from octavo.engine.offload import Offload
@@ -107,6 +107,8 @@ class AsyncEngine:
     def _bind_sockets(self, cores: list[CoreLaunch]) -> None:
         self.ctx = zmq.asyncio.Context()
         self.replicas = [CoreReplica(i, core, self.ctx) for i, core in enumerate(cores)]
+        if self.config.parallel.experts_span_replicas:
+            link(self.replicas)
         self._stop_cores = CoreStopper(self, self.replicas, self.ctx)
         self.num_blocks: int | None = None  # a replica's KV cache blocks, once ready
         self.loaded = ""  # what a core loaded (Executor.describe), once it is ready
@@ -152,7 +154,8 @@ class AsyncEngine:
             self._die(replica, f"engine core process exited (code {replica.process.exitcode})")
 
     def _die(self, replica: CoreReplica, reason: str) -> None:
-        """The replica's requests and utility calls fail; the others' go on."""
+        """The replica's requests and utility calls fail; the others' go on, but for those
+        linked to it (its experts were theirs too): they are stopped and fail alike."""
         if len(self.replicas) > 1:
             reason = f"engine core {replica.index}: {reason}"
         logger.error("%s", reason)
@@ -167,6 +170,10 @@ class AsyncEngine:
         if all(r.dead is not None for r in self.replicas):
             self.dead = reason if len(self.replicas) == 1 else f"every engine core is dead; " \
                                                                f"last: {reason}"
+        for other in replica.linked:
+            if other.dead is None:
+                other.process.kill()
+                self._die(other, f"its experts' partner {reason}")
 
     async def _read_outputs(self, replica: CoreReplica) -> None:
         try:

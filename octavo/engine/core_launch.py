@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from octavo.config import EngineConfig
+from octavo.distributed.lockstep import free_port
 
 
 @dataclass
@@ -57,7 +58,19 @@ def launch_cores(config: EngineConfig) -> list:
         from octavo.engine.core_launch_ray import launch_ray_cores
 
         return launch_ray_cores(config)
-    return [launch_core(config, i, replicas) for i in range(replicas)]
+    ports = (free_port(), free_port()) if config.parallel.experts_span_replicas else (0, 0)
+    return [launch_core(config, i, replicas)
+            for i, config in enumerate(replica_configs(config, "127.0.0.1", *ports))]
+
+
+def replica_configs(config: EngineConfig, host: str, master_port: int,
+                    rpc_port: int) -> list[EngineConfig]:
+    """Each replica's config: its index, and where the replicas meet where their experts span
+    them (host: replica 0's; master_port: their ranks' world, rpc_port: their cores' lockstep
+    group)."""
+    return [config.replace(data_parallel_rank=i, data_parallel_master_ip=host,
+                           data_parallel_master_port=master_port, data_parallel_rpc_port=rpc_port)
+            for i in range(config.parallel.data_parallel_size)]
 
 
 def launch_core(config: EngineConfig, replica: int = 0, replicas: int = 1) -> CoreLaunch:

@@ -15,6 +15,7 @@ import time
 from octavo.config import EngineConfig
 from octavo.distributed.placement import local_ranks
 from octavo.distributed.ray_cluster import connect, import_ray, why
+from octavo.engine.core_launch import replica_configs
 from octavo.engine.core_process import RayEngineCore
 
 logger = logging.getLogger(__name__)
@@ -49,9 +50,13 @@ def launch_ray_cores(config: EngineConfig) -> list[RayCoreLaunch]:
             f"replicas") from exc
     front_end = ray.util.get_node_ip_address()
     places = local_ranks([node for node, _, _ in where])
-    launches = [RayCoreLaunch(cluster, actor, config, f"tcp://{front_end}:*", place, pid,
+    ports = (ray.get([actors[0].free_port.remote() for _ in range(2)])
+             if config.parallel.experts_span_replicas else (0, 0))
+    configs = replica_configs(config, where[0][1], *ports)
+    launches = [RayCoreLaunch(cluster, actor, replica_config, f"tcp://{front_end}:*", place, pid,
                               started)
-                for actor, place, (_, _, pid) in zip(actors, places, where)]
+                for actor, replica_config, place, (_, _, pid) in zip(actors, configs, places,
+                                                                      where)]
     logger.info("data-parallel replicas on Ray: %s", ", ".join(
         f"{i}: node {ip} pid {pid}" for i, (_, ip, pid) in enumerate(where)))
     return launches

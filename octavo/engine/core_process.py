@@ -23,6 +23,7 @@ from octavo import startup_gc
 from octavo.config import EngineConfig
 from octavo.core.engine_core import EngineCore, create_engine_core, import_model_side
 from octavo.distributed import ray_cluster
+from octavo.distributed.lockstep import ReplicaLockstep, free_port
 from octavo.distributed.placement import rank_cpus
 from octavo.core.protocol import (
     AbortRequests,
@@ -43,8 +44,12 @@ HEALTH_CHECK_S = 1.0  # while idle, how often the executor's workers are checked
 
 
 class EngineCoreProcess:
-    def __init__(self, core: EngineCore, input_addr: str, output_addr: str) -> None:
+    def __init__(self, core: EngineCore, input_addr: str, output_addr: str,
+                 lockstep: ReplicaLockstep | None = None) -> None:
+        """lockstep: the replicas' group, where the experts span them (each round, every core
+        steps, an empty step where it has nothing to run)."""
         self.core = core
+        self.lockstep = lockstep
         self.ctx = zmq.Context()
         self.inputs = self.ctx.socket(zmq.PULL)
         self.inputs.connect(input_addr)
@@ -58,7 +63,8 @@ class EngineCoreProcess:
         poller.register(self.inputs, zmq.POLLIN)
         idle_work = True  # until the executor says it has none left
         checked = time.monotonic()
-        while self.running:
+        peers_active = False  # a replica in lockstep had work or news at the last round
+        while self.running or self.lockstep is not None:
             if os.getppid() != self.parent:  # the front end is gone (and PDEATHSIG missed it)
                 logger.error("the front end (pid %d) is gone; the engine core exits",
                              self.parent)
@@ -73,14 +79,28 @@ class EngineCoreProcess:
                 # Deferred set-up (packing weights) in slices of a few ms between polls: a
                 # server started ahead of its traffic meets the first requests fully set up.
                 idle_work = self.core.do_idle_work()
-            timeout = 0 if busy or idle_work else IDLE_POLL_MS
+            timeout = 0 if busy or idle_work or peers_active else IDLE_POLL_MS
             changed = False
-            while poller.poll(timeout):
+            while self.running and poller.poll(timeout):
                 self._receive(self.inputs.recv())
                 changed = True
                 timeout = 0
-                if not self.running:
+            if self.lockstep is not None:
+                busy, peers_active, stopping = self.lockstep.agree(
+                    self.core.has_unfinished_requests(), changed, not self.running)
+                if stopping:  # every replica leaves after the same round
                     return
+                if busy:  # every replica runs one forward pass, an empty one where idle
+                    local = self.core.has_unfinished_requests()
+                    outputs = self.core.step_in_lockstep()
+                    if local or changed:
+                        self._send(CoreOutputs(outputs, self.core.stats()))
+                elif changed:
+                    self._send(CoreOutputs([], self.core.stats()))
+                peers_active |= busy
+                continue
+            if not self.running:
+                return
             if self.core.has_unfinished_requests():
                 self._send(CoreOutputs(self.core.step(), self.core.stats()))
             elif changed:
@@ -126,6 +146,7 @@ class EngineCoreProcess:
             self._send(CoreOutputs([], self.core.stats(), msg.call_id, result, error))
         elif isinstance(msg, Shutdown):
             self.running = False
+        # Wake: nothing to do; its arrival is what the next lockstep round hears of
 
     def _send(self, outputs: CoreOutputs) -> None:
         self.outputs.send(encoder.encode(outputs), copy=False)
@@ -181,7 +202,7 @@ def run_engine_core(config: EngineConfig, setup: Connection, input_addr: str, ou
     except BaseException as exc:
         ready.send(("error", (type(exc).__name__, str(exc))))
         raise
-    proc = EngineCoreProcess(core, input_addr, output_addr)
+    proc = EngineCoreProcess(core, input_addr, output_addr, join_replicas(config))
     startup_gc.settle()
     ready.send(("ready", ready_info(core)))
     try:
@@ -195,6 +216,16 @@ def pin_replica(config: EngineConfig, replica: int, replicas: int) -> None:
     cores (cpu_binding auto); its ranks then split that share (distributed/placement.py)."""
     if replicas > 1 and config.parallel.cpu_binding == "auto":
         os.sched_setaffinity(0, rank_cpus(replica, replicas, list(os.sched_getaffinity(0))))
+
+
+def join_replicas(config: EngineConfig) -> ReplicaLockstep | None:
+    """The replicas' lockstep group, where the experts span them (after the core is built:
+    its ranks have joined the others' world by then)."""
+    parallel = config.parallel
+    if not parallel.experts_span_replicas:
+        return None
+    return ReplicaLockstep(parallel.data_parallel_rank, parallel.data_parallel_size,
+                           parallel.data_parallel_master_ip, parallel.data_parallel_rpc_port)
 
 
 def build_core(config: EngineConfig, core_args: tuple) -> EngineCore:
@@ -231,6 +262,10 @@ class RayEngineCore:
         """(Ray node id, node IP address, pid) of this actor."""
         return ray_cluster.where()
 
+    def free_port(self) -> int:
+        """A TCP port free now on this node, where replicas in lockstep meet."""
+        return free_port("")
+
     def start(self, config: EngineConfig, core_args: tuple, input_addr: str, output_addr: str,
               log_level: int, replica: int, replicas: int) -> dict:
         """`replica` of the `replicas` on this machine."""
@@ -238,7 +273,7 @@ class RayEngineCore:
         pin_replica(config, replica, replicas)
         import_model_side()
         core = build_core(config, core_args)
-        self.proc = EngineCoreProcess(core, input_addr, output_addr)
+        self.proc = EngineCoreProcess(core, input_addr, output_addr, join_replicas(config))
         return ready_info(core)
 
     def run(self) -> None:

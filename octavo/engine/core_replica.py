@@ -4,7 +4,9 @@ whether it is alive, the requests placed on it and its utility calls in flight.
 With data parallelism (`--data-parallel-size N`) the front end holds N of them
 (async_engine.py), each a replica of the model with its own scheduler, KV cache and executor
 (itself tensor or pipeline parallel as configured). A replica that dies fails only its own
-requests; the router (replica_router.py) sends new ones to the others.
+requests; the router (replica_router.py) sends new ones to the others. Replicas whose experts
+span each other (expert parallelism) are `linked`: they step in lockstep, so a message to one
+wakes the others too, and one's death is all of theirs (its experts are gone).
 
 The cores leave SIGTERM to their front end (core_process.py), so multiprocessing's own exit
 hook, which terminates and then joins its daemon children, would wait on them forever: a front
@@ -21,7 +23,7 @@ import weakref
 import zmq
 import zmq.asyncio
 
-from octavo.core.protocol import SchedulerStats, Shutdown
+from octavo.core.protocol import SchedulerStats, Shutdown, Wake
 from octavo.engine.core_launch import CoreLaunch
 from octavo.engine.messages import encoder
 
@@ -47,6 +49,7 @@ class CoreReplica:
         self.sequences = 0  # their sequences: the load the router balances
         self.pending_calls: dict[int, asyncio.Future] = {}
         self.tasks: list[asyncio.Task] = []  # its output reader and process watchdog
+        self.linked: list[CoreReplica] = []  # the other replicas it steps in lockstep with
 
     @property
     def process(self):
@@ -72,9 +75,13 @@ class CoreReplica:
         self.pid = info["pid"]
 
     def send(self, data: bytes) -> None:
-        """Queue an encoded message for the core (not awaited; dropped once it is dead)."""
+        """Queue an encoded message for the core (not awaited; dropped once it is dead), and
+        wake the replicas linked to it."""
         if self.dead is None:
             self.to_core.send(data)
+            for other in self.linked:
+                if other.dead is None:
+                    other.to_core.send(_WAKE)
 
     def place(self, request_id: str, sequences: int) -> None:
         self.requests.add(request_id)
@@ -88,16 +95,19 @@ class CoreReplica:
     def silent_for(self) -> float:
         return time.monotonic() - self.last_heard
 
-    def stop(self) -> None:
-        """Ask the core to shut down (killed if it has not within 10 s), from any thread."""
+    def ask_to_stop(self) -> None:
+        """Ask the core to shut down, from any thread."""
         if self.process.is_alive():
             try:  # a plain socket over the same handle: no event loop is needed to send
                 zmq.Socket.shadow(self.to_core.underlying).send(encoder.encode(Shutdown()))
             except zmq.ZMQError:
                 pass
-            self.process.join(10)
-            if self.process.is_alive():
-                self.process.kill()
+
+    def wait_stopped(self, timeout_s: float = 10.0) -> None:
+        """After ask_to_stop: killed if it has not stopped within timeout_s."""
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
 
     def close_sockets(self) -> None:
         self.to_core.close(linger=0)
@@ -120,8 +130,20 @@ class CoreStopper:
         self._finalize()
 
 
-def _stop_cores(replicas: list[CoreReplica], ctx: zmq.Context) -> None:
+def link(replicas: list[CoreReplica]) -> None:
+    """Replicas that step in lockstep (their experts span them) wake and die together."""
     for replica in replicas:
-        replica.stop()
+        replica.linked = [other for other in replicas if other is not replica]
+
+
+def _stop_cores(replicas: list[CoreReplica], ctx: zmq.Context) -> None:
+    # every core is asked first: replicas in lockstep leave together, after one round
+    for replica in replicas:
+        replica.ask_to_stop()
+    for replica in replicas:
+        replica.wait_stopped()
         replica.close_sockets()
     ctx.term()
+
+
+_WAKE = encoder.encode(Wake())

@@ -21,7 +21,7 @@ from octavo.core.protocol import (
     UtilityCall,
 )
 from octavo.engine.core_launch import launch_cores
-from octavo.engine.core_replica import CoreReplica, CoreStopper
+from octavo.engine.core_replica import CoreReplica, CoreStopper, link
 from octavo.engine.messages import encoder, output_decoder
 from octavo.engine.replica_router import ReplicaRouter
 
@@ -33,6 +33,8 @@ class ReplicaClient:
         self.ctx = zmq.Context()
         launches = launch_cores(config)
         self.replicas = [CoreReplica(i, launch, self.ctx) for i, launch in enumerate(launches)]
+        if config.parallel.experts_span_replicas:
+            link(self.replicas)
         self._stop_cores = CoreStopper(self, self.replicas, self.ctx)
         for replica in self.replicas:
             replica.launch.setup.send(core_args)
@@ -114,6 +116,11 @@ class ReplicaClient:
                 replica.dead = f"engine core {replica.index} exited (code " \
                                f"{replica.process.exitcode})"
         dead = [r.dead for r in self.replicas if r.dead is not None]
+        for replica in self.replicas:  # those linked to a dead one cannot go on without it
+            if replica.dead is None and any(other.dead for other in replica.linked):
+                replica.process.kill()
+                replica.dead = f"engine core {replica.index} stopped: a replica its experts " \
+                               f"span is dead"
         if dead:
             raise RuntimeError("; ".join(dead))
 

@@ -9,7 +9,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from octavo.arch_config import ArchConfig
 from octavo.config import EngineConfig
 from octavo.executor import wire
 from octavo.executor.mp_worker import rank_identity
+from octavo.distributed.lockstep import free_port
 from octavo.distributed.placement import local_ranks
 from octavo.executor.ranks import RankExecutor, WorkerFailed
 from octavo.model_source import ModelSource
@@ -46,7 +46,8 @@ class MultiprocExecutor(RankExecutor):
         self.sock.setsockopt(zmq.LINGER, 0)
         address = f"ipc://{self.ipc_dir}/calls"
         self.sock.bind(address)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = (config.parallel.replica_init_method
+                       or f"tcp://127.0.0.1:{free_port()}")
         self.procs: list[subprocess.Popen] = []
         # Whatever happens to this object (never shut down, collected, the interpreter
         # exiting), its processes, socket and socket folder go with it. The finalizer holds the
@@ -144,10 +145,3 @@ def _reap(procs: list[subprocess.Popen], ipc_dir: str | None) -> None:
             logger.error("worker pid %d did not exit after SIGKILL", proc.pid)
     if ipc_dir is not None:
         shutil.rmtree(ipc_dir, ignore_errors=True)
-
-
-def _free_port() -> int:
-    """A TCP port free now on the loopback, for the ranks' torch.distributed rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -29,10 +29,7 @@ class RankWorker:
         try:
             self.worker = Worker(spec.config, spec.source, spec.arch, spec.max_model_len,
                                  spec.eos_token_ids,
-                                 placement=RankPlacement(
-                                     spec.rank, spec.tp_size, spec.pp_size,
-                                     spec.config.parallel.enable_expert_parallel,
-                                     spec.config.parallel.context_parallel_size),
+                                 placement=RankPlacement.of(spec.config.parallel, spec.rank),
                                  distributed_init_method=spec.distributed_init_method,
                                  local_rank=spec.local_rank,
                                  local_world_size=spec.local_world_size)

@@ -92,8 +92,10 @@ class RayExecutor(RankExecutor):
         places = local_ranks(self.nodes)
         if cpu:  # ranks on one node share its memory
             self.memory_sharers = [size for _, size in places]
-        port = ray.get(self.actors[0].free_port.remote(), timeout=PLACEMENT_TIMEOUT_S)
-        init_method = f"tcp://{where[0][1]}:{port}"
+        init_method = config.parallel.replica_init_method
+        if init_method is None:
+            port = ray.get(self.actors[0].free_port.remote(), timeout=PLACEMENT_TIMEOUT_S)
+            init_method = f"tcp://{where[0][1]}:{port}"
         for rank, (local_rank, local_size) in enumerate(places):
             spec = wire.WorkerSpec(
                 rank, self.tp_size, self.pp_size, local_rank, local_size, init_method,

@@ -4,9 +4,9 @@ one call at a time, in the order the executor sent them."""
 from __future__ import annotations
 
 import logging
-import socket
 
 from octavo.distributed import ray_cluster
+from octavo.distributed.lockstep import free_port
 from octavo.executor import wire
 from octavo.executor.rank_worker import RankWorker
 
@@ -21,9 +21,7 @@ class RayRankWorker:
 
     def free_port(self) -> int:
         """A TCP port free now on this node, for the ranks' torch.distributed rendezvous."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port("")
 
     def start(self, spec: bytes) -> bytes:
         """Build and load the rank's Worker: the ready reply (or the failure)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 from octavo.arch_config import ArchConfig
 from octavo.config import EngineConfig
 from octavo.core.contract import ModelOutput, SchedulerOutput
+from octavo.distributed.parallel_state import RankPlacement
 from octavo.executor.base import Executor
 from octavo.model_source import ModelSource
 from octavo.worker.worker import Worker
@@ -12,7 +13,10 @@ from octavo.worker.worker import Worker
 class UniprocExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource, arch: ArchConfig,
                  max_model_len: int, eos_token_ids: list[int]) -> None:
-        self.worker = Worker(config, source, arch, max_model_len, eos_token_ids)
+        # A replica whose experts span the others is a rank of their world even alone.
+        self.worker = Worker(config, source, arch, max_model_len, eos_token_ids,
+                             RankPlacement.of(config.parallel, 0),
+                             config.parallel.replica_init_method)
         self.worker.load_model()
 
     def init_kv_cache(self, kv_cache_memory: int, block_size: int) -> int:

@@ -19,7 +19,7 @@ from octavo.kernels import fused
 from octavo.kernels.context_parallel import ContextParallel
 from octavo.model import decode_stack
 from octavo.model.layers.linear import local_heads
-from octavo.model.layers.moe import FusedMoE, tokens_per_rank
+from octavo.model.layers.moe import FusedMoE, exchange_without_rows, tokens_per_rank
 from octavo.model.loader import load_model
 from octavo.model.loader.gemm_packing import StepwisePacking
 from octavo.model.pipeline import stage_range
@@ -45,7 +45,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str]:
 
 
 class Worker:
-    """One rank's worker. With `placement.world_size` > 1 it joins the other ranks at
+    """One rank's worker. With `placement.global_world_size` > 1 it joins the other ranks at
     `distributed_init_method` (tcp://host:port) before anything is loaded, and holds its share of
     the model (tensor parallel: its heads and slices; pipeline parallel: its layers).
     `local_rank` of `local_world_size` is its place among the ranks on this machine (default:
@@ -75,7 +75,7 @@ class Worker:
                 local_rank, local_world_size, config.parallel.cpu_binding,
                 config.device.num_threads) is None:
             torch.set_num_threads(config.device.num_threads or len(os.sched_getaffinity(0)))
-        if placement.world_size > 1:
+        if placement.global_world_size > 1:
             if distributed_init_method is None:
                 raise ValueError("a worker of a parallel world needs distributed_init_method")
             parallel_state.init(placement, distributed_init_method,
@@ -224,6 +224,9 @@ class Worker:
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         self.do_idle_work()  # a busy engine packs a few weights before each step instead
         out = self.runner.execute(sched)
+        if self.placement.dp_size > 1 and not sched.num_scheduled_tokens:
+            # the empty step of a replica in lockstep: its experts serve the others' rows
+            exchange_without_rows(self.routed_by, self.dtype, self.device)
         if self.routed_by:
             out.expert_tokens = tokens_per_rank(self.routed_by)
         return out

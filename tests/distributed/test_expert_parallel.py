@@ -141,3 +141,34 @@ def test_quantized_experts_on_expert_parallel_ranks(tmp_path, smollm_oracle_fold
                scored)
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+def test_experts_span_data_parallel_replicas(tmp_path, smollm_oracle_folder, name):
+    """Two replicas (one core process each) whose experts are partitioned over both: each
+    replica's batch is its own, its rows go to their experts' replica and back, and a replica
+    with nothing left (its one request done) runs empty steps while the other finishes. Every
+    request's output equals transformers'; each replica reports the rows its own experts
+    computed, the two adding up to every computed token's top-k rows in every layer."""
+    folder, ref = _build(tmp_path, smollm_oracle_folder, name)
+    prompts = [_prompt(1), _prompt(2)[:40], _prompt(3)[:90]]
+    expected = [_reference(ref, p) for p in prompts]
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              max_num_batched_tokens=64, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        outs = _run(llm, prompts)
+        for out, prompt, exp in zip(outs, prompts, expected):
+            _check(out, prompt, *exp)
+        replicas = llm.engine.client.replicas
+        assert all(r.stats.prefix_cache_queries > 0 for r in replicas)  # both ran requests
+        routed = llm.engine.client.stats().expert_tokens
+        cfg = ref.config
+        assert len(routed) == 2 and min(routed) > 0
+        assert sum(routed) == sum(len(p) + NEW - 1 for p in prompts) * \
+            cfg.num_experts_per_tok * cfg.num_hidden_layers
+        # one request alone: the other replica only lends its experts
+        for out in _run(llm, prompts[:1]):
+            _check(out, prompts[0], *expected[0])
+    finally:
+        llm.engine.shutdown()
+    assert not any(r.process.is_alive() for r in replicas)

@@ -8,13 +8,15 @@ any other linear layer gets, replacing the stacked dense tensors.
 
 Under tensor parallelism every rank holds every expert's share of the intermediate width (gate and
 up rows, down columns: `even_span`); under expert parallelism (--enable-expert-parallel) a rank
-holds whole experts, num_experts / (tensor x context parallel size) consecutive ones. Ranks that
+holds whole experts, num_experts / (tensor x context parallel size x data-parallel replicas)
+consecutive ones. Ranks that
 hold the same tokens (a tensor-parallel group) each compute the rows routed to their experts,
 and the layer's output is summed over them once, after the experts' outputs are combined. With
-context-parallel ranks, which may hold different tokens (those of a split step), rows go to
-their experts' ranks and back with all-to-alls (`_dispatched`), then are summed over the
-tensor-parallel group: each context-parallel rank's rows come back to it alone, so its tokens'
-routing is its own, even in a step every rank computes whole.
+context-parallel ranks or replicas, which may hold different tokens (those of a split step, or
+each replica's own batch), rows go to their experts' ranks and back with all-to-alls
+(`_dispatched`), then are summed over the tensor-parallel group: each context-parallel rank's
+rows come back to it alone, so its tokens' routing is its own, even in a step every rank
+computes whole.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ class FusedMoE(nn.Module):
         if num_experts % ranks:
             raise ValueError(f"num_experts ({num_experts}) is not divisible by the "
                              f"expert-parallel size {ranks} (tensor_parallel_size x the "
-                             f"context-parallel size)")
+                             f"context-parallel size x the replicas the experts span)")
         self.num_local = num_experts // ranks  # this rank's experts: [first_expert, + num_local)
         self.first_expert = parallel_state.ep_rank() * self.num_local
         self.full_intermediate_size = intermediate_size
@@ -224,13 +226,27 @@ class FusedMoE(nn.Module):
         return parallel_state.tp_all_reduce(torch.zeros_like(x).index_add_(0, token, back))
 
 
+def exchange_without_rows(mixtures: list[FusedMoE], dtype: torch.dtype,
+                          device: torch.device) -> None:
+    """A forward pass with no tokens, as far as the other replicas see it: each MoE layer in
+    order sends no rows to the exchanges and computes the rows sent to its experts (a replica
+    with nothing to run, while its experts serve the others': distributed/lockstep.py)."""
+    for m in mixtures:
+        m(torch.empty(0, m.hidden_size, dtype=dtype, device=device),
+          torch.empty(0, m.num_experts, device=device))
+
+
 def tokens_per_rank(mixtures: list[FusedMoE]) -> list[int]:
     """The rows each expert-parallel rank computed in these MoE layers since the last call.
     Collective where rows are dispatched: each rank counted those it computed, and one
-    all-reduce sums every layer's counts."""
+    all-reduce sums every layer's counts. Where the experts span replicas, a replica reports
+    its own ranks' rows alone (the others report theirs), so that the replicas' sum is each
+    rank's."""
     if parallel_state.ep_dispatches():
         counts = parallel_state.ep_all_reduce(torch.stack([m.routed for m in mixtures]))
         for m, summed in zip(mixtures, counts):
             m.routed.copy_(summed)
     loads = [m.routed_per_rank() for m in mixtures]
-    return [sum(rank) for rank in zip(*loads)]
+    per_rank = [sum(rank) for rank in zip(*loads)]
+    mine = parallel_state.placement().replica_ep_ranks()
+    return [n if rank in mine else 0 for rank, n in enumerate(per_rank)]

@@ -44,10 +44,10 @@ def prepared_path(source: ModelSource, dtype: torch.dtype, decode_weights: str,
     if dense_prefill and quantization is None and decode_weights == "auto":
         mode = "dense-prefill"
     where = parallel_state.placement()  # a rank prepares its own share and stage
-    if where.world_size > 1:
+    if where.global_world_size > 1:
         mode = f"{mode}-tp{where.tp_rank}of{where.tp_size}-pp{where.pp_rank}of{where.pp_size}"
-        if where.expert_parallel:
-            mode = f"{mode}-ep"
+        if where.expert_parallel:  # its experts: those of its place over every joined rank
+            mode = f"{mode}-ep{where.ep_rank}of{where.ep_size}"
     h = hashlib.sha256()
     # The packed forms chosen depend on whether the C++ kernels are loaded (quant/gguf.py: the
     # wide int4 codes need them): a start without them must not leave its weights to one with.
