@@ -308,6 +308,18 @@ class RequestTimedOut(Exception):
                          f"aborted")
 
 
+def stream_error(exc: Exception) -> tuple[int, str]:
+    """The status and message of the error event that ends a stream already under way: the
+    request timed out (RequestTimedOut, from `timed`), or its engine died (EngineDeadError)."""
+    if isinstance(exc, EngineDeadError):
+        return 500, f"engine is dead: {exc}"
+    return 504, str(exc)
+
+
+# What ends a started stream with an error event in its API's format (see stream_error).
+STREAM_ERRORS = (RequestTimedOut, EngineDeadError)
+
+
 async def timed(state: ServerState, stream: AsyncIterator):
     """`stream`'s items until the request timeout passes (then RequestTimedOut; closing the
     stream aborts its request)."""

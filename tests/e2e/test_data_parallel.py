@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import API_KEY, start_server
+from tests.executor.procs import gone
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
@@ -96,5 +97,50 @@ def test_a_killed_replica_fails_only_its_requests(smollm_gguf, tmp_path):
         up = _per_engine(srv.url, "octavo:engine_core_up")
         assert up == {"0": 1.0, "1": 0.0}, up
         assert srv.proc.poll() is None
+    finally:
+        srv.stop()
+
+
+def test_replicas_whose_experts_span_them_die_together(tmp_path, smollm_oracle_folder):
+    """Expert parallelism over two replicas (a tiny random Qwen3-MoE): one replica killed
+    mid-run takes the other's experts away, so the front end stops the other too: both
+    streams end with an error event at once (none waits on the dead replica's experts), the
+    server exits as it does when its one core dies, and no core process is left."""
+    from tests.parity.test_tiny_models import _build
+
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-moe")
+    srv = start_server(folder, tmp_path, "--api-key", API_KEY, "--data-parallel-size", "2",
+                       "--enable-expert-parallel", "--max-model-len", "256")
+    try:
+        pids = _core_pids(srv)
+        assert sorted(pids) == [0, 1]
+        ended: list[str] = []
+        started = threading.Barrier(3)
+
+        def stream(prompt: str):
+            with httpx.stream("POST", srv.url + "/v1/completions", headers=AUTH, timeout=60,
+                              json={"model": "smol", "prompt": prompt, "max_tokens": 240,
+                                    "temperature": 0, "ignore_eos": True,
+                                    "stream": True}) as reply:
+                text, first = "", True
+                for chunk in reply.iter_text():
+                    text += chunk
+                    if first:
+                        first = False
+                        started.wait(30)
+                ended.append(text)
+
+        workers = [threading.Thread(target=stream, args=(p,)) for p in PROMPTS[:2]]
+        for w in workers:  # the least loaded replica: one on each
+            w.start()
+            time.sleep(0.2)
+        started.wait(30)
+        os.kill(pids[1], signal.SIGKILL)
+        for w in workers:
+            w.join(30)
+        # each stream ends with the API's error event, not cut off
+        assert len(ended) == 2 and all('"engine is dead: ' in text for text in ended), ended
+        srv.proc.wait(30)  # every core is dead: the server exits, as with one core
+        assert gone([pids[0]], 15.0)
     finally:
         srv.stop()

@@ -16,7 +16,8 @@ from octavo.entrypoints.anthropic.tools import (
     template_tools, tool_request)
 from octavo.entrypoints.chat_plan import model_defaults, plan_output, render_prompt
 from octavo.entrypoints.http import (
-    APIError, RequestTimedOut, ServerState, adapter_of, check_model, error_body, state_of, timed,
+    STREAM_ERRORS, APIError, ServerState, adapter_of, check_model, error_body, state_of,
+    stream_error, timed,
     unless_disconnected)
 from octavo.params import RequestOutput, SamplingParams
 from octavo.serving.chat_output import ChatPlan
@@ -199,8 +200,8 @@ async def _stream(state: ServerState, plan: ChatPlan, prepared: PreparedRequest,
                 events += reader.finish()
             for e in blocks.events(events):
                 yield _event(e["type"], e)
-    except RequestTimedOut as exc:  # Anthropic's error event, and the stream ends
-        yield _event("error", error_body("/v1/messages", 504, str(exc)))
+    except STREAM_ERRORS as exc:  # Anthropic's error event, and the stream ends
+        yield _event("error", error_body("/v1/messages", *stream_error(exc)))
         return
     for e in blocks.finish():
         yield _event(e["type"], e)

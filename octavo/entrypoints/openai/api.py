@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from octavo.engine.processor import PreparedRequest
 from octavo.entrypoints.chat_plan import model_defaults, plan_output, render_prompt
 from octavo.entrypoints.http import (
-    APIError, RequestTimedOut, ServerState, adapter_of, check_model, state_of, timed,
+    STREAM_ERRORS, APIError, ServerState, adapter_of, check_model, state_of, timed,
     unless_disconnected)
 from octavo.entrypoints.openai import completions
 from octavo.entrypoints.openai.beam import beam_chat
@@ -22,7 +22,7 @@ from octavo.entrypoints.openai.protocol import (
     ChatCompletionRequest, DetokenizeRequest, TokenizeRequest)
 from octavo.entrypoints.openai.shared import (
     Collected, collect, engine_id, refuse_unsupported, response_id, sse, structured,
-    timeout_event, token_ids_fields, usage, usage_options)
+    stream_error_event, token_ids_fields, usage, usage_options)
 from octavo.entrypoints.openai.tools import (
     delta_of, message_of, schema_fields, template_message, template_tools, tool_request)
 from octavo.params import PositionLogprobs, RequestOutput
@@ -230,8 +230,8 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, plan: Ch
                     "stop_reason": c.stop_reason}, c.token_ids))
             if choices:
                 yield chunk(choices)
-    except RequestTimedOut as exc:
-        yield timeout_event(exc, usage(n_prompt, n_out, cached))
+    except STREAM_ERRORS as exc:
+        yield stream_error_event(exc, usage(n_prompt, n_out, cached))
     if include_usage:
         yield sse({**base, "choices": [], "usage": usage(n_prompt, n_out, cached)})
     yield "data: [DONE]\n\n"

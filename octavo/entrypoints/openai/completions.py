@@ -14,14 +14,14 @@ from fastapi.responses import StreamingResponse
 from octavo.engine.processor import PreparedRequest
 from octavo.entrypoints.chat_plan import model_defaults
 from octavo.entrypoints.http import (
-    APIError, RequestTimedOut, ServerState, adapter_of, check_model, state_of, timed,
+    STREAM_ERRORS, APIError, ServerState, adapter_of, check_model, state_of, timed,
     unless_disconnected)
 from octavo.entrypoints.openai.beam import beam_completions
 from octavo.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs_json
 from octavo.entrypoints.openai.protocol import CompletionRequest
 from octavo.entrypoints.openai.shared import (
     Collected, collect, engine_id, refuse_unsupported, response_id, sse, structured,
-    timeout_event, token_ids_fields, usage, usage_options)
+    stream_error_event, token_ids_fields, usage, usage_options)
 from octavo.params import CompletionOutput, PositionLogprobs, RequestOutput
 
 router = APIRouter()
@@ -192,8 +192,8 @@ async def _stream(state: ServerState, body: CompletionRequest, prepared: list[Pr
                 event, _ = chunk(i, prep, _merged(outs), True,
                                  out.prompt_logprobs if out else None, 0, counts[index])
                 yield event
-    except RequestTimedOut as exc:
-        yield timeout_event(exc, usage(n_prompt, n_out, cached))
+    except STREAM_ERRORS as exc:
+        yield stream_error_event(exc, usage(n_prompt, n_out, cached))
     finally:  # a client gone mid-stream also abandons the prompts not reached yet
         for prep in prepared:
             engine.abort(prep.request_id)

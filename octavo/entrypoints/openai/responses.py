@@ -22,8 +22,8 @@ from octavo.engine.processor import PreparedRequest
 from octavo.entrypoints.chat_plan import (
     check_output_spec, model_defaults, plan_output, render_prompt)
 from octavo.entrypoints.http import (
-    APIError, RequestTimedOut, ServerState, adapter_of, check_model, state_of, timed,
-    unless_disconnected)
+    STREAM_ERRORS, APIError, ServerState, adapter_of, check_model, state_of, stream_error,
+    timed, unless_disconnected)
 from octavo.entrypoints.openai.responses_output import (
     OutputItems, reasoning_token_count, usage)
 from octavo.entrypoints.openai.responses_protocol import ResponsesRequest, input_messages
@@ -154,11 +154,13 @@ class _Run:
                     events += reader.finish()
                 for event in self.items.feed(events):
                     yield event
-        except RequestTimedOut as exc:  # streamed only: unless_disconnected times the rest
+        except STREAM_ERRORS as exc:
+            if not self.body.stream:  # a plain reply: unless_disconnected times it, and a
+                raise  # dead engine is its error response
             for event in self.items.finish("incomplete"):
                 yield event
             yield {"type": "response.failed", "response": self._stored(self.response(
-                "failed", error={"code": "server_error", "message": str(exc)},
+                "failed", error={"code": "server_error", "message": stream_error(exc)[1]},
                 usage=self.partial_usage()))}
             return
         finish = last.finish_reason if last is not None else None

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from octavo.entrypoints.chat_plan import check_output_spec
-from octavo.entrypoints.http import APIError, RequestTimedOut, ServerState, error_body
+from octavo.entrypoints.http import APIError, ServerState, error_body, stream_error
 from octavo.entrypoints.openai.protocol import UNSUPPORTED
 from octavo.params import CompletionOutput, RequestOutput, StructuredOutputsParams
 
@@ -42,8 +42,10 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def timeout_event(exc: RequestTimedOut, partial: dict) -> str:
-    return sse(error_body("/v1", 504, str(exc), usage=partial))
+def stream_error_event(exc: Exception, partial: dict) -> str:
+    """The error event that ends a chat or completion stream (http.stream_error)."""
+    status, message = stream_error(exc)
+    return sse(error_body("/v1", status, message, usage=partial))
 
 
 class Collected:
