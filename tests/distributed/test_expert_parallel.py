@@ -1,5 +1,6 @@
 """Expert parallelism on local processes (--enable-expert-parallel over two tensor-parallel
-ranks, and over context-parallel ranks whose tokens differ: all-to-all): each rank holds whole
+ranks, and over context-parallel ranks or data-parallel replicas whose tokens differ:
+all-to-all): each rank holds whole
 experts, its share of them, and the outputs equal transformers' on the
 same weights (the tensor-parallel test's criterion: greedy tokens agree, or at the first
 divergence each side's token is in the other's top 5; prompt logprobs within 1e-2 in
@@ -72,28 +73,30 @@ def test_experts_dispatched_across_context_parallel_ranks(tmp_path, smollm_oracl
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("tp, cp", [(2, 1), (1, 2), (2, 2)])
-def test_every_expert_lives_on_one_rank(tmp_path, smollm_oracle_folder, monkeypatch, tp, cp):
-    """Loaded in this process as each rank of tp x cp, every MoE layer holds whole experts (the
-    full intermediate width), the ranks' experts partition the mixture's, and each equals the
-    single-process load's."""
+@pytest.mark.parametrize("tp, cp, dp", [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)])
+def test_every_expert_lives_on_one_rank(tmp_path, smollm_oracle_folder, monkeypatch, tp, cp, dp):
+    """Loaded in this process as each rank of tp x cp in each of dp replicas whose experts
+    span them, every MoE layer holds whole experts (the full intermediate width), the ranks'
+    experts partition the mixture's, and each equals the single-process load's."""
     folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-moe")
     whole, _ = _load(folder, RankPlacement(0), monkeypatch)
     layers = {n: m for n, m in whole.named_modules() if isinstance(m, FusedMoE)}
     held: dict[str, list[int]] = {n: [] for n in layers}
-    for rank in range(tp * cp):
-        model, _ = _load(folder, RankPlacement(rank, tp_size=tp, expert_parallel=True,
-                                                cp_size=cp), monkeypatch)
-        for name, moe in model.named_modules():
-            if not isinstance(moe, FusedMoE):
-                continue
-            full = layers[name]
-            assert moe.w13.shape == (full.num_experts // (tp * cp), *full.w13.shape[1:])
-            for local in range(moe.num_local):
-                expert = moe.first_expert + local
-                held[name].append(expert)
-                assert torch.equal(moe.w13[local], full.w13[expert])
-                assert torch.equal(moe.w2[local], full.w2[expert])
+    for replica in range(dp):
+        for rank in range(tp * cp):
+            model, _ = _load(folder, RankPlacement(rank, tp_size=tp, expert_parallel=True,
+                                                    cp_size=cp, dp_size=dp, dp_rank=replica),
+                             monkeypatch)
+            for name, moe in model.named_modules():
+                if not isinstance(moe, FusedMoE):
+                    continue
+                full = layers[name]
+                assert moe.w13.shape == (full.num_experts // (tp * cp * dp), *full.w13.shape[1:])
+                for local in range(moe.num_local):
+                    expert = moe.first_expert + local
+                    held[name].append(expert)
+                    assert torch.equal(moe.w13[local], full.w13[expert])
+                    assert torch.equal(moe.w2[local], full.w2[expert])
     assert all(sorted(e) == list(range(layers[n].num_experts)) for n, e in held.items())
 
 
@@ -143,9 +146,10 @@ def test_quantized_experts_on_expert_parallel_ranks(tmp_path, smollm_oracle_fold
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
-def test_experts_span_data_parallel_replicas(tmp_path, smollm_oracle_folder, name):
-    """Two replicas (one core process each) whose experts are partitioned over both: each
+@pytest.mark.parametrize("name, tp", [("qwen3-moe", 1), ("mixtral", 1), ("qwen3-moe", 2)])
+def test_experts_span_data_parallel_replicas(tmp_path, smollm_oracle_folder, name, tp):
+    """Two replicas (a core process each, itself tp ranks) whose experts are partitioned over
+    all their ranks: each
     replica's batch is its own, its rows go to their experts' replica and back, and a replica
     with nothing left (its one request done) runs empty steps while the other finishes. Every
     request's output equals transformers'; each replica reports the rows its own experts
@@ -154,7 +158,8 @@ def test_experts_span_data_parallel_replicas(tmp_path, smollm_oracle_folder, nam
     prompts = [_prompt(1), _prompt(2)[:40], _prompt(3)[:90]]
     expected = [_reference(ref, p) for p in prompts]
     llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
-              max_num_batched_tokens=64, data_parallel_size=2, enable_expert_parallel=True)
+              max_num_batched_tokens=64, data_parallel_size=2, enable_expert_parallel=True,
+              tensor_parallel_size=tp)
     try:
         outs = _run(llm, prompts)
         for out, prompt, exp in zip(outs, prompts, expected):
@@ -163,7 +168,7 @@ def test_experts_span_data_parallel_replicas(tmp_path, smollm_oracle_folder, nam
         assert all(r.stats.prefix_cache_queries > 0 for r in replicas)  # both ran requests
         routed = llm.engine.client.stats().expert_tokens
         cfg = ref.config
-        assert len(routed) == 2 and min(routed) > 0
+        assert len(routed) == 2 * tp and min(routed) > 0
         assert sum(routed) == sum(len(p) + NEW - 1 for p in prompts) * \
             cfg.num_experts_per_tok * cfg.num_hidden_layers
         # one request alone: the other replica only lends its experts

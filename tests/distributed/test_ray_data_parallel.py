@@ -1,7 +1,8 @@
 """Data-parallel replicas on Ray (`data_parallel_backend="ray"`) on a local Ray cluster started
 here (2 CPUs: one a replica): the same greedy outputs as one core, both replicas used, each on
 its own core; a replica whose actor is killed is a clear error naming it; shutdown leaves no
-actor; a cluster too small for the replicas is a clear error, and leaves no actor."""
+actor; a cluster too small for the replicas is a clear error, and leaves no actor; experts
+spanning the replicas give transformers' outputs."""
 from __future__ import annotations
 
 import time
@@ -53,6 +54,27 @@ def test_replicas_on_ray_give_one_cores_outputs(smollm_llm, smollm_gguf, ray_clu
     assert gone(pids, 15.0), [p for p in pids if alive(p)]
     _all_cpus_free()
     assert ray.is_initialized()  # the cluster was the test's: octavo leaves it running
+
+
+def test_experts_span_replicas_on_ray(tmp_path, smollm_oracle_folder, ray_cluster):
+    """Expert parallelism over two replicas on Ray (a tiny random Qwen3-MoE): the replicas'
+    ranks meet at the first one's node, and the outputs equal transformers'."""
+    from tests.distributed.test_tensor_parallel import _check, _prompt, _reference, _run
+    from tests.parity.test_tiny_models import _build
+
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "qwen3-moe")
+    prompts = [_prompt(1), _prompt(2)[:60]]
+    expected = [_reference(ref, p) for p in prompts]
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              data_parallel_size=2, data_parallel_backend="ray", enable_expert_parallel=True)
+    try:
+        for out, prompt, exp in zip(_run(llm, prompts), prompts, expected):
+            _check(out, prompt, *exp)
+        routed = llm.engine.client.stats().expert_tokens
+        assert len(routed) == 2 and min(routed) > 0
+    finally:
+        llm.engine.shutdown()
+    _all_cpus_free()
 
 
 def test_a_cluster_too_small_is_a_clear_error(smollm_gguf, ray_cluster, monkeypatch):

@@ -110,3 +110,48 @@ def test_rank_layout_puts_context_parallel_between_tensor_and_pipeline():
     for kind in ("tp", "cp", "pp"):  # each kind partitions the world
         assert sorted(r for g in groups[kind] for r in g) == list(range(8))
     assert RankPlacement(3, tp_size=2, pp_size=2).pp_ranks() == [1, 3]  # as before without cp
+
+
+def test_replicas_whose_experts_span_them_form_one_world():
+    """Expert parallelism with two replicas of tp 2: global rank = replica * 2 + rank; tp and
+    pp groups stay within a replica, the ep group is all four ranks (ep_rank = replica * 2 +
+    tp_rank), and each replica counts its own ep ranks."""
+    from octavo.distributed.parallel_state import RankPlacement
+
+    parallel = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2,
+                              enable_expert_parallel=True, data_parallel_rank=1,
+                              data_parallel_master_port=1234)
+    assert parallel.experts_span_replicas and parallel.world_size == 2
+    assert parallel.replica_init_method == "tcp://127.0.0.1:1234"
+    where = RankPlacement.of(parallel, 1)
+    assert (where.global_rank, where.global_world_size, where.ep_rank, where.ep_size) == \
+        (3, 4, 3, 4)
+    assert where.dispatches_experts and where.tp_ranks() == [2, 3]
+    groups = where.groups()
+    assert groups["tp"] == [(0, 1), (2, 3)] and groups["ep"] == [(0, 1, 2, 3)]
+    assert list(where.replica_ep_ranks()) == [2, 3]
+    # without expert parallelism the replicas stay apart: each a world of its own
+    apart = RankPlacement.of(ParallelConfig(tensor_parallel_size=2, data_parallel_size=2,
+                                            data_parallel_rank=1), 1)
+    assert (apart.global_rank, apart.global_world_size, apart.ep_size) == (1, 2, 1)
+    assert ParallelConfig(data_parallel_size=2).replica_init_method is None
+    with pytest.raises(ValueError, match="replica 2 outside 2"):
+        RankPlacement(0, dp_size=2, dp_rank=2)
+
+
+@pytest.mark.parametrize("kwargs, what", [
+    ({"pipeline_parallel_size": 2}, "pipeline parallelism"),
+    ({"enable_lora": True}, "enable_lora"),
+    ({"speculative_config": {"method": "draft_model", "model": "m"}}, "draft model")])
+def test_experts_across_replicas_refuse_what_lockstep_cannot_run_yet(kwargs, what):
+    with pytest.raises(NotImplementedError, match=what):
+        EngineConfig.from_kwargs(data_parallel_size=2, enable_expert_parallel=True, **kwargs)
+    EngineConfig.from_kwargs(data_parallel_size=2, **kwargs)  # fine: replicas stay apart
+
+
+def test_the_launchers_fields_are_not_flags():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--data-parallel-master-port", "1"])
+    assert not hasattr(parser.parse_args([]), "data_parallel_rank")
