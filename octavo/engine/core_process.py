@@ -153,6 +153,8 @@ class EngineCoreProcess:
 
     def close(self) -> None:
         self.core.shutdown()
+        if self.lockstep is not None:
+            self.lockstep.close()
         self.inputs.close(linger=0)
         self.outputs.close(linger=0)
         self.ctx.term()

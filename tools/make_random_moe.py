@@ -1,0 +1,58 @@
+"""Make a random-weight Qwen3-MoE checkpoint (a Hugging Face folder) to measure expert
+parallelism on: no real mixture of experts ships here. Its sizes are the ones docs/distributed.md
+quotes figures for (12 layers, hidden 512, 32 experts of width 256, top 4) unless given. The
+tokenizer is SmolLM2's, copied from the folder given (its vocabulary sets the model's). Usage:
+
+    python3 -m tools.make_random_moe /tmp/qwen3-moe-random --tokenizer path/to/smollm2-folder
+
+then `octavo bench throughput --model /tmp/qwen3-moe-random -dp 2 --enable-expert-parallel`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+
+def make(out: Path, tokenizer: Path, layers: int, hidden: int, experts: int, width: int,
+         top_k: int) -> Path:
+    import torch
+    import transformers
+
+    vocab = len(json.loads((tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=hidden // 8, num_experts=experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=width, norm_topk_prob=True, max_position_embeddings=4096,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():  # scaled so that activations neither vanish nor blow up
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.04)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, out / name)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--tokenizer", type=Path, required=True,
+                        help="a folder with SmolLM2's tokenizer.json and tokenizer_config.json")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--width", type=int, default=256, help="each expert's intermediate size")
+    parser.add_argument("--top-k", type=int, default=4)
+    args = parser.parse_args()
+    print(make(args.out, args.tokenizer, args.layers, args.hidden, args.experts, args.width,
+               args.top_k))
+
+
+if __name__ == "__main__":
+    main()
