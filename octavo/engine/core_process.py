@@ -57,54 +57,90 @@ class EngineCoreProcess:
         self.outputs.connect(output_addr)
         self.running = True
         self.parent = os.getppid()
+        self._checked = time.monotonic()  # the workers' last health check
 
     def run(self) -> None:
+        if self.lockstep is not None:
+            self._run_in_lockstep()
+            return
         poller = zmq.Poller()
         poller.register(self.inputs, zmq.POLLIN)
         idle_work = True  # until the executor says it has none left
-        checked = time.monotonic()
-        peers_active = False  # a replica in lockstep had work or news at the last round
-        while self.running or self.lockstep is not None:
-            if os.getppid() != self.parent:  # the front end is gone (and PDEATHSIG missed it)
-                logger.error("the front end (pid %d) is gone; the engine core exits",
-                             self.parent)
+        while self.running:
+            if self._parent_gone():
                 return
             busy = self.core.has_unfinished_requests()
-            if not busy and time.monotonic() - checked >= HEALTH_CHECK_S:
-                # A worker that died while nothing ran ends the core now (the front end then
-                # answers /health with 503), not at the next request; a step sees it itself.
-                self.core.executor.check_health()
-                checked = time.monotonic()
+            if not busy:
+                self._check_health()
             if not busy and idle_work:
                 # Deferred set-up (packing weights) in slices of a few ms between polls: a
                 # server started ahead of its traffic meets the first requests fully set up.
                 idle_work = self.core.do_idle_work()
-            timeout = 0 if busy or idle_work or peers_active else IDLE_POLL_MS
-            changed = False
-            while self.running and poller.poll(timeout):
-                self._receive(self.inputs.recv())
-                changed = True
-                timeout = 0
-            if self.lockstep is not None:
-                busy, peers_active, stopping = self.lockstep.agree(
-                    self.core.has_unfinished_requests(), changed, not self.running)
-                if stopping:  # every replica leaves after the same round
-                    return
-                if busy:  # every replica runs one forward pass, an empty one where idle
-                    local = self.core.has_unfinished_requests()
-                    outputs = self.core.step_in_lockstep()
-                    if local or changed:
-                        self._send(CoreOutputs(outputs, self.core.stats()))
-                elif changed:
-                    self._send(CoreOutputs([], self.core.stats()))
-                peers_active |= busy
-                continue
+            changed = self._drain(poller, 0 if busy or idle_work else IDLE_POLL_MS)
             if not self.running:
                 return
             if self.core.has_unfinished_requests():
                 self._send(CoreOutputs(self.core.step(), self.core.stats()))
             elif changed:
                 self._send(CoreOutputs([], self.core.stats()))  # e.g. usage after an abort
+
+    def _run_in_lockstep(self) -> None:
+        """The loop of a replica whose experts span the others: every pass is one round of the
+        lockstep group, after which either every replica steps (an empty step where it has no
+        work) or none does. Its deferred set-up runs while every replica is idle, between polls
+        of the idle wait, so that it never holds the others' rounds."""
+        poller = zmq.Poller()
+        poller.register(self.inputs, zmq.POLLIN)
+        idle_work = True
+        peers_active = False  # a replica had work or news at the last round
+        while True:
+            if self._parent_gone():
+                return
+            busy = self.core.has_unfinished_requests()
+            timeout = 0
+            if not busy and not peers_active:
+                self._check_health()
+                deadline = time.monotonic() + IDLE_POLL_MS / 1000
+                while idle_work and time.monotonic() < deadline and not poller.poll(0):
+                    idle_work = self.core.do_idle_work()
+                timeout = max(0, round((deadline - time.monotonic()) * 1000))
+            changed = self._drain(poller, timeout)
+            busy, peers_active, stopping = self.lockstep.agree(
+                self.core.has_unfinished_requests(), changed, not self.running)
+            if stopping:  # every replica leaves after the same round
+                return
+            if busy:
+                local = self.core.has_unfinished_requests()
+                outputs = self.core.step_in_lockstep()
+                if local or changed:
+                    self._send(CoreOutputs(outputs, self.core.stats()))
+            elif changed:
+                self._send(CoreOutputs([], self.core.stats()))
+            peers_active |= busy
+
+    def _parent_gone(self) -> bool:
+        if os.getppid() != self.parent:  # the front end is gone (and PDEATHSIG missed it)
+            logger.error("the front end (pid %d) is gone; the engine core exits", self.parent)
+            return True
+        return False
+
+    def _check_health(self) -> None:
+        """While idle, at most every HEALTH_CHECK_S: a worker that died while nothing ran ends
+        the core now (the front end then answers /health with 503), not at the next request;
+        a step sees it itself."""
+        if time.monotonic() - self._checked >= HEALTH_CHECK_S:
+            self.core.executor.check_health()
+            self._checked = time.monotonic()
+
+    def _drain(self, poller: zmq.Poller, timeout: int) -> bool:
+        """Handle the messages that come within `timeout` ms (then every one waiting, until a
+        Shutdown); whether there were any."""
+        changed = False
+        while self.running and poller.poll(timeout):
+            self._receive(self.inputs.recv())
+            changed = True
+            timeout = 0
+        return changed
 
     def _receive(self, data: bytes) -> None:
         try:

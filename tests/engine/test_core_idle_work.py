@@ -1,4 +1,5 @@
-"""The core process's loop runs deferred set-up while it has no request (engine/core_process.py)."""
+"""The core process's loop runs deferred set-up while it has no request, and replicas in lockstep
+step together (engine/core_process.py)."""
 from __future__ import annotations
 
 import threading
@@ -6,7 +7,7 @@ import time
 
 import zmq
 
-from octavo.core.protocol import Shutdown, UtilityCall
+from octavo.core.protocol import Shutdown, UtilityCall, Wake
 from octavo.engine import core_process
 from octavo.engine.messages import encoder
 
@@ -77,4 +78,95 @@ def test_idle_work_runs_between_polls_answers_inputs_and_then_stops(tmp_path):
         proc.close()
         inputs.close(linger=0)
         outputs.close(linger=0)
+        ctx.term()
+
+
+class _Pair:
+    """Two cores' lockstep group in one process: a round's flags are OR-ed at a barrier."""
+
+    def __init__(self) -> None:
+        self.flags: dict[int, tuple] = {}
+        self.rounds = 0
+        self.result = (False, False, False)
+        self.barrier = threading.Barrier(2, action=self._combine)
+
+    def _combine(self) -> None:
+        self.result = tuple(any(f[i] for f in self.flags.values()) for i in range(3))
+        self.rounds += 1
+
+    def member(self, rank: int):
+        pair = self
+
+        class Member:
+            def agree(self, *flags):
+                pair.flags[rank] = flags
+                pair.barrier.wait(10)
+                return pair.result
+
+            def close(self) -> None:
+                pass
+
+        return Member()
+
+
+class _LockstepCore(_IdleCore):
+    """A core with `work` steps to run once given some; counts every step it takes part in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.work = 0
+        self.steps = 0
+
+    def has_unfinished_requests(self) -> bool:
+        return self.work > 0
+
+    def step_in_lockstep(self) -> list:
+        self.steps += 1
+        self.work = max(0, self.work - 1)
+        return []
+
+
+def test_replicas_in_lockstep_step_together_and_set_up_only_while_all_idle(tmp_path):
+    """Replicas whose experts span them (core_process._run_in_lockstep): while every one is
+    idle, deferred set-up runs between polls without a round per slice; a replica with work
+    makes the other take an empty step for each of its steps; a Shutdown to one stops both
+    after the same round."""
+    ctx = zmq.Context()
+    pair = _Pair()
+    cores, procs, inputs, loops = [], [], [], []
+    for rank in range(2):
+        folder = tmp_path / str(rank)
+        folder.mkdir()
+        sock = ctx.socket(zmq.PUSH)
+        sock.bind(f"ipc://{folder}/in")
+        inputs.append(sock)
+        core = _LockstepCore()
+        proc = core_process.EngineCoreProcess(core, f"ipc://{folder}/in", f"ipc://{folder}/out",
+                                              pair.member(rank))
+        proc._send = lambda outputs: None
+        cores.append(core)
+        procs.append(proc)
+        loops.append(threading.Thread(target=proc.run))
+    for loop in loops:
+        loop.start()
+    try:
+        _wait(lambda: cores[0].calls >= 20)
+        assert pair.rounds <= 1, pair.rounds  # a round at the idle poll's end, not per slice
+        for core in cores:
+            core.done.set()
+        cores[1].work = 5
+        inputs[1].send(encoder.encode(UtilityCall(1, "stats")))
+        inputs[0].send(encoder.encode(Wake()))  # as the front end wakes the other replica
+        _wait(lambda: cores[1].work == 0)
+        time.sleep(0.05)
+        assert cores[0].steps == cores[1].steps == 5
+    finally:
+        inputs[0].send(encoder.encode(Shutdown()))
+        for loop in loops:
+            loop.join(10)
+        assert not any(loop.is_alive() for loop in loops)
+        for proc in procs:
+            proc.close()
+        for sock in inputs:
+            sock.close(linger=0)
         ctx.term()
