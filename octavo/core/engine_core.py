@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.01
 
 
+class LockstepBroken(RuntimeError):
+    """A replica in lockstep failed a step: the replicas' exchanges are out of step."""
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int,
                  sliding_window: int | None = None,
@@ -47,6 +51,7 @@ class EngineCore:
         # Batches started and not yet taken back, oldest first: (its schedule, its pending output).
         self.batches: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self.batches_started = 0
+        self.executions_failed = 0  # steps whose execution (not scheduling or update) raised
         block_size = config.core_block_size
 
         def tokens_needed(max_len: int) -> int:
@@ -125,15 +130,18 @@ class EngineCore:
             sched = self.scheduler.schedule()
             if (sched.total_num_scheduled_tokens or sched.finished_req_ids
                     or sched.preempted_req_ids):
+                executing = False
                 try:
                     # The matchers are up to date with every token so far (a constrained
                     # request is in one batch at a time): fill its bitmask now (microseconds)
                     # so that the worker only applies it.
                     sched.grammar = self.structured.bitmask_for(sched, self.scheduler.requests)
+                    executing = True
                     self.batches_started += 1
                     self.batches.append((sched, self.executor.execute_async(sched)))
                     started = True
                 except Exception as exc:  # noqa: BLE001 - attributed to a request, or EngineFault
+                    self.executions_failed += executing
                     self.scheduler.batch_landed(sched)
                     return failed + self.faults.failed(sched, exc)
         if not self.batches:
@@ -145,9 +153,13 @@ class EngineCore:
                 and not pending.done():
             return failed  # room for another batch while this one runs
         self.batches.popleft()
+        executed = False
         try:
-            outputs = self.scheduler.update_from_output(sched, pending.result())
+            output = pending.result()
+            executed = True
+            outputs = self.scheduler.update_from_output(sched, output)
         except Exception as exc:  # noqa: BLE001 - attributed to a request, or EngineFault
+            self.executions_failed += not executed
             self.scheduler.batch_landed(sched)
             return failed + self.faults.failed(sched, exc)
         self.faults.succeeded(sched)
@@ -157,9 +169,18 @@ class EngineCore:
         """A step of a replica whose experts span the others' (distributed/lockstep.py): one
         batch per call, and an empty one where this replica has none to run, so that every
         replica's MoE layers take part in each other's exchanges. One batch in flight at a
-        time (no pipeline stages)."""
-        started = self.batches_started
+        time (no pipeline stages).
+
+        A step whose execution raised may have left the others' ranks waiting for rows from
+        this one's in a layer it never reached: there is no telling which, so it ends this
+        replica (LockstepBroken), and its host's death stops the others, instead of a request
+        fault aborting one request while every replica waits."""
+        started, failed = self.batches_started, self.executions_failed
         outputs = self.step() if self.has_unfinished_requests() else []
+        if self.executions_failed != failed:
+            raise LockstepBroken("a step failed in a replica whose experts span the others "
+                                 "(its error is logged above): their exchanges cannot be "
+                                 "matched up again, so the replicas stop")
         if self.batches_started == started:
             # the rows its experts computed for the others are its own ranks' load
             self.scheduler.count_expert_tokens(

@@ -241,3 +241,24 @@ def test_a_suspect_run_alone_gets_room_from_requests_that_hold_blocks():
     out = s.schedule()
     assert out.num_scheduled_tokens == {"suspect": 12}
     assert out.preempted_req_ids == {"hog"}
+
+
+def test_a_replica_in_lockstep_runs_an_empty_step_and_stops_on_a_failed_execution():
+    """step_in_lockstep: one execution per call (an empty schedule where nothing is scheduled);
+    a failed scheduling or update is a request's fault as in step(), but a failed execution
+    ends the replica (the others' ranks may wait on this one's in a layer it never reached)."""
+    from octavo.core.engine_core import LockstepBroken
+
+    core, ex = make_core()
+    assert core.step_in_lockstep() == [] and len(ex.executed) == 1
+    assert ex.executed[0].total_num_scheduled_tokens == 0
+    submit(core, make_request("a", 3, max_tokens=2))
+    while core.has_unfinished_requests():
+        core.step_in_lockstep()
+    assert all(s.total_num_scheduled_tokens for s in ex.executed[1:])
+
+    core = EngineCore(EngineConfig.from_kwargs(block_size=4, kv_cache_memory=12345),
+                      _PoisonExecutor(32), 64)
+    submit(core, make_request("bad", 3, max_tokens=2))
+    with pytest.raises(LockstepBroken, match="replicas stop"):
+        core.step_in_lockstep()
