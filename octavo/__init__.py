@@ -8,12 +8,14 @@ from octavo.inputs import PromptType, TextPrompt, TokensPrompt
 from octavo.params import (
     BeamSearchOutput, BeamSearchParams, CompletionOutput, Logprob, LoRARequest, RequestOutput,
     SamplingParams, StructuredOutputsParams)
+from octavo.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
     from octavo.async_llm import AsyncLLM, AsyncLLMEngine
     from octavo.llm import LLM
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams",
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "PoolingParams", "BeamSearchParams",
+           "StructuredOutputsParams",
            "RequestOutput", "CompletionOutput", "LoRARequest", "Logprob", "BeamSearchOutput", "PromptType",
            "TextPrompt", "TokensPrompt", "AsyncLLM", "AsyncLLMEngine"]
 __version__ = "0.1.0"

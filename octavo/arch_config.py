@@ -33,6 +33,8 @@ GGUF_ARCHITECTURES = {
 # ... and the one it registers under when the file holds stacked expert tensors.
 GGUF_EXPERT_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
 
+# Bidirectional encoders: they pool (embeddings), never generate.
+ENCODER_ARCHITECTURES = ("BertModel",)
 SLIDING, FULL = "sliding_attention", "full_attention"
 # generation_config.json keys that become request defaults (the SamplingParams field names)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -69,6 +71,25 @@ class ArchConfig:
     # Family-specific keys (MoE sizes, partial rotary, ...), read by that family's model file.
     extra: dict[str, Any] = field(default_factory=dict)
     gguf_arch: str | None = None  # set for GGUF files: their tensor layout differs
+    pooling: str | None = None  # sentence-transformers' Pooling module: mean, cls or last
+    pooling_normalize: bool | None = None  # whether its Normalize module follows (None: no files)
+    matryoshka: bool = False  # config.json's is_matryoshka: an embedding may be cut short
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.architecture in ENCODER_ARCHITECTURES
+
+    @property
+    def pooling_kind(self) -> str:
+        """How an embedding pools the hidden states: sentence-transformers' mode where the
+        folder says, else [CLS] for an encoder and the last token for a decoder (as vLLM)."""
+        return self.pooling or ("cls" if self.is_encoder else "last")
+
+    @property
+    def pooling_normalizes(self) -> bool:
+        """Whether embeddings are normalized by default (without sentence-transformers' files:
+        yes, as vLLM)."""
+        return True if self.pooling_normalize is None else self.pooling_normalize
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`, or None when it attends to the whole context."""
@@ -160,6 +181,7 @@ def _from_hf(source: ModelSource) -> ArchConfig:
         window, layer_types = None, ()
     if layer_types and all(t == SLIDING for t in layer_types):
         layer_types = ()
+    pooling, normalize = _sentence_transformers_pooling(source.path)
     return ArchConfig(
         architecture=archs[0],
         vocab_size=need("vocab_size"),
@@ -187,7 +209,41 @@ def _from_hf(source: ModelSource) -> ArchConfig:
         attn_logit_softcap=text.get("attn_logit_softcapping"),
         final_logit_softcap=text.get("final_logit_softcapping"),
         extra=text,
+        pooling=pooling,
+        pooling_normalize=normalize,
+        matryoshka=bool(cfg.get("is_matryoshka") or cfg.get("matryoshka_dimensions")),
     )
+
+
+_POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                  "pooling_mode_lasttoken": "last"}
+
+
+def _sentence_transformers_pooling(folder: Path) -> tuple[str | None, bool | None]:
+    """sentence-transformers' modules.json: its Pooling module's mode, and whether a Normalize
+    module follows; (None, None) where the folder has no such file."""
+    path = folder / "modules.json"
+    if not path.is_file():
+        return None, None
+    modules = {m.get("type", "").rpartition(".")[2]: m for m in json.loads(path.read_text())}
+    unknown = set(modules) - {"Transformer", "Pooling", "Normalize"}
+    if unknown:
+        raise NotImplementedError(f"model: {path} has sentence-transformers modules "
+                                  f"{sorted(unknown)}; octavo runs Transformer, Pooling and "
+                                  f"Normalize only")
+    pooling = None
+    if "Pooling" in modules:
+        pool_path = folder / modules["Pooling"].get("path", "") / "config.json"
+        settings = json.loads(pool_path.read_text())
+        modes = [mode for key, mode in _POOLING_MODES.items() if settings.get(key)]
+        others = [k for k, v in settings.items()
+                  if k.startswith("pooling_mode_") and v and k not in _POOLING_MODES]
+        if others or len(modes) != 1:
+            raise NotImplementedError(f"model: {pool_path} pools with {sorted(others) or modes}; "
+                                      f"octavo pools with exactly one of "
+                                      f"{', '.join(_POOLING_MODES)}")
+        pooling = modes[0]
+    return pooling, "Normalize" in modules
 
 
 # Families without grouped-query attention: a num_key_value_heads in their config means nothing.

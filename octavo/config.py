@@ -17,6 +17,9 @@ def _opt(help: str, **extra: Any) -> Any:
     return {"help": help, **extra}
 
 
+TASKS = ("auto", "generate", "embed")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = field(default=DEFAULT_MODEL, metadata=_opt(
@@ -41,8 +44,14 @@ class ModelConfig:
         "group of 32), fp8 (e4m3 per channel, computed in bf16); on a GGUF, int4/int8 keep only "
         "its codes in that layout, no dense weights; default: what the checkpoint has",
         choices=["int8", "int4", "fp8"]))
+    task: str = field(default="auto", metadata=_opt(
+        "what the model serves: generate (text), embed (pooled embeddings: LLM.embed, "
+        "/v1/embeddings); auto: embed for an encoder (BERT), else generate",
+        choices=list(TASKS)))
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
         if self.decode_weights not in ("auto", "none"):

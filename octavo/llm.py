@@ -1,8 +1,10 @@
-"""The offline API: `LLM(model).generate(prompts, params)`, `LLM.chat(messages)` and
-`LLM.beam_search(prompts, params)`, with vLLM's names, prompt forms and output shapes."""
+"""The offline API: `LLM(model).generate(prompts, params)`, `LLM.chat(messages)`,
+`LLM.beam_search(prompts, params)`, and for a model of task embed `LLM.embed(prompts)` and
+`LLM.encode(prompts)`, with vLLM's names, prompt forms and output shapes."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from octavo.config import DEFAULT_MODEL, EngineConfig
@@ -13,6 +15,7 @@ from octavo.engine.processor import MAX_LOGPROBS, RequestLimits
 from octavo.inputs import PromptType, is_single_prompt
 from octavo.params import (
     BeamSearchOutput, BeamSearchParams, LoRARequest, RequestOutput, SamplingParams)
+from octavo.pooling_params import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from octavo.serving.chat_template import render_chat
 
 Prompt = PromptType
@@ -126,6 +129,46 @@ class LLM:
         beam.run(self.engine, searches)
         return [s.sequences(self.tokenizer) for s in searches]
 
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True
+              ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (`outputs.embedding`, a list of floats), in input order: its
+        hidden states pooled as the model's pooling says (sentence-transformers' Pooling and
+        Normalize modules where the folder has them). `truncate_prompt_tokens`: keep at most
+        that many tokens (-1: the context length), a text's special tokens kept."""
+        return [EmbeddingRequestOutput.from_base(o) for o in self.encode(
+            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm)]
+
+    def encode(self, prompts: Prompt | Sequence[Prompt],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True
+               ) -> list[PoolingRequestOutput]:
+        """As `embed`, each pooled vector as a numpy array (`outputs.data`)."""
+        if is_single_prompt(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if isinstance(params, PoolingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"pooling_params has {len(params)} entries for {len(prompts)} "
+                             f"prompts")
+        if truncate_prompt_tokens is not None:
+            params = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.next_request_id())
+                engine.add_pooling_request(ids[-1], prompt, p)
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        return self._collect(ids, use_tqdm)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block. Refused (returns False) while requests run."""
         return self.engine.client.reset_prefix_cache()
@@ -143,10 +186,16 @@ class LLM:
             for rid in ids:
                 engine.abort_request(rid)
             raise
+        return self._collect(ids, use_tqdm)
+
+    def _collect(self, ids: list[str], use_tqdm: bool) -> list:
+        """Step until every one of these requests has finished; their outputs in that order
+        (every one aborted where stepping fails)."""
+        engine = self.engine
         bar = None
-        if use_tqdm and len(prompts) > 1:
+        if use_tqdm and len(ids) > 1:
             from tqdm import tqdm
-            bar = tqdm(total=len(prompts), desc="Processed prompts", dynamic_ncols=True)
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         done: dict[str, RequestOutput] = {}
         wanted = set(ids)
         try:

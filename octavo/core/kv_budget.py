@@ -25,6 +25,8 @@ def plan_kv(explicit: int | None, fraction: float, bytes_per_block: int | None, 
             max_model_len: int, tokens_needed: Callable[[int], int],
             available: int | None) -> KVPlan:
     """`tokens_needed(max_len)`: the KV tokens one request of that context may hold at once."""
+    if bytes_per_block == 0:  # an encoder: nothing is cached
+        return KVPlan(0, max_model_len, available)
     if explicit is not None or bytes_per_block is None or available is None:
         return KVPlan(explicit if explicit is not None else DEFAULT_KV_BYTES, max_model_len,
                       available)

@@ -18,7 +18,10 @@ from __future__ import annotations
 import msgspec
 
 from octavo.core.contract import TopLogprobs
+import numpy as np
+
 from octavo.params import LoRARequest, SamplingParams
+from octavo.pooling_params import PoolingParams
 
 __all__ = ["AbortRequests", "CoreInput", "CoreOutputs", "EngineCoreOutput", "EngineCoreRequest",
            "SchedulerStats", "Shutdown", "TopLogprobs", "UtilityCall", "Wake"]
@@ -42,6 +45,8 @@ class EngineCoreRequest(msgspec.Struct, tag=True, frozen=True):
     # token of each where the output so far ends with the others)
     bad_words_token_ids: list[list[int]] = []
     lora_request: LoRARequest | None = None  # checked by the front end (octavo/lora/adapter.py)
+    # a pooling request (an embedding): its prompt is pooled, nothing generated
+    pooling_params: PoolingParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -79,6 +84,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     prompt_logprobs: TopLogprobs | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # on a request's first output only
+    pooled: np.ndarray | None = None  # a pooling request's vector (float32), with its finish
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

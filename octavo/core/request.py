@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from octavo.params import LoRARequest, SamplingParams
+from octavo.pooling_params import PoolingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -67,6 +68,8 @@ class Request:
     # masked where the output so far ends with the others (structured.py applies it)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     lora_request: LoRARequest | None = None  # the adapter it runs with, else the base model
+    # a pooling request: computed whole in one step, never from the prefix cache, then done
+    pooling_params: PoolingParams | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -43,6 +43,8 @@ import bisect
 import logging
 import time
 
+import numpy as np
+
 from octavo.config import SchedulerConfig
 from octavo.core.contract import (
     CachedRequestData, ModelOutput, NewRequestData, SchedulerOutput, TopLogprobs)
@@ -218,6 +220,8 @@ class Scheduler:
                 break
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
+            if req.pooling_params is not None and num_new < req.num_tokens:
+                break  # pooled whole in one step: it waits for a step with room for it
             extra = self._lookahead(req, num_hit + num_new)
             allocated = self.kv.allocate_slots(req, num_new + extra, hits)
             while allocated is None and isolated is not None and self._has_victim(num_scheduled):
@@ -246,7 +250,7 @@ class Scheduler:
             new_reqs.append(NewRequestData(
                 req.req_id, token_ids, req.num_prompt_tokens, req.sampling_params,
                 list(self.kv.blocks_of(req.req_id)), req.num_computed_tokens,
-                sorted(req.eos_token_ids), req.lora_request))
+                sorted(req.eos_token_ids), req.lora_request, req.pooling_params))
             num_scheduled[req.req_id] = num_new
             budget -= num_new
 
@@ -410,6 +414,9 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            if req.pooling_params is not None:
+                outputs.append(self._finish_pooled(req, out.pooled[req_id]))
+                continue
             num_drafts = len(sched.spec_token_ids.get(req_id, ()))
             if num_drafts:  # give back the positions of the rejected drafts
                 accepted = len(sampled) - 1
@@ -440,6 +447,13 @@ class Scheduler:
                 first_scheduled_time=None if req.first_output_sent else req.first_scheduled_time))
             req.first_output_sent = True
         return outputs
+
+    def _finish_pooled(self, req: Request, pooled: np.ndarray) -> EngineCoreOutput:
+        """A pooling request's one step is done: its vector is its output."""
+        self.running.remove(req)
+        self._finish(req, RequestStatus.FINISHED_STOPPED)
+        return EngineCoreOutput(req.req_id, [], "stop", num_cached_tokens=0,
+                                first_scheduled_time=req.first_scheduled_time, pooled=pooled)
 
     @staticmethod
     def _new_prompt_logprobs(req: Request, sched: SchedulerOutput,

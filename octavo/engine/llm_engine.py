@@ -14,11 +14,12 @@ from octavo.engine.client import InprocClient
 from octavo.engine.replica_client import ReplicaClient
 from octavo.engine.grammar import XgrammarBackend
 from octavo.engine.outputs import OutputProcessor
-from octavo.engine.processor import Processor, RequestLimits
+from octavo.engine.processor import Embeddings, Processor, RequestLimits
 from octavo.engine.tokenizer import load_tokenizer
 from octavo.lora.registry import AdapterRegistry
 from octavo.model_source import ModelSource, resolve_model
 from octavo.params import LoRARequest, RequestOutput, SamplingParams
+from octavo.pooling_params import PoolingParams
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,12 @@ class ModelSetup:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         eos_ids = frozenset(eos)
+        embeddings = None
+        if resolve_task(config.model.task, arch) == "embed":
+            embeddings = Embeddings(arch.hidden_size, arch.matryoshka,
+                                    config.scheduler.max_num_batched_tokens)
         processor = Processor(tokenizer, max_model_len, arch.vocab_size, eos_ids, limits,
-                              AdapterRegistry(arch, config.lora))
+                              AdapterRegistry(arch, config.lora), embeddings)
         return cls(source, arch, tokenizer, max_model_len, eos_ids, processor)
 
     def adopt_max_model_len(self, max_model_len: int) -> None:
@@ -68,6 +73,16 @@ class ModelSetup:
         """The structured-output backend for this tokenizer (built on first use, in the core's
         compile thread)."""
         return XgrammarBackend(self.tokenizer, self.arch.vocab_size, sorted(self.eos_token_ids))
+
+
+def resolve_task(task: str, arch: ArchConfig) -> str:
+    """What the engine serves: `task`, or for auto, embed for an encoder and generate else."""
+    if task == "auto":
+        return "embed" if arch.is_encoder else "generate"
+    if task == "generate" and arch.is_encoder:
+        raise ValueError(f"task generate: {arch.architecture} is an encoder, it has no LM head "
+                         f"to generate with; use task embed (or auto)")
+    return task
 
 
 def check_draft_tokenizer(name: str, arch: ArchConfig, tokenizer: Any) -> None:
@@ -122,6 +137,15 @@ class LLMEngine:
         self.outputs.add_request(prepared)
         for req in prepared.core_requests:
             self.client.add_request(req)
+
+    def add_pooling_request(self, request_id: str, prompt: str | Sequence[int],
+                            params: PoolingParams, priority: int = 0) -> None:
+        """Validate, tokenize and queue one pooling request (an embedding)."""
+        if request_id in self.outputs.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prepared = self.processor.build_pooling(request_id, prompt, params, priority)
+        self.outputs.add_request(prepared, pooling=True)
+        self.client.add_request(prepared.core_requests[0])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         children = self.outputs.child_ids(request_id)

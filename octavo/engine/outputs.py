@@ -14,6 +14,7 @@ from octavo.core.protocol import EngineCoreOutput, TopLogprobs
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.processor import PreparedRequest
 from octavo.params import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, SamplingParams
+from octavo.pooling_params import PoolingOutput, PoolingRequestOutput
 
 
 @dataclass
@@ -51,12 +52,18 @@ class ParentState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    pooling: bool = False  # a pooling request: its output is its vector
+    pooled: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children.values())
 
-    def output(self, delta: bool = False) -> RequestOutput:
+    def output(self, delta: bool = False) -> RequestOutput | PoolingRequestOutput:
+        if self.pooling:
+            data = self.pooled if self.pooled is not None else np.zeros(0, np.float32)
+            return PoolingRequestOutput(self.request_id, PoolingOutput(data),
+                                        self.prompt_token_ids, self.finished)
         n = self.params.n
         if len(self.children) > n:  # best_of: nothing until every sample is done
             outs = []
@@ -77,7 +84,7 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         self.parent_of: dict[str, str] = {}  # child (core) request id -> parent id
 
-    def add_request(self, prepared: PreparedRequest) -> None:
+    def add_request(self, prepared: PreparedRequest, pooling: bool = False) -> None:
         params = prepared.params
         want_lp = params.logprobs is not None
         ranked = params.num_samples > params.n  # best_of ranks by cumulative logprob
@@ -88,7 +95,7 @@ class OutputProcessor:
                             cumulative_logprob=0.0 if want_lp or ranked else None)
             for i, cid in enumerate(prepared.child_ids)}
         parent = ParentState(prepared.request_id, prepared.prompt, prepared.prompt_token_ids,
-                             params, children)
+                             params, children, pooling=pooling)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         self.parents[prepared.request_id] = parent
@@ -129,6 +136,8 @@ class OutputProcessor:
             if out.first_scheduled_time is not None and parent.first_scheduled_time is None:
                 parent.first_scheduled_time = out.first_scheduled_time
                 parent.num_cached_tokens = out.num_cached_tokens
+            if out.pooled is not None:
+                parent.pooled = out.pooled
             if out.prompt_logprobs is not None and parent.prompt_logprobs is not None:
                 parent.prompt_logprobs.extend(self._positions(out.prompt_logprobs,
                                                               parent.params.detokenize))

@@ -11,6 +11,7 @@ from octavo.engine.grammar import check_structured
 from octavo.inputs import unwrap_prompt
 from octavo.lora.registry import AdapterRegistry
 from octavo.params import LoRARequest, SamplingParams
+from octavo.pooling_params import PoolingParams
 
 MAX_LOGPROBS = 20
 MAX_BAD_WORDS = 128  # token sequences after tokenizing, as vLLM bounds them
@@ -44,11 +45,24 @@ class RequestLimits:
                              f"got {width}")
 
 
+@dataclass(frozen=True)
+class Embeddings:
+    """What an engine of task embed pools: vectors of `width` features, cut short only where
+    the model is `matryoshka`; a prompt is computed in one step of at most `step_tokens`."""
+
+    width: int
+    matryoshka: bool
+    step_tokens: int
+
+
 class Processor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
                  eos_token_ids: frozenset[int], limits: RequestLimits | None = None,
-                 adapters: AdapterRegistry | None = None) -> None:
+                 adapters: AdapterRegistry | None = None,
+                 embeddings: Embeddings | None = None) -> None:
+        """embeddings: the engine's task is embed (None: generate)."""
         self.tokenizer = tokenizer
+        self.embeddings = embeddings
         self.adapters = adapters
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -208,6 +222,10 @@ class Processor:
         seeds. `prompt` may be any of octavo.inputs' forms (a TextPrompt or TokensPrompt may
         carry the cache_salt). `max_logprobs` is raised only by beam search (2 x beam
         width)."""
+        if self.embeddings is not None:
+            raise ValueError("this engine runs task embed: it pools prompts into embeddings "
+                             "(LLM.embed, /v1/embeddings) and does not generate; start it with "
+                             "task generate for text")
         prompt, own_salt = unwrap_prompt(prompt)
         if own_salt is not None:
             if cache_salt is not None and cache_salt != own_salt:
@@ -240,6 +258,54 @@ class Processor:
                                   bad_words_token_ids=bad_words, lora_request=lora_request)
                 for i, cid in enumerate(ids)]
         return PreparedRequest(request_id, text, prompt_ids, params, reqs)
+
+
+    def build_pooling(self, request_id: str, prompt: str | Sequence[int],
+                      params: PoolingParams, priority: int = 0) -> PreparedRequest:
+        """Validate and tokenize a pooling request: its prompt (a text's special tokens kept
+        when truncate_prompt_tokens cuts it, from the end) fits the context and one step."""
+        emb = self.embeddings
+        if emb is None:
+            raise ValueError("this engine runs task generate: start it with task embed (an "
+                             "encoder such as BERT runs it by default) to pool embeddings")
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got "
+                             f"{type(params).__name__}")
+        if params.dimensions is not None:
+            if not emb.matryoshka:
+                raise ValueError("dimensions: the model's embeddings cannot be cut short (its "
+                                 "config.json declares no is_matryoshka)")
+            if params.dimensions > emb.width:
+                raise ValueError(f"dimensions must be <= {emb.width} (the model's embedding "
+                                 f"width), got {params.dimensions}")
+        prompt, _ = unwrap_prompt(prompt)
+        k = params.truncate_prompt_tokens
+        if k is not None and k > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({k}) is greater than max_model_len "
+                             f"({self.max_model_len})")
+        k = self.max_model_len if k == -1 else k
+        if isinstance(prompt, str) and k is not None:
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text, prompt_ids = prompt, self.tokenizer.encode(prompt, max_tokens=k)
+        else:
+            text, prompt_ids = self.tokenize(prompt)
+            prompt_ids = prompt_ids[:k] if k is not None else prompt_ids
+        n = len(prompt_ids)
+        if n > self.max_model_len:
+            raise ValueError(f"prompt is {n} tokens, max_model_len is {self.max_model_len}: "
+                             f"set truncate_prompt_tokens to cut it")
+        if n > emb.step_tokens:
+            raise ValueError(f"prompt is {n} tokens; a pooling request is computed in one step "
+                             f"of at most max_num_batched_tokens ({emb.step_tokens})")
+        req = EngineCoreRequest(request_id, prompt_ids, _POOLING_SAMPLING, self.eos_token_ids, 1,
+                                arrival_time=time.time(), priority=priority,
+                                pooling_params=params)
+        return PreparedRequest(request_id, text, prompt_ids, _POOLING_SAMPLING, [req])
+
+
+# What a pooling request carries in place of sampling: one step, nothing sampled or detokenized.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
 
 @dataclass

@@ -40,6 +40,11 @@ class Tokenizer:
     def __init__(self, backend: Backend, config: dict[str, Any],
                  chat_template: str | None) -> None:
         self.backend = backend
+        # A tokenizer.json may carry the padding and truncation it was trained with
+        # (all-MiniLM's pads every text to 128 tokens); transformers sets both per call, and a
+        # request's tokens are its text's alone.
+        backend.no_padding()
+        backend.no_truncation()
         self.chat_template = chat_template
         self.special_tokens: dict[str, str] = {}
         for name in SPECIAL_TOKEN_NAMES:
@@ -105,11 +110,21 @@ class Tokenizer:
         ids.update(i for i in map(self._id_of, self.special_tokens) if i is not None)
         return sorted(ids)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               max_tokens: int | None = None) -> list[int]:
         """ValueError for text that is not Unicode text (a lone surrogate, as JSON's "\ud800"
-        decodes to): the tokenizer's Rust side cannot take it."""
+        decodes to): the tokenizer's Rust side cannot take it. `max_tokens`: cut the text's
+        tokens from the end so that, with the special tokens kept, at most that many remain (as
+        transformers' truncation=True, max_length=...)."""
         try:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+            if max_tokens is None:
+                return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+            encoding = self.backend.encode(text, add_special_tokens=False)
+            special = self.backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+            encoding.truncate(max(max_tokens - special, 0))
+            if not add_special_tokens:
+                return encoding.ids
+            return self.backend.post_process(encoding).ids
         except (TypeError, ValueError, UnicodeError):
             try:
                 text.encode("utf-8")

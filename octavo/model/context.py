@@ -29,6 +29,7 @@ class ForwardContext:
     lora: LoRAStep | None = None  # which tokens run which adapter (none: the base model's)
     # this rank's share of the step under context parallelism (model/context_parallel.py)
     context_parallel: ContextParallelStep | None = None
+    layout: StepLayout | None = None  # the step's requests (an encoder's sequences: bert.py)
 
 
 _current: list[ForwardContext] = []

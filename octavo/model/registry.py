@@ -20,6 +20,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("octavo.model.models.moe", "Qwen3MoeForCausalLM"),
     "Gemma2ForCausalLM": ("octavo.model.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("octavo.model.models.gemma", "Gemma3ForCausalLM"),
+    "BertModel": ("octavo.model.models.bert", "BertModel"),
 }
 
 

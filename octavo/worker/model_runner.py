@@ -26,6 +26,8 @@ from octavo.kernels.paged_attention import step_layout
 from octavo.model.context import ForwardContext, forward_context, step_context
 from octavo.model.context_parallel import gather_rows, own_rows
 from octavo.model.pipeline import is_last_stage
+from octavo.model.pooler import finish, pool
+from octavo.pooling_params import PoolingParams
 from octavo.worker.input_batch import InputBatch
 from octavo.worker.lora import LoRAManager, slots_of
 from octavo.worker.sampler import Sampler, SamplingBatch, gather_logprobs
@@ -63,14 +65,18 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.drafter: DraftModel | None = None  # draft-model speculative decoding
         self.lora: LoRAManager | None = None  # with --enable-lora
+        self.pooling: dict[str, PoolingParams] = {}  # the pooling requests in the batch
 
     def update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             self.batch.remove(req_id)
+            self.pooling.pop(req_id, None)
             if self.drafter is not None:
                 self.drafter.forget(req_id)
         for new in sched.new_requests:
             self.batch.add(new)
+            if new.pooling_params is not None:
+                self.pooling[new.req_id] = new.pooling_params
             if new.lora_request is not None:
                 self.lora.register(new.lora_request)
         self.batch.update(sched.cached_requests)
@@ -93,10 +99,18 @@ class ModelRunner:
         input_ids = b.token_ids[rows[layout.req_of_token], layout.positions]
 
         positions_t = torch.from_numpy(layout.positions).to(self.device)
-        context = step_context(layout, b.block_table[rows], self.block_size, self.kv_caches,
-                               self.sliding_window, self.device, self.context_parallel)
+        if self.model.is_encoder:  # no cache, no paged attention: its sequences are whole
+            context = ForwardContext(None, [], layout=layout)
+        else:
+            context = step_context(layout, b.block_table[rows], self.block_size, self.kv_caches,
+                                   self.sliding_window, self.device, self.context_parallel)
+            context.layout = layout
         last_stage = is_last_stage()  # else its hidden states go on to the next stage
         sampling = seq_lens >= b.num_tokens[rows]
+        pools = np.zeros(len(req_ids), bool)
+        if self.pooling:  # pooled, not sampled: whole in this step
+            pools = np.fromiter((r in self.pooling for r in req_ids), bool, len(req_ids))
+            sampling &= ~pools
         sample_idx = np.flatnonzero(sampling) if last_stage else np.zeros(0, np.int64)
         # Everything the sampler takes is prepared before the forward pass: the pass streams
         # the weights through the caches, and the first numpy calls after it run cold.
@@ -145,13 +159,28 @@ class ModelRunner:
                         logprobs[req_ids[i]] = top.select(sel, int(b.num_logprobs[rows[i]]) + 1)
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, computed, seq_lens, starts, hidden,
                                                 context)
+        pooled = self._pool(hidden, [req_ids[i] for i in np.flatnonzero(pools)],
+                            starts[pools], ends[pools]) if pools.any() else {}
         proposed = {}
         if self.drafter is not None:
             # The draft runs over this step's real tokens: the whole chunk of a request that
             # did not sample, else up to and including the tokens it just emitted.
             ends = np.where(sampling, b.num_tokens[rows] + num_emitted, seq_lens)
             proposed = self.drafter.propose(b, req_ids, rows, computed, ends, sampling)
-        return ModelOutput(req_ids, sampled_lists, logprobs, prompt_logprobs, proposed)
+        return ModelOutput(req_ids, sampled_lists, logprobs, prompt_logprobs, proposed,
+                           pooled=pooled)
+
+    def _pool(self, hidden: torch.Tensor, req_ids: list[str], starts: np.ndarray,
+              ends: np.ndarray) -> dict[str, np.ndarray]:
+        """The pooling requests' vectors: their rows [starts, ends) of the step's hidden states,
+        pooled as the model's pooling says, cut and normalized as each request asks."""
+        cfg = self.model.cfg
+        params = [self.pooling[r] for r in req_ids]
+        vectors = pool(hidden, starts, ends, cfg.pooling_kind)
+        finished = finish(vectors, [p.dimensions for p in params],
+                          [cfg.pooling_normalizes if p.normalize is None else p.normalize
+                           for p in params])
+        return dict(zip(req_ids, finished))
 
     def _logits(self, context: ForwardContext, hidden: torch.Tensor,
                 lora_of: np.ndarray) -> torch.Tensor:

@@ -118,7 +118,8 @@ class Worker:
                         "of its %d MoE layers", parallel_state.ep_rank(), parallel_state.ep_size(),
                         moe.first_expert, moe.first_expert + moe.num_local - 1, moe.num_experts,
                         len(mixtures))
-        if self.device.type == "cpu" and not self.config.device.enforce_eager:
+        if self.device.type == "cpu" and not self.config.device.enforce_eager \
+                and not model.is_encoder:
             decode_stack.attach(model)
         if self.device.type == "cpu":
             self.packing = StepwisePacking(model, quantization)
@@ -180,6 +181,8 @@ class Worker:
     def _kv_layers(self) -> list[ArchConfig]:
         """One entry per KV layer: the target's on this pipeline stage, then the draft model's
         (same blocks)."""
+        if self.arch.is_encoder:
+            return []
         layers = [self.arch] * len(stage_range(self.arch.num_layers))
         if self.draft_arch is not None:
             layers += [self.draft_arch] * self.draft_arch.num_layers
@@ -208,6 +211,8 @@ class Worker:
         return None if free is None else free[0]
 
     def init_kv_cache(self, kv_cache_memory: int, block_size: int) -> int:
+        if not self._kv_layers():  # an encoder caches nothing: its blocks are only a count
+            return self.config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
         num_blocks = kv_cache_memory // self.kv_bytes_per_block(block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than one "

@@ -1,5 +1,6 @@
-"""What every causal LM file shares: forward over `self.model`, logits from `self.lm_head`, and
-streaming checkpoint tensors into parameters (packed q/k/v and gate/up slots, shape checks)."""
+"""What every model file shares: streaming checkpoint tensors into parameters (packed q/k/v and
+gate/up slots, shape checks: `CheckpointModel`); and what every causal LM adds: forward over
+`self.model`, logits from `self.lm_head` (`CausalLM`)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -20,37 +21,20 @@ QKV_GATE_UP: dict[str, tuple[str, int]] = {
 }
 
 
-class CausalLM(nn.Module):
+class CheckpointModel(nn.Module):
     # checkpoint name fragment -> (packed parameter fragment, slot)
     packed_modules_mapping: dict[str, tuple[str, int]] = {}
-    final_logit_softcap: float | None = None
+    # an encoder (bidirectional, no LM head) is only pooled: model/pooler.py
+    is_encoder = False
 
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.dtype = torch.get_default_dtype()  # the activations' (load_model sets it)
 
-    def make_lm_head(self, embedding: Embedding) -> LMHead:
-        """The output projection, sharing `embedding`'s weights when the config ties them."""
-        tied = embedding if self.cfg.tie_word_embeddings else None
-        return LMHead(self.cfg.vocab_size, self.cfg.hidden_size, tied)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden] (a pipeline stage before the
-        last: its layers' output, sent on to the next stage)"""
-        return run_stage(self.model, input_ids, positions, self.cfg.hidden_size, self.dtype)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        if self.final_logit_softcap:
-            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
-        return logits
-
     def checkpoint_name(self, name: str) -> str | None:
         """The parameter name a checkpoint tensor maps to, or None to skip it."""
-        if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
-            return None
-        return local_layer_name(name, self.cfg.num_layers)
+        return name
 
     def linear_name(self, ckpt_name: str) -> str | None:
         """The module (a packed Linear for q/k/v and gate/up) that checkpoint tensor fills."""
@@ -130,3 +114,29 @@ class CausalLM(nn.Module):
             if hasattr(module, "process_after_load"):
                 module.process_after_load()
         return loaded
+
+
+class CausalLM(CheckpointModel):
+    final_logit_softcap: float | None = None
+
+    def make_lm_head(self, embedding: Embedding) -> LMHead:
+        """The output projection, sharing `embedding`'s weights when the config ties them."""
+        tied = embedding if self.cfg.tie_word_embeddings else None
+        return LMHead(self.cfg.vocab_size, self.cfg.hidden_size, tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden] (a pipeline stage before the
+        last: its layers' output, sent on to the next stage)"""
+        return run_stage(self.model, input_ids, positions, self.cfg.hidden_size, self.dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.final_logit_softcap:
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return logits
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The parameter name a checkpoint tensor maps to, or None to skip it."""
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+            return None
+        return local_layer_name(name, self.cfg.num_layers)

@@ -1,0 +1,147 @@
+"""BERT encoders (`BertModel`: sentence-transformers' all-MiniLM and its kin): learned absolute
+positions and token types added to the token embeddings, then post-norm layers (LayerNorm after
+each residual sum) of bidirectional attention and a GELU MLP, every projection with a bias. The
+output is every token's hidden state, which the pooler turns into an embedding
+(model/pooler.py); there is no LM head."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from octavo.arch_config import ArchConfig
+from octavo.distributed import parallel_state
+from octavo.model.context import get_forward_context
+from octavo.model.layers.activation import activation
+from octavo.model.layers.embedding import Embedding
+from octavo.model.layers.encoder_attention import EncoderBatch
+from octavo.model.layers.linear import (
+    column_parallel,
+    heads_output,
+    local_heads,
+    qkv_parallel,
+    row_parallel,
+)
+from octavo.model.models.base import CheckpointModel
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.word_embeddings = Embedding(cfg.vocab_size, h)
+        self.position_embeddings = Embedding(cfg.max_position_embeddings, h)
+        self.token_type_embeddings = Embedding(cfg.extra.get("type_vocab_size", 2), h)
+        self.LayerNorm = nn.LayerNorm(h, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # one segment: token type 0 throughout (sentence pairs are not taken yet)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        return self.LayerNorm(x + self.token_type_embeddings(torch.zeros_like(input_ids)))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.num_heads, _ = local_heads(cfg.num_heads, cfg.num_heads)
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = qkv_parallel(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_heads,
+                                     bias=True)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.num_heads * self.head_dim, dim=-1)
+        return batch.attend(q, k, v, self.num_heads, self.head_dim, self.scale)
+
+
+class BertResidualOutput(nn.Module):
+    """A projection back to the hidden size, added to the residual, then LayerNorm."""
+
+    def __init__(self, dense: nn.Module, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.dense = dense
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(cfg)  # the checkpoint's name
+        self.output = BertResidualOutput(
+            heads_output(cfg.head_dim, cfg.num_heads, cfg.num_heads, cfg.hidden_size, bias=True),
+            cfg)
+
+    def forward(self, x: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
+        return self.output(self.self(x, batch), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.dense = column_parallel(cfg.hidden_size, [cfg.intermediate_size], bias=True,
+                                     what="intermediate_size")
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.attention = BertAttention(cfg)
+        self.intermediate = BertIntermediate(cfg)
+        self.output = BertResidualOutput(
+            row_parallel(cfg.intermediate_size, cfg.hidden_size, bias=True,
+                         what="intermediate_size"), cfg)
+
+    def forward(self, x: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
+        x = self.attention(x, batch)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
+
+
+class BertModel(CheckpointModel):
+    """Bidirectional: each of a step's sequences is whole in it (the scheduler sees to that for
+    an encoder) and attends only to itself; nothing is cached."""
+
+    is_encoder = True
+    # checkpoint name fragment -> (packed parameter fragment, slot)
+    packed_modules_mapping = {"query": ("qkv_proj", 0), "key": ("qkv_proj", 1),
+                              "value": ("qkv_proj", 2)}
+
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__(cfg)
+        where = parallel_state.placement()
+        if where.pp_size > 1 or where.cp_size > 1:
+            raise NotImplementedError("an encoder (BertModel) over pipeline stages or "
+                                      "context-parallel ranks; tensor parallelism works")
+        if max_positions > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_positions}) exceeds the "
+                             f"{cfg.max_position_embeddings} positions the encoder learned")
+        self.embeddings = BertEmbeddings(cfg)
+        self.encoder = BertEncoder(cfg)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] (the step's sequences, each whole) -> hidden [T, hidden]"""
+        layout = get_forward_context().layout
+        batch = EncoderBatch(layout.starts, layout.ends, input_ids.device)
+        x = self.embeddings(input_ids, positions)
+        for layer in self.encoder.layer:
+            x = layer(x, batch)
+        return x
+
+    def checkpoint_name(self, name: str) -> str | None:
+        # BertModel's own pooler (a dense + tanh over [CLS]) is not what sentence embeddings
+        # use; its position ids are a buffer of 0..max-1
+        name = name.removeprefix("bert.")
+        if name.startswith("pooler.") or name.endswith("position_ids"):
+            return None
+        return name

@@ -1,0 +1,157 @@
+"""Embeddings through the engine (`LLM.embed` / `LLM.encode`): a BERT encoder's pooled hidden
+states equal sentence-transformers' on the real all-MiniLM-L6-v2 (cosine >= 0.9999 per sentence,
+sentences in several languages from one token to the 512-token limit), and transformers' on tiny
+random BERTs (1e-4 in float32, each pooling); what is refused is refused naming the field."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from octavo import LLM
+from octavo.pooling_params import PoolingParams
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A man is eating food.",
+    "Le chat dort sur le canapé depuis ce matin.",
+    "Der Zug nach Berlin hat heute zwanzig Minuten Verspätung.",
+    "El museo abre a las diez y cierra a las seis.",
+    "東京は日本の首都です。",
+    "Москва — столица России.",
+    "Python is a programming language that lets you work quickly.",
+    "?",
+    "ok",
+]
+
+
+def _texts() -> list[str]:
+    """Short and long inputs: the sentences, and longer ones made of them (past 512 tokens for
+    the longest, which the 512-token limit then cuts: `truncate_prompt_tokens`)."""
+    long = [" ".join(SENTENCES[: i % len(SENTENCES) + 1] * (1 + i)) for i in range(8)]
+    return SENTENCES + long
+
+
+@pytest.fixture(scope="module")
+def minilm_folder():
+    from octavo.model_source import pull
+
+    return pull("all-minilm-l6-v2")
+
+
+def test_minilm_embeddings_equal_sentence_transformers(minilm_folder):
+    st = pytest.importorskip("sentence_transformers")
+    oracle = st.SentenceTransformer(str(minilm_folder), device="cpu")
+    oracle.max_seq_length = 512
+    texts = _texts()
+    expected = oracle.encode(texts, convert_to_numpy=True, batch_size=8)
+    llm = LLM("all-minilm-l6-v2", dtype="float32", max_num_batched_tokens=2048)
+    try:
+        tokenizer = llm.get_tokenizer()
+        lengths = [len(tokenizer.encode(t)) for t in texts]
+        assert min(lengths) <= 3 and max(lengths) > 512  # the range the limit cuts
+        outs = llm.embed(texts, truncate_prompt_tokens=-1, use_tqdm=False)
+        assert [len(o.prompt_token_ids) for o in outs] == [min(n, 512) for n in lengths]
+        got = np.array([o.outputs.embedding for o in outs])
+        cosine = (got * expected).sum(1) / np.linalg.norm(got, axis=1) / \
+            np.linalg.norm(expected, axis=1)
+        assert cosine.min() >= 0.9999, cosine
+        assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)  # Normalize module
+        # token ids in, and the pooled vector without the normalization
+        raw = llm.encode([tokenizer.encode(texts[0])], PoolingParams(normalize=False),
+                         use_tqdm=False)[0].outputs.data
+        assert np.allclose(raw / np.linalg.norm(raw), got[0], atol=1e-6)
+    finally:
+        llm.engine.shutdown()
+
+
+def _tiny_bert(tmp_path, tokenizer_folder, pooling: str | None):
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=96,
+                                     max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config, add_pooling_layer=True).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    folder = tmp_path / f"bert-{pooling}"
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tokenizer_folder / name, folder / name)
+    if pooling is not None:  # sentence-transformers' modules: this pooling, no Normalize
+        (folder / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling",
+             "type": "sentence_transformers.models.Pooling"}]))
+        (folder / "1_Pooling").mkdir()
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": 64, "pooling_mode_cls_token": pooling == "cls",
+            "pooling_mode_mean_tokens": pooling == "mean",
+            "pooling_mode_lasttoken": pooling == "last"}))
+    return folder, model
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last", None])
+def test_tiny_bert_pools_as_transformers(tmp_path, minilm_folder, pooling):
+    """Mixed lengths in one step (padded into one batch, the padding masked out); without
+    sentence-transformers' files the pooling is [CLS], normalized."""
+    folder, model = _tiny_bert(tmp_path, minilm_folder, pooling)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1000, 30000, (n,), generator=gen).tolist() for n in (1, 7, 40, 13)]
+    llm = LLM(str(folder), dtype="float32")
+    try:
+        outs = llm.encode(prompts, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            hidden = model(torch.tensor([prompt])).last_hidden_state[0]
+        kind = pooling or "cls"
+        want = {"mean": hidden.mean(0), "cls": hidden[0], "last": hidden[-1]}[kind]
+        if pooling is None:
+            want = torch.nn.functional.normalize(want, dim=0)
+        assert torch.allclose(torch.from_numpy(np.asarray(out.outputs.data)), want, atol=1e-4)
+
+
+def test_what_embeddings_refuse(minilm_folder, smollm_llm):
+    llm = LLM("all-minilm-l6-v2", dtype="float32")
+    try:
+        with pytest.raises(ValueError, match="prompt must not be empty"):
+            llm.embed([""])
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            llm.embed(["word " * 600])
+        with pytest.raises(ValueError, match="dimensions"):
+            llm.embed(["hello"], PoolingParams(dimensions=8))
+        with pytest.raises(ValueError, match="task embed"):
+            llm.generate(["hello"])
+    finally:
+        llm.engine.shutdown()
+    with pytest.raises(ValueError, match="task generate"):
+        smollm_llm.embed(["hello"])
+
+
+def test_a_decoder_embeds_with_its_last_token(smollm_oracle_folder):
+    """task embed on a causal LM (SmolLM2's folder, no sentence-transformers files): the last
+    token's final hidden state, normalized (Qwen3-Embedding-style pooling), as transformers
+    computes it; generation is refused on it."""
+    import transformers
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Hi"]
+    llm = LLM(str(smollm_oracle_folder), dtype="float32", task="embed")
+    try:
+        outs = llm.embed(prompts, use_tqdm=False)
+        with pytest.raises(ValueError, match="task embed"):
+            llm.generate(prompts[:1])
+    finally:
+        llm.engine.shutdown()
+    model = transformers.AutoModel.from_pretrained(smollm_oracle_folder, dtype=torch.float32)
+    for out in outs:
+        with torch.inference_mode():
+            hidden = model(torch.tensor([out.prompt_token_ids])).last_hidden_state[0, -1]
+        want = torch.nn.functional.normalize(hidden, dim=0)
+        assert torch.allclose(torch.tensor(out.outputs.embedding), want, atol=1e-4)
