@@ -35,6 +35,7 @@ from octavo.engine.replica_router import ReplicaRouter
 from octavo.engine.request_stream import RequestStream
 from octavo.metrics import EngineMetrics
 from octavo.params import LoRARequest, RequestOutput, SamplingParams
+from octavo.pooling_params import PoolingParams
 
 logger = logging.getLogger(__name__)
 
@@ -212,9 +213,9 @@ class AsyncEngine:
                 self._dequeue(stream)
                 prompt_tokens = stream.prompt_tokens
             out = parent.output(delta=True)
-            self.metrics.tokens(prompt_tokens, sum(len(c.token_ids) for c in out.outputs),
-                                stream.lora_name)
-            if stream.first_token is None and any(c.token_ids for c in out.outputs):
+            new = 0 if parent.pooling else sum(len(c.token_ids) for c in out.outputs)
+            self.metrics.tokens(prompt_tokens, new, stream.lora_name)
+            if stream.first_token is None and new:
                 stream.first_token = now
                 self.metrics.first_token(now - stream.arrival, parent.first_scheduled_time and
                                          parent.first_scheduled_time - stream.arrival)
@@ -282,6 +283,14 @@ class AsyncEngine:
         return await self.offload.run("tokenizing and checking the request", self.prepare,
                                       request_id, prompt, params, priority, cache_salt, None,
                                       add_special_tokens, lora_request)
+
+    async def prepare_pooling_async(self, request_id: str, prompt: str | Sequence[int],
+                                    params: PoolingParams) -> PreparedRequest:
+        """A pooling request (an embedding) validated and tokenized off the event loop, within
+        the preprocess budget (ValueError on bad input); `generate` then runs it, its one
+        output a PoolingRequestOutput."""
+        return await self.offload.run("tokenizing and checking the request",
+                                      self.processor.build_pooling, request_id, prompt, params)
 
     def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Admit the request (or raise QueueFullError / EngineDeadError now, before any

@@ -144,7 +144,7 @@ class LLMEngine:
         if request_id in self.outputs.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prepared = self.processor.build_pooling(request_id, prompt, params, priority)
-        self.outputs.add_request(prepared, pooling=True)
+        self.outputs.add_request(prepared)
         self.client.add_request(prepared.core_requests[0])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

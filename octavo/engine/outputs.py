@@ -84,7 +84,7 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         self.parent_of: dict[str, str] = {}  # child (core) request id -> parent id
 
-    def add_request(self, prepared: PreparedRequest, pooling: bool = False) -> None:
+    def add_request(self, prepared: PreparedRequest) -> None:
         params = prepared.params
         want_lp = params.logprobs is not None
         ranked = params.num_samples > params.n  # best_of ranks by cumulative logprob
@@ -95,7 +95,7 @@ class OutputProcessor:
                             cumulative_logprob=0.0 if want_lp or ranked else None)
             for i, cid in enumerate(prepared.child_ids)}
         parent = ParentState(prepared.request_id, prepared.prompt, prepared.prompt_token_ids,
-                             params, children, pooling=pooling)
+                             params, children, pooling=prepared.pooling)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         self.parents[prepared.request_id] = parent

@@ -319,3 +319,8 @@ class PreparedRequest:
     @property
     def child_ids(self) -> list[str]:
         return [r.req_id for r in self.core_requests]
+
+    @property
+    def pooling(self) -> bool:
+        """A pooling request: its output is its vector (PoolingRequestOutput)."""
+        return self.core_requests[0].pooling_params is not None

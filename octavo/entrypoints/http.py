@@ -164,6 +164,7 @@ def adapter_of(state: ServerState, model: str | None) -> LoRARequest | None:
 def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> FastAPI:
     from octavo.entrypoints.anthropic.api import router as anthropic_router
     from octavo.entrypoints.openai.api import router as openai_router
+    from octavo.entrypoints.openai.embeddings import router as embeddings_router
     from octavo.entrypoints.openai.lora import router as lora_router
     from octavo.entrypoints.openai.responses import router as responses_router
 
@@ -243,6 +244,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(openai_router)
+    app.include_router(embeddings_router)
     if state.allow_runtime_lora_updating:
         app.include_router(lora_router)
     app.include_router(responses_router)

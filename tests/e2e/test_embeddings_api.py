@@ -1,0 +1,74 @@
+"""POST /v1/embeddings on a server of all-MiniLM-L6-v2 (task embed by default: an encoder): the
+OpenAI client's embeddings equal LLM.embed's (float and base64), usage counts the prompt tokens,
+and bad input is a 400 naming the field; a generation endpoint on it is a 400 too."""
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.e2e.conftest import API_KEY, start_server
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def embed_server(tmp_path_factory):
+    from octavo.model_source import pull
+
+    folder = pull("all-minilm-l6-v2")
+    srv = start_server(folder, tmp_path_factory.mktemp("embed"), "--api-key", API_KEY,
+                       "--max-model-len", "512")
+    yield srv
+    srv.stop()
+
+
+def test_embeddings_as_the_openai_client_reads_them(embed_server):
+    openai = pytest.importorskip("openai")
+    from octavo import LLM
+
+    texts = ["A man is eating food.", "Le chat dort.", "ok"]
+    client = openai.OpenAI(base_url=embed_server.url + "/v1", api_key=API_KEY)
+    reply = client.embeddings.create(model="smol", input=texts)
+    got = np.array([d.embedding for d in reply.data])
+    packed = client.embeddings.create(model="smol", input=texts, encoding_format="base64")
+    llm = LLM("all-minilm-l6-v2", dtype="float32")
+    try:
+        expected = np.array([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+        tokens = sum(len(llm.get_tokenizer().encode(t)) for t in texts)
+    finally:
+        llm.engine.shutdown()
+    assert np.allclose(got, expected, atol=1e-5)
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == tokens
+    raw = httpx.post(embed_server.url + "/v1/embeddings", headers=AUTH, timeout=60, json={
+        "input": texts, "encoding_format": "base64"}).json()
+    decoded = np.array([np.frombuffer(base64.b64decode(d["embedding"]), "<f4")
+                        for d in raw["data"]])
+    assert np.allclose(decoded, got, atol=1e-6) and len(packed.data) == 3
+    ids = httpx.post(embed_server.url + "/v1/embeddings", headers=AUTH, timeout=60, json={
+        "input": [101, 1037, 2158, 102]}).json()
+    assert len(ids["data"][0]["embedding"]) == 384 and ids["usage"]["prompt_tokens"] == 4
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": []}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": "word " * 600}, "input"),
+    ({"input": "hi", "dimensions": 8}, "input"),
+    ({"input": "hi", "dimensions": 0}, "dimensions"),
+    ({"input": "hi", "encoding_format": "int8"}, None),
+])
+def test_bad_embedding_requests_are_400s(embed_server, body, param):
+    reply = httpx.post(embed_server.url + "/v1/embeddings", headers=AUTH, timeout=60, json=body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_generation_on_an_embedding_server_is_refused(embed_server):
+    reply = httpx.post(embed_server.url + "/v1/completions", headers=AUTH, timeout=60,
+                       json={"prompt": "hello", "max_tokens": 2})
+    assert reply.status_code == 400 and "task embed" in reply.text
