@@ -33,11 +33,13 @@ def test_no_family_writes_a_layer_forward_beside_its_description():
 
 
 def test_every_registered_architecture_builds_described_layers():
-    """The registry's architectures all come from these families (a new one must describe its
-    layers, or this fails)."""
+    """The registry's decoders all come from these families (a new one must describe its
+    layers, or this fails); an encoder (BERT) has no decode path to describe its layers for:
+    its file writes each layer once, and nothing else runs it."""
     families = {mod.__name__ for mod in FAMILIES}
     for arch in registry.supported_architectures():
-        assert registry.model_class(arch).__module__ in families, arch
+        cls = registry.model_class(arch)
+        assert cls.is_encoder or cls.__module__ in families, arch
 
 
 def test_a_layer_describes_itself_once_and_runs_it(monkeypatch):
