@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 
 from octavo.config import EngineConfig, add_engine_args
-from octavo.entrypoints.cli import (bench_build_beside, bench_latency, bench_lora, bench_serve,
-                                    bench_startup, bench_structured)
+from octavo.entrypoints.cli import (bench_build_beside, bench_embed, bench_latency, bench_lora,
+                                    bench_serve, bench_startup, bench_structured)
 from octavo.entrypoints.cli.bench_data import Workload, add_dataset_args, build_workload
 from octavo.entrypoints.cli.bench_memory import memory_line, memory_report
 from octavo.entrypoints.cli.bench_peers import (LlamaCppBatcher, Run, load_transformers,
@@ -82,6 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench_lora.register(kinds)
     bench_startup.register(kinds)
     bench_build_beside.register(kinds)
+    bench_embed.register(kinds)
 
 
 def _backends(args: argparse.Namespace, is_gguf: bool) -> list[str]:
