@@ -167,3 +167,17 @@ def test_latency_takes_quantization_and_reports_memory(smollm_gguf, tmp_path):
     report = json.loads(out.read_text())
     assert report["results"]["octavo"]["decode_tokens_per_s"] > 0
     assert 50 < report["memory"]["weights_mb"] < 200, report["memory"]
+
+
+def test_embed_beside_sentence_transformers_writes_json(tmp_path):
+    pytest.importorskip("sentence_transformers")
+    out = tmp_path / "embed.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "octavo.entrypoints.cli.main", "--log-level", "warning", "bench",
+         "embed", "--num-prompts", "6", "--min-len", "8", "--max-len", "20", "--repeats", "1",
+         "--backends", "octavo,sentence-transformers", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["texts"] == 6 and 6 * 8 <= report["tokens"] <= 6 * 20
+    assert all(r["texts_per_s"] > 0 for r in report["results"].values())
