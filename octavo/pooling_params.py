@@ -9,10 +9,12 @@ models) and normalized to unit length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from octavo.param_checks import check_int as _check_int
+
+if TYPE_CHECKING:  # `import octavo` stays light: the server's launcher imports it first
+    import numpy as np
 
 POOLING_TASKS = ("embed",)
 
