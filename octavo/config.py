@@ -45,8 +45,9 @@ class ModelConfig:
         "its codes in that layout, no dense weights; default: what the checkpoint has",
         choices=["int8", "int4", "fp8"]))
     task: str = field(default="auto", metadata=_opt(
-        "what the model serves: generate (text), embed (pooled embeddings: LLM.embed, "
-        "/v1/embeddings); auto: embed for an encoder (BERT), else generate",
+        "what the model serves: generate (text; a causal LM also pools embeddings beside it), "
+        "embed (pooled embeddings alone: LLM.embed, /v1/embeddings); auto: embed for an "
+        "encoder (BERT), else generate",
         choices=list(TASKS)))
 
     def __post_init__(self) -> None:

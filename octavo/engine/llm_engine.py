@@ -53,12 +53,13 @@ class ModelSetup:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         eos_ids = frozenset(eos)
-        embeddings = None
-        if resolve_task(config.model.task, arch) == "embed":
-            embeddings = Embeddings(arch.hidden_size, arch.matryoshka,
-                                    config.scheduler.max_num_batched_tokens)
+        # Every model pools (a causal LM its last token by default); task embed only refuses
+        # generation, which an encoder cannot do at all.
+        embeddings = Embeddings(arch.hidden_size, arch.matryoshka,
+                                config.scheduler.max_num_batched_tokens)
         processor = Processor(tokenizer, max_model_len, arch.vocab_size, eos_ids, limits,
-                              AdapterRegistry(arch, config.lora), embeddings)
+                              AdapterRegistry(arch, config.lora), embeddings,
+                              generates=resolve_task(config.model.task, arch) == "generate")
         return cls(source, arch, tokenizer, max_model_len, eos_ids, processor)
 
     def adopt_max_model_len(self, max_model_len: int) -> None:

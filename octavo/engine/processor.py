@@ -47,7 +47,7 @@ class RequestLimits:
 
 @dataclass(frozen=True)
 class Embeddings:
-    """What an engine of task embed pools: vectors of `width` features, cut short only where
+    """What an engine's pooling requests give: vectors of `width` features, cut short only where
     the model is `matryoshka`; a prompt is computed in one step of at most `step_tokens`."""
 
     width: int
@@ -59,10 +59,12 @@ class Processor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
                  eos_token_ids: frozenset[int], limits: RequestLimits | None = None,
                  adapters: AdapterRegistry | None = None,
-                 embeddings: Embeddings | None = None) -> None:
-        """embeddings: the engine's task is embed (None: generate)."""
+                 embeddings: Embeddings | None = None, generates: bool = True) -> None:
+        """embeddings: what pooling requests give (None: they are refused); generates: False
+        for an engine of task embed, which refuses generation."""
         self.tokenizer = tokenizer
         self.embeddings = embeddings
+        self.generates = generates
         self.adapters = adapters
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -222,7 +224,7 @@ class Processor:
         seeds. `prompt` may be any of octavo.inputs' forms (a TextPrompt or TokensPrompt may
         carry the cache_salt). `max_logprobs` is raised only by beam search (2 x beam
         width)."""
-        if self.embeddings is not None:
+        if not self.generates:
             raise ValueError("this engine runs task embed: it pools prompts into embeddings "
                              "(LLM.embed, /v1/embeddings) and does not generate; start it with "
                              "task generate for text")
@@ -266,8 +268,7 @@ class Processor:
         when truncate_prompt_tokens cuts it, from the end) fits the context and one step."""
         emb = self.embeddings
         if emb is None:
-            raise ValueError("this engine runs task generate: start it with task embed (an "
-                             "encoder such as BERT runs it by default) to pool embeddings")
+            raise ValueError("this engine does not pool prompts into embeddings")
         if not isinstance(params, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams, got "
                              f"{type(params).__name__}")

@@ -1,6 +1,7 @@
 """POST /v1/embeddings on a server of all-MiniLM-L6-v2 (task embed by default: an encoder): the
 OpenAI client's embeddings equal LLM.embed's (float and base64), usage counts the prompt tokens,
-and bad input is a 400 naming the field; a generation endpoint on it is a 400 too."""
+and bad input is a 400 naming the field; a generation endpoint on it is a 400 too. A server
+of a causal LM serves embeddings beside its completions."""
 from __future__ import annotations
 
 import base64
@@ -72,3 +73,24 @@ def test_generation_on_an_embedding_server_is_refused(embed_server):
     reply = httpx.post(embed_server.url + "/v1/completions", headers=AUTH, timeout=60,
                        json={"prompt": "hello", "max_tokens": 2})
     assert reply.status_code == 400 and "task embed" in reply.text
+
+
+def test_a_generating_server_also_embeds(server):
+    """SmolLM2 (a causal LM, task generate): a completion and embeddings at once, both
+    answered; the embedding is the last token's state, normalized."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def complete():
+        return httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60, json={
+            "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0})
+
+    def embed():
+        return httpx.post(server.url + "/v1/embeddings", headers=AUTH, timeout=60,
+                          json={"input": ["The capital of France is", "def fib(n):"]})
+
+    with ThreadPoolExecutor(2) as pool:
+        text, vectors = pool.submit(complete), pool.submit(embed)
+        text, vectors = text.result(), vectors.result()
+    assert text.status_code == 200 and vectors.status_code == 200, vectors.text
+    data = np.array([d["embedding"] for d in vectors.json()["data"]])
+    assert data.shape == (2, 576) and np.allclose(np.linalg.norm(data, axis=1), 1, atol=1e-4)

@@ -118,7 +118,7 @@ def test_tiny_bert_pools_as_transformers(tmp_path, minilm_folder, pooling):
         assert torch.allclose(torch.from_numpy(np.asarray(out.outputs.data)), want, atol=1e-4)
 
 
-def test_what_embeddings_refuse(minilm_folder, smollm_llm):
+def test_what_embeddings_refuse(minilm_folder):
     llm = LLM("all-minilm-l6-v2", dtype="float32")
     try:
         with pytest.raises(ValueError, match="prompt must not be empty"):
@@ -131,8 +131,29 @@ def test_what_embeddings_refuse(minilm_folder, smollm_llm):
             llm.generate(["hello"])
     finally:
         llm.engine.shutdown()
-    with pytest.raises(ValueError, match="task generate"):
-        smollm_llm.embed(["hello"])
+
+
+def test_a_generating_engine_also_embeds_in_the_same_steps(smollm_llm):
+    """A causal LM of task generate serves embeddings too (its last token, normalized): a
+    pooling request joins the steps of running generations, which give what they give alone,
+    and its vector is the one it gets alone."""
+    from octavo import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = ["The capital of France is", "def fib(n):"]
+    alone = [o.outputs[0].token_ids for o in smollm_llm.generate(prompts, params,
+                                                                 use_tqdm=False)]
+    vector = smollm_llm.embed(["Once upon a time"], use_tqdm=False)[0].outputs.embedding
+    engine = smollm_llm.engine
+    engine.add_request("mix-g0", prompts[0], params)
+    engine.add_request("mix-g1", prompts[1], params)
+    engine.step()  # their prompts; then decodes, with the pooling request's prompt beside them
+    engine.add_pooling_request("mix-e0", "Once upon a time", PoolingParams())
+    done = {}
+    while len(done) < 3:
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert [done[f"mix-g{i}"].outputs[0].token_ids for i in range(2)] == alone
+    assert np.allclose(done["mix-e0"].outputs.data, vector, atol=1e-4)
 
 
 def test_a_decoder_embeds_with_its_last_token(smollm_oracle_folder):
