@@ -34,7 +34,7 @@ GGUF_ARCHITECTURES = {
 GGUF_EXPERT_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
 
 # Bidirectional encoders: they pool (embeddings), never generate.
-ENCODER_ARCHITECTURES = ("BertModel",)
+ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification")
 SLIDING, FULL = "sliding_attention", "full_attention"
 # generation_config.json keys that become request defaults (the SamplingParams field names)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -74,6 +74,9 @@ class ArchConfig:
     pooling: str | None = None  # sentence-transformers' Pooling module: mean, cls or last
     pooling_normalize: bool | None = None  # whether its Normalize module follows (None: no files)
     matryoshka: bool = False  # config.json's is_matryoshka: an embedding may be cut short
+    num_labels: int = 0  # a *ForSequenceClassification head's outputs (0: no such head)
+    sep_token_id: int | None = None  # an encoder's separator: a sentence pair's second part
+    # starts after the first one (its token type 1)
 
     @property
     def is_encoder(self) -> bool:
@@ -212,7 +215,30 @@ def _from_hf(source: ModelSource) -> ArchConfig:
         pooling=pooling,
         pooling_normalize=normalize,
         matryoshka=bool(cfg.get("is_matryoshka") or cfg.get("matryoshka_dimensions")),
+        num_labels=(len(cfg.get("id2label") or {}) or cfg.get("num_labels") or 2)
+        if archs[0].endswith("ForSequenceClassification") else 0,
+        sep_token_id=_sep_token_id(source.path) if archs[0] in ENCODER_ARCHITECTURES else None,
     )
+
+
+def _sep_token_id(folder: Path) -> int | None:
+    """The id of the tokenizer's sep_token (tokenizer_config.json or special_tokens_map.json,
+    looked up in tokenizer.json), else None."""
+    sep = None
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the second wins
+        path = folder / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("sep_token", sep)
+            sep = value.get("content") if isinstance(value, dict) else value
+    path = folder / "tokenizer.json"
+    if sep is None or not path.is_file():
+        return None
+    tok = json.loads(path.read_text())
+    for added in tok.get("added_tokens", []):
+        if added.get("content") == sep:
+            return added["id"]
+    vocab = tok.get("model", {}).get("vocab")
+    return vocab.get(sep) if isinstance(vocab, dict) else None
 
 
 _POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",

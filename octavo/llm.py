@@ -15,7 +15,9 @@ from octavo.engine.processor import MAX_LOGPROBS, RequestLimits
 from octavo.inputs import PromptType, is_single_prompt
 from octavo.params import (
     BeamSearchOutput, BeamSearchParams, LoRARequest, RequestOutput, SamplingParams)
-from octavo.pooling_params import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
+from octavo.pooling_params import (
+    ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput,
+    ScoringRequestOutput)
 from octavo.serving.chat_template import render_chat
 
 Prompt = PromptType
@@ -141,6 +143,31 @@ class LLM:
             prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
             use_tqdm=use_tqdm)]
 
+    def classify(self, prompts: Prompt | Sequence[Prompt], *,
+                 truncate_prompt_tokens: int | None = None, use_tqdm: bool = True
+                 ) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (`outputs.probs`) from a *ForSequenceClassification
+        model's head: a softmax over its labels, a sigmoid for one label."""
+        return [ClassificationRequestOutput.from_base(o) for o in self.encode(
+            prompts, PoolingParams(task="classify"),
+            truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True
+              ) -> list[ScoringRequestOutput]:
+        """A cross-encoder's score (`outputs.score`) of each pair: data_1[i] with data_2[i], or
+        one data_1 with every data_2 (a query against documents), as vLLM pairs them."""
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise ValueError(f"data_1 has {len(first)} texts for the {len(second)} of data_2: "
+                             f"give one, or as many")
+        params = PoolingParams(task="score", truncate_prompt_tokens=truncate_prompt_tokens)
+        return [ScoringRequestOutput.from_base(o) for o in self._pool(
+            first, [params] * len(first), use_tqdm, second)]
+
     def encode(self, prompts: Prompt | Sequence[Prompt],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True
@@ -157,12 +184,19 @@ class LLM:
                              f"prompts")
         if truncate_prompt_tokens is not None:
             params = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        return self._pool(prompts, list(params), use_tqdm)
+
+    def _pool(self, prompts: list[Prompt], params: list[PoolingParams], use_tqdm: bool,
+              pairs: list[str] | None = None) -> list[PoolingRequestOutput]:
+        """Queue a pooling request per prompt (each with its pair's second text, for scores)
+        and collect their outputs in order; none is left queued where one is refused."""
         engine = self.engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 ids.append(engine.next_request_id())
-                engine.add_pooling_request(ids[-1], prompt, p)
+                engine.add_pooling_request(ids[-1], prompt, p,
+                                           pair=None if pairs is None else pairs[i])
         except Exception:
             for rid in ids:
                 engine.abort_request(rid)

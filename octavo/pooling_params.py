@@ -16,7 +16,9 @@ from octavo.param_checks import check_int as _check_int
 if TYPE_CHECKING:  # `import octavo` stays light: the server's launcher imports it first
     import numpy as np
 
-POOLING_TASKS = ("embed",)
+# embed: a vector; classify: a classifier's probabilities (softmax, or a sigmoid for one
+# label); score: a cross-encoder's probability for a pair of texts
+POOLING_TASKS = ("embed", "classify", "score")
 
 
 @dataclass
@@ -74,4 +76,44 @@ class EmbeddingRequestOutput:
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
         return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
+                   out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # softmax over the labels (a sigmoid for one label)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()),
+                   out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ScoringRequestOutput:
+        return cls(out.request_id, ScoringOutput(float(out.outputs.data[0])),
                    out.prompt_token_ids, out.finished)

@@ -56,7 +56,7 @@ class ModelSetup:
         # Every model pools (a causal LM its last token by default); task embed only refuses
         # generation, which an encoder cannot do at all.
         embeddings = Embeddings(arch.hidden_size, arch.matryoshka,
-                                config.scheduler.max_num_batched_tokens)
+                                config.scheduler.max_num_batched_tokens, arch.num_labels)
         processor = Processor(tokenizer, max_model_len, arch.vocab_size, eos_ids, limits,
                               AdapterRegistry(arch, config.lora), embeddings,
                               generates=resolve_task(config.model.task, arch) == "generate")
@@ -140,11 +140,13 @@ class LLMEngine:
             self.client.add_request(req)
 
     def add_pooling_request(self, request_id: str, prompt: str | Sequence[int],
-                            params: PoolingParams, priority: int = 0) -> None:
-        """Validate, tokenize and queue one pooling request (an embedding)."""
+                            params: PoolingParams, priority: int = 0,
+                            pair: str | None = None) -> None:
+        """Validate, tokenize and queue one pooling request (an embedding, a classification,
+        or with `pair` a score)."""
         if request_id in self.outputs.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prepared = self.processor.build_pooling(request_id, prompt, params, priority)
+        prepared = self.processor.build_pooling(request_id, prompt, params, priority, pair)
         self.outputs.add_request(prepared)
         self.client.add_request(prepared.core_requests[0])
 

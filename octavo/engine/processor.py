@@ -48,11 +48,13 @@ class RequestLimits:
 @dataclass(frozen=True)
 class Embeddings:
     """What an engine's pooling requests give: vectors of `width` features, cut short only where
-    the model is `matryoshka`; a prompt is computed in one step of at most `step_tokens`."""
+    the model is `matryoshka`, and with a classifier head of `labels` outputs (0: none) its
+    probabilities; a prompt is computed in one step of at most `step_tokens`."""
 
     width: int
     matryoshka: bool
     step_tokens: int
+    labels: int = 0
 
 
 class Processor:
@@ -263,15 +265,25 @@ class Processor:
 
 
     def build_pooling(self, request_id: str, prompt: str | Sequence[int],
-                      params: PoolingParams, priority: int = 0) -> PreparedRequest:
+                      params: PoolingParams, priority: int = 0,
+                      pair: str | None = None) -> PreparedRequest:
         """Validate and tokenize a pooling request: its prompt (a text's special tokens kept
-        when truncate_prompt_tokens cuts it, from the end) fits the context and one step."""
+        when truncate_prompt_tokens cuts it, from the end), with `pair` the second text of a
+        sentence pair (task score), fits the context and one step."""
         emb = self.embeddings
         if emb is None:
             raise ValueError("this engine does not pool prompts into embeddings")
         if not isinstance(params, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams, got "
                              f"{type(params).__name__}")
+        if params.task in ("classify", "score") and not emb.labels:
+            raise ValueError(f"task {params.task}: the model has no classifier head (a "
+                             f"*ForSequenceClassification architecture)")
+        if params.task == "score" and emb.labels != 1:
+            raise ValueError(f"task score: the model's classifier has {emb.labels} labels; "
+                             f"a cross-encoder's score is its one label")
+        if (pair is not None) != (params.task == "score"):
+            raise ValueError("task score takes a pair of texts (text_1, text_2), and only it")
         if params.dimensions is not None:
             if not emb.matryoshka:
                 raise ValueError("dimensions: the model's embeddings cannot be cut short (its "
@@ -285,7 +297,12 @@ class Processor:
             raise ValueError(f"truncate_prompt_tokens ({k}) is greater than max_model_len "
                              f"({self.max_model_len})")
         k = self.max_model_len if k == -1 else k
-        if isinstance(prompt, str) and k is not None:
+        if pair is not None:
+            if not isinstance(prompt, str) or not prompt or not isinstance(pair, str) \
+                    or not pair:
+                raise ValueError("a pair's texts must be non-empty strings")
+            text, prompt_ids = prompt, self.tokenizer.encode(prompt, max_tokens=k, pair=pair)
+        elif isinstance(prompt, str) and k is not None:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             text, prompt_ids = prompt, self.tokenizer.encode(prompt, max_tokens=k)

@@ -111,20 +111,27 @@ class Tokenizer:
         return sorted(ids)
 
     def encode(self, text: str, add_special_tokens: bool = True,
-               max_tokens: int | None = None) -> list[int]:
+               max_tokens: int | None = None, pair: str | None = None) -> list[int]:
         """ValueError for text that is not Unicode text (a lone surrogate, as JSON's "\ud800"
-        decodes to): the tokenizer's Rust side cannot take it. `max_tokens`: cut the text's
-        tokens from the end so that, with the special tokens kept, at most that many remain (as
-        transformers' truncation=True, max_length=...)."""
+        decodes to): the tokenizer's Rust side cannot take it. `pair`: a second text, encoded
+        as the tokenizer's sentence pair. `max_tokens`: cut tokens from the end (of the longer
+        text first, for a pair) so that, with the special tokens kept, at most that many remain
+        (as transformers' truncation=True, max_length=...)."""
         try:
             if max_tokens is None:
-                return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-            encoding = self.backend.encode(text, add_special_tokens=False)
-            special = self.backend.num_special_tokens_to_add(False) if add_special_tokens else 0
-            encoding.truncate(max(max_tokens - special, 0))
+                return self.backend.encode(text, pair, add_special_tokens=add_special_tokens).ids
+            parts = [self.backend.encode(t, add_special_tokens=False)
+                     for t in (text, pair) if t is not None]
+            special = (self.backend.num_special_tokens_to_add(pair is not None)
+                       if add_special_tokens else 0)
+            lengths = [len(p.ids) for p in parts]
+            while sum(lengths) > max(max_tokens - special, 0):  # the longer loses a token
+                lengths[lengths.index(max(lengths))] -= 1
+            for part, length in zip(parts, lengths):
+                part.truncate(length)
             if not add_special_tokens:
-                return encoding.ids
-            return self.backend.post_process(encoding).ids
+                return [i for p in parts for i in p.ids]
+            return self.backend.post_process(*parts).ids
         except (TypeError, ValueError, UnicodeError):
             try:
                 text.encode("utf-8")

@@ -21,6 +21,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("octavo.model.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("octavo.model.models.gemma", "Gemma3ForCausalLM"),
     "BertModel": ("octavo.model.models.bert", "BertModel"),
+    "BertForSequenceClassification": ("octavo.model.models.bert",
+                                      "BertForSequenceClassification"),
 }
 
 

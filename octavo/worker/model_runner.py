@@ -173,14 +173,24 @@ class ModelRunner:
     def _pool(self, hidden: torch.Tensor, req_ids: list[str], starts: np.ndarray,
               ends: np.ndarray) -> dict[str, np.ndarray]:
         """The pooling requests' vectors: their rows [starts, ends) of the step's hidden states,
-        pooled as the model's pooling says, cut and normalized as each request asks."""
+        pooled as the model's pooling says, cut and normalized as each request asks; or a
+        classifier's probabilities over its [CLS] state (tasks classify and score)."""
         cfg = self.model.cfg
         params = [self.pooling[r] for r in req_ids]
-        vectors = pool(hidden, starts, ends, cfg.pooling_kind)
-        finished = finish(vectors, [p.dimensions for p in params],
-                          [cfg.pooling_normalizes if p.normalize is None else p.normalize
-                           for p in params])
-        return dict(zip(req_ids, finished))
+        heads = np.array([p.task in ("classify", "score") for p in params], bool)
+        out: dict[str, np.ndarray] = {}
+        if (~heads).any():
+            vectors = pool(hidden, starts[~heads], ends[~heads], cfg.pooling_kind)
+            kept = [p for p, head in zip(params, heads) if not head]
+            finished = finish(vectors, [p.dimensions for p in kept],
+                              [cfg.pooling_normalizes if p.normalize is None else p.normalize
+                               for p in kept])
+            out.update(zip((r for r, head in zip(req_ids, heads) if not head), finished))
+        if heads.any():
+            logits = self.model.classify(pool(hidden, starts[heads], ends[heads], "cls"))
+            probs = logits.sigmoid() if logits.shape[1] == 1 else logits.softmax(-1)
+            out.update(zip((r for r, head in zip(req_ids, heads) if head), probs.cpu().numpy()))
+        return out
 
     def _logits(self, context: ForwardContext, hidden: torch.Tensor,
                 lora_of: np.ndarray) -> torch.Tensor:

@@ -176,3 +176,56 @@ def test_a_decoder_embeds_with_its_last_token(smollm_oracle_folder):
             hidden = model(torch.tensor([out.prompt_token_ids])).last_hidden_state[0, -1]
         want = torch.nn.functional.normalize(hidden, dim=0)
         assert torch.allclose(torch.tensor(out.outputs.embedding), want, atol=1e-4)
+
+
+def _tiny_cross_encoder(tmp_path, tokenizer_folder, labels: int):
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=96,
+                                     max_position_embeddings=128, num_labels=labels)
+    torch.manual_seed(labels)
+    model = transformers.BertForSequenceClassification(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    folder = tmp_path / f"cross-{labels}"
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tokenizer_folder / name, folder / name)
+    return folder, model
+
+
+def test_cross_encoder_scores_and_classes_equal_transformers(tmp_path, minilm_folder):
+    """A tiny random BertForSequenceClassification: LLM.score over sentence pairs (the second
+    text of token type 1) and LLM.classify over single texts give transformers' sigmoid and
+    softmax of the logits; a score needs a one-label head."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(minilm_folder)
+    query = "what is the capital of france"
+    docs = ["paris is the capital of france", "the cat sat on the mat",
+            "berlin is the capital of germany and its largest city"]
+    folder, model = _tiny_cross_encoder(tmp_path, minilm_folder, 1)
+    llm = LLM(str(folder), dtype="float32")
+    try:
+        scores = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+        with pytest.raises(ValueError, match="pair"):
+            llm.encode(["a"], PoolingParams(task="score"))
+    finally:
+        llm.engine.shutdown()
+    with torch.inference_mode():
+        want = model(**tok([query] * 3, docs, padding=True, return_tensors="pt")).logits
+    assert np.allclose(scores, want.sigmoid()[:, 0].numpy(), atol=1e-5)
+
+    folder, model = _tiny_cross_encoder(tmp_path, minilm_folder, 3)
+    llm = LLM(str(folder), dtype="float32")
+    try:
+        probs = np.array([o.outputs.probs for o in llm.classify(docs, use_tqdm=False)])
+        with pytest.raises(ValueError, match="one label"):
+            llm.score(query, docs)
+    finally:
+        llm.engine.shutdown()
+    with torch.inference_mode():
+        want = model(**tok(docs, padding=True, return_tensors="pt")).logits.softmax(-1)
+    assert np.allclose(probs, want.numpy(), atol=1e-5)

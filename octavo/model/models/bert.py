@@ -2,7 +2,11 @@
 positions and token types added to the token embeddings, then post-norm layers (LayerNorm after
 each residual sum) of bidirectional attention and a GELU MLP, every projection with a bias. The
 output is every token's hidden state, which the pooler turns into an embedding
-(model/pooler.py); there is no LM head."""
+(model/pooler.py); there is no LM head. `BertForSequenceClassification` (cross-encoders,
+rerankers) adds BERT's pooler (a dense layer and tanh over [CLS]) and a classifier over it.
+
+A sentence pair is one sequence, [CLS] A [SEP] B [SEP]: its tokens after the first separator
+are of token type 1, as the tokenizer's pair encoding makes them."""
 from __future__ import annotations
 
 import torch
@@ -15,6 +19,7 @@ from octavo.model.layers.activation import activation
 from octavo.model.layers.embedding import Embedding
 from octavo.model.layers.encoder_attention import EncoderBatch
 from octavo.model.layers.linear import (
+    Linear,
     column_parallel,
     heads_output,
     local_heads,
@@ -33,10 +38,10 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = Embedding(cfg.extra.get("type_vocab_size", 2), h)
         self.LayerNorm = nn.LayerNorm(h, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # one segment: token type 0 throughout (sentence pairs are not taken yet)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_types: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        return self.LayerNorm(x + self.token_type_embeddings(torch.zeros_like(input_ids)))
+        return self.LayerNorm(x + self.token_type_embeddings(token_types))
 
 
 class BertSelfAttention(nn.Module):
@@ -133,10 +138,22 @@ class BertModel(CheckpointModel):
         """input_ids, positions: [T] (the step's sequences, each whole) -> hidden [T, hidden]"""
         layout = get_forward_context().layout
         batch = EncoderBatch(layout.starts, layout.ends, input_ids.device)
-        x = self.embeddings(input_ids, positions)
+        x = self.embeddings(input_ids, positions, self._token_types(input_ids, layout))
         for layer in self.encoder.layer:
             x = layer(x, batch)
         return x
+
+    def _token_types(self, input_ids: torch.Tensor, layout) -> torch.Tensor:
+        """0 up to each sequence's first separator, 1 after it (a pair's second text)."""
+        sep = self.cfg.sep_token_id
+        if sep is None or self.cfg.extra.get("type_vocab_size", 2) < 2:
+            return torch.zeros_like(input_ids)
+        is_sep = (input_ids == sep).long()
+        seen = is_sep.cumsum(0) - is_sep  # separators before each token, over the flat step
+        before = seen[torch.from_numpy(layout.starts).to(input_ids.device)]  # ... its sequence
+        own = seen - before.repeat_interleave(
+            torch.from_numpy(layout.ends - layout.starts).to(input_ids.device))
+        return (own > 0).long()
 
     def checkpoint_name(self, name: str) -> str | None:
         # BertModel's own pooler (a dense + tanh over [CLS]) is not what sentence embeddings
@@ -145,3 +162,29 @@ class BertModel(CheckpointModel):
         if name.startswith("pooler.") or name.endswith("position_ids"):
             return None
         return name
+
+
+class BertForSequenceClassification(BertModel):
+    """A cross-encoder: BERT, its pooler over [CLS] and a classifier of `num_labels` outputs
+    (`classify`: pooled [CLS] states -> logits)."""
+
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        self.pooler = BertPooler(cfg)
+        self.classifier = Linear(cfg.hidden_size, [cfg.num_labels], bias=True)
+
+    def classify(self, cls_states: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.pooler(cls_states.to(self.dtype))).float()
+
+    def checkpoint_name(self, name: str) -> str | None:
+        name = name.removeprefix("bert.")
+        return None if name.endswith("position_ids") else name
+
+
+class BertPooler(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.dense = Linear(cfg.hidden_size, [cfg.hidden_size], bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(x))
