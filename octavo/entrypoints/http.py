@@ -165,6 +165,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     from octavo.entrypoints.anthropic.api import router as anthropic_router
     from octavo.entrypoints.openai.api import router as openai_router
     from octavo.entrypoints.openai.embeddings import router as embeddings_router
+    from octavo.entrypoints.openai.scores import router as scores_router
     from octavo.entrypoints.openai.lora import router as lora_router
     from octavo.entrypoints.openai.responses import router as responses_router
 
@@ -245,6 +246,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
 
     app.include_router(openai_router)
     app.include_router(embeddings_router)
+    app.include_router(scores_router)
     if state.allow_runtime_lora_updating:
         app.include_router(lora_router)
     app.include_router(responses_router)

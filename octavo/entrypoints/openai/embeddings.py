@@ -4,7 +4,6 @@ or a list of them; `encoding_format` float or base64; `dimensions`; usage), with
 task embed (an encoder such as all-MiniLM runs it by default)."""
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 from typing import Literal
@@ -13,9 +12,9 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from octavo.entrypoints.http import APIError, check_model, state_of, unless_disconnected
+from octavo.entrypoints.http import check_model, state_of
+from octavo.entrypoints.openai.pooled import pooling_params, run_pooling
 from octavo.entrypoints.openai.shared import engine_id, response_id
-from octavo.pooling_params import PoolingParams
 
 router = APIRouter()
 
@@ -42,37 +41,10 @@ async def embeddings(body: EmbeddingRequest, request: Request):
     inputs = body.input
     if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
         inputs = [inputs]
-    if not inputs:
-        raise APIError(400, "input must not be empty", "input")
-    engine = state.engine
-    engine.check_size(len(inputs), 1)
-    try:
-        params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize,
-                               truncate_prompt_tokens=body.truncate_prompt_tokens)
-    except ValueError as exc:
-        raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
+    params = pooling_params(dimensions=body.dimensions, normalize=body.normalize,
+                            truncate_prompt_tokens=body.truncate_prompt_tokens)
     rid = response_id("embd", body)
-    base = engine_id(rid, body)
-    prepared = []
-    for i, item in enumerate(inputs):
-        try:
-            prepared.append(await engine.prepare_pooling_async(f"{base}-{i}", item, params))
-        except ValueError as exc:
-            raise APIError(400, f"input[{i}]: {exc}" if len(inputs) > 1 else str(exc),
-                           "input") from None
-    streams = engine.generate_all(prepared)
-
-    async def last(stream):
-        out = None
-        async for out in stream:
-            pass
-        return out
-
-    async def run_all():
-        return await asyncio.gather(*(last(s) for s in streams))
-
-    outs = await unless_disconnected(request, run_all())
-    tokens = sum(len(p.prompt_token_ids) for p in prepared)
+    outs, tokens = await run_pooling(state, request, engine_id(rid, body), inputs, params)
     data = [{"object": "embedding", "index": i,
              "embedding": _encoded(out.outputs.data, body.encoding_format)}
             for i, out in enumerate(outs)]
