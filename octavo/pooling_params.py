@@ -9,7 +9,7 @@ models) and normalized to unit length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from octavo.param_checks import check_int as _check_int
 
@@ -67,16 +67,27 @@ class PoolingRequestOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
+class _TaskRequestOutput:
+    """A PoolingRequestOutput as one task reads it (`_outputs`: the vector -> its outputs)."""
+
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: Any
     prompt_token_ids: list[int]
     finished: bool = True
 
     @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
-                   out.prompt_token_ids, out.finished)
+    def from_base(cls, out: PoolingRequestOutput):
+        return cls(out.request_id, cls._outputs(out.outputs.data), out.prompt_token_ids,
+                   out.finished)
+
+
+@dataclass
+class EmbeddingRequestOutput(_TaskRequestOutput):
+    outputs: EmbeddingOutput
+
+    @staticmethod
+    def _outputs(data: np.ndarray) -> EmbeddingOutput:
+        return EmbeddingOutput(data.tolist())
 
 
 @dataclass
@@ -89,16 +100,12 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
-    request_id: str
+class ClassificationRequestOutput(_TaskRequestOutput):
     outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
 
-    @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
-        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()),
-                   out.prompt_token_ids, out.finished)
+    @staticmethod
+    def _outputs(data: np.ndarray) -> ClassificationOutput:
+        return ClassificationOutput(data.tolist())
 
 
 @dataclass
@@ -107,13 +114,9 @@ class ScoringOutput:
 
 
 @dataclass
-class ScoringRequestOutput:
-    request_id: str
+class ScoringRequestOutput(_TaskRequestOutput):
     outputs: ScoringOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
 
-    @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> ScoringRequestOutput:
-        return cls(out.request_id, ScoringOutput(float(out.outputs.data[0])),
-                   out.prompt_token_ids, out.finished)
+    @staticmethod
+    def _outputs(data: np.ndarray) -> ScoringOutput:
+        return ScoringOutput(float(data[0]))

@@ -69,20 +69,7 @@ def test_minilm_embeddings_equal_sentence_transformers(minilm_folder):
 
 
 def _tiny_bert(tmp_path, tokenizer_folder, pooling: str | None):
-    import transformers
-
-    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, intermediate_size=96,
-                                     max_position_embeddings=128)
-    torch.manual_seed(0)
-    model = transformers.BertModel(config, add_pooling_layer=True).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.08) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
-    folder = tmp_path / f"bert-{pooling}"
-    model.save_pretrained(folder, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(tokenizer_folder / name, folder / name)
+    folder, model = _tiny_encoder(tmp_path / f"bert-{pooling}", tokenizer_folder, "BertModel")
     if pooling is not None:  # sentence-transformers' modules: this pooling, no Normalize
         (folder / "modules.json").write_text(json.dumps([
             {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -179,17 +166,22 @@ def test_a_decoder_embeds_with_its_last_token(smollm_oracle_folder):
 
 
 def _tiny_cross_encoder(tmp_path, tokenizer_folder, labels: int):
+    return _tiny_encoder(tmp_path / f"cross-{labels}", tokenizer_folder,
+                         "BertForSequenceClassification", num_labels=labels)
+
+
+def _tiny_encoder(folder, tokenizer_folder, architecture: str, **config):
+    """A tiny random BERT of `architecture` saved in `folder`, with all-MiniLM's tokenizer."""
     import transformers
 
-    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, intermediate_size=96,
-                                     max_position_embeddings=128, num_labels=labels)
-    torch.manual_seed(labels)
-    model = transformers.BertForSequenceClassification(config).eval()
+    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=96,
+                                  max_position_embeddings=128, **config)
+    torch.manual_seed(len(architecture) + config.get("num_labels", 0))
+    model = getattr(transformers, architecture)(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.08) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
-    folder = tmp_path / f"cross-{labels}"
     model.save_pretrained(folder, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(tokenizer_folder / name, folder / name)
