@@ -34,7 +34,9 @@ GGUF_ARCHITECTURES = {
 GGUF_EXPERT_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
 
 # Bidirectional encoders: they pool (embeddings), never generate.
-ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification")
+ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaModel",
+                         "XLMRobertaModel", "RobertaForSequenceClassification",
+                         "XLMRobertaForSequenceClassification")
 SLIDING, FULL = "sliding_attention", "full_attention"
 # generation_config.json keys that become request defaults (the SamplingParams field names)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -173,6 +175,9 @@ def _from_hf(source: ModelSource) -> ArchConfig:
             raise ValueError(f"model: {gen_path}: {exc}") from None
     rope_theta, rope_scaling, local_theta = _hf_rope(text)
     head_dim = text.get("head_dim") or hidden // heads
+    positions = text.get("max_position_embeddings", 2048)
+    if "Roberta" in archs[0]:  # its table starts past the padding id: that much less context
+        positions -= text.get("pad_token_id", 1) + 1
     # transformers reads the factor from rope_parameters first (its top-level copy may be stale).
     partial = ((text.get("rope_parameters") or {}).get("partial_rotary_factor")
                or text.get("partial_rotary_factor") or text.get("rotary_pct") or 1.0)
@@ -194,7 +199,7 @@ def _from_hf(source: ModelSource) -> ArchConfig:
         num_heads=heads,
         num_kv_heads=(heads if archs[0] in _MHA_ONLY else text.get("num_key_value_heads") or heads),
         head_dim=head_dim,
-        max_position_embeddings=text.get("max_position_embeddings", 2048),
+        max_position_embeddings=positions,
         rms_norm_eps=text.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta or 10000.0,
         rope_scaling=rope_scaling,

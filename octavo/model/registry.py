@@ -23,6 +23,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BertModel": ("octavo.model.models.bert", "BertModel"),
     "BertForSequenceClassification": ("octavo.model.models.bert",
                                       "BertForSequenceClassification"),
+    "RobertaModel": ("octavo.model.models.bert", "RobertaModel"),
+    "XLMRobertaModel": ("octavo.model.models.bert", "RobertaModel"),
+    "RobertaForSequenceClassification": ("octavo.model.models.bert",
+                                         "RobertaForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": ("octavo.model.models.bert",
+                                            "RobertaForSequenceClassification"),
 }
 
 

@@ -29,10 +29,12 @@ SENTENCES = [
 
 
 def _texts() -> list[str]:
-    """Short and long inputs: the sentences, and longer ones made of them (past 512 tokens for
-    the longest, which the 512-token limit then cuts: `truncate_prompt_tokens`)."""
+    """Over 100 inputs, short and long: the sentences, each pair of them, and longer ones made
+    of them (past 512 tokens for the longest, which the 512-token limit then cuts:
+    `truncate_prompt_tokens`)."""
+    pairs = [f"{a} {b}" for a in SENTENCES for b in SENTENCES if a != b]
     long = [" ".join(SENTENCES[: i % len(SENTENCES) + 1] * (1 + i)) for i in range(8)]
-    return SENTENCES + long
+    return SENTENCES + pairs + long
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,8 @@ def test_minilm_embeddings_equal_sentence_transformers(minilm_folder):
     oracle = st.SentenceTransformer(str(minilm_folder), device="cpu")
     oracle.max_seq_length = 512
     texts = _texts()
-    expected = oracle.encode(texts, convert_to_numpy=True, batch_size=8)
+    assert len(texts) > 100
+    expected = oracle.encode(texts, convert_to_numpy=True, batch_size=16)
     llm = LLM("all-minilm-l6-v2", dtype="float32", max_num_batched_tokens=2048)
     try:
         tokenizer = llm.get_tokenizer()
@@ -171,12 +174,15 @@ def _tiny_cross_encoder(tmp_path, tokenizer_folder, labels: int):
 
 
 def _tiny_encoder(folder, tokenizer_folder, architecture: str, **config):
-    """A tiny random BERT of `architecture` saved in `folder`, with all-MiniLM's tokenizer."""
+    """A tiny random BERT (or RoBERTa / XLM-R: their config's class) of `architecture` saved
+    in `folder`, with all-MiniLM's tokenizer."""
     import transformers
 
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, intermediate_size=96,
-                                  max_position_embeddings=128, **config)
+    family = architecture.removesuffix("Model").removesuffix("ForSequenceClassification")
+    cfg = getattr(transformers, f"{family}Config")(**{
+        "vocab_size": 30522, "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 96, "max_position_embeddings": 128,
+        **config})
     torch.manual_seed(len(architecture) + config.get("num_labels", 0))
     model = getattr(transformers, architecture)(cfg).eval()
     with torch.no_grad():
@@ -220,4 +226,38 @@ def test_cross_encoder_scores_and_classes_equal_transformers(tmp_path, minilm_fo
         llm.engine.shutdown()
     with torch.inference_mode():
         want = model(**tok(docs, padding=True, return_tensors="pt")).logits.softmax(-1)
+    assert np.allclose(probs, want.numpy(), atol=1e-5)
+
+
+def test_xlm_roberta_embeds_and_classifies_as_transformers(tmp_path, minilm_folder):
+    """XLM-R (RoBERTa's layout: positions from the padding id + 1, one token type, a
+    classification head without BERT's pooler): pooled [CLS] states and class probabilities
+    equal transformers'; its context is the position table less the padding offset."""
+    import transformers
+
+    texts = ["a small test", "paris is the capital of france and its largest city"]
+    tok = transformers.AutoTokenizer.from_pretrained(minilm_folder)
+    folder, model = _tiny_encoder(tmp_path / "xlmr", minilm_folder, "XLMRobertaModel",
+                                  type_vocab_size=1, max_position_embeddings=130)
+    llm = LLM(str(folder), dtype="float32")
+    try:
+        assert llm.engine.setup.max_model_len == 128
+        got = np.array([o.outputs.data for o in llm.encode(texts, use_tqdm=False)])
+    finally:
+        llm.engine.shutdown()
+    with torch.inference_mode():
+        hidden = model(**tok(texts, padding=True, return_tensors="pt")).last_hidden_state
+    want = torch.nn.functional.normalize(hidden[:, 0], dim=-1)
+    assert np.allclose(got, want.numpy(), atol=1e-5)
+
+    folder, model = _tiny_encoder(tmp_path / "xlmr-cls", minilm_folder,
+                                  "XLMRobertaForSequenceClassification", num_labels=2,
+                                  type_vocab_size=1, max_position_embeddings=130)
+    llm = LLM(str(folder), dtype="float32")
+    try:
+        probs = np.array([o.outputs.probs for o in llm.classify(texts, use_tqdm=False)])
+    finally:
+        llm.engine.shutdown()
+    with torch.inference_mode():
+        want = model(**tok(texts, padding=True, return_tensors="pt")).logits.softmax(-1)
     assert np.allclose(probs, want.numpy(), atol=1e-5)

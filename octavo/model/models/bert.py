@@ -34,7 +34,9 @@ class BertEmbeddings(nn.Module):
         super().__init__()
         h = cfg.hidden_size
         self.word_embeddings = Embedding(cfg.vocab_size, h)
-        self.position_embeddings = Embedding(cfg.max_position_embeddings, h)
+        # the checkpoint's table (RoBERTa's holds its padding offset beyond the context)
+        self.position_embeddings = Embedding(cfg.extra.get("max_position_embeddings",
+                                                           cfg.max_position_embeddings), h)
         self.token_type_embeddings = Embedding(cfg.extra.get("type_vocab_size", 2), h)
         self.LayerNorm = nn.LayerNorm(h, cfg.rms_norm_eps)
 
@@ -118,6 +120,7 @@ class BertModel(CheckpointModel):
     an encoder) and attends only to itself; nothing is cached."""
 
     is_encoder = True
+    position_offset = 0  # a token's position in the table: its place in the sequence + this
     # checkpoint name fragment -> (packed parameter fragment, slot)
     packed_modules_mapping = {"query": ("qkv_proj", 0), "key": ("qkv_proj", 1),
                               "value": ("qkv_proj", 2)}
@@ -138,7 +141,8 @@ class BertModel(CheckpointModel):
         """input_ids, positions: [T] (the step's sequences, each whole) -> hidden [T, hidden]"""
         layout = get_forward_context().layout
         batch = EncoderBatch(layout.starts, layout.ends, input_ids.device)
-        x = self.embeddings(input_ids, positions, self._token_types(input_ids, layout))
+        x = self.embeddings(input_ids, positions + self.position_offset,
+                            self._token_types(input_ids, layout))
         for layer in self.encoder.layer:
             x = layer(x, batch)
         return x
@@ -188,3 +192,37 @@ class BertPooler(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.dense(x))
+
+
+class RobertaModel(BertModel):
+    """RoBERTa and XLM-R: BERT's layers; positions counted from the padding id + 1 (a padded
+    batch's pads keep the padding id's position), one token type."""
+
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        self.position_offset = cfg.extra.get("pad_token_id", 1) + 1
+
+    def checkpoint_name(self, name: str) -> str | None:
+        return super().checkpoint_name(name.removeprefix("roberta."))
+
+
+class RobertaForSequenceClassification(RobertaModel):
+    """A RoBERTa / XLM-R cross-encoder: a dense layer, tanh and a projection over <s>, with no
+    BERT pooler (`classify`)."""
+
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        self.classifier = RobertaClassificationHead(cfg)
+
+    def classify(self, cls_states: torch.Tensor) -> torch.Tensor:
+        return self.classifier(cls_states.to(self.dtype)).float()
+
+
+class RobertaClassificationHead(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.dense = Linear(cfg.hidden_size, [cfg.hidden_size], bias=True)
+        self.out_proj = Linear(cfg.hidden_size, [cfg.num_labels], bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(x)))
