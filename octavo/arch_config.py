@@ -85,6 +85,11 @@ class ArchConfig:
         return self.architecture in ENCODER_ARCHITECTURES
 
     @property
+    def generates(self) -> bool:
+        """Whether it has an LM head: not an encoder, nor a classifier."""
+        return not self.is_encoder and not self.num_labels
+
+    @property
     def pooling_kind(self) -> str:
         """How an embedding pools the hidden states: sentence-transformers' mode where the
         folder says, else [CLS] for an encoder and the last token for a decoder (as vLLM)."""

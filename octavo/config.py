@@ -46,8 +46,8 @@ class ModelConfig:
         choices=["int8", "int4", "fp8"]))
     task: str = field(default="auto", metadata=_opt(
         "what the model serves: generate (text; a causal LM also pools embeddings beside it), "
-        "embed (pooled embeddings alone: LLM.embed, /v1/embeddings); auto: embed for an "
-        "encoder (BERT), else generate",
+        "embed (pooled embeddings alone: LLM.embed, /v1/embeddings); auto: generate for a "
+        "model with an LM head, embed for the others (encoders, classifiers)",
         choices=list(TASKS)))
 
     def __post_init__(self) -> None:

@@ -77,12 +77,13 @@ class ModelSetup:
 
 
 def resolve_task(task: str, arch: ArchConfig) -> str:
-    """What the engine serves: `task`, or for auto, embed for an encoder and generate else."""
+    """What the engine serves: `task`, or for auto, generate for a model with an LM head and
+    embed for the others (encoders, classifiers)."""
     if task == "auto":
-        return "embed" if arch.is_encoder else "generate"
-    if task == "generate" and arch.is_encoder:
-        raise ValueError(f"task generate: {arch.architecture} is an encoder, it has no LM head "
-                         f"to generate with; use task embed (or auto)")
+        return "generate" if arch.generates else "embed"
+    if task == "generate" and not arch.generates:
+        raise ValueError(f"task generate: {arch.architecture} has no LM head to generate with "
+                         f"(an encoder or a classifier); use task embed (or auto)")
     return task
 
 

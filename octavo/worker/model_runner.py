@@ -187,7 +187,9 @@ class ModelRunner:
                                for p in kept])
             out.update(zip((r for r, head in zip(req_ids, heads) if not head), finished))
         if heads.any():
-            logits = self.model.classify(pool(hidden, starts[heads], ends[heads], "cls"))
+            # an encoder's classifier reads [CLS], a decoder's its last token
+            kind = "cls" if self.model.is_encoder else "last"
+            logits = self.model.classify(pool(hidden, starts[heads], ends[heads], kind))
             probs = logits.sigmoid() if logits.shape[1] == 1 else logits.softmax(-1)
             out.update(zip((r for r, head in zip(req_ids, heads) if head), probs.cpu().numpy()))
         return out

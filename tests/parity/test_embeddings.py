@@ -261,3 +261,36 @@ def test_xlm_roberta_embeds_and_classifies_as_transformers(tmp_path, minilm_fold
     with torch.inference_mode():
         want = model(**tok(texts, padding=True, return_tensors="pt")).logits.softmax(-1)
     assert np.allclose(probs, want.numpy(), atol=1e-5)
+
+
+def test_a_decoder_classifier_classifies_and_scores_as_transformers(tmp_path,
+                                                                    smollm_oracle_folder):
+    """Qwen2ForSequenceClassification (a score head over the last token, no LM head): class
+    probabilities equal transformers'; it runs task embed (auto), and refuses generation."""
+    import transformers
+
+    config = transformers.Qwen2Config(vocab_size=49152, hidden_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=96, max_position_embeddings=256,
+                                      num_labels=3, pad_token_id=0)
+    torch.manual_seed(3)
+    model = transformers.Qwen2ForSequenceClassification(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    folder = tmp_path / "qwen2-cls"
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm_oracle_folder / name, folder / name)
+    texts = ["The capital of France is", "def fib(n):", "I loved this film"]
+    llm = LLM(str(folder), dtype="float32")
+    try:
+        outs = llm.classify(texts, use_tqdm=False)
+        with pytest.raises(ValueError, match="task embed"):
+            llm.generate(texts[:1])
+    finally:
+        llm.engine.shutdown()
+    for out in outs:
+        with torch.inference_mode():
+            want = model(torch.tensor([out.prompt_token_ids])).logits[0].softmax(-1)
+        assert np.allclose(out.outputs.probs, want.numpy(), atol=1e-5)

@@ -14,6 +14,7 @@ from octavo.model.layers.activation import gated_act
 from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.embedding import Embedding
 from octavo.model.layers.linear import (
+    Linear,
     column_parallel,
     heads_output,
     local_heads,
@@ -98,4 +99,22 @@ class LlamaForCausalLM(CausalLM):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """The decoder with a classifier over its last token instead of an LM head (`score`, no
+    bias: Llama's, Mistral's and Qwen's *ForSequenceClassification): it classifies and scores,
+    it does not generate."""
+
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        del self.lm_head
+        self.score = Linear(cfg.hidden_size, [cfg.num_labels])
+
+    def classify(self, last_states: torch.Tensor) -> torch.Tensor:
+        return self.score(last_states.to(self.dtype)).float()
+
+
+class Qwen3ForSequenceClassification(LlamaForSequenceClassification):
     qk_norm = True
