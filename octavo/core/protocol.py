@@ -16,10 +16,9 @@ pickled), a core in the caller's process as they are. Torch-free, like all of th
 from __future__ import annotations
 
 import msgspec
-
-from octavo.core.contract import TopLogprobs
 import numpy as np
 
+from octavo.core.contract import TopLogprobs
 from octavo.params import LoRARequest, SamplingParams
 from octavo.pooling_params import PoolingParams
 

@@ -36,7 +36,6 @@ class ReplicaLockstep:
         store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
         self._group = dist.ProcessGroupGloo(store, rank, size, timeout)
         self._shm = _shared_memory(store, self._group, rank, size, timeout_s)
-        self.rank, self.size = rank, size
 
     def agree(self, busy: bool, received: bool, stopping: bool) -> tuple[bool, bool, bool]:
         """Whether any replica (busy) has work, (received) took a message since the last round,

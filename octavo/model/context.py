@@ -76,10 +76,10 @@ def step_context(layout: StepLayout, tables: np.ndarray, block_size: int,
     if cp is not None and (cp.shard_kv or cp.splits(layout)):
         kernel = native and (cp.kv_ranks == 1 or sliding_window is None)
         return ForwardContext(None, kv_caches, context_parallel=build_step(
-            cp, layout, tables, device, kernel))
+            cp, layout, tables, device, kernel), layout=layout)
     runs = native and fused.prompt_runs_ready(kv_caches[0])
     plan = build_plan(layout, tables, block_size, device=device, native_decode=native,
                       prompt_runs=runs)
     sliding = None if sliding_window is None else windowed_plan(
         plan, layout, tables, block_size, sliding_window, device)
-    return ForwardContext(plan, kv_caches, sliding)
+    return ForwardContext(plan, kv_caches, sliding, layout=layout)

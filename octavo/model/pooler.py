@@ -21,9 +21,9 @@ def pool(hidden: torch.Tensor, starts: np.ndarray, ends: np.ndarray, kind: str) 
     if kind != "mean":
         raise ValueError(f"pooling must be one of {', '.join(POOLING_KINDS)}, got {kind!r}")
     lengths = ends - starts
-    which = np.repeat(np.arange(len(starts)), lengths)
-    rows = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]) if len(starts) else \
-        np.zeros(0, np.int64)
+    which = np.repeat(np.arange(len(starts)), lengths)  # each pooled row's sequence
+    offsets = np.cumsum(lengths) - lengths  # where each sequence's rows start among them
+    rows = starts[which] + np.arange(len(which)) - offsets[which]
     device = hidden.device
     sums = torch.zeros((len(starts), hidden.shape[1]), dtype=torch.float32, device=device)
     sums.index_add_(0, torch.from_numpy(which).to(device),

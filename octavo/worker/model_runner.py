@@ -104,7 +104,6 @@ class ModelRunner:
         else:
             context = step_context(layout, b.block_table[rows], self.block_size, self.kv_caches,
                                    self.sliding_window, self.device, self.context_parallel)
-            context.layout = layout
         last_stage = is_last_stage()  # else its hidden states go on to the next stage
         sampling = seq_lens >= b.num_tokens[rows]
         pools = np.zeros(len(req_ids), bool)
@@ -177,21 +176,20 @@ class ModelRunner:
         classifier's probabilities over its [CLS] state (tasks classify and score)."""
         cfg = self.model.cfg
         params = [self.pooling[r] for r in req_ids]
-        heads = np.array([p.task in ("classify", "score") for p in params], bool)
+        heads = np.fromiter((p.task in ("classify", "score") for p in params), bool, len(params))
+        embed, classify = np.flatnonzero(~heads), np.flatnonzero(heads)
         out: dict[str, np.ndarray] = {}
-        if (~heads).any():
-            vectors = pool(hidden, starts[~heads], ends[~heads], cfg.pooling_kind)
-            kept = [p for p, head in zip(params, heads) if not head]
-            finished = finish(vectors, [p.dimensions for p in kept],
-                              [cfg.pooling_normalizes if p.normalize is None else p.normalize
-                               for p in kept])
-            out.update(zip((r for r, head in zip(req_ids, heads) if not head), finished))
-        if heads.any():
-            # an encoder's classifier reads [CLS], a decoder's its last token
-            kind = "cls" if self.model.is_encoder else "last"
-            logits = self.model.classify(pool(hidden, starts[heads], ends[heads], kind))
+        if len(embed):
+            vectors = finish(pool(hidden, starts[embed], ends[embed], cfg.pooling_kind),
+                             [params[i].dimensions for i in embed],
+                             [cfg.pooling_normalizes if params[i].normalize is None
+                              else params[i].normalize for i in embed])
+            out.update(zip((req_ids[i] for i in embed), vectors))
+        if len(classify):
+            logits = self.model.classify(pool(hidden, starts[classify], ends[classify],
+                                              self.model.classifier_token))
             probs = logits.sigmoid() if logits.shape[1] == 1 else logits.softmax(-1)
-            out.update(zip((r for r, head in zip(req_ids, heads) if head), probs.cpu().numpy()))
+            out.update(zip((req_ids[i] for i in classify), probs.cpu().numpy()))
         return out
 
     def _logits(self, context: ForwardContext, hidden: torch.Tensor,

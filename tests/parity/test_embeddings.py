@@ -185,9 +185,7 @@ def _tiny_encoder(folder, tokenizer_folder, architecture: str, **config):
         **config})
     torch.manual_seed(len(architecture) + config.get("num_labels", 0))
     model = getattr(transformers, architecture)(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.08) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    _randomize(model)
     model.save_pretrained(folder, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(tokenizer_folder / name, folder / name)
@@ -275,9 +273,7 @@ def test_a_decoder_classifier_classifies_and_scores_as_transformers(tmp_path,
                                       num_labels=3, pad_token_id=0)
     torch.manual_seed(3)
     model = transformers.Qwen2ForSequenceClassification(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.08) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    _randomize(model)
     folder = tmp_path / "qwen2-cls"
     model.save_pretrained(folder, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -294,3 +290,10 @@ def test_a_decoder_classifier_classifies_and_scores_as_transformers(tmp_path,
         with torch.inference_mode():
             want = model(torch.tensor([out.prompt_token_ids])).logits[0].softmax(-1)
         assert np.allclose(out.outputs.probs, want.numpy(), atol=1e-5)
+
+
+def _randomize(model) -> None:
+    """Larger weights than the default init (and norms, biases moved), so differences show."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)

@@ -17,14 +17,13 @@ class EncoderBatch:
         lengths = ends - starts
         self.num_sequences, self.longest = len(lengths), int(lengths.max(initial=0))
         place = np.arange(self.longest)[None, :]
-        self.real = torch.from_numpy(place < lengths[:, None]).to(device)  # [R, L]
-        rows = (starts[:, None] + place)[place < lengths[:, None]]
-        # the flat row of each real place, and each flat row's place in the grid
-        self.places = torch.from_numpy(np.flatnonzero(place < lengths[:, None])).to(device)
-        self.rows = torch.from_numpy(rows).to(device)
+        real = place < lengths[:, None]  # [R, L]: the places that hold a token
+        # each real place's flat row, and its index in the flattened grid
+        self.rows = torch.from_numpy((starts[:, None] + place)[real]).to(device)
+        self.places = torch.from_numpy(np.flatnonzero(real)).to(device)
         self.uniform = bool((lengths == self.longest).all())
         # [R, 1, 1, L]: the keys a query may see (True: attend)
-        self.key_mask = self.real[:, None, None, :]
+        self.key_mask = torch.from_numpy(real).to(device)[:, None, None, :]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
                head_dim: int, scale: float) -> torch.Tensor:

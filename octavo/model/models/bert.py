@@ -120,6 +120,7 @@ class BertModel(CheckpointModel):
     an encoder) and attends only to itself; nothing is cached."""
 
     is_encoder = True
+    classifier_token = "cls"  # what a classifier head reads (model_runner._pool)
     position_offset = 0  # a token's position in the table: its place in the sequence + this
     # checkpoint name fragment -> (packed parameter fragment, slot)
     packed_modules_mapping = {"query": ("qkv_proj", 0), "key": ("qkv_proj", 1),
