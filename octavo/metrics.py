@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -18,6 +19,8 @@ _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3
 class EngineMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        # process_cpu_seconds_total and the like, of the front-end process (as vLLM exposes)
+        ProcessCollector(registry=r)
         self.prompt_tokens = Counter("octavo:prompt_tokens", "Prompt tokens computed",
                                      registry=r)
         self.generation_tokens = Counter("octavo:generation_tokens", "Generated tokens",

@@ -285,14 +285,14 @@ class AsyncEngine:
                                       add_special_tokens, lora_request)
 
     async def prepare_pooling_async(self, request_id: str, prompt: str | Sequence[int],
-                                    params: PoolingParams,
-                                    pair: str | None = None) -> PreparedRequest:
+                                    params: PoolingParams, pair: str | None = None,
+                                    priority: int = 0) -> PreparedRequest:
         """A pooling request (an embedding, a classification, with `pair` a score) validated
         and tokenized off the event loop, within the preprocess budget (ValueError on bad
         input); `generate` then runs it, its one output a PoolingRequestOutput."""
         return await self.offload.run("tokenizing and checking the request",
                                       self.processor.build_pooling, request_id, prompt, params,
-                                      0, pair)
+                                      priority, pair)
 
     def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Admit the request (or raise QueueFullError / EngineDeadError now, before any

@@ -131,8 +131,14 @@ def default_allowed_hosts(bind_host: str, api_key: str | None,
 
 
 def _authorized(scope: Scope, key: str) -> bool:
-    given = _header(scope, b"x-api-key")
-    auth = _header(scope, b"authorization") or ""
+    return key_matches(_header(scope, b"authorization"), _header(scope, b"x-api-key"), key)
+
+
+def key_matches(authorization: str | None, x_api_key: str | None, key: str) -> bool:
+    """Does `Authorization: Bearer <key>` (else `x-api-key: <key>`) give `key`? The HTTP
+    headers and the gRPC metadata of the same names carry it alike."""
+    given = x_api_key
+    auth = authorization or ""
     if auth.lower().startswith("bearer "):
         given = auth[7:].strip()
     return given is not None and hmac.compare_digest(given.encode("latin-1", "replace"),

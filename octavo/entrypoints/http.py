@@ -56,6 +56,9 @@ class ServerState:
     allow_runtime_lora_updating: bool = False
     lora_root: str | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
+    grpc_address: tuple[str, int] | None = None  # --host and --grpc-port: gRPC beside HTTP
+    grpc_max_calls: int | None = None  # concurrent gRPC calls (--max-concurrent-connections)
+    shutdown_grace_s: float | None = None  # running gRPC calls' time to finish on shutdown
 
     @property
     def render_limits(self) -> RenderLimits:
@@ -175,7 +178,15 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
         loop = asyncio.get_running_loop()
         state.tasks.append(loop.create_task(_log_stats(state)))
         state.tasks.append(loop.create_task(_watch_engine(state)))
+        grpc_server = None
+        if state.grpc_address is not None:
+            from octavo.entrypoints.grpc.server import start_grpc_server
+
+            grpc_server = await start_grpc_server(state, *state.grpc_address,
+                                                  state.grpc_max_calls)
         yield
+        if grpc_server is not None:
+            await grpc_server.stop(state.shutdown_grace_s)
         for task in state.tasks:
             task.cancel()
         await state.engine.shutdown()
@@ -281,9 +292,19 @@ async def unless_disconnected(request: Request, work: Awaitable,
                               partial_usage: Callable[[], dict] | None = None):
     """Run `work`; if the client disconnects first, or the server's request timeout passes,
     cancel it (which aborts its requests). A timeout is a 504 with `partial_usage()`."""
+    return await bounded(state_of(request), work, partial_usage, until_disconnected(request))
+
+
+async def bounded(state: ServerState, work: Awaitable,
+                  partial_usage: Callable[[], dict] | None = None,
+                  disconnected: Awaitable | None = None):
+    """Run `work` within the server's request timeout (past it, a 504 with `partial_usage()`),
+    and until `disconnected` returns (a 499); either cancels it, which aborts its requests.
+    A caller whose protocol cancels the task itself when the client goes (gRPC) passes none."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(until_disconnected(request))
-    timeout = state_of(request).request_timeout_s
+    watcher = asyncio.ensure_future(disconnected if disconnected is not None
+                                    else asyncio.Event().wait())
+    timeout = state.request_timeout_s
     try:
         done, _ = await asyncio.wait({task, watcher}, timeout=timeout,
                                      return_when=asyncio.FIRST_COMPLETED)

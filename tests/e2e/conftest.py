@@ -87,3 +87,30 @@ def metric(url: str, name: str) -> float:
     if not found:
         raise KeyError(name)
     return total
+
+
+def idle_within(url: str, seconds: float) -> bool:
+    """Does the server fall idle (nothing running or waiting, no KV block held) in time?"""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if metric(url, "octavo:num_requests_running") == 0 and \
+                metric(url, "octavo:num_requests_waiting") == 0 and \
+                metric(url, "octavo:kv_cache_usage_perc") == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a server's engine cores), from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    out.append(int(entry))
+            except OSError:
+                continue
+    return out

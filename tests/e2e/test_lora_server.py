@@ -1,6 +1,7 @@
 """LoRA on SmolLM2, the real model: adapters made with peft on its transformers weights, served
 offline (against peft) and by `octavo serve` (--lora-modules, the OpenAI model field, the
-admin routes that load and unload adapters under --lora-root, metrics per adapter)."""
+admin routes that load and unload adapters under --lora-root, metrics per adapter, the adapter
+named in a gRPC Generate)."""
 from __future__ import annotations
 
 import shutil
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from octavo import LoRARequest, SamplingParams
-from tests.e2e.conftest import metric, start_server
+from tests.e2e.conftest import free_port, metric, start_server
 from tests.parity.greedy import TOP
 
 pytest.importorskip("peft")
@@ -84,6 +85,7 @@ def lora_server(smollm_gguf, adapters, tmp_path_factory):
     root, _, _ = adapters
     srv = start_server(smollm_gguf, tmp_path_factory.mktemp("lora-server"), "--enable-lora",
                        "--max-loras", "2", "--max-lora-rank", "16",
+                       "--grpc-port", str(free_port()),
                        "--lora-modules", f"sql={root / 'sql'}",
                        "--allow-runtime-lora-updating", "--lora-root", str(root),
                        "--admin-api-key", ADMIN_KEY)
@@ -116,6 +118,24 @@ def test_server_selects_adapters_by_model_name(lora_server, adapters):
     assert _complete(lora_server, "poet", PROMPTS[1]).status_code == 404  # not loaded yet
     assert metric(lora_server.url, "octavo:lora_requests_total") >= 1
     assert metric(lora_server.url, "octavo:lora_generation_tokens_total") >= NEW_TOKENS
+
+
+def test_grpc_generate_names_the_adapter(lora_server):
+    grpc = pytest.importorskip("grpc")
+    from octavo.entrypoints.grpc import octavo_pb2 as pb
+    from octavo.entrypoints.grpc import octavo_pb2_grpc as pb_grpc
+
+    cmd = lora_server.proc.args
+    port = cmd[cmd.index("--grpc-port") + 1]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.OctavoStub(channel)
+        for model in ("smol", "sql"):
+            params = pb.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+            replies = stub.Generate(pb.GenerateRequest(text=PROMPTS[0], model=model,
+                                                       sampling_params=params))
+            text = "".join(c.text for r in replies for c in r.choices)
+            http = _complete(lora_server, model, PROMPTS[0]).json()["choices"][0]["text"]
+            assert text == http, model
 
 
 def test_runtime_load_and_unload(lora_server, adapters):

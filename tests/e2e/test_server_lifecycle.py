@@ -11,21 +11,10 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import API_KEY, metric, start_server
+from tests.e2e.conftest import API_KEY, child_pids, idle_within, metric, start_server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 LONG_PROMPT = "The lighthouse keeper counted the stairs again. " * 160  # ~1,600 tokens
-
-
-def _idle_within(url: str, seconds: float) -> bool:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        if metric(url, "octavo:num_requests_running") == 0 and \
-                metric(url, "octavo:num_requests_waiting") == 0 and \
-                metric(url, "octavo:kv_cache_usage_perc") == 0:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_32_concurrent_streams_complete(server):
@@ -48,7 +37,7 @@ def test_32_concurrent_streams_complete(server):
 
     results = asyncio.run(main())
     assert len(results) == 32 and all(f == "length" and t for t, f in results)
-    assert _idle_within(server.url, 2.0)
+    assert idle_within(server.url, 2.0)
 
 
 def _disconnect_stream_after(url: str, body: dict, chunks: int) -> None:
@@ -102,7 +91,7 @@ def test_disconnects_abort_without_disturbing_others(server):
     for t in quitters + threads:
         t.join(300)
     assert results == [(200, "length")] * 4
-    assert _idle_within(server.url, 1.0)
+    assert idle_within(server.url, 1.0)
     assert metric(server.url, "octavo:requests_aborted_total") - before_aborts == 4
 
 
@@ -148,7 +137,7 @@ def test_admission_control_and_sigterm(smollm_gguf, tmp_path):
 def test_engine_death_gives_503_and_nonzero_exit(smollm_gguf, tmp_path):
     srv = start_server(smollm_gguf, tmp_path)
     try:
-        children = _children(srv.proc.pid)
+        children = child_pids(srv.proc.pid)
         assert children, "no engine-core process found"
         for pid in children:
             os.kill(pid, signal.SIGKILL)
@@ -166,20 +155,6 @@ def test_engine_death_gives_503_and_nonzero_exit(smollm_gguf, tmp_path):
         assert srv.proc.wait(30) != 0
     finally:
         srv.stop()
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid:
-                    out.append(int(entry))
-            except OSError:
-                continue
-    return out
 
 
 def test_bad_model_stops_the_early_core_and_names_the_model(tmp_path):

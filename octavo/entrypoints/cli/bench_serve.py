@@ -2,14 +2,18 @@
 
 Requests arrive all at once or as a Poisson process (`--request-rate`), at most
 `--max-concurrency` in flight; each streams a completion of `--output-len` tokens for a prompt of
-`--input-len` random token ids. Reports TTFT, TPOT, ITL and end-to-end latency percentiles and
-output throughput, and goodput: completed requests per second that met `--slo-ttft` and
-`--slo-tpot` (milliseconds; either may be omitted).
+`--input-len` random token ids, over HTTP server-sent events or (`--grpc HOST:PORT`) octavo's gRPC
+Generate. Reports TTFT, TPOT, ITL and end-to-end latency percentiles and output throughput,
+goodput: completed requests per second that met `--slo-ttft` and `--slo-tpot` (milliseconds;
+either may be omitted), and where the server's /metrics tells its front end's CPU time, that
+time per output token: what streaming costs the server, per protocol.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import random
 import time
@@ -47,6 +51,9 @@ def register(kinds: argparse._SubParsersAction) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--slo-ttft", type=float, default=None, help="goodput: TTFT bound in ms")
     s.add_argument("--slo-tpot", type=float, default=None, help="goodput: TPOT bound in ms")
+    s.add_argument("--grpc", default=None, metavar="HOST:PORT",
+                   help="stream over octavo's gRPC API at this address (octavo serve "
+                        "--grpc-port) instead of HTTP; --base-url still gives /metrics")
     s.add_argument("--json", default=None)
     s.set_defaults(run=run)
 
@@ -89,6 +96,52 @@ async def _one(client, model: str | None, prompt: list[int], output_len: int) ->
     return t
 
 
+async def _one_grpc(stub, metadata: list, model: str | None, prompt: list[int] | str,
+                    output_len: int) -> Timing:
+    from octavo.entrypoints.grpc import octavo_pb2 as pb
+
+    t = Timing()
+    start = time.perf_counter()
+    last, chunks = start, 0
+    request = pb.GenerateRequest(model=model or "", sampling_params=pb.SamplingParams(
+        max_tokens=output_len, min_tokens=output_len, ignore_eos=True, temperature=0))
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    try:
+        async for reply in stub.Generate(request, metadata=metadata):
+            if reply.finished:
+                t.output_tokens = reply.usage.completion_tokens
+            if not any(c.text for c in reply.choices):
+                continue
+            now = time.perf_counter()
+            if chunks == 0:
+                t.ttft = now - start
+            else:
+                t.itl.append(now - last)
+            last = now
+            chunks += 1
+    except Exception as exc:  # a failed request is counted, not fatal
+        t.error = f"{type(exc).__name__}: {exc}"
+        return t
+    t.e2e = time.perf_counter() - start
+    t.ok = True
+    return t
+
+
+async def _frontend_cpu_s(client) -> float | None:
+    """The server front end's CPU seconds so far (process_cpu_seconds_total), if it says."""
+    try:
+        text = (await client.get("/metrics")).text
+    except Exception:
+        return None
+    for line in text.splitlines():
+        if line.startswith("process_cpu_seconds_total "):
+            return float(line.split()[1])
+    return None
+
+
 def _as_text(prompts: list[list[int]], model: str) -> list[str]:
     from octavo.engine.tokenizer import load_tokenizer
     from octavo.model_source import resolve_model
@@ -109,11 +162,23 @@ async def _run(args: argparse.Namespace) -> dict:
     limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
     arrivals = random.Random(args.seed)
 
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=3600) as c:
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=3600) as c, \
+            contextlib.AsyncExitStack() as stack:
+        one = functools.partial(_one, c)
+        if args.grpc:
+            import grpc
+
+            from octavo.entrypoints.grpc import octavo_pb2_grpc as pb_grpc
+
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(args.grpc))
+            metadata = [("authorization", headers["Authorization"])] if headers else []
+            one = functools.partial(_one_grpc, pb_grpc.OctavoStub(channel), metadata)
+
         async def gated(p):
             async with limit:
-                return await _one(c, args.model, p, args.output_len)
+                return await one(args.model, p, args.output_len)
 
+        cpu_before = await _frontend_cpu_s(c)
         tasks = []
         start = time.perf_counter()
         for p in prompts:
@@ -122,6 +187,7 @@ async def _run(args: argparse.Namespace) -> dict:
                 await asyncio.sleep(arrivals.expovariate(args.request_rate))
         timings = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        cpu_after = await _frontend_cpu_s(c)
     ok = [t for t in timings if t.ok]
 
     def pct(values: list[float]) -> dict:
@@ -138,7 +204,12 @@ async def _run(args: argparse.Namespace) -> dict:
             if (args.slo_ttft is None or t.ttft * 1000 <= args.slo_ttft)
             and (args.slo_tpot is None or tpot_of.get(id(t), 0.0) * 1000 <= args.slo_tpot)]
     out_tokens = sum(t.output_tokens for t in ok)
+    cpu_per_token = None
+    if cpu_before is not None and cpu_after is not None and out_tokens:
+        cpu_per_token = round((cpu_after - cpu_before) * 1000 / out_tokens, 4)
     return {"num_prompts": args.num_prompts, "completed": len(ok),
+            "protocol": "grpc" if args.grpc else "http",
+            "frontend_cpu_ms_per_output_token": cpu_per_token,
             "failed": len(timings) - len(ok), "errors": sorted({t.error for t in timings
                                                                 if t.error})[:5],
             "duration_s": round(duration, 3),
@@ -156,7 +227,10 @@ def run(args: argparse.Namespace) -> int:
     report = asyncio.run(_run(args))
     print(f"completed {report['completed']}/{report['num_prompts']} in {report['duration_s']} s: "
           f"{report['output_tokens_per_s']} output tokens/s, goodput "
-          f"{report['goodput_requests_per_s']} requests/s")
+          f"{report['goodput_requests_per_s']} requests/s ({report['protocol']})")
+    if report["frontend_cpu_ms_per_output_token"] is not None:
+        print(f"  server front end: {report['frontend_cpu_ms_per_output_token']} ms of CPU per "
+              f"output token")
     for key in ("ttft", "tpot", "itl", "e2e"):
         if report[key]:
             r = report[key]

@@ -47,6 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(DNS-rebinding protection)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
+    s.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve octavo's gRPC API (octavo.proto, with health and "
+                        "reflection) on this port of --host, on the same engine (needs pip "
+                        "install 'octavo[grpc]')")
     add_app_args(s)
     add_engine_args(s)
     # A server answers at once and lets the C++ kernels build behind it on a first start. Its
@@ -142,6 +146,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-concurrent-connections must be > 0, "
                          f"got {args.max_concurrent_connections}")
     api_key = args.api_key or os.environ.get("OCTAVO_API_KEY") or None
+    if args.grpc_port is not None:
+        _check_grpc(args)
     from octavo.entrypoints.guard import default_allowed_hosts
 
     state = open_state(args, api_key=api_key,
@@ -149,7 +155,11 @@ def _serve(args: argparse.Namespace) -> int:
                                       or os.environ.get("OCTAVO_ADMIN_API_KEY") or None),
                        metrics_require_key=args.metrics_require_key,
                        allowed_hosts=default_allowed_hosts(args.host, api_key,
-                                                           args.allowed_hosts))
+                                                           args.allowed_hosts),
+                       grpc_address=(None if args.grpc_port is None
+                                     else (args.host, args.grpc_port)),
+                       grpc_max_calls=args.max_concurrent_connections,
+                       shutdown_grace_s=args.shutdown_timeout)
     engine = state.engine
     if not api_key and not _loopback(args.host):
         logger.warning("serving on %s without an API key: anyone who can reach this address "
@@ -204,10 +214,24 @@ def _serve(args: argparse.Namespace) -> int:
              f"{engine.num_blocks * block_size:,} tokens, context {engine.max_model_len:,}; "
              f"serving as {', '.join(state.served_model_names)} on "
              f"http://{args.host}:{args.port}")
+    if args.grpc_port is not None:
+        ready += f" and gRPC {args.host}:{args.grpc_port}"
     import asyncio  # not at the top: 0.025 s that the core's launch would wait for
 
     asyncio.run(server.serve())
     return exit_code
+
+
+def _check_grpc(args: argparse.Namespace) -> None:
+    """Before the model loads: the gRPC extra is installed and the port is its own."""
+    if not 0 < args.grpc_port < 65536 or args.grpc_port == args.port:
+        raise ValueError(f"--grpc-port must be a port other than --port ({args.port}), got "
+                         f"{args.grpc_port}")
+    try:
+        import octavo.entrypoints.grpc.server  # noqa: F401  (its stubs check their runtime)
+    except ImportError as exc:
+        raise ValueError(f"--grpc-port needs the gRPC extra: pip install 'octavo[grpc]' "
+                         f"({exc})") from None
 
 
 def _seconds_since_launch() -> float:

@@ -44,7 +44,8 @@ async def embeddings(body: EmbeddingRequest, request: Request):
     params = pooling_params(dimensions=body.dimensions, normalize=body.normalize,
                             truncate_prompt_tokens=body.truncate_prompt_tokens)
     rid = response_id("embd", body)
-    outs, tokens = await run_pooling(state, request, engine_id(rid, body), inputs, params)
+    outs, tokens = await run_pooling(state, request, engine_id(rid, body), inputs, params,
+                                     priority=body.priority)
     data = [{"object": "embedding", "index": i,
              "embedding": _encoded(out.outputs.data, body.encoding_format)}
             for i, out in enumerate(outs)]
