@@ -36,7 +36,8 @@ GGUF_EXPERT_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
 # Bidirectional encoders: they pool (embeddings), never generate.
 ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaModel",
                          "XLMRobertaModel", "RobertaForSequenceClassification",
-                         "XLMRobertaForSequenceClassification")
+                         "XLMRobertaForSequenceClassification", "ModernBertModel",
+                         "ModernBertForSequenceClassification")
 SLIDING, FULL = "sliding_attention", "full_attention"
 # generation_config.json keys that become request defaults (the SamplingParams field names)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -189,6 +190,8 @@ def _from_hf(source: ModelSource) -> ArchConfig:
     num_layers = need("num_hidden_layers")
     layer_types = _hf_layer_types(archs[0], text, num_layers)
     window = text.get("sliding_window")
+    if archs[0].startswith("ModernBert"):  # a bidirectional window: this far either side
+        window = text.get("local_attention", 128) // 2
     # Qwen2 configs name a window they do not use unless use_sliding_window is set.
     if not text.get("use_sliding_window", True) or (layer_types and SLIDING not in layer_types):
         window, layer_types = None, ()
@@ -288,7 +291,9 @@ _ALIASES = [("hidden_size", "n_embd"), ("num_attention_heads", "n_head"),
             ("num_hidden_layers", "n_layer"), ("max_position_embeddings", "n_positions"),
             ("intermediate_size", "n_inner"), ("hidden_act", "activation_function"),
             ("rms_norm_eps", "layer_norm_eps"), ("rms_norm_eps", "layer_norm_epsilon"),
-            ("rope_theta", "rotary_emb_base")]
+            ("rms_norm_eps", "norm_eps"), ("rope_theta", "rotary_emb_base"),
+            # ModernBERT's configs from before transformers 5
+            ("rope_theta", "global_rope_theta"), ("rope_local_base_freq", "local_rope_theta")]
 
 
 def _hf_rope(text: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None, float | None]:
@@ -315,6 +320,9 @@ def _hf_layer_types(arch: str, text: dict[str, Any], num_layers: int) -> tuple[s
     elif types is None and arch.startswith("Gemma3"):
         pattern = text.get("sliding_window_pattern", 6)
         types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+    elif types is None and arch.startswith("ModernBert"):
+        every = text.get("global_attn_every_n_layers", 3)
+        types = [SLIDING if i % every else FULL for i in range(num_layers)]
     if types is None:
         return ()
     if len(types) != num_layers or set(types) - {SLIDING, FULL}:

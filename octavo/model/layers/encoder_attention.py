@@ -1,7 +1,8 @@
 """Bidirectional attention of an encoder (BERT and its kin): every token of a sequence attends to
-every other, none to another sequence's. An encoder's requests come whole into one step and
-keep no KV cache, so a step's sequences are padded into one batch once (`EncoderBatch`), and
-each layer runs one fused attention over it with the padding masked out."""
+every other (or, in a ModernBERT local layer, to those within a window on either side), none
+to another sequence's. An encoder's requests come whole into one step and keep no KV cache, so
+a step's sequences are padded into one batch once (`EncoderBatch`), and each layer runs one
+fused attention over it with the padding masked out."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,11 +25,24 @@ class EncoderBatch:
         self.uniform = bool((lengths == self.longest).all())
         # [R, 1, 1, L]: the keys a query may see (True: attend)
         self.key_mask = torch.from_numpy(real).to(device)[:, None, None, :]
+        self._window_masks: dict[int, torch.Tensor] = {}
+
+    def _mask(self, window: int | None) -> torch.Tensor | None:
+        """None (every key), or the keys each query may see: real ones, within `window`
+        places on either side where one is given."""
+        if window is None or window + 1 >= self.longest:
+            return None if self.uniform else self.key_mask
+        if window not in self._window_masks:
+            place = torch.arange(self.longest, device=self.key_mask.device)
+            near = (place[:, None] - place[None, :]).abs() <= window  # [L, L]
+            self._window_masks[window] = self.key_mask & near[None, None]
+        return self._window_masks[window]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
-               head_dim: int, scale: float) -> torch.Tensor:
+               head_dim: int, scale: float, window: int | None = None) -> torch.Tensor:
         """q, k, v: [T, num_heads * head_dim] in the step's row order -> the attention output,
-        [T, num_heads * head_dim] in the same order."""
+        [T, num_heads * head_dim] in the same order. `window`: a query sees only the keys at
+        most this many places away."""
         grid = (self.num_sequences, self.longest, num_heads, head_dim)
 
         def padded(x: torch.Tensor) -> torch.Tensor:  # -> [R, heads, L, head_dim]
@@ -38,9 +52,8 @@ class EncoderBatch:
             out.index_copy_(0, self.places, x.index_select(0, self.rows))
             return out.view(grid).transpose(1, 2)
 
-        mask = None if self.uniform else self.key_mask
-        out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask,
-                                             scale=scale)
+        out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v),
+                                             attn_mask=self._mask(window), scale=scale)
         out = out.transpose(1, 2).reshape(self.num_sequences * self.longest, -1)
         if self.uniform:
             return out
