@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from octavo.pooling_params import PoolerConfig
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -17,7 +19,7 @@ def _opt(help: str, **extra: Any) -> Any:
     return {"help": help, **extra}
 
 
-TASKS = ("auto", "generate", "embed")
+TASKS = ("auto", "generate", "embed", "classify", "score", "reward")
 
 
 @dataclass(frozen=True)
@@ -45,14 +47,23 @@ class ModelConfig:
         "its codes in that layout, no dense weights; default: what the checkpoint has",
         choices=["int8", "int4", "fp8"]))
     task: str = field(default="auto", metadata=_opt(
-        "what the model serves: generate (text; a causal LM also pools embeddings beside it), "
-        "embed (pooled embeddings alone: LLM.embed, /v1/embeddings); auto: generate for a "
-        "model with an LM head, embed for the others (encoders, classifiers)",
+        "what the model serves: generate (text; a causal LM also pools embeddings beside it); "
+        "or only pooling, its requests by default: embed (embeddings: LLM.embed, "
+        "/v1/embeddings), classify (a classifier's probabilities), score (a cross-encoder's), "
+        "reward (a decoder head's values per token or step tag); auto: generate for a model "
+        "with an LM head, embed for the others (encoders, classifiers)",
         choices=list(TASKS)))
+    pooler_config: str | None = field(default=None, metadata=_opt(
+        "pooling defaults as JSON, over the model folder's: {\"pooling_type\": MEAN|CLS|LAST "
+        "(task embed's) or ALL|STEP (task reward's positions), \"normalize\": bool, "
+        "\"step_tag_id\": int, \"returned_token_ids\": [int, ...]}"))
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if isinstance(self.pooler_config, dict):  # offline: LLM(..., pooler_config={...})
+            object.__setattr__(self, "pooler_config", json.dumps(self.pooler_config))
+        PoolerConfig.parse(self.pooler_config)  # a bad one fails here, naming its key
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
         if self.decode_weights not in ("auto", "none"):

@@ -168,11 +168,23 @@ class LLM:
         return [ScoringRequestOutput.from_base(o) for o in self._pool(
             first, [params] * len(first), use_tqdm, second)]
 
-    def encode(self, prompts: Prompt | Sequence[Prompt],
+    def reward(self, prompts: Prompt | Sequence[Prompt],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True
                ) -> list[PoolingRequestOutput]:
-        """As `embed`, each pooled vector as a numpy array (`outputs.data`)."""
+        """A process reward model's values (`outputs.data`, [positions, values]): at every
+        token, or at each step tag (`step_tag_id`), a decoder's score-head probabilities or its
+        LM head's softmax over `returned_token_ids` (from the params or --pooler-config)."""
+        return self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                           use_tqdm=use_tqdm, pooling_task="reward")
+
+    def encode(self, prompts: Prompt | Sequence[Prompt],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """Each prompt pooled as its params' task asks (`pooling_task` sets it for all; by
+        default the engine's: embed, classify, score or reward), as a numpy array
+        (`outputs.data`): a vector, or one per position (token_embed, reward)."""
         if is_single_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
@@ -184,6 +196,8 @@ class LLM:
                              f"prompts")
         if truncate_prompt_tokens is not None:
             params = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        if pooling_task is not None:
+            params = [replace(p, task=pooling_task) for p in params]
         return self._pool(prompts, list(params), use_tqdm)
 
     def _pool(self, prompts: list[Prompt], params: list[PoolingParams], use_tqdm: bool,

@@ -14,12 +14,13 @@ from octavo.engine.client import InprocClient
 from octavo.engine.replica_client import ReplicaClient
 from octavo.engine.grammar import XgrammarBackend
 from octavo.engine.outputs import OutputProcessor
-from octavo.engine.processor import Embeddings, Processor, RequestLimits
+from octavo.engine.pooling import Embeddings, resolve_task, with_pooler_config
+from octavo.engine.processor import Processor, RequestLimits
 from octavo.engine.tokenizer import load_tokenizer
 from octavo.lora.registry import AdapterRegistry
 from octavo.model_source import ModelSource, resolve_model
 from octavo.params import LoRARequest, RequestOutput, SamplingParams
-from octavo.pooling_params import PoolingParams
+from octavo.pooling_params import PoolerConfig, PoolingParams
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ class ModelSetup:
         start = time.perf_counter()
         source = resolve_model(config.model.model, config.model.revision)
         fetched = time.perf_counter()  # a catalog model's first use fetches it
-        arch = read_arch_config(source)
+        pooler = PoolerConfig.parse(config.model.pooler_config)
+        arch = with_pooler_config(read_arch_config(source), pooler)
         resolved = time.perf_counter()
         tokenizer = load_tokenizer(source, config.model.tokenizer)
         spec = config.speculative
@@ -53,13 +55,13 @@ class ModelSetup:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         eos_ids = frozenset(eos)
-        # Every model pools (a causal LM its last token by default); task embed only refuses
-        # generation, which an encoder cannot do at all.
-        embeddings = Embeddings(arch.hidden_size, arch.matryoshka,
-                                config.scheduler.max_num_batched_tokens, arch.num_labels)
+        # Every model pools (a causal LM its last token by default); a pooling task only
+        # refuses generation, which an encoder cannot do at all.
+        task = resolve_task(config.model.task, arch)
+        embeddings = Embeddings.of(arch, task, pooler, config.scheduler.max_num_batched_tokens)
         processor = Processor(tokenizer, max_model_len, arch.vocab_size, eos_ids, limits,
                               AdapterRegistry(arch, config.lora), embeddings,
-                              generates=resolve_task(config.model.task, arch) == "generate")
+                              generates=task == "generate")
         return cls(source, arch, tokenizer, max_model_len, eos_ids, processor)
 
     def adopt_max_model_len(self, max_model_len: int) -> None:
@@ -74,17 +76,6 @@ class ModelSetup:
         """The structured-output backend for this tokenizer (built on first use, in the core's
         compile thread)."""
         return XgrammarBackend(self.tokenizer, self.arch.vocab_size, sorted(self.eos_token_ids))
-
-
-def resolve_task(task: str, arch: ArchConfig) -> str:
-    """What the engine serves: `task`, or for auto, generate for a model with an LM head and
-    embed for the others (encoders, classifiers)."""
-    if task == "auto":
-        return "generate" if arch.generates else "embed"
-    if task == "generate" and not arch.generates:
-        raise ValueError(f"task generate: {arch.architecture} has no LM head to generate with "
-                         f"(an encoder or a classifier); use task embed (or auto)")
-    return task
 
 
 def check_draft_tokenizer(name: str, arch: ArchConfig, tokenizer: Any) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from octavo.core.protocol import EngineCoreRequest
 from octavo.engine.grammar import check_structured
+from octavo.engine.pooling import Embeddings
 from octavo.inputs import unwrap_prompt
 from octavo.lora.registry import AdapterRegistry
 from octavo.params import LoRARequest, SamplingParams
@@ -43,18 +44,6 @@ class RequestLimits:
         if self.max_n is not None and width > self.max_n:
             raise ValueError(f"{name} must be <= {self.max_n} (the server's --max-n), "
                              f"got {width}")
-
-
-@dataclass(frozen=True)
-class Embeddings:
-    """What an engine's pooling requests give: vectors of `width` features, cut short only where
-    the model is `matryoshka`, and with a classifier head of `labels` outputs (0: none) its
-    probabilities; a prompt is computed in one step of at most `step_tokens`."""
-
-    width: int
-    matryoshka: bool
-    step_tokens: int
-    labels: int = 0
 
 
 class Processor:
@@ -227,9 +216,10 @@ class Processor:
         carry the cache_salt). `max_logprobs` is raised only by beam search (2 x beam
         width)."""
         if not self.generates:
-            raise ValueError("this engine runs task embed: it pools prompts into embeddings "
-                             "(LLM.embed, /v1/embeddings) and does not generate; start it with "
-                             "task generate for text")
+            task = self.embeddings.task if self.embeddings is not None else "embed"
+            raise ValueError(f"this engine runs task {task}: it pools prompts (LLM.embed, "
+                             f"/v1/embeddings and the like) and does not generate; start it "
+                             f"with task generate for text")
         prompt, own_salt = unwrap_prompt(prompt)
         if own_salt is not None:
             if cache_salt is not None and cache_salt != own_salt:
@@ -273,24 +263,7 @@ class Processor:
         emb = self.embeddings
         if emb is None:
             raise ValueError("this engine does not pool prompts into embeddings")
-        if not isinstance(params, PoolingParams):
-            raise ValueError(f"pooling_params must be a PoolingParams, got "
-                             f"{type(params).__name__}")
-        if params.task in ("classify", "score") and not emb.labels:
-            raise ValueError(f"task {params.task}: the model has no classifier head (a "
-                             f"*ForSequenceClassification architecture)")
-        if params.task == "score" and emb.labels != 1:
-            raise ValueError(f"task score: the model's classifier has {emb.labels} labels; "
-                             f"a cross-encoder's score is its one label")
-        if (pair is not None) != (params.task == "score"):
-            raise ValueError("task score takes a pair of texts (text_1, text_2), and only it")
-        if params.dimensions is not None:
-            if not emb.matryoshka:
-                raise ValueError("dimensions: the model's embeddings cannot be cut short (its "
-                                 "config.json declares no is_matryoshka)")
-            if params.dimensions > emb.width:
-                raise ValueError(f"dimensions must be <= {emb.width} (the model's embedding "
-                                 f"width), got {params.dimensions}")
+        params = emb.resolve(params, pair)
         prompt, _ = unwrap_prompt(prompt)
         k = params.truncate_prompt_tokens
         if k is not None and k > self.max_model_len:

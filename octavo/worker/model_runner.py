@@ -26,7 +26,7 @@ from octavo.kernels.paged_attention import step_layout
 from octavo.model.context import ForwardContext, forward_context, step_context
 from octavo.model.context_parallel import gather_rows, own_rows
 from octavo.model.pipeline import is_last_stage
-from octavo.model.pooler import finish, pool
+from octavo.model.pooler import pool_requests
 from octavo.pooling_params import PoolingParams
 from octavo.worker.input_batch import InputBatch
 from octavo.worker.lora import LoRAManager, slots_of
@@ -159,7 +159,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, computed, seq_lens, starts, hidden,
                                                 context)
         pooled = self._pool(hidden, [req_ids[i] for i in np.flatnonzero(pools)],
-                            starts[pools], ends[pools]) if pools.any() else {}
+                            starts[pools], ends[pools], input_ids) if pools.any() else {}
         proposed = {}
         if self.drafter is not None:
             # The draft runs over this step's real tokens: the whole chunk of a request that
@@ -170,27 +170,12 @@ class ModelRunner:
                            pooled=pooled)
 
     def _pool(self, hidden: torch.Tensor, req_ids: list[str], starts: np.ndarray,
-              ends: np.ndarray) -> dict[str, np.ndarray]:
-        """The pooling requests' vectors: their rows [starts, ends) of the step's hidden states,
-        pooled as the model's pooling says, cut and normalized as each request asks; or a
-        classifier's probabilities over its [CLS] state (tasks classify and score)."""
-        cfg = self.model.cfg
-        params = [self.pooling[r] for r in req_ids]
-        heads = np.fromiter((p.task in ("classify", "score") for p in params), bool, len(params))
-        embed, classify = np.flatnonzero(~heads), np.flatnonzero(heads)
-        out: dict[str, np.ndarray] = {}
-        if len(embed):
-            vectors = finish(pool(hidden, starts[embed], ends[embed], cfg.pooling_kind),
-                             [params[i].dimensions for i in embed],
-                             [cfg.pooling_normalizes if params[i].normalize is None
-                              else params[i].normalize for i in embed])
-            out.update(zip((req_ids[i] for i in embed), vectors))
-        if len(classify):
-            logits = self.model.classify(pool(hidden, starts[classify], ends[classify],
-                                              self.model.classifier_token))
-            probs = logits.sigmoid() if logits.shape[1] == 1 else logits.softmax(-1)
-            out.update(zip((req_ids[i] for i in classify), probs.cpu().numpy()))
-        return out
+              ends: np.ndarray, token_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The pooling requests' outputs from their rows [starts, ends) of the step's hidden
+        states, each as its task asks (model/pooler.py)."""
+        outs = pool_requests(self.model, hidden, [self.pooling[r] for r in req_ids], starts,
+                             ends, token_ids)
+        return dict(zip(req_ids, outs))
 
     def _logits(self, context: ForwardContext, hidden: torch.Tensor,
                 lora_of: np.ndarray) -> torch.Tensor:

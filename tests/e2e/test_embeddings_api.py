@@ -94,3 +94,36 @@ def test_a_generating_server_also_embeds(server):
     assert text.status_code == 200 and vectors.status_code == 200, vectors.text
     data = np.array([d["embedding"] for d in vectors.json()["data"]])
     assert data.shape == (2, 576) and np.allclose(np.linalg.norm(data, axis=1), 1, atol=1e-4)
+
+
+def test_pooling_route(embed_server, server):
+    """vLLM's /pooling: the engine's task by default (the embedding /v1/embeddings gives), or a
+    vector per token (token_embed: nested lists, or their float32 bytes in base64); on
+    SmolLM2's server, rewards from the LM head at step tags."""
+    texts = ["A man is eating food.", "ok"]
+    pooled = httpx.post(embed_server.url + "/pooling", headers=AUTH, timeout=60,
+                        json={"input": texts}).json()
+    embedded = httpx.post(embed_server.url + "/v1/embeddings", headers=AUTH, timeout=60,
+                          json={"input": texts}).json()
+    assert pooled["data"][0]["object"] == "pooling" and pooled["id"].startswith("pool-")
+    assert np.allclose([d["data"] for d in pooled["data"]],
+                       [d["embedding"] for d in embedded["data"]], atol=1e-6)
+    tokens = httpx.post(embed_server.url + "/pooling", headers=AUTH, timeout=60, json={
+        "input": texts, "task": "token_embed"}).json()
+    shapes = [np.array(d["data"]).shape for d in tokens["data"]]
+    assert shapes == [(n, 384) for n in (8, 3)] and tokens["usage"]["prompt_tokens"] == 11
+    packed = httpx.post(embed_server.url + "/pooling", headers=AUTH, timeout=60, json={
+        "input": texts[0], "task": "token_embed", "encoding_format": "base64"}).json()
+    flat = np.frombuffer(base64.b64decode(packed["data"][0]["data"]), "<f4")
+    assert np.allclose(flat.reshape(8, 384), tokens["data"][0]["data"], atol=1e-6)
+    refused = httpx.post(embed_server.url + "/pooling", headers=AUTH, timeout=60, json={
+        "input": "ok", "task": "reward"})
+    assert refused.status_code == 400 and "encoder" in refused.json()["error"]["message"]
+    rewards = httpx.post(server.url + "/pooling", headers=AUTH, timeout=60, json={
+        "input": [[504, 30, 905, 30]], "task": "reward", "step_tag_id": 30,
+        "returned_token_ids": [648, 387]}).json()
+    values = np.array(rewards["data"][0]["data"])
+    assert values.shape == (2, 2) and np.allclose(values.sum(1), 1, atol=1e-5)
+    missing = httpx.post(server.url + "/pooling", headers=AUTH, timeout=60, json={
+        "input": "x", "task": "reward"})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "input"
