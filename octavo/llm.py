@@ -141,7 +141,7 @@ class LLM:
         that many tokens (-1: the context length), a text's special tokens kept."""
         return [EmbeddingRequestOutput.from_base(o) for o in self.encode(
             prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-            use_tqdm=use_tqdm)]
+            use_tqdm=use_tqdm, pooling_task="embed")]
 
     def classify(self, prompts: Prompt | Sequence[Prompt], *,
                  truncate_prompt_tokens: int | None = None, use_tqdm: bool = True

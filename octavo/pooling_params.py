@@ -67,6 +67,13 @@ class PoolingParams:
                              f"{self.task}")
 
 
+# What a pooling request reads of its prompt, which decides how the scheduler may run it:
+# whole: a bidirectional encoder's, in one step and without a KV cache; last: a decoder's last
+# position only, so its prompt is chunked like a prefill and a cached prefix may stand in for
+# the rest; every: a decoder's every position, chunked, computed in full (no cache hits).
+POOLED_POSITIONS = ("whole", "last", "every")
+
+
 # --pooler-config's pooling types (vLLM's names): how task embed pools (MEAN, CLS, LAST), or
 # where task reward reads (ALL: every token; STEP: the step tags, step_tag_id)
 POOLING_TYPES = {"MEAN": "mean", "CLS": "cls", "LAST": "last", "ALL": "all", "STEP": "step"}

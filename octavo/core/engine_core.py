@@ -106,7 +106,8 @@ class EngineCore:
             request.eos_token_ids, request.max_tokens, priority=request.priority,
             arrival_time=request.arrival_time, cache_salt=request.cache_salt,
             bad_words_token_ids=request.bad_words_token_ids,
-            lora_request=request.lora_request, pooling_params=request.pooling_params))
+            lora_request=request.lora_request, pooling_params=request.pooling_params,
+            pooled_positions=request.pooled_positions))
 
     def abort_requests(self, req_ids: list[str]) -> list[str]:
         return self.scheduler.abort_requests(req_ids)

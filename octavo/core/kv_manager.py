@@ -48,10 +48,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The cached blocks holding the longest prefix of `request` and the tokens they cover.
         At least one token is always left to compute; requests asking for prompt logprobs get no
-        hits (they need the logits of every prompt position), nor pooling requests (they pool
-        every prompt position's hidden state)."""
+        hits (they need the logits of every prompt position), nor pooling requests but those
+        that read only their last position (the others pool every position's state)."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None \
-                or request.pooling_params is not None:
+                or (request.pooling_params is not None and request.pooled_positions != "last"):
             return [], 0
         self._update_hashes(request)
         bs = self.block_size
@@ -120,8 +120,8 @@ class KVCacheManager:
         return len(self.blocks_of(req_id)) - self._num_released.get(req_id, 0)
 
     def _cache_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
-        if request.pooling_params is not None:  # an encoder writes no KV: nothing to offer
-            return
+        if request.pooling_params is not None and request.pooled_positions == "whole":
+            return  # an encoder writes no KV: nothing to offer
         self._update_hashes(request)
         start = self._num_cached.get(request.req_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))

@@ -46,6 +46,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True, frozen=True):
     lora_request: LoRARequest | None = None  # checked by the front end (octavo/lora/adapter.py)
     # a pooling request (an embedding): its prompt is pooled, nothing generated
     pooling_params: PoolingParams | None = None
+    pooled_positions: str = "whole"  # a pooling request's: POOLED_POSITIONS
 
 
 class AbortRequests(msgspec.Struct, tag=True):

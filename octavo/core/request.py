@@ -68,8 +68,10 @@ class Request:
     # masked where the output so far ends with the others (structured.py applies it)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     lora_request: LoRARequest | None = None  # the adapter it runs with, else the base model
-    # a pooling request: computed whole in one step, never from the prefix cache, then done
+    # a pooling request: its prompt computed (whole in one step, or chunked, as
+    # pooled_positions says: octavo.pooling_params.POOLED_POSITIONS), pooled, then done
     pooling_params: PoolingParams | None = None
+    pooled_positions: str = "whole"
 
     @property
     def num_prompt_tokens(self) -> int:

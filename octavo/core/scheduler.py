@@ -220,8 +220,9 @@ class Scheduler:
                 break
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
-            if req.pooling_params is not None and num_new < req.num_tokens:
-                break  # pooled whole in one step: it waits for a step with room for it
+            if (req.pooling_params is not None and req.pooled_positions == "whole"
+                    and num_new < req.num_tokens):
+                break  # an encoder's, pooled whole in one step: it waits for one with room
             extra = self._lookahead(req, num_hit + num_new)
             allocated = self.kv.allocate_slots(req, num_new + extra, hits)
             while allocated is None and isolated is not None and self._has_victim(num_scheduled):
@@ -415,7 +416,8 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             if req.pooling_params is not None:
-                outputs.append(self._finish_pooled(req, out.pooled[req_id]))
+                if req_id in out.pooled:  # else a chunk of its prompt, not the last
+                    outputs.append(self._finish_pooled(req, out.pooled[req_id]))
                 continue
             num_drafts = len(sched.spec_token_ids.get(req_id, ()))
             if num_drafts:  # give back the positions of the rejected drafts
@@ -449,10 +451,11 @@ class Scheduler:
         return outputs
 
     def _finish_pooled(self, req: Request, pooled: np.ndarray) -> EngineCoreOutput:
-        """A pooling request's one step is done: its vector is its output."""
+        """A pooling request's prompt is done: its pooled output is its output."""
         self.running.remove(req)
         self._finish(req, RequestStatus.FINISHED_STOPPED)
-        return EngineCoreOutput(req.req_id, [], "stop", num_cached_tokens=0,
+        return EngineCoreOutput(req.req_id, [], "stop",
+                                num_cached_tokens=req.num_cached_tokens or 0,
                                 first_scheduled_time=req.first_scheduled_time, pooled=pooled)
 
     @staticmethod

@@ -44,10 +44,11 @@ def with_pooler_config(arch: ArchConfig, pooler: PoolerConfig) -> ArchConfig:
 class Embeddings:
     """What an engine's pooling requests give: vectors of `width` features, cut short only where
     the model is `matryoshka`; with a classifier head of `labels` outputs (0: none) its
-    probabilities; with an LM head (`lm_head`), rewards over a vocabulary of `vocab_size`. A
-    prompt is computed in one step of at most `step_tokens`. `task` is what a request asks for
-    by default, `normalize` whether embeddings are scaled to unit length by default, and
-    `step_tag_id` and `returned_token_ids` task reward's defaults."""
+    probabilities; with an LM head (`lm_head`), rewards over a vocabulary of `vocab_size`. An
+    `encoder`'s prompt is computed in one step of at most `step_tokens`. `task` is what a
+    request asks for by default, `pooling` how task embed pools (mean, cls, last),
+    `normalize` whether embeddings are scaled to unit length by default, and `step_tag_id`
+    and `returned_token_ids` task reward's defaults."""
 
     width: int
     matryoshka: bool
@@ -60,6 +61,7 @@ class Embeddings:
     vocab_size: int = 0
     step_tag_id: int | None = None
     returned_token_ids: tuple[int, ...] | None = None
+    pooling: str = "last"
 
     @classmethod
     def of(cls, arch: ArchConfig, engine_task: str, pooler: PoolerConfig,
@@ -68,7 +70,18 @@ class Embeddings:
         return cls(arch.hidden_size, arch.matryoshka, step_tokens, arch.num_labels,
                    DEFAULT_POOLING_TASK[engine_task], normalize, arch.generates,
                    arch.is_encoder, arch.vocab_size, pooler.step_tag_id,
-                   pooler.returned_token_ids)
+                   pooler.returned_token_ids, arch.pooling_kind)
+
+    def positions(self, params: PoolingParams) -> str:
+        """What a resolved request reads of its prompt (octavo.pooling_params.POOLED_POSITIONS):
+        an encoder's whole prompt at once; a decoder's last position (embeddings pooled from
+        the last token; a decoder classifier's head, which reads it), or every position."""
+        if self.encoder:
+            return "whole"
+        if (params.task == "embed" and self.pooling == "last") or \
+                params.task in ("classify", "score"):
+            return "last"
+        return "every"
 
     def resolve(self, params: PoolingParams, pair: str | None) -> PoolingParams:
         """`params` with its task, normalization and reward positions decided (ValueError,

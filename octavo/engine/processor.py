@@ -286,12 +286,13 @@ class Processor:
         if n > self.max_model_len:
             raise ValueError(f"prompt is {n} tokens, max_model_len is {self.max_model_len}: "
                              f"set truncate_prompt_tokens to cut it")
-        if n > emb.step_tokens:
-            raise ValueError(f"prompt is {n} tokens; a pooling request is computed in one step "
+        positions = emb.positions(params)
+        if positions == "whole" and n > emb.step_tokens:
+            raise ValueError(f"prompt is {n} tokens; an encoder computes a prompt in one step "
                              f"of at most max_num_batched_tokens ({emb.step_tokens})")
         req = EngineCoreRequest(request_id, prompt_ids, _POOLING_SAMPLING, self.eos_token_ids, 1,
                                 arrival_time=time.time(), priority=priority,
-                                pooling_params=params)
+                                pooling_params=params, pooled_positions=positions)
         return PreparedRequest(request_id, text, prompt_ids, _POOLING_SAMPLING, [req])
 
 

@@ -66,11 +66,15 @@ class ModelRunner:
         self.drafter: DraftModel | None = None  # draft-model speculative decoding
         self.lora: LoRAManager | None = None  # with --enable-lora
         self.pooling: dict[str, PoolingParams] = {}  # the pooling requests in the batch
+        # a decoder's pooling request whose prompt runs in chunks: the hidden states and input
+        # ids of its chunks so far, pooled with its last one
+        self.pooling_chunks: dict[str, list[tuple[torch.Tensor, np.ndarray]]] = {}
 
     def update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             self.batch.remove(req_id)
             self.pooling.pop(req_id, None)
+            self.pooling_chunks.pop(req_id, None)
             if self.drafter is not None:
                 self.drafter.forget(req_id)
         for new in sched.new_requests:
@@ -158,8 +162,8 @@ class ModelRunner:
                         logprobs[req_ids[i]] = top.select(sel, int(b.num_logprobs[rows[i]]) + 1)
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, computed, seq_lens, starts, hidden,
                                                 context)
-        pooled = self._pool(hidden, [req_ids[i] for i in np.flatnonzero(pools)],
-                            starts[pools], ends[pools], input_ids) if pools.any() else {}
+        pooled = self._pool(hidden, req_ids, np.flatnonzero(pools), starts, ends, input_ids,
+                            seq_lens >= b.num_tokens[rows]) if pools.any() else {}
         proposed = {}
         if self.drafter is not None:
             # The draft runs over this step's real tokens: the whole chunk of a request that
@@ -169,13 +173,31 @@ class ModelRunner:
         return ModelOutput(req_ids, sampled_lists, logprobs, prompt_logprobs, proposed,
                            pooled=pooled)
 
-    def _pool(self, hidden: torch.Tensor, req_ids: list[str], starts: np.ndarray,
-              ends: np.ndarray, token_ids: np.ndarray) -> dict[str, np.ndarray]:
-        """The pooling requests' outputs from their rows [starts, ends) of the step's hidden
-        states, each as its task asks (model/pooler.py)."""
-        outs = pool_requests(self.model, hidden, [self.pooling[r] for r in req_ids], starts,
-                             ends, token_ids)
-        return dict(zip(req_ids, outs))
+    def _pool(self, hidden: torch.Tensor, req_ids: list[str], which: np.ndarray,
+              starts: np.ndarray, ends: np.ndarray, token_ids: np.ndarray,
+              done: np.ndarray) -> dict[str, np.ndarray]:
+        """The outputs of the pooling requests (`which` of req_ids) whose prompt this step
+        ends (`done`), from their rows [starts, ends) of the step's hidden states, each as
+        its task asks (model/pooler.py); the others' chunks are kept until their last."""
+        for i in which[~done[which]]:
+            self.pooling_chunks.setdefault(req_ids[i], []).append(
+                (hidden[starts[i]:ends[i]].clone(), token_ids[starts[i]:ends[i]]))
+        which = which[done[which]]
+        if not len(which):
+            return {}
+        ids = [req_ids[i] for i in which]
+        starts, ends = starts[which], ends[which]
+        if any(r in self.pooling_chunks for r in ids):  # pool their rows joined up
+            parts = [self.pooling_chunks.pop(r, []) + [(hidden[s:e], token_ids[s:e])]
+                     for r, s, e in zip(ids, starts, ends)]
+            hidden = torch.cat([h for part in parts for h, _ in part])
+            token_ids = np.concatenate([t for part in parts for _, t in part])
+            lengths = np.array([sum(len(t) for _, t in part) for part in parts])
+            ends = np.cumsum(lengths)
+            starts = ends - lengths
+        outs = pool_requests(self.model, hidden, [self.pooling[r] for r in ids], starts, ends,
+                             token_ids)
+        return dict(zip(ids, outs))
 
     def _logits(self, context: ForwardContext, hidden: torch.Tensor,
                 lora_of: np.ndarray) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """The pooling tasks beyond one vector, against transformers: token_embed (a vector per token:
 pooling "all") on an encoder and a decoder; reward (a process reward model) from an LM head's
 softmax over returned_token_ids at step tags (pooling "step") with --pooler-config's defaults,
-and from a decoder's score head at every token; the engine tasks and what each refuses."""
+and from a decoder's score head at every token; the engine tasks and what each refuses. A
+decoder's pooling prompts longer than a step run in chunks, as prefills do, and one that reads
+only its last position takes a cached prefix."""
 from __future__ import annotations
 
 import shutil
@@ -27,12 +29,16 @@ def _prompt(seed: int, length: int) -> list[int]:
 def test_a_decoder_rewards_steps_and_embeds_tokens_as_transformers(smollm_oracle_folder):
     import transformers
 
-    prompts = [_prompt(1, 30), _prompt(2, 17)]
+    prompts = [_prompt(1, 150), _prompt(2, 70)]  # chunks of at most 64 tokens
     llm = LLM(str(smollm_oracle_folder), dtype="float32", task="reward", max_model_len=512,
+              max_num_batched_tokens=64,
               pooler_config={"pooling_type": "STEP", "step_tag_id": TAG,
                              "returned_token_ids": [648, 387]})
     try:
         steps = llm.reward(prompts, use_tqdm=False)
+        last = [llm.embed(prompts[:1], use_tqdm=False)[0].outputs.embedding for _ in range(2)]
+        kv = llm.engine.client.core.scheduler.kv
+        hits = kv.prefix_hits  # the second took the first's blocks: it reads only its last
         other = llm.encode(prompts[:1], PoolingParams(task="reward", step_tag_id=None,
                                                       returned_token_ids=[1, 2, 3]),
                            use_tqdm=False)[0].outputs.data
@@ -53,6 +59,9 @@ def test_a_decoder_rewards_steps_and_embeds_tokens_as_transformers(smollm_oracle
         want = logits[at][:, [648, 387]].softmax(-1)
         assert np.allclose(step.outputs.data, want.numpy(), atol=1e-4)
         assert np.allclose(token.outputs.data, hidden.numpy(), atol=1e-3)
+    want = torch.nn.functional.normalize(
+        model.model(torch.tensor([prompts[0]])).last_hidden_state[0, -1], dim=0)
+    assert hits >= 144 and np.allclose(last, [want.detach().numpy()] * 2, atol=1e-4)
     # the engine's step tag is a default: a request's own None keeps it
     assert other.shape == (len([t for t in prompts[0] if t == TAG]), 3)
 
