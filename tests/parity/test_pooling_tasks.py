@@ -153,3 +153,54 @@ def test_engine_tasks_and_what_they_refuse(tmp_path, minilm_folder):  # noqa: F8
     with pytest.raises(ValueError, match="pooler_config: pooling_type STEP needs"):
         LLM(str(folder), pooler_config=json.dumps({"pooling_type": "STEP"}))
     assert PoolerConfig.parse({"pooling_type": "mean"}).embed_pooling == "mean"
+
+
+def test_a_qwen3_embedding_model_and_classifier_equal_transformers(tmp_path,
+                                                                   smollm_oracle_folder):
+    """Qwen3-Embedding's layout: a Qwen3ForCausalLM folder whose sentence-transformers files
+    pool the last token and normalize; and Qwen3ForSequenceClassification's classes."""
+    import json
+
+    import transformers
+
+    shape = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                 max_position_embeddings=256, pad_token_id=0)
+    texts = ["Instruct: find the capital\nQuery: the capital of France", "def fib(n):"]
+    tok = transformers.AutoTokenizer.from_pretrained(smollm_oracle_folder)
+    results = {}
+    for arch, extra in (("Qwen3ForCausalLM", {}), ("Qwen3ForSequenceClassification",
+                                                   {"num_labels": 3})):
+        torch.manual_seed(5)
+        model = getattr(transformers, arch)(transformers.Qwen3Config(**shape, **extra)).eval()
+        _randomize(model)
+        folder = tmp_path / arch
+        model.save_pretrained(folder, safe_serialization=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(smollm_oracle_folder / name, folder / name)
+        (folder / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling",
+             "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize",
+             "type": "sentence_transformers.models.Normalize"}]))
+        (folder / "1_Pooling").mkdir()
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": 64, "pooling_mode_lasttoken": True}))
+        llm = LLM(str(folder), dtype="float32", task="embed")
+        try:
+            results[arch] = (model, llm.encode(texts, use_tqdm=False) if not extra
+                             else llm.classify(texts, use_tqdm=False))
+        finally:
+            llm.engine.shutdown()
+    model, outs = results["Qwen3ForCausalLM"]
+    for text, out in zip(texts, outs):
+        with torch.inference_mode():
+            hidden = model.model(**tok(text, return_tensors="pt")).last_hidden_state[0, -1]
+        want = torch.nn.functional.normalize(hidden, dim=0)
+        assert np.allclose(out.outputs.data, want.numpy(), atol=1e-5)
+    model, outs = results["Qwen3ForSequenceClassification"]
+    for text, out in zip(texts, outs):
+        with torch.inference_mode():
+            want = model(**tok(text, return_tensors="pt")).logits[0].softmax(-1)
+        assert np.allclose(out.outputs.probs, want.numpy(), atol=1e-5)
