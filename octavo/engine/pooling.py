@@ -22,16 +22,22 @@ def resolve_task(task: str, arch: ArchConfig) -> str:
     if task == "generate" and not arch.generates:
         raise ValueError(f"task generate: {arch.architecture} has no LM head to generate with "
                          f"(an encoder or a classifier); use task embed (or auto)")
-    if task in ("classify", "score") and not arch.num_labels:
-        raise ValueError(f"task {task}: {arch.architecture} has no classifier head (a "
-                         f"*ForSequenceClassification architecture)")
-    if task == "score" and arch.num_labels != 1:
-        raise ValueError(f"task score: {arch.architecture}'s classifier has {arch.num_labels} "
-                         f"labels; a cross-encoder's score is its one label")
-    if task == "reward" and arch.is_encoder:
-        raise ValueError(f"task reward: {arch.architecture} is an encoder; per-token rewards "
-                         f"come from a decoder's head (its LM head or a score head)")
+    check_head(task, arch.num_labels, arch.is_encoder, arch.architecture)
     return task
+
+
+def check_head(task: str, labels: int, encoder: bool, model: str = "the model") -> None:
+    """ValueError where a model of `labels` classifier outputs (0: none) cannot serve the
+    pooling task `task`."""
+    if task in ("classify", "score") and not labels:
+        raise ValueError(f"task {task}: {model} has no classifier head (a "
+                         f"*ForSequenceClassification architecture)")
+    if task == "score" and labels != 1:
+        raise ValueError(f"task score: {model}'s classifier has {labels} labels; a "
+                         f"cross-encoder's score is its one label")
+    if task == "reward" and encoder:
+        raise ValueError(f"task reward: {model} is an encoder; per-token rewards come from a "
+                         f"decoder's head (its LM head or a score head)")
 
 
 def with_pooler_config(arch: ArchConfig, pooler: PoolerConfig) -> ArchConfig:
@@ -90,12 +96,7 @@ class Embeddings:
             raise ValueError(f"pooling_params must be a PoolingParams, got "
                              f"{type(params).__name__}")
         task = params.task or self.task
-        if task in ("classify", "score") and not self.labels:
-            raise ValueError(f"task {task}: the model has no classifier head (a "
-                             f"*ForSequenceClassification architecture)")
-        if task == "score" and self.labels != 1:
-            raise ValueError(f"task score: the model's classifier has {self.labels} labels; "
-                             f"a cross-encoder's score is its one label")
+        check_head(task, self.labels, self.encoder)
         if (pair is not None) != (task == "score"):
             raise ValueError("task score takes a pair of texts (text_1, text_2), and only it")
         if params.dimensions is not None:
@@ -113,9 +114,6 @@ class Embeddings:
         return self._reward(params)
 
     def _reward(self, params: PoolingParams) -> PoolingParams:
-        if self.encoder:
-            raise ValueError("task reward: the model is an encoder; per-token rewards come "
-                             "from a decoder's head")
         step = params.step_tag_id if params.step_tag_id is not None else self.step_tag_id
         returned = params.returned_token_ids
         if returned is None and self.returned_token_ids is not None:

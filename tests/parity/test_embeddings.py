@@ -73,17 +73,27 @@ def test_minilm_embeddings_equal_sentence_transformers(minilm_folder):
 
 def _tiny_bert(tmp_path, tokenizer_folder, pooling: str | None):
     folder, model = _tiny_encoder(tmp_path / f"bert-{pooling}", tokenizer_folder, "BertModel")
-    if pooling is not None:  # sentence-transformers' modules: this pooling, no Normalize
-        (folder / "modules.json").write_text(json.dumps([
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling",
-             "type": "sentence_transformers.models.Pooling"}]))
-        (folder / "1_Pooling").mkdir()
-        (folder / "1_Pooling" / "config.json").write_text(json.dumps({
-            "word_embedding_dimension": 64, "pooling_mode_cls_token": pooling == "cls",
-            "pooling_mode_mean_tokens": pooling == "mean",
-            "pooling_mode_lasttoken": pooling == "last"}))
+    if pooling is not None:
+        write_pooling_modules(folder, pooling)
     return folder, model
+
+
+def write_pooling_modules(folder, pooling: str, normalize: bool = False) -> None:
+    """sentence-transformers' modules in `folder`: this pooling (mean, cls, last), and
+    Normalize where asked."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 64, "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean",
+        "pooling_mode_lasttoken": pooling == "last"}))
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls", "last", None])
@@ -265,19 +275,8 @@ def test_a_decoder_classifier_classifies_and_scores_as_transformers(tmp_path,
                                                                     smollm_oracle_folder):
     """Qwen2ForSequenceClassification (a score head over the last token, no LM head): class
     probabilities equal transformers'; it runs task embed (auto), and refuses generation."""
-    import transformers
-
-    config = transformers.Qwen2Config(vocab_size=49152, hidden_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2,
-                                      intermediate_size=96, max_position_embeddings=256,
-                                      num_labels=3, pad_token_id=0)
-    torch.manual_seed(3)
-    model = transformers.Qwen2ForSequenceClassification(config).eval()
-    _randomize(model)
-    folder = tmp_path / "qwen2-cls"
-    model.save_pretrained(folder, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm_oracle_folder / name, folder / name)
+    folder, model = tiny_decoder(tmp_path / "qwen2-cls", smollm_oracle_folder,
+                                 "Qwen2ForSequenceClassification", 3, num_labels=3)
     texts = ["The capital of France is", "def fib(n):", "I loved this film"]
     llm = LLM(str(folder), dtype="float32")
     try:
@@ -290,6 +289,25 @@ def test_a_decoder_classifier_classifies_and_scores_as_transformers(tmp_path,
         with torch.inference_mode():
             want = model(torch.tensor([out.prompt_token_ids])).logits[0].softmax(-1)
         assert np.allclose(out.outputs.probs, want.numpy(), atol=1e-5)
+
+
+def tiny_decoder(folder, tokenizer_folder, architecture: str, seed: int, **config):
+    """A tiny random decoder of `architecture` (Qwen2 or Qwen3's) saved in `folder`, with
+    SmolLM2's tokenizer."""
+    import transformers
+
+    family = "Qwen3" if architecture.startswith("Qwen3") else "Qwen2"
+    cfg = getattr(transformers, f"{family}Config")(**{
+        "vocab_size": 49152, "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+        "max_position_embeddings": 256, "pad_token_id": 0, **config})
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(cfg).eval()
+    _randomize(model)
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_folder / name, folder / name)
+    return folder, model
 
 
 def _randomize(model) -> None:

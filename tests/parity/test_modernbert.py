@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from octavo import LLM
-from tests.parity.test_embeddings import _tiny_encoder, minilm_folder  # noqa: F401  (fixture)
+from tests.parity.test_embeddings import (  # noqa: F401  (minilm_folder: a fixture)
+    _tiny_encoder, minilm_folder, write_pooling_modules)
 
 # 3 layers, the first and last global; the middle one sees 4 tokens on either side
 SHAPE = {"num_hidden_layers": 3, "global_attn_every_n_layers": 2, "local_attention": 8,
@@ -22,13 +23,7 @@ SHAPE = {"num_hidden_layers": 3, "global_attn_every_n_layers": 2, "local_attenti
 def test_modernbert_embeds_as_transformers(tmp_path, minilm_folder):  # noqa: F811
     folder, model = _tiny_encoder(tmp_path / "modernbert", minilm_folder, "ModernBertModel",
                                   **SHAPE)
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"}]))
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}))
+    write_pooling_modules(folder, "mean")
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1000, 30000, (n,), generator=gen).tolist() for n in (1, 7, 40, 13)]
     llm = LLM(str(folder), dtype="float32")

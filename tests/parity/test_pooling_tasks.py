@@ -6,7 +6,6 @@ decoder's pooling prompts longer than a step run in chunks, as prefills do, and 
 only its last position takes a cached prefix."""
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ import torch
 from octavo import LLM
 from octavo.pooling_params import PoolingParams
 from tests.parity.test_embeddings import (  # noqa: F401  (minilm_folder: a fixture)
-    _randomize, _tiny_encoder, minilm_folder)
+    _tiny_encoder, minilm_folder, tiny_decoder, write_pooling_modules)
 
 TAG = 30  # SmolLM2's ".": the step tag of these prompts
 
@@ -67,19 +66,8 @@ def test_a_decoder_rewards_steps_and_embeds_tokens_as_transformers(smollm_oracle
 
 
 def test_a_decoder_score_head_rewards_every_token(tmp_path, smollm_oracle_folder):
-    import transformers
-
-    config = transformers.Qwen2Config(vocab_size=49152, hidden_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2,
-                                      intermediate_size=96, max_position_embeddings=256,
-                                      num_labels=2, pad_token_id=0)
-    torch.manual_seed(4)
-    model = transformers.Qwen2ForSequenceClassification(config).eval()
-    _randomize(model)
-    folder = tmp_path / "qwen2-prm"
-    model.save_pretrained(folder, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm_oracle_folder / name, folder / name)
+    folder, model = tiny_decoder(tmp_path / "qwen2-prm", smollm_oracle_folder,
+                                 "Qwen2ForSequenceClassification", 4, num_labels=2)
     prompt = _prompt(3, 21)
     llm = LLM(str(folder), dtype="float32", task="reward")
     try:
@@ -159,34 +147,16 @@ def test_a_qwen3_embedding_model_and_classifier_equal_transformers(tmp_path,
                                                                    smollm_oracle_folder):
     """Qwen3-Embedding's layout: a Qwen3ForCausalLM folder whose sentence-transformers files
     pool the last token and normalize; and Qwen3ForSequenceClassification's classes."""
-    import json
-
     import transformers
 
-    shape = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, intermediate_size=96,
-                 max_position_embeddings=256, pad_token_id=0)
     texts = ["Instruct: find the capital\nQuery: the capital of France", "def fib(n):"]
     tok = transformers.AutoTokenizer.from_pretrained(smollm_oracle_folder)
     results = {}
     for arch, extra in (("Qwen3ForCausalLM", {}), ("Qwen3ForSequenceClassification",
                                                    {"num_labels": 3})):
-        torch.manual_seed(5)
-        model = getattr(transformers, arch)(transformers.Qwen3Config(**shape, **extra)).eval()
-        _randomize(model)
-        folder = tmp_path / arch
-        model.save_pretrained(folder, safe_serialization=True)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(smollm_oracle_folder / name, folder / name)
-        (folder / "modules.json").write_text(json.dumps([
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling",
-             "type": "sentence_transformers.models.Pooling"},
-            {"idx": 2, "name": "2", "path": "2_Normalize",
-             "type": "sentence_transformers.models.Normalize"}]))
-        (folder / "1_Pooling").mkdir()
-        (folder / "1_Pooling" / "config.json").write_text(json.dumps({
-            "word_embedding_dimension": 64, "pooling_mode_lasttoken": True}))
+        folder, model = tiny_decoder(tmp_path / arch, smollm_oracle_folder, arch, 5,
+                                     head_dim=16, **extra)
+        write_pooling_modules(folder, "last", normalize=True)
         llm = LLM(str(folder), dtype="float32", task="embed")
         try:
             results[arch] = (model, llm.encode(texts, use_tqdm=False) if not extra

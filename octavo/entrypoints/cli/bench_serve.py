@@ -24,12 +24,33 @@ import numpy as np
 
 @dataclass
 class Timing:
+    """One streamed request's timings, from its start to each chunk with text and the end."""
+
     ok: bool = False
     ttft: float = 0.0
     e2e: float = 0.0
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    start: float = field(default_factory=time.perf_counter)
+    last: float = 0.0
+    chunks: int = 0
+
+    def chunk(self) -> None:
+        """A chunk with text arrived now."""
+        now = time.perf_counter()
+        if self.chunks == 0:
+            self.ttft = now - self.start
+        else:
+            self.itl.append(now - self.last)
+        self.last = now
+        self.chunks += 1
+
+    def done(self) -> Timing:
+        self.e2e = time.perf_counter() - self.start
+        self.output_tokens = self.output_tokens or self.chunks  # no usage: a token per chunk
+        self.ok = True
+        return self
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -60,8 +81,6 @@ def register(kinds: argparse._SubParsersAction) -> None:
 
 async def _one(client, model: str | None, prompt: list[int], output_len: int) -> Timing:
     t = Timing()
-    start = time.perf_counter()
-    last, chunks = start, 0
     # min_tokens as well as ignore_eos: servers without the latter still run to max_tokens.
     body = {"prompt": prompt, "max_tokens": output_len, "min_tokens": output_len, "stream": True,
             "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
@@ -78,22 +97,12 @@ async def _one(client, model: str | None, prompt: list[int], output_len: int) ->
                 obj = json.loads(line[6:])
                 if obj.get("usage"):
                     t.output_tokens = obj["usage"]["completion_tokens"]
-                if not obj["choices"] or not obj["choices"][0]["text"]:
-                    continue
-                now = time.perf_counter()
-                if chunks == 0:
-                    t.ttft = now - start
-                else:
-                    t.itl.append(now - last)
-                last = now
-                chunks += 1
+                if obj["choices"] and obj["choices"][0]["text"]:
+                    t.chunk()
     except Exception as exc:  # a failed request is counted, not fatal
         t.error = f"{type(exc).__name__}: {exc}"
         return t
-    t.e2e = time.perf_counter() - start
-    t.output_tokens = t.output_tokens or chunks  # a server without usage: one token per chunk
-    t.ok = True
-    return t
+    return t.done()
 
 
 async def _one_grpc(stub, metadata: list, model: str | None, prompt: list[int] | str,
@@ -101,8 +110,6 @@ async def _one_grpc(stub, metadata: list, model: str | None, prompt: list[int] |
     from octavo.entrypoints.grpc import octavo_pb2 as pb
 
     t = Timing()
-    start = time.perf_counter()
-    last, chunks = start, 0
     request = pb.GenerateRequest(model=model or "", sampling_params=pb.SamplingParams(
         max_tokens=output_len, min_tokens=output_len, ignore_eos=True, temperature=0))
     if isinstance(prompt, str):
@@ -113,21 +120,12 @@ async def _one_grpc(stub, metadata: list, model: str | None, prompt: list[int] |
         async for reply in stub.Generate(request, metadata=metadata):
             if reply.finished:
                 t.output_tokens = reply.usage.completion_tokens
-            if not any(c.text for c in reply.choices):
-                continue
-            now = time.perf_counter()
-            if chunks == 0:
-                t.ttft = now - start
-            else:
-                t.itl.append(now - last)
-            last = now
-            chunks += 1
+            if any(c.text for c in reply.choices):
+                t.chunk()
     except Exception as exc:  # a failed request is counted, not fatal
         t.error = f"{type(exc).__name__}: {exc}"
         return t
-    t.e2e = time.perf_counter() - start
-    t.ok = True
-    return t
+    return t.done()
 
 
 async def _frontend_cpu_s(client) -> float | None:

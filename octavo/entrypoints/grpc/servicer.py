@@ -37,16 +37,22 @@ def _status(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
     return None
 
 
+async def _end_with(context, exc: Exception) -> None:
+    """End the call with the status that mirrors `exc`; anything else is re-raised (grpc
+    reports it as UNKNOWN)."""
+    status = _status(exc)
+    if status is None:
+        raise exc
+    await context.abort(*status)
+
+
 def _unary(method):
     @functools.wraps(method)
     async def call(self, request, context):
         try:
             return await method(self, request, context)
         except Exception as exc:
-            status = _status(exc)
-            if status is None:
-                raise
-        await context.abort(*status)
+            await _end_with(context, exc)
     return call
 
 
@@ -56,12 +62,8 @@ def _streaming(method):
         try:
             async for reply in method(self, request, context):
                 yield reply
-            return
         except Exception as exc:
-            status = _status(exc)
-            if status is None:
-                raise
-        await context.abort(*status)
+            await _end_with(context, exc)
     return call
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
+from octavo.distributed import parallel_state
 from octavo.model.layers.embedding import Embedding, LMHead
 from octavo.model.layers.moe import EXPERT_TENSOR
 from octavo.model.pipeline import local_layer_name, run_stage
@@ -114,6 +115,26 @@ class CheckpointModel(nn.Module):
             if hasattr(module, "process_after_load"):
                 module.process_after_load()
         return loaded
+
+
+class EncoderModel(CheckpointModel):
+    """A bidirectional encoder (BERT, ModernBERT): each of a step's sequences is whole in it
+    (the scheduler sees to that) and attends only to itself; nothing is cached, and there is
+    no LM head: it is only pooled."""
+
+    is_encoder = True
+    classifier_token = "cls"  # what a classifier head reads (model/pooler.py)
+
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__(cfg)
+        where = parallel_state.placement()
+        if where.pp_size > 1 or where.cp_size > 1:
+            raise NotImplementedError(f"an encoder ({type(self).__name__}) over pipeline "
+                                      f"stages or context-parallel ranks; tensor parallelism "
+                                      f"works")
+        if max_positions > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_positions}) exceeds the "
+                             f"{cfg.max_position_embeddings} positions the encoder learned")
 
 
 class CausalLM(CheckpointModel):

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
-from octavo.distributed import parallel_state
 from octavo.model.context import get_forward_context
 from octavo.model.layers.activation import activation
 from octavo.model.layers.embedding import Embedding
@@ -26,7 +25,7 @@ from octavo.model.layers.linear import (
     qkv_parallel,
     row_parallel,
 )
-from octavo.model.models.base import CheckpointModel
+from octavo.model.models.base import EncoderModel
 
 
 class BertEmbeddings(nn.Module):
@@ -115,26 +114,14 @@ class BertEncoder(nn.Module):
         self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
 
 
-class BertModel(CheckpointModel):
-    """Bidirectional: each of a step's sequences is whole in it (the scheduler sees to that for
-    an encoder) and attends only to itself; nothing is cached."""
-
-    is_encoder = True
-    classifier_token = "cls"  # what a classifier head reads (model_runner._pool)
+class BertModel(EncoderModel):
     position_offset = 0  # a token's position in the table: its place in the sequence + this
     # checkpoint name fragment -> (packed parameter fragment, slot)
     packed_modules_mapping = {"query": ("qkv_proj", 0), "key": ("qkv_proj", 1),
                               "value": ("qkv_proj", 2)}
 
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
-        super().__init__(cfg)
-        where = parallel_state.placement()
-        if where.pp_size > 1 or where.cp_size > 1:
-            raise NotImplementedError("an encoder (BertModel) over pipeline stages or "
-                                      "context-parallel ranks; tensor parallelism works")
-        if max_positions > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len ({max_positions}) exceeds the "
-                             f"{cfg.max_position_embeddings} positions the encoder learned")
+        super().__init__(cfg, max_positions)
         self.embeddings = BertEmbeddings(cfg)
         self.encoder = BertEncoder(cfg)
 

@@ -107,7 +107,7 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
     bias: Llama's, Mistral's and Qwen's *ForSequenceClassification): it classifies and scores,
     it does not generate."""
 
-    classifier_token = "last"  # what the head reads (model_runner._pool)
+    classifier_token = "last"  # what the head reads (model/pooler.py)
 
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
         super().__init__(cfg, max_positions)

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
-from octavo.distributed import parallel_state
 from octavo.model.context import get_forward_context
 from octavo.model.layers.activation import activation, gated_act
 from octavo.model.layers.embedding import Embedding
@@ -26,7 +25,7 @@ from octavo.model.layers.linear import (
     row_parallel,
 )
 from octavo.model.layers.rotary import RotaryEmbedding
-from octavo.model.models.base import CheckpointModel
+from octavo.model.models.base import EncoderModel
 
 
 def _norm(cfg: ArchConfig) -> nn.LayerNorm:
@@ -95,21 +94,9 @@ class ModernBertLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class ModernBertModel(CheckpointModel):
-    """Bidirectional, whole sequences per step, nothing cached (as BertModel)."""
-
-    is_encoder = True
-    classifier_token = "cls"  # what a classifier head reads (model_runner._pool)
-
+class ModernBertModel(EncoderModel):
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
-        super().__init__(cfg)
-        where = parallel_state.placement()
-        if where.pp_size > 1 or where.cp_size > 1:
-            raise NotImplementedError("an encoder (ModernBertModel) over pipeline stages or "
-                                      "context-parallel ranks; tensor parallelism works")
-        if max_positions > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len ({max_positions}) exceeds the "
-                             f"{cfg.max_position_embeddings} positions the encoder learned")
+        super().__init__(cfg, max_positions)
         full = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
         local = full if cfg.rope_local_theta is None else \
             RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_local_theta)
