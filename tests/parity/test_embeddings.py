@@ -78,6 +78,21 @@ def _tiny_bert(tmp_path, tokenizer_folder, pooling: str | None):
     return folder, model
 
 
+def encoded_beside_transformers(folder, model, seed: int) -> list:
+    """(LLM.encode's output, transformers' hidden states) of random prompts of mixed lengths
+    (1, 7, 40 and 13 tokens) encoded in one call, for the tiny encoder in `folder`."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1000, 30000, (n,), generator=gen).tolist() for n in (1, 7, 40, 13)]
+    llm = LLM(str(folder), dtype="float32")
+    try:
+        outs = llm.encode(prompts, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    with torch.inference_mode():
+        return [(out, model(torch.tensor([p])).last_hidden_state[0])
+                for p, out in zip(prompts, outs)]
+
+
 def write_pooling_modules(folder, pooling: str, normalize: bool = False) -> None:
     """sentence-transformers' modules in `folder`: this pooling (mean, cls, last), and
     Normalize where asked."""
@@ -101,16 +116,7 @@ def test_tiny_bert_pools_as_transformers(tmp_path, minilm_folder, pooling):
     """Mixed lengths in one step (padded into one batch, the padding masked out); without
     sentence-transformers' files the pooling is [CLS], normalized."""
     folder, model = _tiny_bert(tmp_path, minilm_folder, pooling)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1000, 30000, (n,), generator=gen).tolist() for n in (1, 7, 40, 13)]
-    llm = LLM(str(folder), dtype="float32")
-    try:
-        outs = llm.encode(prompts, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
-    for prompt, out in zip(prompts, outs):
-        with torch.inference_mode():
-            hidden = model(torch.tensor([prompt])).last_hidden_state[0]
+    for out, hidden in encoded_beside_transformers(folder, model, 1):
         kind = pooling or "cls"
         want = {"mean": hidden.mean(0), "cls": hidden[0], "last": hidden[-1]}[kind]
         if pooling is None:

@@ -11,7 +11,7 @@ import torch
 
 from octavo import LLM
 from tests.parity.test_embeddings import (  # noqa: F401  (minilm_folder: a fixture)
-    _tiny_encoder, minilm_folder, write_pooling_modules)
+    _tiny_encoder, encoded_beside_transformers, minilm_folder, write_pooling_modules)
 
 # 3 layers, the first and last global; the middle one sees 4 tokens on either side
 SHAPE = {"num_hidden_layers": 3, "global_attn_every_n_layers": 2, "local_attention": 8,
@@ -24,16 +24,7 @@ def test_modernbert_embeds_as_transformers(tmp_path, minilm_folder):  # noqa: F8
     folder, model = _tiny_encoder(tmp_path / "modernbert", minilm_folder, "ModernBertModel",
                                   **SHAPE)
     write_pooling_modules(folder, "mean")
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(1000, 30000, (n,), generator=gen).tolist() for n in (1, 7, 40, 13)]
-    llm = LLM(str(folder), dtype="float32")
-    try:
-        outs = llm.encode(prompts, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
-    for prompt, out in zip(prompts, outs):
-        with torch.inference_mode():
-            hidden = model(torch.tensor([prompt])).last_hidden_state[0]
+    for out, hidden in encoded_beside_transformers(folder, model, 2):
         assert np.allclose(out.outputs.data, hidden.mean(0).numpy(), atol=1e-4)
 
 
