@@ -13,8 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import API_KEY, metric, start_server
-from tests.e2e.test_server_lifecycle import _children
+from tests.e2e.conftest import API_KEY, child_pids, metric, start_server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MESSAGES = [{"role": "user", "content": "Say hi"}]
@@ -201,7 +200,7 @@ def test_a_slow_reader_holds_merged_output_not_a_backlog(keyless):
 
 def test_sigkill_of_the_front_end_takes_the_core_with_it(smollm_gguf, tmp_path):
     srv = start_server(smollm_gguf, tmp_path)
-    cores = _children(srv.proc.pid)
+    cores = child_pids(srv.proc.pid)
     assert cores
     os.kill(srv.proc.pid, signal.SIGKILL)
     srv.proc.wait(10)
@@ -237,7 +236,7 @@ def test_a_hung_core_turns_health_503_and_a_killed_one_fails_requests_at_once(sm
 
     srv = start_server(smollm_gguf, tmp_path, "--engine-timeout", "2")
     try:
-        core = _children(srv.proc.pid)[0]
+        core = child_pids(srv.proc.pid)[0]
         replies: list = []
 
         def long_request():

@@ -14,8 +14,7 @@ import time
 
 import httpx
 
-from tests.e2e.conftest import metric, start_server
-from tests.e2e.test_server_lifecycle import _children
+from tests.e2e.conftest import child_pids, metric, start_server
 
 SOAK_S = float(os.environ.get("OCTAVO_SOAK_SECONDS", "120"))
 WARMUP_S = min(20.0, SOAK_S / 4)
@@ -108,7 +107,7 @@ def test_soak(smollm_gguf, tmp_path):
     srv = start_server(smollm_gguf, tmp_path, "--max-num-seqs", "8", "--max-queued-requests",
                        "16", "--kv-cache-memory", "64MiB", "--max-model-len", "512")
     try:
-        core_pid = _children(srv.proc.pid)[0]
+        core_pid = child_pids(srv.proc.pid)[0]
         warm = asyncio.run(_clients(srv.url, WARMUP_S, seed=1))
         _wait_idle(srv.url)
         before = _figures(srv, core_pid)
