@@ -57,6 +57,10 @@ class ModelConfig:
         "pooling defaults as JSON, over the model folder's: {\"pooling_type\": MEAN|CLS|LAST "
         "(task embed's) or ALL|STEP (task reward's positions), \"normalize\": bool, "
         "\"step_tag_id\": int, \"returned_token_ids\": [int, ...]}"))
+    model_impl: str = field(default="auto", metadata=_opt(
+        "the model's code: octavo (its native file), transformers (transformers' modeling code "
+        "with octavo's paged attention, for any decoder-only *ForCausalLM), auto (native where "
+        "octavo has a file, else transformers)", choices=["auto", "octavo", "transformers"]))
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -64,6 +68,9 @@ class ModelConfig:
         if isinstance(self.pooler_config, dict):  # offline: LLM(..., pooler_config={...})
             object.__setattr__(self, "pooler_config", json.dumps(self.pooler_config))
         PoolerConfig.parse(self.pooler_config)  # a bad one fails here, naming its key
+        if self.model_impl not in ("auto", "octavo", "transformers"):
+            raise ValueError(f"model_impl must be auto, octavo or transformers, got "
+                             f"{self.model_impl!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
         if self.decode_weights not in ("auto", "none"):

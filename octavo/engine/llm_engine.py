@@ -59,9 +59,9 @@ class ModelSetup:
         # refuses generation, which an encoder cannot do at all.
         task = resolve_task(config.model.task, arch)
         embeddings = Embeddings.of(arch, task, pooler, config.scheduler.max_num_batched_tokens)
+        adapters = AdapterRegistry(arch, config.lora, config.model.model_impl)
         processor = Processor(tokenizer, max_model_len, arch.vocab_size, eos_ids, limits,
-                              AdapterRegistry(arch, config.lora), embeddings,
-                              generates=task == "generate")
+                              adapters, embeddings, generates=task == "generate")
         return cls(source, arch, tokenizer, max_model_len, eos_ids, processor)
 
     def adopt_max_model_len(self, max_model_len: int) -> None:

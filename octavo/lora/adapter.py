@@ -221,19 +221,28 @@ def _alpha(config: dict[str, Any], module: str) -> float:
     return float(config.get("lora_alpha", 8))
 
 
-# Families whose checkpoints name their projections otherwise (GPT-2's Conv1D c_attn/c_fc,
-# GPT-NeoX's per-head interleaved query_key_value): no adapter layout of theirs is mapped.
-_UNADAPTED = ("GPT2LMHeadModel", "GPTNeoXForCausalLM")
 # Phi-3's checkpoints hold q/k/v and gate/up fused: an adapter's pair spans the fused layer.
 _FUSED_PAIRS = ("Phi3ForCausalLM",)
 
 
-def check_architecture(arch: ArchConfig) -> None:
-    """ValueError where octavo serves no adapters on the base model's architecture."""
-    if arch.architecture in _UNADAPTED:
-        raise ValueError(f"LoRA adapters are not supported on {arch.architecture} (octavo maps "
-                         f"the adapter layouts of Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, "
-                         f"Mixtral and Qwen2/3-MoE); start without enable_lora")
+# The architectures whose native files take adapters. The others are refused: GPT-2 and
+# GPT-NeoX name their projections otherwise (Conv1D c_attn/c_fc, a per-head interleaved
+# query_key_value), encoders and classifiers have none adapted, and a model the transformers
+# backend runs has transformers' modules, not octavo's.
+_ADAPTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
+            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def check_architecture(arch: ArchConfig, model_impl: str = "auto") -> None:
+    """ValueError where octavo serves no adapters on the base model: an architecture whose
+    adapter layout it does not map, or a model run by the transformers backend."""
+    if arch.architecture not in _ADAPTED or model_impl == "transformers":
+        how = " through the transformers backend" if arch.architecture in _ADAPTED else ""
+        raise ValueError(f"LoRA adapters are not supported on {arch.architecture}{how} "
+                         f"(octavo maps the adapter layouts of Llama, Mistral, Qwen2/3, "
+                         f"Gemma 2/3, Phi-3, Mixtral and Qwen2/3-MoE in its own files); start "
+                         f"without enable_lora")
 
 
 def module_shape(module: str, arch: ArchConfig) -> tuple[int, int]:

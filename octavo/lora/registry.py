@@ -13,9 +13,9 @@ from octavo.params import LoRARequest
 
 
 class AdapterRegistry:
-    def __init__(self, arch: ArchConfig, config: LoRAConfig) -> None:
+    def __init__(self, arch: ArchConfig, config: LoRAConfig, model_impl: str = "auto") -> None:
         if config.enable_lora:
-            check_architecture(arch)
+            check_architecture(arch, model_impl)
         self.arch = arch
         self.config = config
         self.checked: dict[int, AdapterSpec] = {}  # adapter id -> the adapter it names

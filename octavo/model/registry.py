@@ -44,13 +44,50 @@ _MODELS: dict[str, tuple[str, str]] = {
 
 
 def supported_architectures() -> list[str]:
+    """The architectures octavo has native files for."""
     return sorted(_MODELS)
 
 
-def model_class(architecture: str) -> type[nn.Module]:
-    if architecture not in _MODELS:
+def causal_lm_architectures() -> set[str]:
+    """transformers' causal-LM classes (its AutoModelForCausalLM names): what the transformers
+    backend may run (imports transformers, and with it torch)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names: set[str] = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update([value] if isinstance(value, str) else value)
+    return names
+
+
+def backend_architectures() -> list[str]:
+    """The causal LMs without a native file whose transformers code takes octavo's attention,
+    so the transformers backend runs them (each class imported to ask: seconds)."""
+    import transformers
+
+    names = []
+    for name in sorted(causal_lm_architectures() - set(_MODELS)):
+        try:
+            cls = getattr(transformers, name)
+        except (ImportError, AttributeError):  # a class behind an extra not installed
+            continue
+        if getattr(cls, "_supports_attention_backend", False):
+            names.append(name)
+    return names
+
+
+def model_class(architecture: str, impl: str = "auto") -> type[nn.Module]:
+    """The class that runs `architecture`: with impl auto, octavo's native file where it has
+    one, else the transformers backend (any decoder-only *ForCausalLM whose transformers code
+    takes an external attention function); octavo or transformers: only that one."""
+    if impl != "transformers" and architecture in _MODELS:
+        module, name = _MODELS[architecture]
+        return getattr(importlib.import_module(module), name)
+    if impl == "octavo":
         raise NotImplementedError(
-            f"architecture {architecture!r} is not supported yet; supported: "
-            f"{', '.join(supported_architectures())}")
-    module, name = _MODELS[architecture]
-    return getattr(importlib.import_module(module), name)
+            f"architecture {architecture!r} has no native file in octavo; native: "
+            f"{', '.join(supported_architectures())}; --model-impl auto (or transformers) runs "
+            f"it through transformers' code")
+    from octavo.model.models.transformers_backend import TransformersForCausalLM, backend_class
+
+    backend_class(architecture)  # NotImplementedError naming why it cannot run
+    return TransformersForCausalLM

@@ -102,7 +102,8 @@ class Worker:
         model = load_model(self.source, self.arch, self.dtype, self.device, self.max_model_len,
                            self.config.model.decode_weights, quantization, pack_gemm=False,
                            dense_prefill=self.config.model.dense_prefill_weights,
-                           quantized_activations=self.config.model.dtype == "auto")
+                           quantized_activations=self.config.model.dtype == "auto",
+                           model_impl=self.config.model.model_impl)
         logger.info("loaded %s (%s, %s) in %.1f s", self.source.name, self.arch.architecture,
                     self.dtype, time.perf_counter() - start)
         if (self.placement.rank == 0 and self.config.model.dtype == "auto"

@@ -71,13 +71,14 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
                device: torch.device, max_positions: int,
                decode_weights: str = "auto", quantization: str | None = None,
                pack_gemm: bool = True, dense_prefill: bool = False,
-               quantized_activations: bool = False) -> nn.Module:
+               quantized_activations: bool = False, model_impl: str = "auto") -> nn.Module:
     """Build the model and fill it. A GGUF's linear layers, embedding and LM head keep packed
     int4/int8 weights made from its codes (model/quant/gguf.py), with decode_weights="auto" (on
     the CPU, bf16 or float32) in the layout nearest each tensor's type, with `quantization`
     int4 or int8 in that one; with `dense_prefill` the dense weights stay beside them for
     prefill; with `quantized_activations` packed weights may take their activations quantized
-    (PackedWeight.quantized_activations: `--dtype auto`'s plan). A quantized checkpoint
+    (PackedWeight.quantized_activations: `--dtype auto`'s plan); `model_impl` picks octavo's
+    native file or the transformers backend (registry.model_class). A quantized checkpoint
     (config.json's quantization_config) or `quantization` (int8, int4, fp8: quantize at load)
     hands linear layers their quant methods before the tensors stream in (see model/quant).
     On the CPU, dense bf16 weights are packed for oneDNN's GEMM unless `pack_gemm` is False: the
@@ -90,7 +91,7 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
         else:
             raise NotImplementedError(f"quantized weights ({plan.fmt}) run on the CPU only; "
                                       f"device={device.type}")
-    cls = model_class(cfg.architecture)
+    cls = model_class(cfg.architecture, model_impl)
     checkpoint = _GGUF(source, cfg) if source.is_gguf else _Safetensors(source, cfg)
     prepared = None
     if checkpoint.prepared and device.type == "cpu":
