@@ -47,7 +47,8 @@ def stream(p, pieces):
 
 def test_flags_are_checked_by_name():
     with pytest.raises(ValueError, match="tool_call_parser: unknown parser 'herms'; choose one "
-                                         "of hermes, llama3_json, mistral, pythonic"):
+                                         "of deepseek_v3, deepseek_v31, hermes, kimi_k2, "
+                                         "llama3_json, mistral, pythonic"):
         ChatParsers.from_flags("herms", True, None)
     with pytest.raises(ValueError, match="reasoning_parser: unknown parser 'r1'; choose one of "
                                          "deepseek_r1, qwen3"):

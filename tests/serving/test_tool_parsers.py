@@ -120,6 +120,43 @@ CASES: dict[str, list[Case]] = {
         Case("Here: [f(x=1)]", "Here: [f(x=1)]", []),
     ],
 }
+K_SEC, K_SEC_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+K_CALL, K_ARGS, K_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+D_SEC, D_SEC_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+D_CALL, D_SEP, D_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+CASES.update({
+    "kimi_k2": [
+        Case(f'Checking.{K_SEC}{K_CALL}functions.get_weather:0{K_ARGS}{{"city": "Paris"}}{K_END}'
+             f'{K_CALL}functions.f:1 {K_ARGS} {{}}{K_END}{K_SEC_END}', "Checking.",
+             [("get_weather", {"city": "Paris"}), ("f", {})]),
+        Case(f'{K_CALL}functions.f:0{K_ARGS}{{"x": [1]}}{K_END} then text', "then text",
+             [("f", {"x": [1]})]),
+        Case(f'{K_SEC} no call', f'{K_SEC} no call', []),
+        Case(f'{K_SEC}{K_CALL}get weather:0{K_ARGS}{{}}', f'{K_SEC}{K_CALL}get weather:0{K_ARGS}{{}}',
+             []),
+        Case(f'{K_CALL}functions.f{K_ARGS}{{}}{K_END}', f'{K_CALL}functions.f{K_ARGS}{{}}{K_END}',
+             []),
+        Case(f'{K_CALL}functions.f:0{K_ARGS}{{"x": }}{K_END}',
+             f'{K_CALL}functions.f:0{K_ARGS}{{"x": }}{K_END}', [],
+             broken_stream=(f"}}{K_END}", '{"x": ')),
+        Case("<|tool_call", "<|tool_call", []),
+    ],
+    "deepseek_v3": [
+        Case(f'Let me look.{D_SEC}{D_CALL}function{D_SEP}get_weather\n```json\n'
+             f'{{"city": "Paris"}}\n```{D_END}\n{D_CALL}function{D_SEP}f\n```json\n{{}}\n```'
+             f'{D_END}{D_SEC_END}', "Let me look.", [("get_weather", {"city": "Paris"}), ("f", {})]),
+        Case(f'{D_CALL}function{D_SEP}f\n```json\n{{"a": "```"}}\n```{D_END}', "",
+             [("f", {"a": "```"})]),
+        Case(f'{D_CALL}function{D_SEP}f\n{{"a": 1}}', f'{D_CALL}function{D_SEP}f\n{{"a": 1}}', []),
+        Case(f'{D_CALL}tool{D_SEP}f', f'{D_CALL}tool{D_SEP}f', []),
+    ],
+    "deepseek_v31": [
+        Case(f'{D_SEC}{D_CALL}get_weather{D_SEP}{{"city": "Paris"}}{D_END}{D_CALL}f{D_SEP}{{}}'
+             f'{D_END}{D_SEC_END} done', "done", [("get_weather", {"city": "Paris"}), ("f", {})]),
+        Case(f'{D_CALL}f{D_SEP}[1]{D_END}', f'{D_CALL}f{D_SEP}[1]{D_END}', []),
+        Case(f'A {D_SEC}', f'A {D_SEC}', []),
+    ],
+})
 ALL = [(name, c) for name, cases in CASES.items() for c in cases]
 IDS = [f"{name}-{i}" for name, cases in CASES.items() for i in range(len(cases))]
 
@@ -218,6 +255,15 @@ def render(name: str, calls: list[tuple[str, dict]]) -> str:
         return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
     if name == "mistral":
         return "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in calls)
+    if name == "kimi_k2":
+        return K_SEC + "".join(f"{K_CALL}functions.{n}:{i}{K_ARGS}{json.dumps(a)}{K_END}"
+                               for i, (n, a) in enumerate(calls)) + K_SEC_END
+    if name == "deepseek_v3":
+        return D_SEC + "".join(f"{D_CALL}function{D_SEP}{n}\n```json\n{json.dumps(a)}\n```"
+                               f"{D_END}\n" for n, a in calls) + D_SEC_END
+    if name == "deepseek_v31":
+        return D_SEC + "".join(f"{D_CALL}{n}{D_SEP}{json.dumps(a)}{D_END}"
+                               for n, a in calls) + D_SEC_END
     return "[" + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})"
                            for n, a in calls) + "]"
 
@@ -228,7 +274,7 @@ def render(name: str, calls: list[tuple[str, dict]]) -> str:
 def test_generated_calls_round_trip(name, before, calls, data):
     if name in ("llama3_json", "pythonic"):
         before = ""  # these formats have calls only at the start of the output
-    if "<tool_call>" in before or "[TOOL_CALLS]" in before:
+    if any(tag in before for tag in ("<tool_call>", "[TOOL_CALLS]", "<|tool_call")):
         before = before.replace("<", "(").replace("[", "(")
     text = before + render(name, calls)
     cls = get_tool_parser(name)
@@ -244,7 +290,9 @@ def test_generated_calls_round_trip(name, before, calls, data):
            [(c.name, c.arguments) for c in parsed.tool_calls]
 
 
-FRAGMENTS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]",
+FRAGMENTS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", K_SEC, K_CALL,
+             K_ARGS, K_END, K_SEC_END, "functions.f:0", D_SEC, D_CALL, D_SEP, D_END, D_SEC_END,
+             "function", "```json", "```", "<|tool_", "<｜tool▁",
              "<|python_tag|>", "<|python_start|>", "<|python_end|>", "{", "}", "[", "]", "(", ")",
              '"name"', '"arguments"', '"parameters"', '"type"', ": ", ", ", ";", '"f"', "f", "x=",
              "1", "null", '"a\\"b"', "'q'", '"""', "\n", " ", "text", "<", "<tool", "[TOOL"]
@@ -299,7 +347,8 @@ def test_a_possible_tag_is_held_back_until_decided():
 
 def test_unknown_parser_names_the_choices():
     with pytest.raises(ValueError, match="tool_call_parser: unknown parser 'nope'; choose one of "
-                                         "hermes, llama3_json, mistral, pythonic"):
+                                         "deepseek_v3, deepseek_v31, hermes, kimi_k2, "
+                                         "llama3_json, mistral, pythonic"):
         get_tool_parser("nope")
 
 
@@ -310,5 +359,6 @@ def test_feed_after_finish_is_an_error():
         parser.feed("x")
 
 
-def test_only_mistral_needs_special_tokens_kept():
-    assert {n for n, cls in TOOL_PARSERS.items() if not cls.skip_special_tokens} == {"mistral"}
+def test_formats_of_special_tokens_need_them_kept():
+    assert {n for n, cls in TOOL_PARSERS.items() if not cls.skip_special_tokens} == {
+        "mistral", "kimi_k2", "deepseek_v3", "deepseek_v31"}
