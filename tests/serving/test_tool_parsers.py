@@ -132,8 +132,8 @@ CASES.update({
         Case(f'{K_CALL}functions.f:0{K_ARGS}{{"x": [1]}}{K_END} then text', "then text",
              [("f", {"x": [1]})]),
         Case(f'{K_SEC} no call', f'{K_SEC} no call', []),
-        Case(f'{K_SEC}{K_CALL}get weather:0{K_ARGS}{{}}', f'{K_SEC}{K_CALL}get weather:0{K_ARGS}{{}}',
-             []),
+        Case(f'{K_SEC}{K_CALL}get weather:0{K_ARGS}{{}}',
+             f'{K_SEC}{K_CALL}get weather:0{K_ARGS}{{}}', []),
         Case(f'{K_CALL}functions.f{K_ARGS}{{}}{K_END}', f'{K_CALL}functions.f{K_ARGS}{{}}{K_END}',
              []),
         Case(f'{K_CALL}functions.f:0{K_ARGS}{{"x": }}{K_END}',
@@ -144,7 +144,8 @@ CASES.update({
     "deepseek_v3": [
         Case(f'Let me look.{D_SEC}{D_CALL}function{D_SEP}get_weather\n```json\n'
              f'{{"city": "Paris"}}\n```{D_END}\n{D_CALL}function{D_SEP}f\n```json\n{{}}\n```'
-             f'{D_END}{D_SEC_END}', "Let me look.", [("get_weather", {"city": "Paris"}), ("f", {})]),
+             f'{D_END}{D_SEC_END}', "Let me look.",
+             [("get_weather", {"city": "Paris"}), ("f", {})]),
         Case(f'{D_CALL}function{D_SEP}f\n```json\n{{"a": "```"}}\n```{D_END}', "",
              [("f", {"a": "```"})]),
         Case(f'{D_CALL}function{D_SEP}f\n{{"a": 1}}', f'{D_CALL}function{D_SEP}f\n{{"a": 1}}', []),
