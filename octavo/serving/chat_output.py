@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from octavo.engine.grammar import check_structured
 from octavo.params import ReasoningEndRule, StructuredOutputsParams
@@ -131,7 +131,7 @@ class ChatPlan:
     skip_special_tokens: bool | None  # False where the tool-call format needs special tokens
     reasoning_parser: type[ReasoningParser] | None
     tool_parser: type[ToolParser] | None
-    tool_options: Mapping[str, str] = field(default_factory=dict)  # the parser's own options
+    tool_options: Mapping[str, Any] = field(default_factory=dict)  # the parser's own options
     new_id: Callable[[], str] | None = None  # tool call ids; None: the parser's default
     parallel: bool = True
 
@@ -184,7 +184,7 @@ def plan_chat_output(parsers: ChatParsers, tools: ToolRequest | None,
         raise ValueError(f"tool_choice {mode!r} cannot be combined with a structured output "
                          "format (response_format / structured_outputs): both are grammars")
     tool_parser: type[ToolParser] | None = None
-    options: dict[str, str] = {}
+    options: dict[str, Any] = {}
     if mode == "auto":
         missing = [flag for flag, ok in (("--enable-auto-tool-choice", parsers.auto_tool_choice),
                                          ("--tool-call-parser", parsers.tool_parser))
@@ -194,6 +194,8 @@ def plan_chat_output(parsers: ChatParsers, tools: ToolRequest | None,
                              f"server to run with {' and '.join(missing)}; use tool_choice "
                              f"'required', a named function or 'none' otherwise")
         tool_parser = parsers.tool_parser
+        if tool_parser.takes_functions:  # it types the values it reads by the schemas
+            options = {"functions": functions}
     elif mode == "required":
         structured = StructuredOutputsParams(
             json=required_tools_schema(functions, parallel), disable_any_whitespace=True)

@@ -48,7 +48,7 @@ def stream(p, pieces):
 def test_flags_are_checked_by_name():
     with pytest.raises(ValueError, match="tool_call_parser: unknown parser 'herms'; choose one "
                                          "of deepseek_v3, deepseek_v31, hermes, kimi_k2, "
-                                         "llama3_json, mistral, pythonic"):
+                                         "llama3_json, mistral, pythonic, qwen3_coder"):
         ChatParsers.from_flags("herms", True, None)
     with pytest.raises(ValueError, match="reasoning_parser: unknown parser 'r1'; choose one of "
                                          "deepseek_r1, qwen3"):
@@ -151,3 +151,16 @@ def test_mistral_keeps_special_tokens():
     p = plan(ChatParsers.from_flags("mistral", True, None))
     assert p.skip_special_tokens is False
     assert plan(AUTO).skip_special_tokens is None
+
+
+def test_a_parser_that_types_values_gets_the_request_tools():
+    """qwen3_coder reads parameter values as text and types them by the request's schemas:
+    the plan hands it the tools, streamed and whole alike."""
+    count = FunctionSpec("count", {"type": "object", "properties": {
+        "n": {"type": "integer"}, "city": {"type": "string"}, "on": {"type": "boolean"}}})
+    p = plan(ChatParsers.from_flags("qwen3_coder", True, None), functions=(count,))
+    text = ("<tool_call>\n<function=count>\n<parameter=n>\n12\n</parameter>\n<parameter=city>\n"
+            "1999\n</parameter>\n<parameter=on>\nTrue\n</parameter>\n</function>\n</tool_call>")
+    want = '{"n": 12, "city": "1999", "on": true}'
+    assert p.parse(text).tool_calls[0].arguments == want
+    assert stream(p, list(text))[2] == {0: ["count", want]}

@@ -10,13 +10,14 @@ from octavo.serving.tool_parsers.hermes import HermesToolParser
 from octavo.serving.tool_parsers.llama3 import Llama3JsonToolParser
 from octavo.serving.tool_parsers.mistral import MistralToolParser
 from octavo.serving.tool_parsers.pythonic import PythonicToolParser
+from octavo.serving.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from octavo.serving.tool_parsers.tagged import (DeepSeekV3ToolParser, DeepSeekV31ToolParser,
                                                 KimiK2ToolParser)
 
 TOOL_PARSERS: MappingProxyType[str, type[ToolParser]] = MappingProxyType({
     cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
                               PythonicToolParser, KimiK2ToolParser, DeepSeekV3ToolParser,
-                              DeepSeekV31ToolParser)
+                              DeepSeekV31ToolParser, Qwen3CoderToolParser)
 })
 
 

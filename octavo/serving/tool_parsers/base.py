@@ -96,6 +96,8 @@ class ToolParser:
     # Whether the format survives detokenizing with special tokens skipped; where it does not
     # (Mistral's [TOOL_CALLS] is a special token), the API layer must keep them.
     skip_special_tokens: ClassVar[bool] = True
+    # Whether it takes the request's tools (`functions=`, FunctionSpec) to type what it reads.
+    takes_functions: ClassVar[bool] = False
 
     def __init__(self, new_id: Callable[[], str] | None = None) -> None:
         self._new_id = new_id or self.default_id

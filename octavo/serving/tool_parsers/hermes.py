@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from octavo.serving.tool_parsers.base import ToolParser, held_suffix
+from octavo.serving.tool_parsers.base import CallReader, ToolParser, held_suffix
 from octavo.serving.tool_parsers.json_call import JsonCall
 
 OPEN = "<tool_call>"
@@ -19,6 +19,11 @@ CLOSE = "</tool_call>"
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    call_start = "{"  # what the call inside the tags begins with
+
+    def _call_reader(self, text: str) -> CallReader | None:
+        """A reader for the call `text` begins (after the open tag), or None: not one."""
+        return JsonCall() if text.startswith(self.call_start) else None
 
     def __init__(self, new_id: Callable[[], str] | None = None) -> None:
         super().__init__(new_id)
@@ -29,14 +34,15 @@ class HermesToolParser(ToolParser):
             return self._read_call(final)
         buf = self._buf
         if self._state == "open":
-            # Whitespace, then the call's JSON object; anything else means this is not a call.
+            # Whitespace, then the call; anything else means this is not a call.
             stripped = buf.lstrip()
             self._raw += buf[:len(buf) - len(stripped)]
             self._buf = stripped
-            if stripped.startswith("{"):
-                self._reader = JsonCall()
+            reader = self._call_reader(stripped)
+            if reader is not None:
+                self._reader = reader
                 return True
-            if not stripped and not final:
+            if not final and self.call_start.startswith(stripped):
                 return False
             self._abandon()
             return True
