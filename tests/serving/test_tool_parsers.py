@@ -305,8 +305,13 @@ def test_generated_calls_round_trip(name, before, calls, data):
     if name == "qwen3_coder":  # values typed by the schemas; a value's edge newline is markup
         assume(not any(isinstance(v, str) and (v[:1] == "\n" or v[-1:] == "\n")
                        for _, a in calls for v in a.values()))
+        properties: dict[str, dict] = {}  # one schema per function, as a request has
+        for n, a in calls:
+            for k, v in a.items():
+                kinds = properties.setdefault(n, {})
+                assume(kinds.setdefault(k, _json_type(v)) == _json_type(v))
         options = {"functions": [FunctionSpec(n, {"type": "object", "properties": {
-            k: {"type": _json_type(v)} for k, v in a.items()}}) for n, a in calls]}
+            k: {"type": t} for k, t in kinds.items()}}) for n, kinds in properties.items()]}
     parsed = cls.parse(text, **options)
     if name == "mistral" and before.lstrip().startswith("[") and "{" in before:
         return  # may legitimately read as the bare-array format
