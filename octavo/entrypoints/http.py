@@ -159,6 +159,18 @@ def check_model(state: ServerState, model: str | None) -> str:
                         f"{', '.join(names)}", "model")
 
 
+async def detokenize_ids(state: ServerState, ids: list[int], field: str,
+                         skip_special_tokens: bool = False) -> str:
+    """The text of token ids (/detokenize, gRPC's Detokenize), off the event loop; an id
+    outside the vocabulary is a 400 naming `field`."""
+    vocab = state.engine.processor.vocab_size
+    for t in ids:
+        if not 0 <= t < vocab:
+            raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab})", field)
+    return await state.engine.offload.run("detokenizing", state.engine.tokenizer.decode, ids,
+                                          skip_special_tokens)
+
+
 def adapter_of(state: ServerState, model: str | None) -> LoRARequest | None:
     """The LoRA adapter the request's `model` names (None: the base model)."""
     return None if model is None else state.engine.processor.adapters.named.get(model)

@@ -16,7 +16,8 @@ from octavo.entrypoints.grpc import convert
 from octavo.entrypoints.grpc import octavo_pb2 as pb
 from octavo.entrypoints.grpc import octavo_pb2_grpc as pb_grpc
 from octavo.entrypoints.http import (
-    APIError, RequestTimedOut, ServerState, adapter_of, check_model, stream_error, timed)
+    APIError, RequestTimedOut, ServerState, adapter_of, check_model, detokenize_ids, stream_error,
+    timed)
 from octavo.entrypoints.openai.pooled import pooling_params, run_pooling
 
 
@@ -139,19 +140,10 @@ class OctavoServicer(pb_grpc.OctavoServicer):
 
     @_unary
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
-        state = self.state
-        check_model(state, request.model or None)
-        engine = state.engine
-        vocab = engine.processor.vocab_size
-        for t in request.token_ids:
-            if t >= vocab:
-                raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab})",
-                               "token_ids")
-        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") \
-            else False
-        text = await engine.offload.run("detokenizing", engine.tokenizer.decode,
-                                        list(request.token_ids), skip)
-        return pb.DetokenizeResponse(text=text)
+        check_model(self.state, request.model or None)
+        skip = bool(convert.optional(request, "skip_special_tokens"))
+        return pb.DetokenizeResponse(text=await detokenize_ids(
+            self.state, list(request.token_ids), "token_ids", skip))
 
     @_unary
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:

@@ -13,8 +13,8 @@ from fastapi.responses import StreamingResponse
 from octavo.engine.processor import PreparedRequest
 from octavo.entrypoints.chat_plan import model_defaults, plan_output, render_prompt
 from octavo.entrypoints.http import (
-    STREAM_ERRORS, APIError, ServerState, adapter_of, check_model, state_of, timed,
-    unless_disconnected)
+    STREAM_ERRORS, APIError, ServerState, adapter_of, check_model, detokenize_ids, state_of,
+    timed, unless_disconnected)
 from octavo.entrypoints.openai import completions
 from octavo.entrypoints.openai.beam import beam_chat
 from octavo.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
@@ -69,12 +69,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     state = state_of(request)
     check_model(state, body.model)
-    vocab = state.engine.processor.vocab_size
-    for t in body.tokens:
-        if not 0 <= t < vocab:
-            raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab})", "tokens")
-    return {"prompt": await state.engine.offload.run("detokenizing", state.engine.tokenizer.decode,
-                                                      body.tokens)}
+    return {"prompt": await detokenize_ids(state, body.tokens, "tokens")}
 
 
 # -- chat --------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ class TaggedCallParser(ToolParser):
         if self._state == "content":
             return self._content(final)
         if self._state == "section":
-            return self._expect(self.call_begin, "name", final, attempt=True)
+            return self._call_after_section(final)
         if self._state == "name":
             return self._name(final)
         return self._after(final)
@@ -73,26 +73,19 @@ class TaggedCallParser(ToolParser):
         self._state = "section" if tag == self.section_begin else "name"
         return True
 
-    def _expect(self, tag: str, then: str, final: bool, attempt: bool) -> bool:
-        """Whitespace, then `tag` (moving to state `then`). Without it: an attempt is given up
-        (its text is content); else the text goes on as content (a tag the model left out)."""
+    def _call_after_section(self, final: bool) -> bool:
+        """Whitespace, then a call's tag; without it, the section tag was no call: content."""
         buf = self._buf
-        stripped = buf.lstrip()
-        if attempt:
-            self._raw += buf[:len(buf) - len(stripped)]
-        self._buf = stripped
-        if stripped.startswith(tag):
-            if attempt:
-                self._raw += tag
-            self._buf = stripped[len(tag):]
-            self._state = then
+        stripped = self._buf = buf.lstrip()
+        self._raw += buf[:len(buf) - len(stripped)]
+        if stripped.startswith(self.call_begin):
+            self._raw += self.call_begin
+            self._buf = stripped[len(self.call_begin):]
+            self._state = "name"
             return True
-        if not final and tag.startswith(stripped):
+        if not final and self.call_begin.startswith(stripped):
             return False
-        if attempt:
-            self._abandon()
-        else:
-            self._state = "content"
+        self._abandon()
         return True
 
     def _name(self, final: bool) -> bool:
