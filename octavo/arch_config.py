@@ -291,7 +291,8 @@ _ALIASES = [("hidden_size", "n_embd"), ("num_attention_heads", "n_head"),
             ("num_hidden_layers", "n_layer"), ("max_position_embeddings", "n_positions"),
             ("intermediate_size", "n_inner"), ("hidden_act", "activation_function"),
             ("rms_norm_eps", "layer_norm_eps"), ("rms_norm_eps", "layer_norm_epsilon"),
-            ("rms_norm_eps", "norm_eps"), ("rope_theta", "rotary_emb_base"),
+            ("rms_norm_eps", "norm_eps"), ("rms_norm_eps", "norm_epsilon"),
+            ("rope_theta", "rotary_emb_base"),
             # ModernBERT's configs from before transformers 5
             ("rope_theta", "global_rope_theta"), ("rope_local_base_freq", "local_rope_theta")]
 

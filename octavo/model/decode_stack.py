@@ -9,8 +9,9 @@ around each kernel costs as much as the kernel: about a dozen module calls and d
 layer, about 3 ms a step for SmolLM2's 30 layers against roughly 5 ms of arithmetic. The stack
 runs the same kernels in the same order from C++ (the CPU analogue of replaying a captured CUDA
 graph), so it needs exactly what those kernels need. What a layer is comes from its description
-(`layer.spec()`, model/layer_spec.py): RMSNorm, Gemma's 1 + w or LayerNorm, norms before each
-sublayer or around it, sequential or parallel residuals, q/k norms, the attention's scale,
+(`layer.spec()`, model/layer_spec.py): RMSNorm, Gemma's 1 + w or LayerNorm (with or without a
+bias), norms before each sublayer, after it or both, sequential or parallel residuals (scaled
+or not), q/k norms per head or over all heads, the attention's scale,
 sliding window and softcap, its RoPE tables (over the whole head or its first rotary_dim
 features, or none), and a gated or plain MLP or a mixture of experts (router, top-k,
 renormalization, a shared expert; tokens grouped by expert, as FusedMoE groups them). The
@@ -66,10 +67,10 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
                                                                  PartialRotaryEmbedding):
             return f"rotary embedding {type(spec.rotary).__name__}"
         if spec.norm_kind is NormKind.LAYER and (spec.q_norm is not None or any(
-                n.weight is None or n.bias is None for n in spec.norms)):
-            return "LayerNorms without weight and bias, or q/k norms beside them"
+                n.weight is None for n in spec.norms)):
+            return "LayerNorms without a weight, or q/k norms beside them"
         for lin in _linears(spec):
-            reason = _weight_reason(lin, spec.attn_in_norm.weight.dtype)
+            reason = _weight_reason(lin, spec.dtype)
             if reason is not None:
                 return reason
         if any(type(n) is not spec.norm_kind.module for n in spec.norms):
@@ -197,7 +198,7 @@ class DecodeStack:
     def __init__(self, layers: nn.ModuleList) -> None:
         self.layers = layers
         self.specs: list[LayerSpec] = [layer.spec() for layer in layers]
-        self.dtype = self.specs[0].attn_in_norm.weight.dtype  # the activations it computes in
+        self.dtype = self.specs[0].dtype  # the activations it computes in
         self._stack: Any = None
         self._caches: list[torch.Tensor] | None = None
         # Tokens a step may have (packed-only layers compute small batches only); None: any.
@@ -236,7 +237,7 @@ class DecodeStack:
         first = self.specs[0]
         stack = fused.native_module().DecodeStack(
             first.attention.num_heads, first.attention.num_kv_heads, first.attention.head_dim,
-            first.attn_in_norm.eps)
+            first.norms[0].eps)
         if parallel_state.tp_size() > 1:  # the row-parallel projections' partial sums
             stack.set_all_reduce(parallel_state.TP_ALL_REDUCE_OP)
         for spec in self.specs:
@@ -249,7 +250,8 @@ class DecodeStack:
             norms = (spec.attn_in_norm, spec.attn_out_norm, spec.mlp_in_norm, spec.mlp_out_norm)
             stack.set_norms(spec.norm_kind.value,
                             [_norm_weight(spec, n) for n in (*norms, spec.q_norm, spec.k_norm)],
-                            [_norm_bias(spec, n) for n in norms], spec.parallel_residual)
+                            [_norm_bias(spec, n) for n in norms], spec.parallel_residual,
+                            spec.qk_norm_whole, spec.residual_scale)
             # One list per StackLinear field, over the layer's linear layers (_linears).
             stack.set_linears(*[list(field) for field in zip(*map(_linear, _linears(spec),
                                                                      _adapters(spec)))])

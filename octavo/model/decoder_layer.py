@@ -29,24 +29,30 @@ class DecoderLayer(nn.Module):
 
 def run_layer(spec: LayerSpec, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x [T, hidden] at `positions` [T] -> the layer's output."""
-    h = attention(spec, positions, spec.attn_in_norm(x))
-    if spec.attn_out_norm is not None:
-        h = spec.attn_out_norm(h)
+    h = _scaled(spec, _norm(spec.attn_out_norm,
+                            attention(spec, positions, _norm(spec.attn_in_norm, x))))
     if spec.parallel_residual:
-        return x + h + mlp(spec, spec.mlp_in_norm(x))
+        return x + h + _scaled(spec, mlp(spec, _norm(spec.mlp_in_norm, x)))
     x = x + h
-    m = mlp(spec, spec.mlp_in_norm(x))
-    if spec.mlp_out_norm is not None:
-        m = spec.mlp_out_norm(m)
-    return x + m
+    return x + _scaled(spec, _norm(spec.mlp_out_norm, mlp(spec, _norm(spec.mlp_in_norm, x))))
+
+
+def _norm(norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)
+
+
+def _scaled(spec: LayerSpec, h: torch.Tensor) -> torch.Tensor:
+    return h if spec.residual_scale == 1.0 else h * spec.residual_scale
 
 
 def attention(spec: LayerSpec, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     t, a = x.shape[0], spec.attention
     q, k, v = spec.qkv(x).split(spec.qkv.shards, dim=-1)
+    if spec.q_norm is not None and spec.qk_norm_whole:
+        q, k = spec.q_norm(q), spec.k_norm(k)
     q = q.view(t, a.num_heads, a.head_dim)
     k = k.view(t, a.num_kv_heads, a.head_dim)
-    if spec.q_norm is not None:
+    if spec.q_norm is not None and not spec.qk_norm_whole:
         q, k = spec.q_norm(q), spec.k_norm(k)
     if spec.rotary is not None:
         q, k = spec.rotary(positions, q, k)

@@ -84,12 +84,12 @@ class MoeSpec:
 @dataclass(frozen=True, eq=False)
 class LayerSpec:
     norm_kind: NormKind
-    attn_in_norm: nn.Module  # before attention
+    attn_in_norm: nn.Module | None  # before attention (None: none, OLMo 2's post-norms only)
     attn_out_norm: nn.Module | None  # on the o projection's output (Gemma's sandwich), else None
-    mlp_in_norm: nn.Module  # before the MLP
+    mlp_in_norm: nn.Module | None  # before the MLP
     mlp_out_norm: nn.Module | None  # on the down projection's output (sandwich), else None
-    q_norm: nn.Module | None  # per head, before RoPE (Qwen3, Gemma 3)
-    k_norm: nn.Module | None
+    q_norm: nn.Module | None  # before RoPE: per head (Qwen3, Gemma 3), or over all of a token's
+    k_norm: nn.Module | None  # heads where qk_norm_whole (OLMo 2)
     qkv: Linear  # the projections; their biases come with them
     o: Linear
     gate_up: Linear | None  # the MLP's input projection ([gate | up] where gated); None: MoE
@@ -107,6 +107,13 @@ class LayerSpec:
     act: Callable[[torch.Tensor], torch.Tensor] | None = None  # the activation as the Python
     # layers compute it (on [gate | up] where gated; a mixture's shared expert takes the
     # experts')
+    residual_scale: float = 1.0  # each sublayer's output scaled before the residual add (Granite)
+    qk_norm_whole: bool = False  # q_norm / k_norm span all of a token's q / k heads (OLMo 2)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms' weights are in it)."""
+        return self.norms[0].weight.dtype
 
     @property
     def norms(self) -> list[nn.Module]:
@@ -115,12 +122,14 @@ class LayerSpec:
 
 
 def decoder_spec(self_attn: nn.Module, mlp: nn.Module, norm_kind: NormKind,
-                 attn_in_norm: nn.Module, mlp_in_norm: nn.Module,
+                 attn_in_norm: nn.Module | None, mlp_in_norm: nn.Module | None,
                  attn_out_norm: nn.Module | None = None,
-                 mlp_out_norm: nn.Module | None = None) -> LayerSpec:
-    """The spec of a layer whose attention has qkv_proj, o_proj, q_norm, k_norm, rotary and a
-    PagedAttention `attn`, and whose MLP has gate_up_proj, down_proj and a gated `act`, or is a
-    mixture of experts that describes itself (`moe_spec()`, with its experts' gated `act`)."""
+                 mlp_out_norm: nn.Module | None = None, *, parallel_residual: bool = False,
+                 residual_scale: float = 1.0) -> LayerSpec:
+    """The spec of a layer whose attention has qkv_proj, o_proj, q_norm, k_norm (and
+    qk_norm_whole), rotary and a PagedAttention `attn`, and whose MLP has gate_up_proj,
+    down_proj and a gated `act`, or is a mixture of experts that describes itself
+    (`moe_spec()`, with its experts' gated `act`)."""
     attn = self_attn.attn
     moe = mlp.moe_spec() if hasattr(mlp, "moe_spec") else None
     gate_up, down = (None, None) if moe is not None else (mlp.gate_up_proj, mlp.down_proj)
@@ -129,4 +138,6 @@ def decoder_spec(self_attn: nn.Module, mlp: nn.Module, norm_kind: NormKind,
         norm_kind, attn_in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm,
         self_attn.q_norm, self_attn.k_norm, self_attn.qkv_proj, self_attn.o_proj,
         gate_up, down, _GATED.get(act), attn, self_attn.rotary,
-        attn.scale, attn.sliding_window or None, attn.softcap or None, moe, act=act)
+        attn.scale, attn.sliding_window or None, attn.softcap or None, moe,
+        parallel_residual=parallel_residual, act=act, residual_scale=residual_scale,
+        qk_norm_whole=getattr(self_attn, "qk_norm_whole", False))

@@ -127,6 +127,29 @@ def test_safetensors_llama_rank_reads_and_holds_its_slices(tmp_path, smollm_orac
     _assert_reads_are_shares(whole, ranks, exact_sum=True)
 
 
+def test_pairwise_rope_rows_are_reordered_within_each_ranks_heads(tmp_path,
+                                                                  smollm_oracle_folder,
+                                                                  monkeypatch):
+    """GLM-4's q/k rows, reordered for rotate-half RoPE (a lazy index_select), are cut per rank
+    like any others: each rank reads only its share and holds its slice of the whole model."""
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "glm4")
+    full, whole = _load(folder, RankPlacement(0), monkeypatch)
+    ranks = []
+    for r in (0, 1):
+        model, reads = _load(folder, RankPlacement(r, tp_size=2), monkeypatch)
+        assert _assert_rank_holds_slices(full, model, r) > 10
+        ranks.append(reads)
+    # a read is recorded at its largest: the packed gate_up's two parts are two reads a rank
+    _assert_reads_are_shares(whole, ranks, exact_sum=False)
+
+
+def test_norms_over_all_heads_refuse_tensor_parallelism(tmp_path, smollm_oracle_folder,
+                                                        monkeypatch):
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "olmo2")
+    with pytest.raises(NotImplementedError, match="Olmo2ForCausalLM under tensor parallelism"):
+        _load(folder, RankPlacement(0, tp_size=2), monkeypatch)
+
+
 def test_gguf_rank_reads_and_holds_its_slices(smollm_gguf, empty_cache, monkeypatch):
     """SmolLM2 (Q4_1 blocks, a Q8_0 embedding; q/k rows unpermuted per head, 3 KV heads split
     1 | 2), dequantized to float32 without decode copies."""

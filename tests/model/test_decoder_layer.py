@@ -12,17 +12,19 @@ from torch import nn
 
 from octavo.model import registry
 from octavo.model.decoder_layer import DecoderLayer
-from octavo.model.models import gemma, gpt2, gpt_neox, llama, moe
+from octavo.model.models import cohere, gemma, glm, gpt2, gpt_neox, granite, llama, moe, olmo2
+from octavo.model.models import starcoder2
 
-FAMILIES = (llama, gemma, gpt2, gpt_neox, moe)
+FAMILIES = (llama, gemma, gpt2, gpt_neox, moe, granite, olmo2, starcoder2, cohere, glm)
 
 
 def test_no_family_writes_a_layer_forward_beside_its_description():
     layers = [obj for mod in FAMILIES for obj in vars(mod).values()
               if isinstance(obj, type) and issubclass(obj, DecoderLayer)
               and obj is not DecoderLayer]
-    assert {c.__name__ for c in layers} >= {"LlamaDecoderLayer", "GemmaDecoderLayer",
-                                            "GPT2Block", "NeoXLayer", "MoeDecoderLayer"}
+    assert {c.__name__ for c in layers} >= {
+        "LlamaDecoderLayer", "GemmaDecoderLayer", "GPT2Block", "NeoXLayer", "MoeDecoderLayer",
+        "Olmo2DecoderLayer", "Starcoder2DecoderLayer", "CohereDecoderLayer", "GlmDecoderLayer"}
     for cls in layers:
         assert cls.forward is DecoderLayer.forward, cls.__name__
     for mod in FAMILIES:  # only the models (ids -> hidden states) run modules themselves

@@ -61,6 +61,24 @@ CASES = {
     "qwen3-moe-unnormalized": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
         "decoder_sparse_step": 2}),
+    # o_proj and MLP biases (attention_bias covers o_proj in Llama; mlp_bias)
+    "llama-biases": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True,
+                                                          "mlp_bias": True}),
+    # Llama's layers with multipliers: embeddings, residual branches, attention, logits
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {
+        "logits_scaling": 4.0, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
+        "attention_multiplier": 0.1}),
+    # norms after each sublayer only; q/k norms over all heads
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # LayerNorms with biases, a plain GELU MLP, biases everywhere, a window, tied embeddings
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 32}),
+    # one LayerNorm without bias for a parallel block, RoPE on adjacent pairs, logit scale
+    "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.5}),
+    "cohere-qk-norm": ("CohereConfig", "CohereForCausalLM", {"use_qk_norm": True}),
+    # RoPE on adjacent pairs of half of each head, q/k/v bias without o bias; GLM-4's sandwich
+    "glm": ("GlmConfig", "GlmForCausalLM", {"head_dim": 16, "num_key_value_heads": 1,
+                                          "pad_token_id": 0}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 32, "pad_token_id": 0}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
         **_GEMMA, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_GEMMA, "rope_parameters": {
@@ -148,3 +166,30 @@ def test_generation_config_sets_request_defaults(tmp_path, smollm_oracle_folder)
     outs = [llm.generate([prompt], use_tqdm=False)[0] for _ in range(2)]
     got = outs[0].outputs[0].token_ids
     assert got == outs[1].outputs[0].token_ids == expected[:len(got)] and len(got) >= 1
+
+
+def test_internlm3_runs_as_llama_with_its_bias_keys(tmp_path, smollm_oracle_folder, monkeypatch):
+    """InternLM 3 (its modeling code is the checkpoint's own, not in transformers) is Llama with
+    q/k/v biases set by `qkv_bias` and an o_proj bias by `bias`: a Llama with both biases,
+    saved under InternLM 3's architecture and keys, gives Llama's logprobs and tokens."""
+    import json
+
+    monkeypatch.setitem(CASES, "internlm3", ("LlamaConfig", "LlamaForCausalLM",
+                                             {"attention_bias": True}))
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "internlm3")
+    config = json.loads((folder / "config.json").read_text())
+    del config["attention_bias"]
+    config.update(architectures=["InternLM3ForCausalLM"], model_type="internlm3",
+                  qkv_bias=True, bias=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    prompt = list(range(300, 340))
+    with torch.inference_mode():
+        ref_lp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0, -1].float(), -1)
+        expected = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
+                                pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                logprobs=1), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected
+    first = out.logprobs[0][expected[0]].logprob
+    assert abs(first - ref_lp[expected[0]].item()) < 1e-4

@@ -19,13 +19,14 @@ _COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidde
 
 # config class, model class, config fields: each with what sets it apart
 CASES = {
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),  # q/k norms over all heads, post-norms
-    "granite": ("GraniteConfig", "GraniteForCausalLM", {  # multipliers, logits scaled down
-        "logits_scaling": 4.0, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
-        "attention_multiplier": 0.1}),
-    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}),  # LayerNorm, biases, tied
-    "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.5}),  # parallel block
-    "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16, "partial_rotary_factor": 0.5}),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {  # OLMo 2's layers with windows
+        "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", {  # LayerNorm1P, squared ReLU
+        "partial_rotary_factor": 0.5}),
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),  # a plain ReLU-squared MLP
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 16}),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {  # windows; global layers without RoPE
+        "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}),
     "phi": ("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5}),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),  # layers without RoPE
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {  # a window shorter than the prompt
@@ -126,19 +127,19 @@ def test_backend_architectures_are_those_whose_code_takes_octavo_attention(monke
     from octavo.model import registry
 
     monkeypatch.setattr(registry, "causal_lm_architectures", lambda: {
-        "Olmo2ForCausalLM", "FalconForCausalLM", "LlamaForCausalLM", "NoSuchForCausalLM"})
+        "Olmo3ForCausalLM", "FalconForCausalLM", "LlamaForCausalLM", "NoSuchForCausalLM"})
     # Falcon's code takes no external attention; Llama has a native file
-    assert registry.backend_architectures() == ["Olmo2ForCausalLM"]
+    assert registry.backend_architectures() == ["Olmo3ForCausalLM"]
 
 
 def test_what_the_backend_refuses(tmp_path, smollm_oracle_folder):
-    tiny_model(tmp_path / "olmo2", smollm_oracle_folder, "Olmo2Config", "Olmo2ForCausalLM")
-    with pytest.raises(ValueError, match="LoRA adapters are not supported on Olmo2"):
-        LLM(str(tmp_path / "olmo2"), enable_lora=True)
+    tiny_model(tmp_path / "olmo3", smollm_oracle_folder, "Olmo3Config", "Olmo3ForCausalLM")
+    with pytest.raises(ValueError, match="LoRA adapters are not supported on Olmo3"):
+        LLM(str(tmp_path / "olmo3"), enable_lora=True)
     with pytest.raises(NotImplementedError, match="cannot take an external attention"):
         model_class("FalconForCausalLM")
     with pytest.raises(NotImplementedError, match="no native file in octavo"):
-        model_class("Olmo2ForCausalLM", "octavo")
+        model_class("Olmo3ForCausalLM", "octavo")
     with pytest.raises(NotImplementedError, match="not a decoder-only"):
         model_class("BertForMaskedLM", "transformers")
     assert model_class("LlamaForCausalLM", "transformers").__name__ == "TransformersForCausalLM"

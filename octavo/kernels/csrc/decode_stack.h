@@ -4,8 +4,9 @@
 // around each of them (about 3 ms a step for a 30-layer model, a third of a batch-1 decode step).
 // octavo/model/decode_stack.py builds it from each layer's description (octavo/model/
 // layer_spec.py) and checks what it supports: RMSNorm, Gemma's 1 + w and LayerNorm, placed before
-// each sublayer or around it, sequential or parallel residuals, RoPE over all or part of a head
-// or none, dense gated or plain MLPs and mixtures of experts.
+// each sublayer, after it or both, sequential or parallel residuals (scaled or not), q/k norms
+// per head or over all heads, RoPE over all or part of a head or none, dense gated or plain MLPs
+// and mixtures of experts.
 // Included by cpu_ops.cpp after the kernels and StackLinear it calls (one translation unit).
 #pragma once
 
@@ -56,25 +57,32 @@ class DecodeStack : public torch::CustomClassHolder {
     layers_.push_back(std::move(l));
   }
 
-  // weights: [attn_in, attn_out, mlp_in, mlp_out, q_norm, k_norm], None where absent (the two
-  // before the sublayers are always there); biases: LayerNorm's, for the first four.
+  // weights: [attn_in, attn_out, mlp_in, mlp_out, q_norm, k_norm], None where absent; biases:
+  // LayerNorm's, for the first four (None: a LayerNorm without one). whole_qk_norm: q_norm and
+  // k_norm span all of a token's heads; residual_scale: each sublayer's output is scaled by it.
   void set_norms(const std::string& kind, std::vector<std::optional<at::Tensor>> weights,
-                 std::vector<std::optional<at::Tensor>> biases, bool parallel_residual) {
+                 std::vector<std::optional<at::Tensor>> biases, bool parallel_residual,
+                 bool whole_qk_norm, double residual_scale) {
     StackLayer& l = building();
-    TORCH_CHECK(weights.size() == 6 && biases.size() == 4 && weights[kAttnIn] &&
-                weights[kMlpIn], "norms: six weights (four biases), those before sublayers set");
+    TORCH_CHECK(weights.size() == 6 && biases.size() == 4, "norms: six weights, four biases");
     l.norm_kind = stack_norm_kind(kind);
     const bool layer_norm = l.norm_kind == StackNormKind::kLayer;
     for (int i = 0; i < 4; ++i) {
-      if (weights[i]) l.norm_w[i] = *weights[i];
-      if (biases[i]) l.norm_b[i] = *biases[i];
-      TORCH_CHECK(layer_norm ? weights[i].has_value() == biases[i].has_value() : !biases[i],
-                  "LayerNorm weights come with biases, other norms have none");
+      l.norm_w[i] = weights[i] ? *weights[i] : at::Tensor();  // a call after a refused one
+      l.norm_b[i] = biases[i] ? *biases[i] : at::Tensor();    // starts over
+      TORCH_CHECK((layer_norm && weights[i]) || !biases[i],
+                  "a bias comes with a LayerNorm's weight, other norms have none");
     }
-    if (weights[4]) l.q_norm = *weights[4];
-    if (weights[5]) l.k_norm = *weights[5];
+    l.whole_qk_norm = whole_qk_norm;
+    l.residual_scale = residual_scale;
+    l.q_norm = weights[4] ? *weights[4] : at::Tensor();
+    l.k_norm = weights[5] ? *weights[5] : at::Tensor();
     TORCH_CHECK(!layer_norm || (!l.q_norm.defined() && !l.k_norm.defined()),
                 "q/k norms are RMS norms");
+    TORCH_CHECK(!l.q_norm.defined() ||
+                (l.q_norm.numel() == (whole_qk_norm ? heads_ : 1) * head_dim_ &&
+                 l.k_norm.numel() == (whole_qk_norm ? kv_heads_ : 1) * head_dim_),
+                "q/k norm weights span a head, or all of a token's heads where whole");
     for (const auto& n : {l.norm_w[0], l.norm_w[1], l.norm_w[2], l.norm_w[3], l.q_norm, l.k_norm})
       TORCH_CHECK(!n.defined() || (n.is_contiguous() && (l.norm_kind != StackNormKind::kOnePlus ||
                                                          n.scalar_type() == at::kFloat)),
@@ -213,7 +221,7 @@ class DecodeStack : public torch::CustomClassHolder {
               rope ? l.cos.size(1) : 0, positions.data_ptr<int64_t>(),
               rope ? l.cos.data_ptr<float>() : nullptr, rope ? l.sin.data_ptr<float>() : nullptr,
               weight_of<scalar_t>(l.q_norm, one_plus), weight_of<scalar_t>(l.k_norm, one_plus),
-              static_cast<float>(eps_),
+              l.whole_qk_norm, static_cast<float>(eps_),
               l.fp8_cache ? nullptr : l.k_cache.data_ptr<scalar_t>(),
               l.fp8_cache ? nullptr : l.v_cache.data_ptr<scalar_t>(),
               slot_mapping.data_ptr<int64_t>());
@@ -238,6 +246,7 @@ class DecodeStack : public torch::CustomClassHolder {
       }
       auto o = row_parallel(l.o, attn.view({t, q_size}), lora);
       if (l.norm_w[kAttnOut].defined()) o = norm(l, o, kAttnOut);
+      if (l.residual_scale != 1.0) o = o * l.residual_scale;
       at::Tensor mlp_x;
       if (l.parallel_residual) {  // x + attn + mlp(norm(x)): the MLP reads x before attn joins
         mlp_x = norm(l, x, kMlpIn);
@@ -247,6 +256,7 @@ class DecodeStack : public torch::CustomClassHolder {
       }
       pending = mlp(l, mlp_x, lora);
       if (l.norm_w[kMlpOut].defined()) pending = norm(l, pending, kMlpOut);
+      if (l.residual_scale != 1.0) pending = pending * l.residual_scale;
     }
     if (pending.defined()) x += pending;
     return x;
@@ -360,8 +370,11 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // The layer's norm at `place` of x [rows, width] (rows may be apart by more than width: a
   // narrowed projection).
+  // Where the layer has no norm at `place`, a copy of x (the residual stream changes in place
+  // while the copy is read).
   at::Tensor norm(const StackLayer& l, const at::Tensor& x, StackNormPlace place) const {
     TORCH_CHECK(x.stride(1) == 1);
+    if (!l.norm_w[place].defined()) return x.clone();
     if (l.norm_kind == StackNormKind::kLayer)
       return at::layer_norm(x, {x.size(1)}, l.norm_w[place], l.norm_b[place], eps_);
     const bool one_plus = l.norm_kind == StackNormKind::kOnePlus;
@@ -383,7 +396,7 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor add_norm(const StackLayer& l, at::Tensor& x, const at::Tensor& delta,
                       StackNormPlace place) const {
     TORCH_CHECK(delta.stride(1) == 1 && delta.scalar_type() == x.scalar_type());
-    if (l.norm_kind == StackNormKind::kLayer) {
+    if (l.norm_kind == StackNormKind::kLayer || !l.norm_w[place].defined()) {
       x += delta;
       return norm(l, x, place);
     }

@@ -168,7 +168,8 @@ void add_rms_norm_typed(T* x, const T* delta, int64_t delta_stride, NormWeight<T
   });
 }
 
-// The q and k heads of a fused qkv row normed (the q_norm / k_norm of Qwen3 and Gemma 3, when
+// The q and k heads of a fused qkv row normed (the q_norm / k_norm of Qwen3 and Gemma 3 per
+// head, or of OLMo 2 over all of the token's q and all of its k heads where `whole_norm`, when
 // given) and rotated in place, and the k and v rows written to their cache slots: what rms_norm,
 // rotary_typed and write_rows do, without a tensor view per head group. qkv rows are `stride`
 // apart; the cache is T, like the activations (null caches: the caller writes them, an fp8
@@ -177,8 +178,9 @@ void add_rms_norm_typed(T* x, const T* delta, int64_t delta_stride, NormWeight<T
 template <typename T>
 void rope_write_kv_typed(T* qkv, int64_t tokens, int64_t stride, int64_t heads, int64_t kv_heads,
                          int64_t dim, int64_t half, const int64_t* pos, const float* cos,
-                         const float* sin, NormWeight<T> q_norm, NormWeight<T> k_norm, float eps,
-                         T* k_cache, T* v_cache, const int64_t* slots) {
+                         const float* sin, NormWeight<T> q_norm, NormWeight<T> k_norm,
+                         bool whole_norm, float eps, T* k_cache, T* v_cache,
+                         const int64_t* slots) {
   const int64_t kv_width = kv_heads * dim;
   // A prefill's thousands of tokens are split between the threads; a decode step's few run
   // inline (no fork).
@@ -187,10 +189,14 @@ void rope_write_kv_typed(T* qkv, int64_t tokens, int64_t stride, int64_t heads, 
       T* row = qkv + t * stride;
       const float* c = cos + pos[t] * half;
       const float* s = sin + pos[t] * half;
+      if (whole_norm) {  // norm_row reads a row whole before it writes: in place is safe
+        if (q_norm.defined()) norm_row(q_norm, row, row, heads * dim, eps);
+        if (k_norm.defined()) norm_row(k_norm, row + heads * dim, row + heads * dim, kv_width, eps);
+      }
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         T* head = row + h * dim;
         const NormWeight<T>& norm = h < heads ? q_norm : k_norm;
-        if (norm.defined()) norm_row(norm, head, head, dim, eps);
+        if (norm.defined() && !whole_norm) norm_row(norm, head, head, dim, eps);
         rotate_half(head, c, s, half);
       }
       if (k_cache == nullptr) continue;

@@ -10,7 +10,8 @@
 #include <vector>
 
 // How a layer's norms apply their weights: RMSNorm (x / rms(x) * w, rounded to the dtype first),
-// Gemma's (1 + w in float32, one rounding), or LayerNorm with a bias (GPT-NeoX, GPT-2).
+// Gemma's (1 + w in float32, one rounding), or LayerNorm with a bias (GPT-NeoX, GPT-2) or
+// without (Cohere).
 enum class StackNormKind { kRms, kOnePlus, kLayer };
 
 inline StackNormKind stack_norm_kind(const std::string& name) {
@@ -59,11 +60,14 @@ enum StackNormPlace { kAttnIn = 0, kAttnOut = 1, kMlpIn = 2, kMlpOut = 3 };
 
 struct StackLayer {
   StackNormKind norm_kind = StackNormKind::kRms;
-  // Weights (and LayerNorm's biases) of the norms before each sublayer, and after each where
-  // the layer has them (Gemma's sandwich; else undefined): 1 + w in float32 for kOnePlus.
+  // Weights (and LayerNorm's biases) of the norms before each sublayer and after each, where
+  // the layer has them (undefined: none; Gemma has all four, OLMo 2 only those after):
+  // 1 + w in float32 for kOnePlus.
   std::array<at::Tensor, 4> norm_w, norm_b;
-  at::Tensor q_norm, k_norm;  // per head before the rotation (Qwen3, Gemma 3), else undefined
+  at::Tensor q_norm, k_norm;  // before the rotation (Qwen3, Gemma 3, OLMo 2), else undefined
+  bool whole_qk_norm = false;  // q_norm / k_norm span all of a token's heads, not one (OLMo 2)
   bool parallel_residual = false;  // the MLP reads the layer's input, as attention does (NeoX)
+  double residual_scale = 1.0;     // each sublayer's output times this before the add (Granite)
   StackLinear qkv, o, gate_up, down;  // gate_up and down: a dense MLP's
   std::optional<StackMoe> moe;        // else the mixture of experts
   bool gated = true;

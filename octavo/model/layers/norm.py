@@ -1,4 +1,5 @@
-"""RMSNorm (plain and Gemma's 1 + w), computed in float32 as the reference implementations do."""
+"""RMSNorm (plain and Gemma's 1 + w) and a per-head LayerNorm (Cohere's q/k norms), computed in
+float32 as the reference implementations do."""
 from __future__ import annotations
 
 import torch
@@ -36,3 +37,20 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return one_plus_rms_norm(x, self.plus_one(), self.eps)
+
+
+class HeadLayerNorm(nn.Module):
+    """LayerNorm over each head's features, without a bias, with a weight per head ([heads,
+    head_dim]), in float32 and rounded once (Cohere's q/k norms)."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(heads, head_dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim]"""
+        xf = x.float()
+        xf = xf - xf.mean(-1, keepdim=True)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)

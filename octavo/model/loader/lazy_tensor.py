@@ -1,11 +1,12 @@
 """Checkpoint tensors read only where they are used.
 
 The weight loaders yield each matrix as a `LazyTensor`: its shape and dtype, no data. The layers
-cut a tensor-parallel rank's share with `.narrow`, basic slicing, `.t()` or reshapes of the
-leading dimensions (a per-head row reordering), which give another lazy tensor over fewer rows or
-columns; anything else (`copy_`, `torch.cat`, `.float()`, a quant method's arithmetic) reads just
-the selected region from the file and runs on the plain tensor it gives. So a rank only ever reads
-its own rows and columns, and a tensor nobody uses (another pipeline stage's) is never read.
+cut a tensor-parallel rank's share with `.narrow`, basic slicing, `.t()`, reshapes of the
+leading dimensions or `index_select` along them (a per-head row reordering), which give another
+lazy tensor over fewer rows or columns; anything else (`copy_`, `torch.cat`, `.float()`, a
+quant method's arithmetic) reads just the selected region from the file and runs on the plain
+tensor it gives. So a rank only ever reads its own rows and columns, and a tensor nobody uses
+(another pipeline stage's) is never read.
 
 A lazy tensor is a view of a matrix [rows, columns] that a `RegionReader` reads by rectangles:
 a checkpoint tensor's leading dimensions flattened into rows, its last one the columns. The view
@@ -188,6 +189,18 @@ class LazyTensor(torch.Tensor):
             return NotImplemented  # it would move columns between rows: read first
         return self._with(rows=self._rows.reshape(shape[:-1]))
 
+    def _index_select(self, dim: int, index: torch.Tensor) -> LazyTensor:
+        """Rows picked (and reordered) along a row dimension: a per-head row permutation."""
+        ndim = self._rows.ndim + 1
+        dim = dim + ndim if isinstance(dim, int) and dim < 0 else dim
+        axis = self._row_axis(dim) if isinstance(dim, int) and 0 <= dim < ndim else None
+        if axis is None or not isinstance(index, torch.Tensor) or index.dim() != 1:
+            return NotImplemented
+        picked = index.numpy()
+        if picked.size and (picked.min() < 0 or picked.max() >= self._rows.shape[axis]):
+            return NotImplemented  # let torch say which index is out of range
+        return self._with(rows=np.take(self._rows, picked, axis=axis))
+
     def _shape(self) -> tuple[int, ...]:
         shape = (*self._rows.shape, self._cols[1] - self._cols[0])
         return shape[::-1] if self._transposed else shape
@@ -244,5 +257,6 @@ _VIEWS = {
     _T.swapaxes: LazyTensor._transpose, torch.swapaxes: LazyTensor._transpose,
     _T.t: LazyTensor._t, torch.t: LazyTensor._t, _T.T.__get__: LazyTensor._t,
     _T.reshape: LazyTensor._reshape, torch.reshape: LazyTensor._reshape,
+    _T.index_select: LazyTensor._index_select, torch.index_select: LazyTensor._index_select,
     _T.__hash__: _hash,
 }

@@ -139,6 +139,7 @@ class EncoderModel(CheckpointModel):
 
 class CausalLM(CheckpointModel):
     final_logit_softcap: float | None = None
+    logit_scale: float = 1.0  # the logits times this (Cohere's logit_scale, Granite's 1 / scaling)
 
     def make_lm_head(self, embedding: Embedding) -> LMHead:
         """The output projection, sharing `embedding`'s weights when the config ties them."""
@@ -152,6 +153,8 @@ class CausalLM(CheckpointModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
         if self.final_logit_softcap:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits
