@@ -29,6 +29,11 @@ GGUF_ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
+    "command-r": "CohereForCausalLM",
+    "glm4": "Glm4ForCausalLM",
 }
 # ... and the one it registers under when the file holds stacked expert tensors.
 GGUF_EXPERT_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
@@ -393,6 +398,19 @@ def _from_gguf(source: ModelSource) -> ArchConfig:
     elif arch == "gptneox":  # the activations are the Hugging Face defaults; GGUF names none
         cfg.update(hidden_act="gelu", extra={
             "use_parallel_residual": meta.get(f"{arch}.use_parallel_residual", True)})
+    elif arch == "granite":  # the Hugging Face names of its four scales
+        cfg["extra"] = {hf: meta[f"{arch}.{key}"] for hf, key in (
+            ("embedding_multiplier", "embedding_scale"), ("residual_multiplier", "residual_scale"),
+            ("attention_multiplier", "attention.scale"), ("logits_scaling", "logit_scale"))
+            if meta.get(f"{arch}.{key}") is not None}
+    elif arch == "starcoder2":
+        cfg.update(hidden_act="gelu_pytorch_tanh",
+                   extra={"use_bias": "blk.0.attn_q.bias" in tensors})
+    elif arch == "command-r":
+        cfg["extra"] = {"logit_scale": meta.get(f"{arch}.logit_scale", 1.0),
+                        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
+    elif arch == "glm4":  # RoPE on rope.dimension_count features (half of a head by default)
+        cfg["extra"] = {"partial_rotary_factor": (rope_dims or head_dim // 2) / head_dim}
     elif arch == "gpt2":
         pos = tensors.get("position_embd.weight")
         if pos is None:

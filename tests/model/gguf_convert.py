@@ -2,7 +2,8 @@
 
 It lays tensors and metadata out the way llama.cpp's converter does, taking tensor names from the
 gguf package's own TensorNameMap (so octavo's loader is checked against the names real files
-use, not against its own table): q/k rows permuted for the llama architecture, Gemma norms stored
+use, not against its own table): q/k rows permuted for the llama and granite architectures,
+their scales as Granite's and Cohere's keys, Gemma norms stored
 as 1 + w, GPT-2's Conv1D weights transposed to [out, in] and its head written as a copy of the
 embedding, GPT-NeoX's per-head q/k/v regrouped into q | k | v, MoE experts stacked per
 projection, the shared-expert gate as a vector, and RoPE factors as tensors (rope_freqs for
@@ -19,7 +20,15 @@ import numpy as np
 _ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen3": gguf.MODEL_ARCH.QWEN3,
           "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3,
           "gptneox": gguf.MODEL_ARCH.GPTNEOX, "gpt2": gguf.MODEL_ARCH.GPT2,
-          "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE}
+          "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
+          "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2,
+          "starcoder2": gguf.MODEL_ARCH.STARCODER2, "command-r": gguf.MODEL_ARCH.COMMAND_R,
+          "glm4": gguf.MODEL_ARCH.GLM4}
+# llama.cpp's converter permutes q/k rows for these (its LlamaModel and subclasses); Cohere and
+# GLM-4 rotate adjacent pairs in Hugging Face's layout already, which llama.cpp reads as it is.
+_INTERLEAVED = ("llama", "granite")
+# LayerNorm families: llama.cpp writes layer_norm_epsilon, not the RMS one
+_LAYER_NORM = ("gptneox", "gpt2", "starcoder2", "command-r")
 _SKIP = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
 
@@ -57,7 +66,17 @@ def _metadata(w: gguf.GGUFWriter, arch: str, c, head_dim: int) -> None:
         w.add_layer_norm_eps(c.layer_norm_epsilon if gpt2 else c.layer_norm_eps)
     else:
         w.add_head_count_kv(c.num_key_value_heads)
+    if arch in ("starcoder2", "command-r"):
+        w.add_layer_norm_eps(getattr(c, "norm_epsilon", None) or c.layer_norm_eps)
+    elif arch not in _LAYER_NORM:
         w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch == "granite":
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_attention_scale(c.attention_multiplier)
+        w.add_logit_scale(c.logits_scaling)
+    elif arch == "command-r":
+        w.add_logit_scale(c.logit_scale)
     if getattr(c, "head_dim", None):
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
@@ -109,7 +128,7 @@ def _tensors(arch: str, model) -> dict[str, np.ndarray]:
             gname = names.get_name(hf, try_suffixes=(".weight", ".bias"))
             if gname is None:
                 raise KeyError(f"gguf has no name for {hf} ({arch})")
-            if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            if arch in _INTERLEAVED and gname.endswith(("attn_q.weight", "attn_k.weight")):
                 t = _interleave(t, heads if "attn_q" in gname else kv_heads)
             elif arch == "gemma3" and hf.endswith("norm.weight"):
                 t = t + 1

@@ -7,7 +7,8 @@ factors as tensors and partial rotary; GPT-NeoX's regrouped q/k/v, biases and th
 use_parallel_residual key; GPT-2's transposed Conv1D weights and learned positions; Mixtral as a
 llama GGUF with stacked experts (and permuted q/k); Qwen2-MoE's shared expert (its gate stored as
 a vector) and unnormalized top-k; Qwen3-MoE's renormalized top-k; Llama 3.1 RoPE scaling as
-rope_freqs.
+rope_freqs; Granite's scales as keys, OLMo 2's post-norms, StarCoder 2's LayerNorms and plain
+MLP, Command R's per-head q/k norms and logit scale, GLM-4's packed gate_up and sandwich norms.
 """
 from __future__ import annotations
 
@@ -43,6 +44,19 @@ CASES = {
     "qwen3moe": ("qwen3moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 32,
         "norm_topk_prob": True}, "Qwen3MoeForCausalLM"),
+    # four scales as granite.* keys, q/k permuted as llama's
+    "granite": ("granite", "GraniteConfig", "GraniteForCausalLM", {
+        "logits_scaling": 4.0, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
+        "attention_multiplier": 0.1}, "GraniteForCausalLM"),
+    "olmo2": ("olmo2", "Olmo2Config", "Olmo2ForCausalLM", {}, "Olmo2ForCausalLM"),
+    "starcoder2": ("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", {},
+                   "Starcoder2ForCausalLM"),
+    # per-head q/k norms and the logit scale; pairwise RoPE kept as Hugging Face has it
+    "command-r": ("command-r", "CohereConfig", "CohereForCausalLM", {
+        "use_qk_norm": True, "logit_scale": 0.5}, "CohereForCausalLM"),
+    # packed gate_up, post-norms, rope.dimension_count of half a head
+    "glm4": ("glm4", "Glm4Config", "Glm4ForCausalLM", {"head_dim": 32, "pad_token_id": 0},
+             "Glm4ForCausalLM"),
 }
 
 

@@ -73,6 +73,12 @@ _LAYOUTS: dict[str, tuple[str, dict[str, str], dict[str, str]]] = {
         "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"},
         {"token_embd": "gpt_neox.embed_in", "output_norm": "gpt_neox.final_layer_norm",
          "output": "embed_out"}),
+    "Starcoder2ForCausalLM": ("model.layers", {**_LLAMA, "ffn_up": "mlp.c_fc",
+                                               "ffn_down": "mlp.c_proj"}, _LLAMA_GLOBAL),
+    # GLM-4's norms after each sublayer; its gate_up stays packed
+    "Glm4ForCausalLM": ("model.layers", {
+        **_LLAMA, "ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
+        "post_ffw_norm": "post_mlp_layernorm"}, _LLAMA_GLOBAL),
     "GPT2LMHeadModel": ("transformer.h", {
         "attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
         "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
@@ -80,13 +86,14 @@ _LAYOUTS: dict[str, tuple[str, dict[str, str], dict[str, str]]] = {
          "output_norm": "transformer.ln_f", "output": "lm_head"}),
 }
 _LAYOUTS["Gemma3ForCausalLM"] = _LAYOUTS["Gemma2ForCausalLM"]
-_DEFAULT_LAYOUT = ("model.layers", _LLAMA, _LLAMA_GLOBAL)  # Llama, Mistral, Qwen2, Qwen3
+# Llama, Mistral, Qwen2, Qwen3, Granite, OLMo 2 (post-norms only), Cohere
+_DEFAULT_LAYOUT = ("model.layers", _LLAMA, _LLAMA_GLOBAL)
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # Read into ArchConfig.rope_scaling, not parameters.
 _ROPE_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 # Architectures whose converter permuted q/k rows for llama.cpp's interleaved RoPE.
-_PERMUTED_QK = {"llama", "mistral"}
+_PERMUTED_QK = {"llama", "mistral", "granite"}
 # Architectures whose RMSNorm scales by (1 + w): llama.cpp's converter stores 1 + w.
 _NORM_PLUS_ONE = {"gemma2", "gemma3"}
 _CONV1D = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")  # GPT-2's [in, out] weights

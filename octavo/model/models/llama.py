@@ -27,6 +27,11 @@ from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding, make_rotary, pairs_to_halves
 from octavo.model.models.base import QKV_GATE_UP, CausalLM
 from octavo.model.pipeline import is_last_stage, stage_layers
+from octavo.model.quant.gguf import CODE8_KINDS, CODE_KINDS
+
+
+# Tensors with one row per output feature, which a reordering of q/k rows reorders alike.
+_OUTPUT_ROW_KINDS = ("weight", "bias", *CODE_KINDS, *CODE8_KINDS)
 
 
 def output_bias(cfg: ArchConfig) -> bool:
@@ -154,11 +159,12 @@ class LlamaForCausalLM(CausalLM):
         module, kind = name.split(".")[-2:]
         if not self.pairwise_rope or module not in ("q_proj", "k_proj", "q_norm", "k_norm"):
             return tensor
-        if kind not in ("weight", "bias"):
+        if kind not in _OUTPUT_ROW_KINDS:
             raise NotImplementedError(
                 f"{name}: {self.cfg.architecture} rotates adjacent feature pairs, for which "
-                f"octavo reorders q/k rows at load; it does that for dense weights, not packed "
-                f"{kind!r} tensors (load the unquantized checkpoint, or --quantization)")
+                f"octavo reorders q/k rows at load; it does that for tensors with a row per "
+                f"output feature (dense weights, biases, a GGUF's codes), not packed {kind!r} "
+                f"tensors (load the unquantized checkpoint, or --quantization)")
         # rows of heads along dim 0 (a per-head norm's weight [heads, head_dim]: flattened)
         rows = tensor.reshape(-1) if module.endswith("norm") else tensor
         cfg = self.cfg
