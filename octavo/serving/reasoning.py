@@ -2,7 +2,8 @@
 
 - `deepseek_r1`: everything up to `</think>` is reasoning. The `<think>` start tag is optional,
   because the chat template may already have put it in the prompt.
-- `qwen3`: reasoning only when the output starts with `<think>`; without it, all is content.
+- `qwen3` and `glm45`: reasoning only when the output starts with `<think>`; without it, all is
+  content.
 
 A parser is fed text deltas (`feed`, then `finish` once) and returns `ReasoningDelta`s, reasoning
 text before content text; `parse` reads a whole output with the same state machine. Text that may
@@ -155,8 +156,14 @@ class Qwen3ReasoningParser(ReasoningParser):
     start_required = True
 
 
+class Glm45ReasoningParser(ReasoningParser):
+    name = "glm45"
+    start_required = True
+
+
 REASONING_PARSERS: MappingProxyType[str, type[ReasoningParser]] = MappingProxyType({
-    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser,
+                              Glm45ReasoningParser)
 })
 
 

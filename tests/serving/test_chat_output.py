@@ -47,11 +47,11 @@ def stream(p, pieces):
 
 def test_flags_are_checked_by_name():
     with pytest.raises(ValueError, match="tool_call_parser: unknown parser 'herms'; choose one "
-                                         "of deepseek_v3, deepseek_v31, hermes, kimi_k2, "
+                                         "of deepseek_v3, deepseek_v31, glm45, hermes, kimi_k2, "
                                          "llama3_json, mistral, pythonic, qwen3_coder"):
         ChatParsers.from_flags("herms", True, None)
     with pytest.raises(ValueError, match="reasoning_parser: unknown parser 'r1'; choose one of "
-                                         "deepseek_r1, qwen3"):
+                                         "deepseek_r1, glm45, qwen3"):
         ChatParsers.from_flags(None, False, "r1")
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         ChatParsers.from_flags(None, True, None)
@@ -153,14 +153,19 @@ def test_mistral_keeps_special_tokens():
     assert plan(AUTO).skip_special_tokens is None
 
 
-def test_a_parser_that_types_values_gets_the_request_tools():
-    """qwen3_coder reads parameter values as text and types them by the request's schemas:
-    the plan hands it the tools, streamed and whole alike."""
+@pytest.mark.parametrize("name, text", [
+    ("qwen3_coder", "<tool_call>\n<function=count>\n<parameter=n>\n12\n</parameter>\n"
+                    "<parameter=city>\n1999\n</parameter>\n<parameter=on>\nTrue\n</parameter>\n"
+                    "</function>\n</tool_call>"),
+    ("glm45", "<tool_call>count\n<arg_key>n</arg_key>\n<arg_value>12</arg_value>\n"
+              "<arg_key>city</arg_key>\n<arg_value>1999</arg_value>\n<arg_key>on</arg_key>\n"
+              "<arg_value>True</arg_value>\n</tool_call>")])
+def test_a_parser_that_types_values_gets_the_request_tools(name, text):
+    """qwen3_coder and glm45 read parameter values as text and type them by the request's
+    schemas: the plan hands them the tools, streamed and whole alike."""
     count = FunctionSpec("count", {"type": "object", "properties": {
         "n": {"type": "integer"}, "city": {"type": "string"}, "on": {"type": "boolean"}}})
-    p = plan(ChatParsers.from_flags("qwen3_coder", True, None), functions=(count,))
-    text = ("<tool_call>\n<function=count>\n<parameter=n>\n12\n</parameter>\n<parameter=city>\n"
-            "1999\n</parameter>\n<parameter=on>\nTrue\n</parameter>\n</function>\n</tool_call>")
+    p = plan(ChatParsers.from_flags(name, True, None), functions=(count,))
     want = '{"n": 12, "city": "1999", "on": true}'
     assert p.parse(text).tool_calls[0].arguments == want
     assert stream(p, list(text))[2] == {0: ["count", want]}

@@ -78,7 +78,7 @@ def test_random_outputs_and_splits(name, start_tag, reasoning, end_tag, content,
     parsed = cls.parse(text)
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
     assert stream(cls, split_at(text, cuts)) == (parsed.reasoning or "", parsed.content)
-    if name == "qwen3" and not start_tag:
+    if get_reasoning_parser(name).start_required and not start_tag:
         assert parsed == type(parsed)(None, text)
     elif end_tag:
         assert (parsed.reasoning, parsed.content) == (reasoning.strip(), content.lstrip())
@@ -119,7 +119,7 @@ def test_end_rule_from_token_ids():
 
 def test_unknown_parser_names_the_choices():
     with pytest.raises(ValueError, match="reasoning_parser: unknown parser 'r2'; "
-                                         "choose one of deepseek_r1, qwen3"):
+                                         "choose one of deepseek_r1, glm45, qwen3"):
         get_reasoning_parser("r2")
 
 

@@ -175,6 +175,28 @@ CASES["qwen3_coder"] = [  # without the request's schemas, every value stays tex
     Case("<tool_call>\n<function=f g>", "<tool_call>\n<function=f g>", []),
     Case("Use <function=f> tags", "Use <function=f> tags", []),
 ]
+G_CALL = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+          "<arg_key>days</arg_key>\n<arg_value>[1, 2]</arg_value>\n</tool_call>")
+CASES["glm45"] = [  # without the request's schemas, a value that spells a literal is one
+    Case(f"Let me check.\n{G_CALL}\n{G_CALL}", "Let me check.",
+         [("get_weather", {"city": "Paris", "days": [1, 2]})] * 2),
+    Case("<tool_call>f\n</tool_call> done", "done", [("f", {})]),
+    Case("<tool_call>f<arg_key>x</arg_key><arg_value>a < b</arg_value></tool_call>", "",
+         [("f", {"x": "a < b"})]),  # GLM-4.7: no newline after the name
+    Case("<tool_call>f\n<arg_key>code</arg_key>\n<arg_value>if a:\n  x = '</arg'"
+         "</arg_value>\n</tool_call>", "", [("f", {"code": "if a:\n  x = '</arg'"})]),
+    Case("<tool_call>f\n<arg_key>x</arg_key>\n<arg_value>1</arg_value>\n</function>",
+         "<tool_call>f\n<arg_key>x</arg_key>\n<arg_value>1</arg_value>\n</function>", [],
+         broken_stream=("</function>", '{"x": 1')),
+    # the closing tag missing at the end of the output is forgiven, a value cut off is not
+    Case("<tool_call>f\n<arg_key>x</arg_key>\n<arg_value>1</arg_value>\n", "",
+         [("f", {"x": 1})]),
+    Case("<tool_call>f\n<arg_key>x</arg_key>\n<arg_value>1", "<tool_call>f\n<arg_key>x"
+         "</arg_key>\n<arg_value>1", [], broken_stream=("", "{")),
+    Case('<tool_call>{"name": "f"}</tool_call>', '<tool_call>{"name": "f"}</tool_call>', []),
+    Case("<tool_call>get weather\n</tool_call>", "<tool_call>get weather\n</tool_call>", []),
+    Case("Use <arg_key> tags", "Use <arg_key> tags", []),
+]
 ALL = [(name, c) for name, cases in CASES.items() for c in cases]
 IDS = [f"{name}-{i}" for name, cases in CASES.items() for i in range(len(cases))]
 
@@ -278,6 +300,11 @@ def render(name: str, calls: list[tuple[str, dict]]) -> str:
             f"<tool_call>\n<function={n}>\n" + "".join(
                 f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
                 for k, v in a.items()) + "</function>\n</tool_call>\n" for n, a in calls)
+    if name == "glm45":
+        return "".join(
+            f"<tool_call>{n}\n" + "".join(
+                f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}"
+                "</arg_value>\n" for k, v in a.items()) + "</tool_call>\n" for n, a in calls)
     if name == "kimi_k2":
         return K_SEC + "".join(f"{K_CALL}functions.{n}:{i}{K_ARGS}{json.dumps(a)}{K_END}"
                                for i, (n, a) in enumerate(calls)) + K_SEC_END
@@ -302,9 +329,13 @@ def test_generated_calls_round_trip(name, before, calls, data):
     text = before + render(name, calls)
     cls = get_tool_parser(name)
     options = {}
-    if name == "qwen3_coder":  # values typed by the schemas; a value's edge newline is markup
-        assume(not any(isinstance(v, str) and (v[:1] == "\n" or v[-1:] == "\n")
-                       for _, a in calls for v in a.values()))
+    if name in ("qwen3_coder", "glm45"):  # values typed by the schemas
+        if name == "qwen3_coder":  # a value's edge newline is markup
+            assume(not any(isinstance(v, str) and (v[:1] == "\n" or v[-1:] == "\n")
+                           for _, a in calls for v in a.values()))
+        else:  # a value holds no closing tag
+            assume(not any(isinstance(v, str) and "</arg_value>" in v
+                           for _, a in calls for v in a.values()))
         properties: dict[str, dict] = {}  # one schema per function, as a request has
         for n, a in calls:
             for k, v in a.items():
@@ -332,7 +363,8 @@ def _json_type(value) -> str:
 FRAGMENTS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", K_SEC, K_CALL,
              K_ARGS, K_END, K_SEC_END, "functions.f:0", D_SEC, D_CALL, D_SEP, D_END, D_SEC_END,
              "function", "```json", "```", "<|tool_", "<｜tool▁", "<function=f>", "</function>",
-             "<parameter=x>", "</parameter>", "<function=", "<parameter",
+             "<parameter=x>", "</parameter>", "<function=", "<parameter", "<arg_key>",
+             "</arg_key>", "<arg_value>", "</arg_value>", "<arg_", "</arg",
              "<|python_tag|>", "<|python_start|>", "<|python_end|>", "{", "}", "[", "]", "(", ")",
              '"name"', '"arguments"', '"parameters"', '"type"', ": ", ", ", ";", '"f"', "f", "x=",
              "1", "null", '"a\\"b"', "'q'", '"""', "\n", " ", "text", "<", "<tool", "[TOOL"]
@@ -387,7 +419,7 @@ def test_a_possible_tag_is_held_back_until_decided():
 
 def test_unknown_parser_names_the_choices():
     with pytest.raises(ValueError, match="tool_call_parser: unknown parser 'nope'; choose one of "
-                                         "deepseek_v3, deepseek_v31, hermes, kimi_k2, "
+                                         "deepseek_v3, deepseek_v31, glm45, hermes, kimi_k2, "
                                          "llama3_json, mistral, pythonic, qwen3_coder"):
         get_tool_parser("nope")
 
