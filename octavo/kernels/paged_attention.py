@@ -200,19 +200,26 @@ def _group(members: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, st
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan,
                     scale: float, softcap: float | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, num_heads, head_dim] -> [T, num_heads, head_dim]. K/V must already be written.
     An fp8 cache holds k / k_scale and v / v_scale (one pair per layer): k_scale folds into the
-    softmax scale, v_scale into the output."""
+    softmax scale, v_scale into the output. sinks: a learned logit per head that joins each
+    softmax's denominator without a value (gpt-oss); the kernel's output o over keys of
+    log-sum-exp L becomes o * sigmoid(L - sink)."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, _, kvh, _ = kv_cache.shape
     out = torch.empty_like(q)
     if plan.decode is not None:
         d = plan.decode
+        lse = (None if sinks is None else
+               q.new_empty((num_tokens, num_heads), dtype=torch.float32))
         fused.decode_attention(out, q, kv_cache, d.token_index, d.block_table, d.seq_lens,
-                               scale * k_scale, softcap, d.window)
+                               scale * k_scale, softcap, d.window, lse)
         if v_scale != 1.0:
             out[d.token_index] *= v_scale
+        if sinks is not None:
+            kept = torch.sigmoid(lse[d.token_index] - sinks.float()).unsqueeze(-1)
+            out[d.token_index] = (out[d.token_index] * kept).to(out.dtype)
     if not plan.groups:
         return out
     q_padded = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
@@ -224,7 +231,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
         vg = _gather(v_flat, g.key_slots).to(q.dtype)
         if k_scale != 1.0 or v_scale != 1.0:
             kg, vg = kg * k_scale, vg * v_scale
-        if softcap is None and qg.shape[2] > 1:
+        if softcap is None and sinks is None and qg.shape[2] > 1:
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
                                                 is_causal=g.mask is None,
                                                 enable_gqa=kvh != num_heads)
@@ -233,7 +240,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
             if mask is None:
                 mask = torch.ones(qg.shape[2], kg.shape[2], dtype=torch.bool,
                                   device=q.device).tril()[None, None]
-            og = _matmul_attention(qg, kg, vg, mask, scale, softcap)
+            og = _matmul_attention(qg, kg, vg, mask, scale, softcap, sinks)
         og = og.transpose(1, 2)  # [R, Qmax, H, D]
         out[g.token_index[g.token_valid]] = og[g.token_valid]
     return out
@@ -249,7 +256,8 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      scale: float, softcap: float | None) -> torch.Tensor:
+                      scale: float, softcap: float | None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain matmul attention. The query heads of a KV head are folded into the query axis, so
     GQA needs no copy of K/V. On the CPU this beats SDPA for single-token (decode) queries by
     about 10x in bf16."""
@@ -265,5 +273,10 @@ def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(r, kvh, groups, q_len, -1).masked_fill(~mask.unsqueeze(1), float("-inf"))
-    probs = scores.softmax(-1).to(v.dtype).view(r, kvh, groups * q_len, -1)
+    if sinks is not None:  # one more logit per head in each softmax, dropped after it
+        sink = sinks.float().view(1, kvh, groups, 1, 1).expand(r, kvh, groups, q_len, 1)
+        scores = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    else:
+        scores = scores.softmax(-1)
+    probs = scores.to(v.dtype).view(r, kvh, groups * q_len, -1)
     return torch.matmul(probs, v).view(r, h, q_len, d).to(out_dtype)

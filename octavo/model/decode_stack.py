@@ -61,6 +61,10 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
         spec: LayerSpec = layer.spec()
         if spec.moe is not None and parallel_state.ep_dispatches():
             return "experts dispatched to other context-parallel ranks (all-to-all)"
+        if spec.attention.sinks is not None:
+            return "attention sinks"
+        if spec.moe is not None and getattr(spec.moe.fused, "w13_bias", None) is not None:
+            return "experts with biases"
         if spec.activation is None:
             return "an activation other than silu or gelu (tanh) gated, or silu, gelu or relu"
         if spec.rotary is not None and type(spec.rotary) not in (RotaryEmbedding,

@@ -20,6 +20,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "CohereForCausalLM": ("octavo.model.models.cohere", "CohereForCausalLM"),
     "GlmForCausalLM": ("octavo.model.models.glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("octavo.model.models.glm", "Glm4ForCausalLM"),
+    "GptOssForCausalLM": ("octavo.model.models.gpt_oss", "GptOssForCausalLM"),
     "GPTNeoXForCausalLM": ("octavo.model.models.gpt_neox", "GPTNeoXForCausalLM"),
     "GPT2LMHeadModel": ("octavo.model.models.gpt2", "GPT2LMHeadModel"),
     "MixtralForCausalLM": ("octavo.model.models.moe", "MixtralForCausalLM"),

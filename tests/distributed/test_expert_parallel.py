@@ -19,7 +19,7 @@ from tests.distributed.test_tensor_parallel import (NEW, PROMPT_LEN, _check, _pr
 from tests.parity.test_tiny_models import _build
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "qwen2-moe", "gpt-oss"])
 def test_two_expert_parallel_ranks_match_transformers(tmp_path, smollm_oracle_folder, name):
     folder, ref = _build(tmp_path, smollm_oracle_folder, name)
     prompt = _prompt()

@@ -286,7 +286,8 @@ def test_every_layout_keeps_its_codes_in_place(tmp_path, smollm_oracle_folder, m
                                                name):
     """Each architecture's row reorderings (GPT-NeoX's q/k/v regrouping, Mixtral's llama q/k
     permutation, GLM-4's pairwise-RoPE rows reordered at load), GPT-2's [out, in] Conv1D codes,
-    Phi-3's one qkv tensor and stacked MoE experts: with every block weight Q4_0, int4 in float32 equals the dense path."""
+    Phi-3's one qkv tensor and stacked MoE experts: with every block weight Q4_0, int4 in
+    float32 equals the dense path."""
     from tests.model.gguf_convert import write_gguf
     from tests.model.test_gguf_archs import CASES, _build
 

@@ -79,6 +79,15 @@ CASES = {
     "glm": ("GlmConfig", "GlmForCausalLM", {"head_dim": 16, "num_key_value_heads": 1,
                                           "pad_token_id": 0}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 32, "pad_token_id": 0}),
+    # YaRN: frequencies blended between interpolated and kept, cos/sin scaled
+    "qwen2-yarn": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 64}}),
+    # sinks, alternating 32-token windows under the 150-token prompt, YaRN, biased experts with
+    # the clamped SwiGLU (gate and up interleaved in the checkpoint), a biased router
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 32,
+        "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": 0}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
         **_GEMMA, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_GEMMA, "rope_parameters": {

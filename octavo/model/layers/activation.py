@@ -36,3 +36,16 @@ def gated_act(name: str):
         return act(gate) * up
 
     return act_and_mul
+
+
+def clamped_swiglu(alpha: float, limit: float):
+    """gpt-oss's gated activation on a packed [gate | up] projection: gate clamped above at
+    `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    def act(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return act

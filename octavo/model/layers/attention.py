@@ -8,13 +8,21 @@ from octavo.kernels.fused import write_kv
 from octavo.kernels.paged_attention import paged_attention
 from octavo.model import context_parallel
 from octavo.model.context import get_forward_context
+from octavo.model.layers.linear import Span
 
 
 class PagedAttention(nn.Module):
     def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float, sliding_window: int | None = None,
-                 softcap: float | None = None) -> None:
+                 softcap: float | None = None, sinks: Span | None = None) -> None:
         super().__init__()
+        # gpt-oss: a learned logit per query head in each softmax's denominator (`sinks`: this
+        # rank's heads among the model's), else None
+        self.sinks = None
+        if sinks is not None:
+            self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False)
+            self.sinks.weight_loader = lambda param, full: param.data.copy_(
+                sinks.take(full, 0, "self_attn.sinks"))
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
@@ -37,10 +45,12 @@ class PagedAttention(nn.Module):
         ks, vs = ((self.k_scale, self.v_scale) if cache.dtype == torch.float8_e4m3fn
                   else (1.0, 1.0))
         if ctx.context_parallel is not None:
+            if self.sinks is not None:
+                raise NotImplementedError("attention sinks under context parallelism")
             out = context_parallel.attention(ctx.context_parallel, q, k, v, cache, self.scale,
                                              self.softcap, self.sliding_window, ks, vs)
             return out.reshape(q.shape[0], -1)
         plan = ctx.sliding_plan if self.sliding_window and ctx.sliding_plan else ctx.plan
         write_kv(cache, k, v, plan.slot_mapping, ks, vs)
-        out = paged_attention(q, cache, plan, self.scale, self.softcap, ks, vs)
+        out = paged_attention(q, cache, plan, self.scale, self.softcap, ks, vs, self.sinks)
         return out.reshape(q.shape[0], -1)

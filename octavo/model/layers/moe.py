@@ -40,8 +40,13 @@ EXPERT_TENSOR = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(\w+)$")
 
 
 class FusedMoE(nn.Module):
+    """`act`: the gated activation on [gate | up] where the family has its own (gpt-oss), else
+    hidden_act's; `bias`: each expert's projections have biases (gpt-oss), which stay dense
+    here, beside quantized weights too."""
+
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 hidden_act: str, renormalize: bool) -> None:
+                 hidden_act: str, renormalize: bool, bias: bool = False,
+                 act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
@@ -63,7 +68,17 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, intermediate_size),
                                requires_grad=False)
         self.hidden_size = hidden_size
-        self.act = gated_act(hidden_act)
+        self.act = act or gated_act(hidden_act)
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.zeros(self.num_local, 2 * intermediate_size),
+                                         requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.zeros(self.num_local, hidden_size),
+                                        requires_grad=False)
+        # A row's down bias joins once: on one rank of a tensor-parallel group that splits each
+        # expert's width (each computes part of every row), on every rank that holds whole
+        # experts (each row is computed by one of them)
+        self._adds_down_bias = ranks > 1 or parallel_state.tp_rank() == 0
         self.quantized: nn.ModuleList | None = None  # per expert: [gate_up, down] Linears
         # per expert: its gate_up's and down's adapter slots (model/layers/lora.py), where LoRA
         # is on
@@ -106,6 +121,8 @@ class FusedMoE(nn.Module):
             return None
         expert -= self.first_expert
         name, slot = _PROJ[proj]
+        if kind == "bias":
+            return self._load_bias(expert, name, slot, tensor, proj)
         if self.quantized is not None:
             self.quantized[expert][name == "w2"].load_shard(kind, slot, tensor)
             return f"{name}.{expert}.{slot}"
@@ -124,6 +141,23 @@ class FusedMoE(nn.Module):
         dest.copy_(tensor)
         return f"{name}.{expert}.{slot}"
 
+    def _load_bias(self, expert: int, name: str, slot: int, tensor: torch.Tensor,
+                   proj: str) -> str:
+        if self.w13_bias is None:
+            raise ValueError(f"expert tensor {expert}.{proj}.bias: this MoE layer's experts "
+                             f"have no biases")
+        i = self.intermediate_size
+        if name == "w2":
+            dest = self.w2_bias.data[expert]
+        else:
+            dest = self.w13_bias.data[expert, slot * i:(slot + 1) * i]
+            tensor = self.span.take(tensor, 0, f"expert {expert}.{proj}.bias")
+        if dest.shape != tensor.shape:
+            raise ValueError(f"expert {expert}.{proj}.bias: checkpoint shape "
+                             f"{tuple(tensor.shape)}, layer shape {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        return f"{name}_bias.{expert}.{slot}"
+
     def local_expert(self, expert: int) -> int | None:
         """Expert `expert`'s index among this rank's, None where another rank holds it."""
         local = expert - self.first_expert
@@ -137,7 +171,7 @@ class FusedMoE(nn.Module):
         return per_rank
 
     def num_expert_tensors(self) -> int:
-        return 3 * self.num_local
+        return (3 if self.w13_bias is None else 6) * self.num_local
 
     def expert_weights(self) -> list[tuple[Linear | torch.Tensor, Linear | torch.Tensor]]:
         """This rank's experts' gate_up and down projections, as forward computes them: their
@@ -186,10 +220,14 @@ class FusedMoE(nn.Module):
                     h = gate_up(rows)
                 else:
                     h = rows @ self.w13[e].t()
+                if self.w13_bias is not None:
+                    h = h + self.w13_bias[e]
                 if lora is not None:  # each row's adapter's delta of this expert's projections
                     h = self.lora[e][0].add_delta(rows, h, row_slot[start:start + n], lora.slots)
                 h = self.act(h)
                 y = down(h) if self.quantized is not None else h @ self.w2[e].t()
+                if self.w2_bias is not None and self._adds_down_bias:
+                    y = y + self.w2_bias[e]
                 if lora is not None:
                     y = self.lora[e][1].add_delta(h, y, row_slot[start:start + n], lora.slots)
                 ys[start:start + n] = y

@@ -27,6 +27,38 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
+def _yarn(dim: int, base: float, s: dict[str, Any],
+          max_positions: int) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071), as transformers computes it: each frequency interpolated
+    (divided by the factor) below the correction range, kept above it, blended linearly
+    between; cos and sin scaled by the attention factor (DeepSeek's mscale ratio where given).
+    `max_positions`: the config's, the original context where the scaling does not name it."""
+    original = s.get("original_max_position_embeddings") or max_positions
+    factor = s.get("factor") or max_positions / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    magnitude = s.get("attention_factor")
+    if magnitude is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        magnitude = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolated = _inv_freq(dim, base)
+    kept = 1 - ramp  # the share of each frequency kept as it is
+    return extrapolated / factor * (1 - kept) + extrapolated * kept, float(magnitude)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, base: float,
                  scaling: dict[str, Any] | None = None,
@@ -57,6 +89,9 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"rope_freqs: {len(factors)} factors given, head_dim / 2 = "
                                  f"{head_dim // 2} needed")
             inv_freq = _inv_freq(head_dim, base) / torch.tensor(factors, dtype=torch.float64)
+        elif kind == "yarn":
+            inv_freq, magnitude = _yarn(head_dim, base, scaling,
+                                        original_max_positions or max_positions)
         elif kind == "longrope":
             # transformers picks the long factors when the sequence in a call passes the original
             # context, the short ones otherwise; one fixed table takes the long ones when the

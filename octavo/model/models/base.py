@@ -107,7 +107,8 @@ class CheckpointModel(nn.Module):
             loaded.add(name)
         for moe, filled in experts.items():
             if len(filled) == modules[moe].num_expert_tensors():
-                loaded.update({f"{moe}.w13", f"{moe}.w2"})  # dense experts' (none if quantized)
+                # dense experts' (none if quantized), and biases where they have them
+                loaded.update({f"{moe}.w13", f"{moe}.w2", f"{moe}.w13_bias", f"{moe}.w2_bias"})
         missing = {n for n, _ in self.named_parameters()} - loaded  # quantizing removed some
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
