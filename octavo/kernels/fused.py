@@ -255,6 +255,21 @@ def int8_tiled_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> 
     return _native.int8_tiled_linear(x.contiguous(), q, scale)
 
 
+def microscaled_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                     code_lut: torch.Tensor, scale_lut: torch.Tensor, block: int) -> torch.Tensor:
+    """x [M, K] times a microscaled weight (csrc/microscaled.h), each block of codes decoded
+    once for every row of x (C++ only)."""
+    return _native.microscaled_gemv(x.contiguous(), codes, scales, code_lut, scale_lut, block)
+
+
+def microscaled_dequantize(codes: torch.Tensor, scales: torch.Tensor, code_lut: torch.Tensor,
+                           scale_lut: torch.Tensor, block: int, first: int,
+                           count: int) -> torch.Tensor:
+    """Rows [first, first + count) of a microscaled weight as float32 (C++ only)."""
+    return _native.microscaled_dequantize(codes, scales, code_lut, scale_lut, block, first,
+                                          count)
+
+
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] times int8 weights q [N, K] with float32 scales: one per row [N], or one per
     group of inputs [N, G] (C++ only; the weights are read once for up to 8 rows of x at a

@@ -138,7 +138,7 @@ class Kernels:
             "silu_and_mul", "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_int8_gemm",
             "int4_int16_gemm",
             "int4_dequantize", "int4_tiled_linear", "int4_rows", "int8_dequantize",
-            "int8_tiled_linear", "lora_apply")
+            "int8_tiled_linear", "lora_apply", "microscaled_gemv", "microscaled_dequantize")
 
     def __init__(self) -> None:
         import torch
@@ -188,6 +188,10 @@ def _register_fakes() -> None:
             x, codes.shape[0] * 16),
         "int8_tiled_linear": lambda x, q, scale: rows_out(x, q.shape[0]),
         "lora_apply": lambda *args: None,
+        "microscaled_gemv": lambda x, codes, scales, code_lut, scale_lut, block: rows_out(
+            x, codes.shape[0]),
+        "microscaled_dequantize": lambda codes, scales, code_lut, scale_lut, block, first, count:
+        codes.new_empty(count, scales.shape[1] * block, dtype=torch.float32),
         "int8_dequantize": lambda q, scale, first, count, bf16: q.new_empty(
             count, q.shape[1], dtype=torch.bfloat16 if bf16 else torch.float32),
         "int4_dequantize": lambda codes, scales, high_bits, first_block, blocks, bf16:

@@ -16,6 +16,7 @@
 #include "int8_gemm.h"
 #include "layer_ops.h"
 #include "lora.h"
+#include "microscaled.h"
 #include "paged_attention.h"
 
 namespace {
@@ -174,6 +175,10 @@ TORCH_LIBRARY(octavo, m) {
   m.def("int8_tiled_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor b, int[] bounds, Tensor used, "
         "Tensor token_slot) -> ()");
+  m.def("microscaled_gemv(Tensor x, Tensor codes, Tensor scales, Tensor code_lut, "
+        "Tensor scale_lut, int block) -> Tensor");
+  m.def("microscaled_dequantize(Tensor codes, Tensor scales, Tensor code_lut, Tensor scale_lut, "
+        "int block, int first, int count) -> Tensor");
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecodeStack::add_layer)
@@ -201,6 +206,8 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("int4_rows", &int4_rows);
   m.impl("int8_dequantize", &int8_dequantize);
   m.impl("int8_tiled_linear", &int8_tiled_linear);
+  m.impl("microscaled_gemv", &microscaled_gemv);
+  m.impl("microscaled_dequantize", &microscaled_dequantize);
   m.impl("lora_apply", [](at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b,
                           std::vector<int64_t> bounds, at::Tensor used, at::Tensor token_slot) {
     lora_apply(y, x, a, b, bounds, used, token_slot);

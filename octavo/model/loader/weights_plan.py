@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from octavo.model.layers.rotary import RotaryEmbedding
-from octavo.model.quant.packed import packed_kind
-from octavo.model.quant.weights import DenseWeights, PackedWeights
+from octavo.model.quant.weights import DenseWeights, PackedWeights, packed_kind
 
 logger = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ and a mixture of experts in every layer: a router with a bias, softmax over the 
 experts with biases and a clamped SwiGLU whose gate and up columns the checkpoint interleaves.
 
 The checkpoint stacks each layer's experts, [experts, in, out] as `x @ W` multiplies
-(`mlp.experts.gate_up_proj`, `down_proj` and their `_bias`); they are split per expert and
-transposed to octavo's [out, in], gate and up de-interleaved, as they are read. Checkpoints
-whose experts are MXFP4 (`_blocks`, `_scales`) are refused by name until octavo keeps that
-format packed (issue 32's formats)."""
+(`mlp.experts.gate_up_proj`, `down_proj` and their `_bias`), or in MXFP4 as `_blocks` and
+`_scales` [experts, out, ...] (quantization_config `mxfp4`: kept packed, quant/microscaled.py);
+they are split per expert (dense weights transposed to octavo's [out, in]), gate and up rows
+de-interleaved, as they are read."""
 from __future__ import annotations
 
 import re
@@ -79,6 +79,14 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(_per_expert(weights))
 
+    def linear_name(self, ckpt_name: str) -> str | None:
+        # a stacked expert tensor names its experts' layer as any one expert's tensor does
+        m = _STACKED.match(ckpt_name.removesuffix(".weight"))
+        if m is not None:
+            proj = "gate_proj" if m[2] == "gate_up_proj" else "down_proj"
+            ckpt_name = f"{m[1]}.0.{proj}.weight"
+        return super().linear_name(ckpt_name)
+
 
 def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]
                 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -89,13 +97,11 @@ def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]
             yield name, tensor
             continue
         prefix, proj, suffix = m.groups()
-        if suffix in ("_blocks", "_scales"):
-            raise NotImplementedError(
-                f"{name}: gpt-oss experts in MXFP4; octavo reads them in bf16 or float32 "
-                f"for now (a dequantized checkpoint), not yet kept in MXFP4")
-        kind = "bias" if suffix == "_bias" else "weight"
+        kind = {"_bias": "bias", "_blocks": "mx_blocks", "_scales": "mx_scales"}.get(suffix,
+                                                                                    "weight")
         for e in range(tensor.shape[0]):
-            w = tensor[e] if kind == "bias" else tensor[e].t()  # [out(, in)]
+            # [out, ...]: a dense weight is stored [in, out], MXFP4's blocks and scales [out, ...]
+            w = tensor[e].t() if kind == "weight" else tensor[e]
             if proj == "down_proj":
                 yield f"{prefix}.{e}.down_proj.{kind}", w
             else:  # gate and up columns interleaved

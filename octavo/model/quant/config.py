@@ -1,7 +1,8 @@
 """Which quantization a model loads with, and which of its linear layers get which method.
 
 A checkpoint's `quantization_config` (config.json) names its format: gptq, awq, fp8,
-compressed-tensors. `--quantization int8|int4|fp8` quantizes an unquantized checkpoint at load;
+compressed-tensors, mxfp4 (gpt-oss's experts). `--quantization int8|int4|fp8` quantizes an
+unquantized checkpoint at load;
 asking for it on a checkpoint that is quantized already is a ValueError naming the field. On a
 GGUF, int4/int8 mean "its own codes in that layout, no dense copy" (quant/gguf.py). The
 layers of a quantized checkpoint are the ones whose tensors carry the format's marker (`qweight`,
@@ -24,6 +25,7 @@ from octavo.model.quant.base import CheckpointMethod, OnTheFlyMethod, QuantMetho
 from octavo.model.quant.fp8 import FP8Spec, quantize_fp8
 from octavo.model.quant.gguf import GGUFPlan, gguf_plan
 from octavo.model.quant.gptq import GPTQSpec
+from octavo.model.quant.microscaled import MXFP4Spec
 from octavo.model.quant.packed import quantize_int4, quantize_int8
 from octavo.model_source import ModelSource
 
@@ -32,7 +34,8 @@ logger = logging.getLogger(__name__)
 ON_THE_FLY = ("int8", "int4", "fp8")
 INT4_GROUP = 32  # on-the-fly int4: min/max per 32 inputs (SmolLM2 perplexity: docs/usage.md)
 _MARKERS = {"gptq": (".qweight",), "awq": (".qweight",), "fp8": (".weight_scale",
-            ".weight_scale_inv"), "compressed-tensors": (".weight_scale",)}
+            ".weight_scale_inv"), "compressed-tensors": (".weight_scale",),
+            "mxfp4": ("_blocks",)}
 
 
 def checkpoint_quantization(source: ModelSource) -> dict[str, Any] | None:
@@ -51,7 +54,8 @@ class QuantPlan:
 
     required = True  # the model cannot load without its methods (GGUFPlan's may be dropped)
 
-    def __init__(self, fmt: str, dtype: torch.dtype, *, spec: GPTQSpec | FP8Spec | None = None,
+    def __init__(self, fmt: str, dtype: torch.dtype, *,
+                 spec: GPTQSpec | FP8Spec | MXFP4Spec | None = None,
                  on_the_fly: str | None = None) -> None:
         self.fmt, self.dtype, self.spec, self.on_the_fly = fmt, dtype, spec, on_the_fly
 
@@ -137,5 +141,7 @@ def plan_quantization(source: ModelSource, requested: str | None, dtype: torch.d
         return QuantPlan(fmt, dtype, spec=GPTQSpec(fmt, qc))
     if fmt in ("fp8", "compressed-tensors"):
         return QuantPlan(fmt, dtype, spec=FP8Spec(fmt, qc))
+    if fmt == "mxfp4":
+        return QuantPlan(fmt, dtype, spec=MXFP4Spec(qc))
     raise NotImplementedError(f"quantization_config.quant_method={fmt!r} is not supported; "
-                              "supported: gptq, awq, fp8, compressed-tensors")
+                              "supported: gptq, awq, fp8, compressed-tensors, mxfp4")

@@ -518,13 +518,3 @@ def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> Int8Packed:
     scale = (w.abs().amax(1, keepdim=True) / 127).clamp(min=1e-10)
     q = (w / scale).round().clamp(-127, 127)
     return Int8Packed(q, scale, None, w.shape[1], dtype, signed=True)
-
-
-# Each packed weight class by the name its tensors are saved under (prepared weights) and the
-# start-up log counts it by.
-PACKED_KINDS: dict[str, type[PackedWeight]] = {"int4": Int4Packed, "int8": Int8Packed,
-                                               "int8g": Int8Grouped}
-
-
-def packed_kind(w: PackedWeight) -> str:
-    return next(k for k, cls in PACKED_KINDS.items() if type(w) is cls)

@@ -21,7 +21,17 @@ import torch.nn.functional as F
 
 from octavo.kernels import onednn
 from octavo.model.quant.decode_weights import max_rows
-from octavo.model.quant.packed import PACKED_KINDS, PackedWeight, packed_kind
+from octavo.model.quant.microscaled import MicroscaledPacked
+from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed, PackedWeight
+
+# Each packed weight class by the name its tensors are saved under (prepared weights) and the
+# start-up log counts it by.
+PACKED_KINDS: dict[str, type[PackedWeight]] = {"int4": Int4Packed, "int8": Int8Packed,
+                                               "int8g": Int8Grouped, "mx": MicroscaledPacked}
+
+
+def packed_kind(w: PackedWeight) -> str:
+    return next(k for k, cls in PACKED_KINDS.items() if type(w) is cls)
 
 
 class LinearWeights:

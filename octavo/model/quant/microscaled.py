@@ -1,0 +1,132 @@
+"""Microscaled weights kept packed: OCP MX (MXFP4: e2m1 codes, MXFP8: e4m3 codes, each block of
+32 inputs with an e8m0 scale byte) and NVFP4 (e2m1 codes, an e4m3 scale per 16 inputs times a
+tensor scale). w[n, k] = scale_lut[scale byte] * code_lut[code]; 4-bit codes pack two a byte,
+the even input in the low nibble (the OCP and gpt-oss layout).
+
+A weight keeps its bytes: 4.25 bits a weight for MXFP4 (the codes and one scale byte per 32).
+Small batches (decode) run csrc/microscaled.h's GEMV, which decodes each block once for every
+row; larger ones dequantize a tile of rows at a time into the activation dtype for the dense GEMM
+(PackedWeight.tiled_matmul), the whole matrix never dequantized at once. Without the C++ kernels
+the same tables decode in torch.
+
+Checkpoints: gpt-oss's MXFP4 experts (`quant_method: mxfp4`: `<proj>_blocks` [.., N, K / 32, 16]
+and `<proj>_scales` [.., N, K / 32], split per expert by model/models/gpt_oss.py) load through
+`MXFP4Spec`; MXFP8 and NVFP4 checkpoints are not read yet (their packed weight is here).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from octavo.kernels import fused
+from octavo.model.quant.packed import PackedWeight
+
+# e2m1: sign, 2 exponent bits, 1 mantissa bit
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def e8m0_table() -> torch.Tensor:
+    """The 256 e8m0 scales, 2^(s - 127) (255, NaN in the OCP spec, reads as 2^128 = inf)."""
+    return torch.ldexp(torch.ones(256, dtype=torch.float64),
+                       torch.arange(256) - 127).float()
+
+
+def e4m3_table() -> torch.Tensor:
+    """The 256 float8_e4m3fn values, by byte."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+class MicroscaledPacked(PackedWeight):
+    """codes [N, K * bits / 8] and scales [N, K / block] as uint8, with their tables."""
+
+    dense_rows = 16  # past this many rows: dequantized tiles into the dense GEMM
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, code_lut: torch.Tensor,
+                 scale_lut: torch.Tensor, block: int, dtype: torch.dtype) -> None:
+        bits = 4 if code_lut.numel() == 16 else 8
+        n, k = codes.shape[0], codes.shape[1] * 8 // bits
+        if code_lut.numel() not in (16, 256) or scale_lut.numel() != 256:
+            raise ValueError("microscaled weights need 16 or 256 code values and 256 scales")
+        if k % block or tuple(scales.shape) != (n, k // block):
+            raise ValueError(f"microscaled weight of {n} rows x {k} inputs in blocks of {block}: "
+                             f"scales must be [{n}, {k // block}], got {tuple(scales.shape)}")
+        self.out_features, self.in_features, self.perm = n, k, None
+        self.codes = codes.to(torch.uint8).contiguous()
+        self.scales = scales.to(torch.uint8).contiguous()
+        self.code_lut = code_lut.float().contiguous()
+        self.scale_lut = scale_lut.float().contiguous()
+        self.block, self.bits, self.dtype = block, bits, dtype
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"codes": self.codes, "scales": self.scales, "code_lut": self.code_lut,
+                "scale_lut": self.scale_lut, "block": torch.tensor(self.block),
+                "dtype": torch.zeros(1, dtype=self.dtype)}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> MicroscaledPacked:
+        return cls(t["codes"], t["scales"], t["code_lut"], t["scale_lut"], int(t["block"]),
+                   t["dtype"].dtype)
+
+    def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.native_active(x):
+            return fused.microscaled_gemv(x, self.codes, self.scales, self.code_lut,
+                                          self.scale_lut, self.block)
+        return self.tiled_matmul(x)
+
+    def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        if fused.native_active(self.codes):
+            w = fused.microscaled_dequantize(self.codes, self.scales, self.code_lut,
+                                             self.scale_lut, self.block, start, end - start)
+            return w.to(dtype)
+        return self.reference(start, end).to(dtype)
+
+    def reference(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows start:end as float32, decoded in torch (the kernels' reference)."""
+        codes = self.codes[start:end]
+        if self.bits == 4:
+            codes = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)
+        values = self.code_lut[codes.long()].view(codes.shape[0], -1, self.block)
+        scales = self.scale_lut[self.scales[start:end].long()]
+        return (values * scales.unsqueeze(-1)).view(codes.shape[0], -1)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (codes [N, K / 2], e8m0 scales [N, K / 32]): each block's scale the power of
+    two that brings its largest magnitude to at most 6, each value rounded to the nearest e2m1
+    (the OCP rule; for tests and tools: checkpoints come quantized)."""
+    n, k = w.shape
+    blocks = w.float().view(n, k // 32, 32)
+    amax = blocks.abs().amax(-1).clamp(min=2.0 ** -126)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = blocks / torch.ldexp(torch.ones_like(exp), exp.int()).unsqueeze(-1)
+    grid = torch.tensor(FP4_VALUES[:8])
+    index = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1)
+    code = (index + 8 * (scaled < 0)).to(torch.uint8).view(n, k)
+    return (code[:, 0::2] | (code[:, 1::2] << 4)).contiguous(), (exp + 127).to(torch.uint8)
+
+
+class MXFP4Spec:
+    """quantization_config `quant_method: mxfp4` (gpt-oss): each quantized layer's `mx_blocks`
+    ([N, K / 32, 16] bytes) and `mx_scales` ([N, K / 32] e8m0) per packed slot (the model
+    file names them so, apart from GPTQ's `scales`)."""
+
+    def __init__(self, qc: dict[str, Any]) -> None:
+        self.qc = qc
+
+    def build(self, parts: list[dict[str, torch.Tensor]], widths: list[int], k: int,
+              dtype: torch.dtype) -> MicroscaledPacked:
+        codes, scales = [], []
+        for part, width in zip(parts, widths):
+            if set(part) != {"mx_blocks", "mx_scales"}:
+                raise ValueError(f"mxfp4 checkpoint: a quantized layer has blocks and scales, "
+                                 f"got {sorted(part)}")
+            b, s = part["mx_blocks"], part["mx_scales"]
+            if tuple(b.shape) != (width, k // 32, 16) or tuple(s.shape) != (width, k // 32):
+                raise ValueError(f"mxfp4 checkpoint: blocks {tuple(b.shape)} and scales "
+                                 f"{tuple(s.shape)} for a slot of {width} rows x {k} inputs")
+            codes.append(b.reshape(width, k // 2))
+            scales.append(s)
+        return MicroscaledPacked(torch.cat(codes), torch.cat(scales), torch.tensor(FP4_VALUES),
+                                 e8m0_table(), 32, dtype)
