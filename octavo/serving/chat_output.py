@@ -218,6 +218,7 @@ def plan_chat_output(parsers: ChatParsers, tools: ToolRequest | None,
         else:
             structured = dataclasses.replace(structured, reasoning_end=rule)
     skip_special = None
-    if tool_parser is not None and not tool_parser.skip_special_tokens:
+    if any(p is not None and not p.skip_special_tokens
+           for p in (tool_parser, parsers.reasoning_parser)):
         skip_special = False
     return ChatPlan(structured, skip_special, reasoning, tool_parser, options, new_id, parallel)

@@ -4,6 +4,8 @@
   because the chat template may already have put it in the prompt.
 - `qwen3` and `glm45`: reasoning only when the output starts with `<think>`; without it, all is
   content.
+- `openai_gptoss`: OpenAI's harmony messages (gpt-oss): the analysis channel is reasoning
+  (`HarmonyReasoningParser`).
 
 A parser is fed text deltas (`feed`, then `finish` once) and returns `ReasoningDelta`s, reasoning
 text before content text; `parse` reads a whole output with the same state machine. Text that may
@@ -23,6 +25,7 @@ from types import MappingProxyType
 from typing import ClassVar
 
 from octavo.params import ReasoningEndRule
+from octavo.serving.tool_parsers import harmony
 from octavo.serving.tool_parsers.base import held_suffix
 
 _START, _REASONING, _CONTENT = range(3)
@@ -47,6 +50,8 @@ class ReasoningParser:
     """The `<think>…</think>` state machine; subclasses set whether the start tag is required."""
 
     name: ClassVar[str] = ""
+    # Whether its tags survive detokenizing with special tokens skipped (harmony's do not).
+    skip_special_tokens: ClassVar[bool] = True
     start_tag: ClassVar[str] = "<think>"
     end_tag: ClassVar[str] = "</think>"
     start_required: ClassVar[bool] = False
@@ -147,6 +152,87 @@ class ReasoningParser:
         self._pending_ws += text[len(body):]
 
 
+class HarmonyReasoningParser(ReasoningParser):
+    """OpenAI's harmony messages (gpt-oss; serving/tool_parsers/harmony.py): the analysis
+    channel's bodies are reasoning; the final channel's and commentary without a recipient are
+    content, their headers and end tags dropped; a message to a recipient (a tool call) passes
+    into the content whole, header and end tag too, for the `openai` tool-call parser. Output
+    that does not begin as a harmony message is content as it is. Its reasoning ends with a
+    run of tokens, not one tag: the core's grammar gate cannot tell when (`end_rule` is None)."""
+
+    name = "openai_gptoss"
+    skip_special_tokens = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = "header"  # header | body | plain
+        self._kind = "content"  # the body's: reasoning | content | raw (a call, passed whole)
+        self._ended = False
+
+    @property
+    def reasoning_ended(self) -> bool:
+        return self._ended
+
+    @classmethod
+    def end_rule(cls, vocab: Mapping[str, int]) -> ReasoningEndRule | None:
+        return None
+
+    def _step(self, out: ReasoningDelta, final: bool) -> None:
+        while self._buf:
+            if self._state == "plain":
+                out.content += self._buf
+                self._buf = ""
+            elif self._state == "header" and not self._header(out, final):
+                return
+            elif self._state == "body" and not self._body(out, final):
+                return
+
+    def _header(self, out: ReasoningDelta, final: bool) -> bool:
+        head = harmony.message_head(self._buf, final)
+        if head is None:
+            return False
+        if head is False:
+            self._state, self._ended = "plain", True
+            return True
+        text, m = head
+        self._buf = self._buf[len(text):]
+        if harmony.recipient(m):
+            self._kind = "raw"
+            out.content += text
+        else:
+            self._kind = "reasoning" if m[2] == "analysis" else "content"
+            self._had_reasoning |= self._kind == "reasoning"
+        self._ended |= self._kind != "reasoning"
+        self._state = "body"
+        return True
+
+    def _body(self, out: ReasoningDelta, final: bool) -> bool:
+        buf = self._buf
+        found = [(i, t) for t in (*harmony.TERMINATORS, harmony.START, harmony.CHANNEL)
+                 if (i := buf.find(t)) >= 0]
+        if not found:
+            keep = 0 if final else max(held_suffix(buf, t) for t in (
+                *harmony.TERMINATORS, harmony.START, harmony.CHANNEL))
+            self._emit_body(out, buf[:len(buf) - keep])
+            self._buf = buf[len(buf) - keep:]
+            return False
+        i, tag = min(found)
+        self._emit_body(out, buf[:i])
+        if tag in harmony.TERMINATORS:
+            if self._kind == "raw":
+                out.content += tag
+            i += len(tag)
+        self._buf = buf[i:]  # a message that began without the last one's end tag: its header
+        self._state = "header"
+        return True
+
+    def _emit_body(self, out: ReasoningDelta, text: str) -> None:
+        if self._kind == "reasoning":
+            out.reasoning += text
+        else:
+            out.content += text
+
+
 class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
 
@@ -163,7 +249,7 @@ class Glm45ReasoningParser(ReasoningParser):
 
 REASONING_PARSERS: MappingProxyType[str, type[ReasoningParser]] = MappingProxyType({
     cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser,
-                              Glm45ReasoningParser)
+                              Glm45ReasoningParser, HarmonyReasoningParser)
 })
 
 

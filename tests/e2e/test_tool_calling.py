@@ -229,8 +229,9 @@ def test_bad_anthropic_tools_are_400s(tool_server, body, fragment):
 
 @pytest.mark.parametrize("flags, fragment", [
     (["--tool-call-parser", "nope"], "choose one of deepseek_v3, deepseek_v31, glm45, hermes, "
-                                     "kimi_k2, llama3_json, mistral, pythonic, qwen3_coder"),
-    (["--reasoning-parser", "r2"], "choose one of deepseek_r1, glm45, qwen3"),
+                                     "kimi_k2, llama3_json, mistral, openai, pythonic, "
+                                     "qwen3_coder"),
+    (["--reasoning-parser", "r2"], "choose one of deepseek_r1, glm45, openai_gptoss, qwen3"),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
 ])
 def test_bad_parser_flags_fail_at_start_up(capsys, flags, fragment):

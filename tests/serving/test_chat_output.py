@@ -48,10 +48,10 @@ def stream(p, pieces):
 def test_flags_are_checked_by_name():
     with pytest.raises(ValueError, match="tool_call_parser: unknown parser 'herms'; choose one "
                                          "of deepseek_v3, deepseek_v31, glm45, hermes, kimi_k2, "
-                                         "llama3_json, mistral, pythonic, qwen3_coder"):
+                                         "llama3_json, mistral, openai, pythonic, qwen3_coder"):
         ChatParsers.from_flags("herms", True, None)
     with pytest.raises(ValueError, match="reasoning_parser: unknown parser 'r1'; choose one of "
-                                         "deepseek_r1, glm45, qwen3"):
+                                         "deepseek_r1, glm45, openai_gptoss, qwen3"):
         ChatParsers.from_flags(None, False, "r1")
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         ChatParsers.from_flags(None, True, None)
@@ -169,3 +169,22 @@ def test_a_parser_that_types_values_gets_the_request_tools(name, text):
     want = '{"n": 12, "city": "1999", "on": true}'
     assert p.parse(text).tool_calls[0].arguments == want
     assert stream(p, list(text))[2] == {0: ["count", want]}
+
+
+def test_harmony_output_reads_into_reasoning_content_and_calls_streamed_or_whole():
+    """gpt-oss's harmony messages with both parsers: the analysis channel is reasoning, a
+    commentary message to functions.<name> a call, the final channel the answer; special tokens
+    are kept for them."""
+    p = plan(ChatParsers.from_flags("openai", True, "openai_gptoss"))
+    assert p.skip_special_tokens is False
+    assert plan(ChatParsers.from_flags(None, False, "openai_gptoss"), mode=None) \
+        .skip_special_tokens is False
+    text = ("<|channel|>analysis<|message|>Weather needed.<|end|><|start|>assistant<|channel|>"
+            "commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+    parsed = p.parse(text)
+    assert (parsed.reasoning, parsed.content) == ("Weather needed.", "Checking.")
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')]
+    assert stream(p, list(text)) == ("Weather needed.", "Checking.",
+                                     {0: ["get_weather", '{"city": "Paris"}']}, True)

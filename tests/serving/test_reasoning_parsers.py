@@ -69,8 +69,11 @@ def test_every_split_point_gives_the_whole_result(name, text, want):
 reasoning_text = st.text(alphabet="ab <>/\nthink", max_size=25).filter(lambda s: "think>" not in s)
 
 
+THINK_PARSERS = sorted(n for n in REASONING_PARSERS if n != "openai_gptoss")
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from(sorted(REASONING_PARSERS)), st.booleans(), reasoning_text,
+@given(st.sampled_from(THINK_PARSERS), st.booleans(), reasoning_text,
        st.booleans(), st.text(alphabet="ab <>/\nthink", max_size=25), st.data())
 def test_random_outputs_and_splits(name, start_tag, reasoning, end_tag, content, data):
     text = ("<think>" if start_tag else "") + reasoning + ("</think>" + content if end_tag else "")
@@ -86,7 +89,7 @@ def test_random_outputs_and_splits(name, start_tag, reasoning, end_tag, content,
         assert parsed.content == "" and parsed.reasoning == reasoning.lstrip()
 
 
-@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize("name", THINK_PARSERS)
 def test_reasoning_ended_turns_true_when_the_end_tag_is_complete(name):
     parser = get_reasoning_parser(name)()
     text = "<think>plan</think>answer"
@@ -119,7 +122,7 @@ def test_end_rule_from_token_ids():
 
 def test_unknown_parser_names_the_choices():
     with pytest.raises(ValueError, match="reasoning_parser: unknown parser 'r2'; "
-                                         "choose one of deepseek_r1, glm45, qwen3"):
+                                         "choose one of deepseek_r1, glm45, openai_gptoss, qwen3"):
         get_reasoning_parser("r2")
 
 
@@ -128,3 +131,45 @@ def test_feed_after_finish_is_an_error():
     parser.finish()
     with pytest.raises(ValueError, match="after finish"):
         parser.feed("x")
+
+
+# ---- harmony (gpt-oss): channels, not tags ----
+
+A_MSG = "<|channel|>analysis<|message|>The user wants the weather.<|end|>"
+CALL = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+        '<|message|>{"city": "Paris"}<|call|>')
+HARMONY = [
+    (A_MSG + "<|start|>assistant<|channel|>final<|message|>It is 4.<|return|>",
+     ("The user wants the weather.", "It is 4.")),
+    (A_MSG + CALL, ("The user wants the weather.", CALL)),
+    ("<|channel|>commentary<|message|>Let me check.<|end|>" + CALL, (None, "Let me check." + CALL)),
+    ("<|channel|>analysis<|message|>cut off by max_tokens", ("cut off by max_tokens", "")),
+    ("<|channel|>final<|message|>no reasoning", (None, "no reasoning")),
+    ("Not harmony at all <|channel|>", (None, "Not harmony at all <|channel|>")),
+    ("<|channel|>analysis<|message|>a<|start|>assistant<|channel|>final<|message|>b", ("a", "b")),
+    ("<|channel|>bad header\n<|message|>x", (None, "<|channel|>bad header\n<|message|>x")),
+    ("", (None, "")),
+]
+
+
+@pytest.mark.parametrize("text, want", HARMONY)
+def test_harmony_channels_split_reasoning_from_content_at_every_split(text, want):
+    cls = get_reasoning_parser("openai_gptoss")
+    parsed = cls.parse(text)
+    assert (parsed.reasoning, parsed.content) == want
+    expected = (want[0] or "", want[1])
+    for i in range(len(text) + 1):
+        parser, got = cls(), ["", ""]
+        for delta in (parser.feed(text[:i]), parser.feed(text[i:]), parser.finish()):
+            got[0] += delta.reasoning
+            got[1] += delta.content
+        assert tuple(got) == expected, f"split at {i}"
+
+
+def test_harmony_reasoning_ends_when_a_non_analysis_message_begins():
+    parser = get_reasoning_parser("openai_gptoss")()
+    parser.feed(A_MSG)
+    assert not parser.reasoning_ended
+    parser.feed("<|start|>assistant<|channel|>final<|message|>")
+    assert parser.reasoning_ended
+    assert get_reasoning_parser("openai_gptoss").end_rule({"<|channel|>": 1}) is None

@@ -197,6 +197,26 @@ CASES["glm45"] = [  # without the request's schemas, a value that spells a liter
     Case("<tool_call>get weather\n</tool_call>", "<tool_call>get weather\n</tool_call>", []),
     Case("Use <arg_key> tags", "Use <arg_key> tags", []),
 ]
+H_CALL = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+          '<|message|>{"city": "Paris", "days": [1, 2]}<|call|>')
+CASES["openai"] = [  # what the openai_gptoss reasoning parser leaves: content and whole calls
+    Case("It is 4.", "It is 4.", []),
+    Case(f"Let me check.{H_CALL}{H_CALL}", "Let me check.",
+         [("get_weather", {"city": "Paris", "days": [1, 2]})] * 2),
+    Case('<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}', "",
+         [("f", {})]),  # the recipient before the channel; the end tag a stop token, cut
+    Case('<|channel|>commentary to=functions.f<|message|>{"a": 1}<|end|> done', "done",
+         [("f", {"a": 1})]),
+    Case('<|channel|>commentary to=browser.search<|message|>{"q": 1}<|call|>',
+         '<|channel|>commentary to=browser.search<|message|>{"q": 1}<|call|>', []),
+    Case('<|channel|>final<|message|>hi', '<|channel|>final<|message|>hi', []),
+    Case('<|channel|>commentary to=functions.f<|message|>not json',
+         '<|channel|>commentary to=functions.f<|message|>not json', []),
+    Case('<|channel|>commentary to=functions.f<|message|>{"a": }<|call|>',
+         '<|channel|>commentary to=functions.f<|message|>{"a": }<|call|>', [],
+         broken_stream=("}<|call|>", '{"a": ')),
+    Case("<|start|>x <|channel", "<|start|>x <|channel", []),
+]
 ALL = [(name, c) for name, cases in CASES.items() for c in cases]
 IDS = [f"{name}-{i}" for name, cases in CASES.items() for i in range(len(cases))]
 
@@ -300,6 +320,9 @@ def render(name: str, calls: list[tuple[str, dict]]) -> str:
             f"<tool_call>\n<function={n}>\n" + "".join(
                 f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
                 for k, v in a.items()) + "</function>\n</tool_call>\n" for n, a in calls)
+    if name == "openai":
+        return "".join(f"<|start|>assistant<|channel|>commentary to=functions.{n} <|constrain|>"
+                       f"json<|message|>{json.dumps(a)}<|call|>" for n, a in calls)
     if name == "glm45":
         return "".join(
             f"<tool_call>{n}\n" + "".join(
@@ -324,7 +347,8 @@ def render(name: str, calls: list[tuple[str, dict]]) -> str:
 def test_generated_calls_round_trip(name, before, calls, data):
     if name in ("llama3_json", "pythonic"):
         before = ""  # these formats have calls only at the start of the output
-    if any(tag in before for tag in ("<tool_call>", "[TOOL_CALLS]", "<|tool_call")):
+    if any(tag in before for tag in ("<tool_call>", "[TOOL_CALLS]", "<|tool_call", "<|start|>",
+                                     "<|channel|>")):
         before = before.replace("<", "(").replace("[", "(")
     text = before + render(name, calls)
     cls = get_tool_parser(name)
@@ -364,7 +388,9 @@ FRAGMENTS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]
              K_ARGS, K_END, K_SEC_END, "functions.f:0", D_SEC, D_CALL, D_SEP, D_END, D_SEC_END,
              "function", "```json", "```", "<|tool_", "<｜tool▁", "<function=f>", "</function>",
              "<parameter=x>", "</parameter>", "<function=", "<parameter", "<arg_key>",
-             "</arg_key>", "<arg_value>", "</arg_value>", "<arg_", "</arg",
+             "</arg_key>", "<arg_value>", "</arg_value>", "<arg_", "</arg", "<|start|>",
+             "<|channel|>", "<|message|>", "<|call|>", "<|end|>", "assistant", " to=functions.f",
+             "commentary", "<|constrain|>json", "<|chan",
              "<|python_tag|>", "<|python_start|>", "<|python_end|>", "{", "}", "[", "]", "(", ")",
              '"name"', '"arguments"', '"parameters"', '"type"', ": ", ", ", ";", '"f"', "f", "x=",
              "1", "null", '"a\\"b"', "'q'", '"""', "\n", " ", "text", "<", "<tool", "[TOOL"]
@@ -420,7 +446,8 @@ def test_a_possible_tag_is_held_back_until_decided():
 def test_unknown_parser_names_the_choices():
     with pytest.raises(ValueError, match="tool_call_parser: unknown parser 'nope'; choose one of "
                                          "deepseek_v3, deepseek_v31, glm45, hermes, kimi_k2, "
-                                         "llama3_json, mistral, pythonic, qwen3_coder"):
+                                         "llama3_json, mistral, openai, pythonic, "
+                                         "qwen3_coder"):
         get_tool_parser("nope")
 
 
@@ -433,4 +460,4 @@ def test_feed_after_finish_is_an_error():
 
 def test_formats_of_special_tokens_need_them_kept():
     assert {n for n, cls in TOOL_PARSERS.items() if not cls.skip_special_tokens} == {
-        "mistral", "kimi_k2", "deepseek_v3", "deepseek_v31"}
+        "mistral", "kimi_k2", "deepseek_v3", "deepseek_v31", "openai"}

@@ -99,13 +99,13 @@ def add_app_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="the format of the model's own tool calls, read for tool_choice auto: "
                         "hermes, llama3_json, mistral, pythonic, qwen3_coder, glm45, kimi_k2, "
-                        "deepseek_v3, deepseek_v31")
+                        "deepseek_v3, deepseek_v31, openai")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let the model decide whether to call tools (tool_choice auto, the "
                         "default when a request has tools); needs --tool-call-parser")
     s.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split <think> reasoning from the answer (reasoning_content, thinking "
-                        "blocks): deepseek_r1, qwen3, glm45")
+                        "blocks): deepseek_r1, qwen3, glm45, openai_gptoss")
     s.add_argument("--disable-access-log", action="store_true",
                    help="no access line per request (client, method, path, status, tokens, "
                         "latency, request id)")

@@ -7,6 +7,7 @@ from types import MappingProxyType
 from octavo.serving.tool_parsers.base import (ContentDelta, ParsedToolCalls, StreamEvent, ToolCall,
                                               ToolCallDelta, ToolParser, tool_call_id)
 from octavo.serving.tool_parsers.glm45 import Glm45ToolParser
+from octavo.serving.tool_parsers.harmony import HarmonyToolParser
 from octavo.serving.tool_parsers.hermes import HermesToolParser
 from octavo.serving.tool_parsers.llama3 import Llama3JsonToolParser
 from octavo.serving.tool_parsers.mistral import MistralToolParser
@@ -18,7 +19,8 @@ from octavo.serving.tool_parsers.tagged import (DeepSeekV3ToolParser, DeepSeekV3
 TOOL_PARSERS: MappingProxyType[str, type[ToolParser]] = MappingProxyType({
     cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
                               PythonicToolParser, KimiK2ToolParser, DeepSeekV3ToolParser,
-                              DeepSeekV31ToolParser, Qwen3CoderToolParser, Glm45ToolParser)
+                              DeepSeekV31ToolParser, Qwen3CoderToolParser, Glm45ToolParser,
+                              HarmonyToolParser)
 })
 
 
