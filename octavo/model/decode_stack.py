@@ -59,6 +59,10 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
         if not hasattr(layer, "spec"):
             return f"layer type {type(layer).__name__}"
         spec: LayerSpec = layer.spec()
+        if spec.mixer is not None:
+            return f"attention of its own ({type(spec.mixer).__name__})"
+        if spec.moe is not None and getattr(spec.moe.fused, "route", None) is not None:
+            return "expert routing other than softmax top-k"
         if spec.moe is not None and parallel_state.ep_dispatches():
             return "experts dispatched to other context-parallel ranks (all-to-all)"
         if spec.attention.sinks is not None:

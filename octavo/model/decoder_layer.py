@@ -46,6 +46,8 @@ def _scaled(spec: LayerSpec, h: torch.Tensor) -> torch.Tensor:
 
 
 def attention(spec: LayerSpec, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if spec.mixer is not None:
+        return spec.mixer(positions, x)
     t, a = x.shape[0], spec.attention
     q, k, v = spec.qkv(x).split(spec.qkv.shards, dim=-1)
     if spec.q_norm is not None and spec.qk_norm_whole:
@@ -66,9 +68,11 @@ def mlp(spec: LayerSpec, x: torch.Tensor) -> torch.Tensor:
 
 
 def mixture(moe: MoeSpec, spec: LayerSpec, x: torch.Tensor) -> torch.Tensor:
-    """The routed experts, plus the shared expert gated by a sigmoid (Qwen2-MoE)."""
+    """The routed experts, plus the shared expert, gated by a sigmoid (Qwen2-MoE) or not
+    (DeepSeek)."""
     out = moe.fused(x, moe.router(x))
     if moe.shared_gate_up is not None:
         shared = moe.shared_down(spec.act(moe.shared_gate_up(x)))
-        out = out + F.sigmoid(moe.shared_gate(x)) * shared
+        gate = 1.0 if moe.shared_gate is None else F.sigmoid(moe.shared_gate(x))
+        out = out + gate * shared
     return out

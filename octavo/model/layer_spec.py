@@ -62,13 +62,13 @@ class MoeSpec:
     each expert's gate_up and down projections are a Linear (quantized experts) or a slice of
     the stacked dense weights."""
 
-    router: Linear  # hidden -> one logit per expert
+    router: Linear | nn.Module  # hidden -> one logit per expert
     experts: list[tuple[Linear | torch.Tensor, Linear | torch.Tensor]]
     top_k: int
     renormalize: bool  # the top-k weights scaled to sum to 1
-    shared_gate_up: Linear | None  # the shared expert (sigmoid-gated by shared_gate), else None
+    shared_gate_up: Linear | None  # the shared expert, else None
     shared_down: Linear | None
-    shared_gate: Linear | None
+    shared_gate: Linear | None  # its sigmoid gate (Qwen2-MoE), or None: added whole (DeepSeek)
     fused: nn.Module | None = None  # the Python execution of the routed experts, grouped per
     # step: FusedMoE(x, router logits)
     first_expert: int = 0  # `experts` are experts [first_expert, + len) of num_experts (expert
@@ -90,8 +90,8 @@ class LayerSpec:
     mlp_out_norm: nn.Module | None  # on the down projection's output (sandwich), else None
     q_norm: nn.Module | None  # before RoPE: per head (Qwen3, Gemma 3), or over all of a token's
     k_norm: nn.Module | None  # heads where qk_norm_whole (OLMo 2)
-    qkv: Linear  # the projections; their biases come with them
-    o: Linear
+    qkv: Linear | None  # the projections; their biases come with them (None: a mixer's)
+    o: Linear | None
     gate_up: Linear | None  # the MLP's input projection ([gate | up] where gated); None: MoE
     down: Linear | None
     activation: Activation | None  # None: one the stack does not compute
@@ -109,6 +109,10 @@ class LayerSpec:
     # experts')
     residual_scale: float = 1.0  # each sublayer's output scaled before the residual add (Granite)
     qk_norm_whole: bool = False  # q_norm / k_norm span all of a token's q / k heads (OLMo 2)
+    # The attention as a module of its own, mixer(positions, x) -> the o projection's output
+    # (DeepSeek's latent attention), in place of the described q/k/v one (then qkv and o are
+    # None); the fused stack does not take such layers.
+    mixer: nn.Module | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -127,17 +131,20 @@ def decoder_spec(self_attn: nn.Module, mlp: nn.Module, norm_kind: NormKind,
                  mlp_out_norm: nn.Module | None = None, *, parallel_residual: bool = False,
                  residual_scale: float = 1.0) -> LayerSpec:
     """The spec of a layer whose attention has qkv_proj, o_proj, q_norm, k_norm (and
-    qk_norm_whole), rotary and a PagedAttention `attn`, and whose MLP has gate_up_proj,
-    down_proj and a gated `act`, or is a mixture of experts that describes itself
-    (`moe_spec()`, with its experts' gated `act`)."""
+    qk_norm_whole), rotary and a PagedAttention `attn` (an attention without qkv_proj is a
+    mixer, computed whole: it has only its `attn`), and whose MLP has gate_up_proj, down_proj
+    and a gated `act`, or is a mixture of experts that describes itself (`moe_spec()`, with its
+    experts' gated `act`)."""
     attn = self_attn.attn
     moe = mlp.moe_spec() if hasattr(mlp, "moe_spec") else None
     gate_up, down = (None, None) if moe is not None else (mlp.gate_up_proj, mlp.down_proj)
     act = mlp.experts.act if moe is not None else mlp.act
+    mixer = None if hasattr(self_attn, "qkv_proj") else self_attn
+    described = (getattr(self_attn, name, None) if mixer is None else None
+                 for name in ("q_norm", "k_norm", "qkv_proj", "o_proj"))
     return LayerSpec(
-        norm_kind, attn_in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm,
-        self_attn.q_norm, self_attn.k_norm, self_attn.qkv_proj, self_attn.o_proj,
-        gate_up, down, _GATED.get(act), attn, self_attn.rotary,
+        norm_kind, attn_in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm, *described,
+        gate_up, down, _GATED.get(act), attn, None if mixer else self_attn.rotary,
         attn.scale, attn.sliding_window or None, attn.softcap or None, moe,
         parallel_residual=parallel_residual, act=act, residual_scale=residual_scale,
-        qk_norm_whole=getattr(self_attn, "qk_norm_whole", False))
+        qk_norm_whole=getattr(self_attn, "qk_norm_whole", False), mixer=mixer)

@@ -21,6 +21,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GlmForCausalLM": ("octavo.model.models.glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("octavo.model.models.glm", "Glm4ForCausalLM"),
     "GptOssForCausalLM": ("octavo.model.models.gpt_oss", "GptOssForCausalLM"),
+    "DeepseekV2ForCausalLM": ("octavo.model.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("octavo.model.models.deepseek", "DeepseekV3ForCausalLM"),
     "GPTNeoXForCausalLM": ("octavo.model.models.gpt_neox", "GPTNeoXForCausalLM"),
     "GPT2LMHeadModel": ("octavo.model.models.gpt2", "GPT2LMHeadModel"),
     "MixtralForCausalLM": ("octavo.model.models.moe", "MixtralForCausalLM"),

@@ -18,11 +18,12 @@ from octavo.distributed.placement import bind_rank_cpus
 from octavo.kernels import fused
 from octavo.kernels.context_parallel import ContextParallel
 from octavo.model import decode_stack
-from octavo.model.layers.linear import local_heads
+from octavo.model.kv_spec import KVCacheSpec
 from octavo.model.layers.moe import FusedMoE, exchange_without_rows, tokens_per_rank
 from octavo.model.loader import load_model
 from octavo.model.loader.gemm_packing import StepwisePacking
 from octavo.model.pipeline import stage_range
+from octavo.model.registry import model_class
 from octavo.model_source import ModelSource, resolve_model
 from octavo.platform import cpu_platform
 from octavo.worker.lora import LoRAManager
@@ -179,14 +180,17 @@ class Worker:
         return DraftModel(model, self.device, k, self.config.cache.block_size,
                           self.config.device.seed, arch.sliding_window)
 
-    def _kv_layers(self) -> list[ArchConfig]:
-        """One entry per KV layer: the target's on this pipeline stage, then the draft model's
-        (same blocks)."""
+    def _kv_layers(self) -> list[KVCacheSpec]:
+        """What each KV layer caches: the target's layers on this pipeline stage, then the
+        draft model's (same blocks), each as its model class describes them."""
         if self.arch.is_encoder:
             return []
-        layers = [self.arch] * len(stage_range(self.arch.num_layers))
+        target = model_class(self.arch.architecture,
+                             self.config.model.model_impl).kv_cache_spec(self.arch)
+        layers = [target] * len(stage_range(self.arch.num_layers))
         if self.draft_arch is not None:
-            layers += [self.draft_arch] * self.draft_arch.num_layers
+            draft = model_class(self.draft_arch.architecture).kv_cache_spec(self.draft_arch)
+            layers += [draft] * self.draft_arch.num_layers
         return layers
 
     def describe(self) -> str:
@@ -205,7 +209,7 @@ class Worker:
     def kv_bytes_per_block(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         block_size = self._rank_block(block_size)
-        return sum(2 * block_size * _kv_heads(a) * a.head_dim * elem for a in self._kv_layers())
+        return sum(spec.bytes_per_block(block_size, elem) for spec in self._kv_layers())
 
     def available_memory(self) -> int | None:
         free = available_memory(self.device)
@@ -220,8 +224,8 @@ class Worker:
                              f"block ({self.kv_bytes_per_block(block_size)} bytes)")
         _check_kv_fits(kv_cache_memory, self.device)
         rank_block = self._rank_block(block_size)
-        caches = [_zeros((2, num_blocks, rank_block, _kv_heads(a), a.head_dim), self.kv_dtype,
-                         self.device) for a in self._kv_layers()]
+        caches = [spec.as_kv(_zeros(spec.shape(num_blocks, rank_block), self.kv_dtype,
+                                    self.device)) for spec in self._kv_layers()]
         self.runner.kv_caches = caches[:len(stage_range(self.arch.num_layers))]
         if self.runner.drafter is not None:
             self.runner.drafter.kv_caches = caches[self.arch.num_layers:]
@@ -242,11 +246,6 @@ class Worker:
         if self.packing is not None and self.packing.pack_some():
             self.packing = None
         return self.packing is not None
-
-
-def _kv_heads(arch: ArchConfig) -> int:
-    """The KV heads this rank caches (tensor parallel: its share, or one replicated head)."""
-    return local_heads(arch.num_heads, arch.num_kv_heads)[1]
 
 
 def available_memory(device: torch.device) -> tuple[int, str] | None:

@@ -16,6 +16,11 @@ _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_a
 _GEMMA = dict(num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=32,
               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 
+_DEEPSEEK = dict(num_hidden_layers=3, first_k_dense_replace=1, num_key_value_heads=4,
+                 moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                 n_shared_experts=1, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                 v_head_dim=24, pad_token_id=0)
+
 CASES = {
     "llama-default": ("LlamaConfig", "LlamaForCausalLM", {}),
     "llama-tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
@@ -88,6 +93,17 @@ CASES = {
     "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", {
         "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 32,
         "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": 0}),
+    # latent attention (a compressed q, interleaved RoPE reordered at load, YaRN with mscale),
+    # sigmoid routing within expert groups with a correction bias, a shared expert, a dense
+    # first layer; V2: an uncompressed q, softmax routing limited to the best group
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        **_DEEPSEEK, "q_lora_rank": 48, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+            "mscale_all_dim": 0.707, "original_max_position_embeddings": 64}}),
+    "deepseek-v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
+        **_DEEPSEEK, "q_lora_rank": None, "topk_method": "group_limited_greedy", "n_group": 2,
+        "topk_group": 1, "routed_scaling_factor": 1.5}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
         **_GEMMA, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_GEMMA, "rope_parameters": {
@@ -202,3 +218,33 @@ def test_internlm3_runs_as_llama_with_its_bias_keys(tmp_path, smollm_oracle_fold
     assert out.token_ids == expected
     first = out.logprobs[0][expected[0]].logprob
     assert abs(first - ref_lp[expected[0]].item()) < 1e-4
+
+
+def test_latent_attention_caches_the_compressed_row_only(tmp_path, smollm_oracle_folder):
+    """DeepSeek's KV cache holds kv_lora_rank + qk_rope_head_dim features a token and layer
+    (48 here, where K and V of 4 heads of 40 and 24 features would be 256), one copy read as
+    both K and V; with a cache small enough to preempt, and the prompt again from the prefix
+    cache, the tokens stay transformers'."""
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "deepseek-v3")
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(100, 49000, (70,), generator=gen).tolist() for _ in range(4)]
+    with torch.inference_mode():
+        expected = [ref.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12,
+                                 pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    per_block = 3 * 16 * 48 * 4  # layers x tokens x features x float32
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=18 * per_block,
+              max_num_batched_tokens=64)  # 4 x 82 tokens need 24 blocks at once: preempted
+    try:
+        worker = llm.engine.client.core.executor.worker
+        assert worker.kv_bytes_per_block(16) == per_block
+        cache = worker.runner.kv_caches[0]
+        assert cache.shape[0] == 2 and cache[0].data_ptr() == cache[1].data_ptr()
+        assert cache.untyped_storage().nbytes() == 18 * 16 * 48 * 4
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert llm.engine.client.core.scheduler.num_preemptions > 0
+        again = llm.generate(prompts[:1], params, use_tqdm=False)[0]
+        assert again.num_cached_tokens >= 32 and again.outputs[0].token_ids == expected[0]
+    finally:
+        llm.engine.shutdown()

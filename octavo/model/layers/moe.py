@@ -24,6 +24,7 @@ import re
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from octavo.distributed import parallel_state
@@ -35,6 +36,8 @@ from octavo.model.quant.base import QuantMethod
 # checkpoint projection name -> (packed parameter, slot): Mixtral's w1/w3/w2 and Qwen's names
 _PROJ = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
          "w2": ("w2", 0), "down_proj": ("w2", 0)}
+# router logits [T, E] -> (weights [T, top_k] float32, experts [T, top_k])
+Route = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # <block>.experts.<index>.<projection>.<kind: weight, or a quantized format's qweight, scales...>
 EXPERT_TENSOR = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(\w+)$")
 
@@ -46,8 +49,12 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  hidden_act: str, renormalize: bool, bias: bool = False,
-                 act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 act: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 route: Route | None = None) -> None:
         super().__init__()
+        # the family's own routing, router logits -> (weights, experts) [T, top_k] (DeepSeek's
+        # sigmoid scores and expert groups), else softmax, top-k, renormalized or not
+        self.route = route
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -183,10 +190,13 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x: [T, H], router_logits: [T, E] -> [T, H]. The C++ decode stack
         (csrc/decode_stack.h, moe) runs these same ops in this order."""
-        probs = router_logits.float().softmax(-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
-        if self.renormalize:
-            weights = weights / weights.sum(-1, keepdim=True)
+        if self.route is not None:
+            weights, experts = self.route(router_logits)
+        else:
+            probs = router_logits.float().softmax(-1)
+            weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
+            if self.renormalize:
+                weights = weights / weights.sum(-1, keepdim=True)
         if parallel_state.ep_dispatches():
             return self._dispatched(x, weights, experts)
         flat = experts.reshape(-1)  # [T * k]
@@ -262,6 +272,22 @@ class FusedMoE(nn.Module):
         (back,), _, _ = parallel_state.ep_all_to_all([ys], recv, matrix.t())
         back = back * weights.reshape(-1)[mine].unsqueeze(1).to(x.dtype)
         return parallel_state.tp_all_reduce(torch.zeros_like(x).index_add_(0, token, back))
+
+
+class FloatRouter(nn.Module):
+    """A router in float32 whatever the model's dtype (as DeepSeek computes it), with an
+    optional score correction bias (DeepSeek V3's, which its `route` reads)."""
+
+    def __init__(self, hidden: int, experts: int, correction: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden, dtype=torch.float32),
+                                   requires_grad=False)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(experts, dtype=torch.float32), requires_grad=False)
+            if correction else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
 
 
 def exchange_without_rows(mixtures: list[FusedMoE], dtype: torch.dtype,

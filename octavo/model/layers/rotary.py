@@ -142,15 +142,17 @@ class PartialRotaryEmbedding(RotaryEmbedding):
         return torch.cat([qr, q[..., d:]], -1), torch.cat([kr, k[..., d:]], -1)
 
 
-def pairs_to_halves(tensor: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+def pairs_to_halves(tensor: torch.Tensor, head_dim: int, rotary_dim: int,
+                    offset: int = 0) -> torch.Tensor:
     """q or k projection rows (a weight's, a bias's or a per-head norm's, heads of `head_dim`
     along dim 0) of a model that rotates adjacent feature pairs (2i, 2i + 1) (GPT-J's layout:
-    Cohere, GLM) reordered so that rotate-half RoPE computes the same: each head's first
-    `rotary_dim` features become its even ones, then its odd ones. q and k are reordered alike,
-    so their products, the attention scores, do not change (v is not touched); the KV cache
-    holds keys in this order."""
-    evens = torch.arange(0, rotary_dim, 2)
-    head = torch.cat([evens, evens + 1, torch.arange(rotary_dim, head_dim)])
+    Cohere, GLM, DeepSeek) reordered so that rotate-half RoPE computes the same: the
+    `rotary_dim` features of each head from `offset` become their even ones, then their odd
+    ones. q and k are reordered alike, so their products, the attention scores, do not change
+    (v is not touched); the KV cache holds keys in this order."""
+    evens = torch.arange(offset, offset + rotary_dim, 2)
+    head = torch.cat([torch.arange(offset), evens, evens + 1,
+                      torch.arange(offset + rotary_dim, head_dim)])
     heads = tensor.shape[0] // head_dim
     order = (torch.arange(heads).unsqueeze(1) * head_dim + head).reshape(-1)
     return tensor.index_select(0, order)

@@ -10,7 +10,9 @@ from torch import nn
 
 from octavo.arch_config import ArchConfig
 from octavo.distributed import parallel_state
+from octavo.model.kv_spec import KVCacheSpec
 from octavo.model.layers.embedding import Embedding, LMHead
+from octavo.model.layers.linear import local_heads
 from octavo.model.layers.moe import EXPERT_TENSOR
 from octavo.model.pipeline import local_layer_name, run_stage
 
@@ -36,6 +38,12 @@ class CheckpointModel(nn.Module):
     def checkpoint_name(self, name: str) -> str | None:
         """The parameter name a checkpoint tensor maps to, or None to skip it."""
         return name
+
+    @classmethod
+    def kv_cache_spec(cls, cfg: ArchConfig) -> KVCacheSpec:
+        """What each of its layers caches per token: by default K and V of this rank's KV
+        heads (tensor parallel: its share, or one replicated head)."""
+        return KVCacheSpec(2, local_heads(cfg.num_heads, cfg.num_kv_heads)[1], cfg.head_dim)
 
     def linear_name(self, ckpt_name: str) -> str | None:
         """The module (a packed Linear for q/k/v and gate/up) that checkpoint tensor fills."""

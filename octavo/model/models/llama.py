@@ -135,8 +135,7 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
         super().__init__(cfg)
-        rotary = make_rotary(cfg.head_dim, self.rotary_dim(cfg), max_positions,
-                             cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        rotary = self.make_rotary(cfg, max_positions)
         self.model = LlamaModel(
             cfg, stage_layers(cfg.num_layers, lambda i: self.decoder_layer(cfg, i, rotary)),
             self.final_norm(cfg), self.embedding_scale(cfg))
@@ -144,6 +143,10 @@ class LlamaForCausalLM(CausalLM):
 
     def rotary_dim(self, cfg: ArchConfig) -> int:
         return cfg.rotary_dim or cfg.head_dim
+
+    def make_rotary(self, cfg: ArchConfig, max_positions: int) -> RotaryEmbedding:
+        return make_rotary(cfg.head_dim, self.rotary_dim(cfg), max_positions, cfg.rope_theta,
+                           cfg.rope_scaling, cfg.max_position_embeddings)
 
     def decoder_layer(self, cfg: ArchConfig, layer_index: int,
                       rotary: RotaryEmbedding) -> nn.Module:

@@ -1,0 +1,151 @@
+"""DeepSeek V2 and V3 (and R1): multi-head latent attention (MLA) and a mixture of experts with
+shared experts.
+
+MLA compresses each token's keys and values into one latent row: kv_lora_rank features (the
+compressed KV, RMS-normalized) and qk_rope_head_dim features of a key shared by every head (the
+only part RoPE rotates). That row is all the KV cache holds (`kv_cache_spec`: one part, one head,
+kv_lora_rank + qk_rope_head_dim features a token). Attention runs on it directly: each head's
+query is taken into the latent space by that head's key projection (W_UK of kv_b_proj, absorbed
+into the query), so the scores are q_latent . c + q_rope . k_rope, a multi-query attention of
+one KV head whose values are the same rows; the output's latent part is brought back out by the
+head's value projection (W_UV). The paged kernels read one cache as both K and V. RoPE is on
+adjacent pairs (V2 always, V3 with rope_interleave): rows reordered at load. YaRN's mscale
+scales the softmax (by mscale(factor, mscale_all_dim) squared).
+
+Experts: V3 scores with a sigmoid, picks within the best expert groups by the scores plus a
+learned correction bias, weighs by the plain scores (renormalized where norm_topk_prob) times
+routed_scaling_factor; V2 takes a softmax, greedy or within the best groups by their maximum,
+times the factor. Shared experts are added ungated. The first first_k_dense_replace layers are
+dense. These layers run layer by layer (the fused stack takes neither the latent attention nor
+this routing)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from octavo.arch_config import ArchConfig
+from octavo.model.decoder_layer import DecoderLayer
+from octavo.model.kv_spec import KVCacheSpec
+from octavo.model.layer_spec import LayerSpec, MoeSpec, NormKind, decoder_spec
+from octavo.model.layers.mla import MlaAttention, need
+from octavo.model.layers.moe import FloatRouter, FusedMoE, Route
+from octavo.model.layers.norm import RMSNorm
+from octavo.model.layers.rotary import RotaryEmbedding, pairs_to_halves
+from octavo.model.models.llama import LlamaForCausalLM, LlamaMLP
+
+
+def _grouped(choice: torch.Tensor, groups: int, keep: int, group_score: str,
+             fill: float) -> torch.Tensor:
+    """`choice` with the experts outside the `keep` best of `groups` groups set to `fill`."""
+    t, e = choice.shape
+    by_group = choice.view(t, groups, e // groups)
+    score = (by_group.topk(2, -1)[0].sum(-1) if group_score == "top2"
+             else by_group.amax(-1))
+    best = score.topk(keep, -1, sorted=False)[1]
+    mask = torch.zeros_like(score, dtype=torch.bool).scatter_(1, best, True)
+    return choice.masked_fill(~mask.unsqueeze(-1).expand(t, groups, e // groups).reshape(t, e),
+                              fill)
+
+
+def deepseek_route(cfg: ArchConfig, router: FloatRouter, top_k: int) -> Route:
+    scale = float(cfg.extra.get("routed_scaling_factor") or 1.0)
+    groups, keep = cfg.extra.get("n_group") or 1, cfg.extra.get("topk_group") or 1
+    if router.e_score_correction_bias is not None:  # V3: sigmoid, groups by their top two
+        renormalize = bool(cfg.extra.get("norm_topk_prob"))
+
+        def route_v3(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            scores = logits.float().sigmoid()
+            choice = _grouped(scores + router.e_score_correction_bias, groups, keep, "top2",
+                              float("-inf"))
+            experts = choice.topk(top_k, -1, sorted=False)[1]
+            weights = scores.gather(1, experts)
+            if renormalize:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            return weights * scale, experts
+
+        return route_v3
+    method = cfg.extra.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise NotImplementedError(f"{cfg.architecture}: topk_method {method!r} (greedy and "
+                                  f"group_limited_greedy are supported)")
+
+    def route_v2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = logits.float().softmax(-1)
+        if method == "group_limited_greedy":
+            scores = _grouped(scores, groups, keep, "max", 0.0)
+        weights, experts = scores.topk(top_k, -1, sorted=False)
+        return weights * scale, experts
+
+    return route_v2
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, cfg: ArchConfig, correction: bool) -> None:
+        super().__init__()
+        experts, top_k = need(cfg, "n_routed_experts"), need(cfg, "num_experts_per_tok")
+        width = need(cfg, "moe_intermediate_size")
+        self.gate = FloatRouter(cfg.hidden_size, experts, correction)
+        self.experts = FusedMoE(experts, top_k, cfg.hidden_size, width, cfg.hidden_act,
+                                renormalize=False, route=deepseek_route(cfg, self.gate, top_k))
+        shared = cfg.extra.get("n_shared_experts") or 0
+        self.shared_experts = LlamaMLP(cfg, width * shared) if shared else None
+
+    def moe_spec(self) -> MoeSpec:
+        e, shared = self.experts, self.shared_experts
+        return MoeSpec(self.gate, e.expert_weights(), e.top_k, False,
+                       None if shared is None else shared.gate_up_proj,
+                       None if shared is None else shared.down_proj, None, fused=e,
+                       first_expert=e.first_expert, num_experts=e.num_experts)
+
+
+class DeepseekDecoderLayer(DecoderLayer):
+    def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding,
+                 correction: bool) -> None:
+        super().__init__()
+        self.self_attn = MlaAttention(cfg, layer_index, rotary)
+        dense = layer_index < (cfg.extra.get("first_k_dense_replace") or 0)
+        self.mlp = LlamaMLP(cfg) if dense else DeepseekMoE(cfg, correction)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def spec(self) -> LayerSpec:  # the latent attention is a mixer: computed whole
+        return decoder_spec(self.self_attn, self.mlp, NormKind.RMS, self.input_layernorm,
+                            self.post_attention_layernorm)
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    correction = False  # V3's score correction bias
+
+    @classmethod
+    def kv_cache_spec(cls, cfg: ArchConfig) -> KVCacheSpec:
+        return KVCacheSpec(1, 1, need(cfg, "kv_lora_rank") + need(cfg, "qk_rope_head_dim"))
+
+    def make_rotary(self, cfg: ArchConfig, max_positions: int) -> RotaryEmbedding:
+        return RotaryEmbedding(need(cfg, "qk_rope_head_dim"), max_positions, cfg.rope_theta,
+                               cfg.rope_scaling, cfg.max_position_embeddings)
+
+    def decoder_layer(self, cfg: ArchConfig, layer_index: int,
+                      rotary: RotaryEmbedding) -> nn.Module:
+        return DeepseekDecoderLayer(cfg, layer_index, rotary, self.correction)
+
+    def _pairwise(self, cfg: ArchConfig) -> bool:
+        return True
+
+    def convert_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        module, kind = name.split(".")[-2:]
+        cfg = self.cfg
+        if not self._pairwise(cfg) or kind not in ("weight", "bias") or module not in (
+                "q_proj", "q_b_proj", "kv_a_proj_with_mqa"):
+            return tensor
+        nope, rope = need(cfg, "qk_nope_head_dim"), need(cfg, "qk_rope_head_dim")
+        if module == "kv_a_proj_with_mqa":  # one row group: the latent, then the shared key
+            rank = need(cfg, "kv_lora_rank")
+            return pairs_to_halves(tensor, rank + rope, rope, offset=rank)
+        return pairs_to_halves(tensor, nope + rope, rope, offset=nope)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    correction = True
+
+    def _pairwise(self, cfg: ArchConfig) -> bool:
+        return cfg.extra.get("rope_interleave", True) is not False
