@@ -1,7 +1,7 @@
 """Microscaled weights kept packed (quant/microscaled.py, csrc/microscaled.h): the GEMV and the
 dequantized tiles against dequantize-then-matmul on random codes of every table (MXFP4's e2m1
-with e8m0 scales per 32, MXFP8's e4m3 codes, NVFP4-like e4m3 scales per 16) and every batch
-class; the OCP quantizer; and a gpt-oss checkpoint whose experts are MXFP4, packed at test time,
+with e8m0 scales per 32, MXFP8's e4m3 codes, NVFP4-like e4m3 scales per 16, FP8 with float32
+scales per block or per row) and every batch class; the OCP quantizer; and a gpt-oss checkpoint whose experts are MXFP4, packed at test time,
 against transformers on the dequantized weights."""
 from __future__ import annotations
 
@@ -22,14 +22,18 @@ def _random_weight(n: int, k: int, bits: int, block: int, scale_lut: torch.Tenso
     if bits == 8:  # e4m3's NaN bytes (0x7f, 0xff) are not weights
         codes[(codes & 0x7F) == 0x7F] = 0
     table = torch.tensor(FP4_VALUES) if bits == 4 else e4m3_table()
-    scale_bytes = (torch.randint(120, 131, (n, k // block), generator=gen, dtype=torch.uint8)
-                   if scale_lut.numel() == 256 and scale_lut[127] == 1.0 else
-                   torch.randint(40, 60, (n, k // block), generator=gen, dtype=torch.uint8))
-    return MicroscaledPacked(codes, scale_bytes, table, scale_lut, block, torch.float32)
+    if scale_lut.numel() == 0:  # FP8 checkpoints' float32 scales
+        scales = torch.rand(n, k // block, generator=gen) * 0.01 + 1e-4
+    elif scale_lut[127] == 1.0:  # e8m0
+        scales = torch.randint(120, 131, (n, k // block), generator=gen, dtype=torch.uint8)
+    else:
+        scales = torch.randint(40, 60, (n, k // block), generator=gen, dtype=torch.uint8)
+    return MicroscaledPacked(codes, scales, table, scale_lut, block, torch.float32)
 
 
 FORMATS = {"mxfp4": (4, 32, e8m0_table()), "mxfp8": (8, 32, e8m0_table()),
-           "nvfp4": (4, 16, e4m3_table() * 0.5)}
+           "nvfp4": (4, 16, e4m3_table() * 0.5), "fp8-blocks": (8, 32, torch.empty(0)),
+           "fp8-rows": (8, 0, torch.empty(0))}
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -39,7 +43,7 @@ def test_packed_products_equal_the_dequantized_matmul(fmt, rows, dtype):
     bits, block, scale_lut = FORMATS[fmt]
     gen = torch.Generator().manual_seed(rows)
     for n, k in ((8, 64), (37, 96), (130, 256)):
-        w = _random_weight(n, k, bits, block, scale_lut, gen)
+        w = _random_weight(n, k, bits, block or k, scale_lut, gen)  # 0: a scale per row
         x = torch.randn(rows, k, generator=gen).to(dtype)
         dense = w.reference()
         want = x.float() @ dense.t()

@@ -75,7 +75,14 @@ def _gptq_layer(w, bits, group, sym, perm, fmt):
     return tensors, deq
 
 
-def _fp8_layer(w, per_channel):
+def _fp8_layer(w, per_channel, block=None):
+    if block:  # a scale per [block, block] tile (DeepSeek V3's checkpoints: 128)
+        n, k = w.shape
+        tiles = w.reshape(n // block, block, k // block, block)
+        scale = (tiles.abs().amax((1, 3)) / 448).float()  # [n / b, k / b]
+        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+        q = (w / full).to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale_inv": scale}, q.float() * full
     amax = w.abs().amax(1, keepdim=True) if per_channel else w.abs().amax()
     scale = (amax / 448).float()
     q = (w / scale).to(torch.float8_e4m3fn)
@@ -120,7 +127,7 @@ def _build(tmp_path, tokenizer_folder, fmt, qconfig, arch="llama", **kw):
         perms.setdefault(key, torch.randperm(w.shape[1]) if kw.get("desc_act")
                          else torch.arange(w.shape[1]))
         if fmt == "fp8":
-            layer, deq = _fp8_layer(w, kw["per_channel"])
+            layer, deq = _fp8_layer(w, kw["per_channel"], kw.get("block"))
         else:
             layer, deq = _gptq_layer(w, kw["bits"], kw["group"], kw["sym"], perms[key], fmt)
         tensors[name] = deq.contiguous()  # the oracle's dequantized weight
@@ -194,15 +201,27 @@ def test_awq_checkpoint_matches_dequantized_model(tmp_path, smollm_oracle_folder
     _compare(folder, ref)
 
 
-@pytest.mark.parametrize("fmt,per_channel", [("fp8", False), ("compressed-tensors", True)])
+@pytest.mark.parametrize("fmt,per_channel,block", [("fp8", False, None), ("fp8", False, 32),
+                                                   ("compressed-tensors", True, None)])
 def test_fp8_checkpoint_matches_dequantized_model(tmp_path, smollm_oracle_folder, fmt,
-                                                  per_channel):
+                                                  per_channel, block):
+    """Per tensor, per [32, 32] block and per channel: the weights stay FP8 (a byte each, with
+    a float32 scale per row and block) and the model equals transformers on the dequantized
+    ones."""
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic"} if fmt == "fp8" else {
         "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 8, "type": "float", "strategy": "channel"}}}}
-    folder, ref = _build(tmp_path, smollm_oracle_folder, "fp8", qc, per_channel=per_channel)
-    _compare(folder, ref)
+    if block:
+        qc["weight_block_size"] = [block, block]
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "fp8", qc, per_channel=per_channel,
+                         block=block)
+    llm = _compare(folder, ref)
+    _assert_packed(llm, "llama")
+    packed = llm.engine.client.core.executor.worker.runner.model.model.layers[0].mlp \
+        .gate_up_proj.weights.packed
+    assert packed.codes.dtype == torch.uint8 and packed.codes.numel() == packed.out_features \
+        * packed.in_features  # a byte a weight
 
 
 def test_quantization_flag_on_a_quantized_checkpoint_names_the_field(tmp_path,
@@ -253,5 +272,4 @@ def test_quantization_at_load_matches_fake_quantized_model(tmp_path, smollm_orac
     save_file(tensors, str(oracle / "model.safetensors"))
     ref = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32).eval()
     llm = _compare(folder, ref, atol=2e-4, quantization=mode)
-    if mode != "fp8":  # fp8 is computed dense (fp8.py)
-        _assert_packed(llm, arch)
+    _assert_packed(llm, arch)

@@ -1,9 +1,9 @@
-// Microscaled low-bit weights (OCP MX: MXFP4, MXFP8; NVIDIA's NVFP4): each row of the weight is
-// blocks of `block` inputs, each block a byte scale and `block` codes of 4 or 8 bits (two 4-bit
-// codes a byte, the even input in the low nibble). A code is a float by a lookup table (e2m1's
-// 16 values, e4m3's 256) and a scale byte a float by another (e8m0: 2^(s - 127); e4m3 times a
-// tensor scale), so one kernel serves every format: w[n, k] = scale_lut[s[n, k / block]] *
-// code_lut[c[n, k]].
+// Microscaled low-bit weights (OCP MX: MXFP4, MXFP8; NVIDIA's NVFP4; FP8 with a scale per row or
+// block): each row of the weight is blocks of `block` inputs, each block a scale and `block`
+// codes of 4 or 8 bits (two 4-bit codes a byte, the even input in the low nibble). A code is a
+// float by a lookup table (e2m1's 16 values, e4m3's 256) and a scale byte a float by another
+// (e8m0: 2^(s - 127); e4m3 times a tensor scale), or the scales are float32 (FP8 checkpoints),
+// so one kernel serves every format: w[n, k] = scale[n, k / block] * code_lut[c[n, k]].
 //
 // microscaled_gemv: x [M, K] (M small: decode) times the weight, the codes read once for every
 // row of x: each block decoded into floats once, then dotted with each row's block and scaled
@@ -20,10 +20,17 @@ namespace {
 struct MicroscaledLayout {
   int64_t n, k, block, bits;
   const uint8_t* codes;   // [N, K * bits / 8]
-  const uint8_t* scales;  // [N, K / block]
+  const uint8_t* scales;  // [N, K / block] bytes, read through scale_lut; or
+  const float* float_scales;  // [N, K / block] float32 (FP8 checkpoints' scales)
   const float* code_lut;  // 16 or 256 entries
   const float* scale_lut;  // 256 entries
   bool e2m1 = false;  // the codes are e2m1's 16 values (MXFP4, NVFP4): decoded with shuffles
+  bool e4m3 = false;  // the codes are float8_e4m3fn bytes: decoded with integer ops
+
+  float scale(int64_t n, int64_t b) const {
+    const int64_t i = n * (k / block) + b;
+    return float_scales != nullptr ? float_scales[i] : scale_lut[scales[i]];
+  }
 };
 
 // e2m1's values times 2 are the integers 0, 1, 2, 3, 4, 6, 8, 12 and their negatives.
@@ -49,6 +56,49 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
+// 8 float8_e4m3fn bytes as 8 floats: sign, exponent + 120 and mantissa moved into float32's
+// fields; an exponent of 0 (subnormal: mantissa x 2^-9) computed as a float and signed.
+inline __m256 decode8_e4m3(const uint8_t* c) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
+  const __m256i exp = _mm256_and_si256(_mm256_srli_epi32(v, 3), _mm256_set1_epi32(15));
+  const __m256i mant = _mm256_and_si256(v, _mm256_set1_epi32(7));
+  const __m256i normal = _mm256_or_si256(
+      sign, _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(exp, _mm256_set1_epi32(120)), 23),
+                            _mm256_slli_epi32(mant, 20)));
+  const __m256 sub = _mm256_or_ps(
+      _mm256_mul_ps(_mm256_cvtepi32_ps(mant), _mm256_set1_ps(1.f / 512.f)),
+      _mm256_castsi256_ps(sign));
+  const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpeq_epi32(exp, _mm256_setzero_si256()));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub, is_sub);
+}
+
+// As e2m1_gemv_rows, for float8_e4m3fn codes (FP8 and MXFP8), 8 at a time.
+inline void e4m3_gemv_rows(const MicroscaledLayout& w, const float* xp, int64_t m, float* op,
+                           int64_t begin, int64_t end) {
+  const int64_t blocks = w.k / w.block;
+  for (int64_t r0 = 0; r0 < m; r0 += 8) {
+    const int64_t rows = std::min<int64_t>(8, m - r0);
+    for (int64_t n = begin; n < end; ++n) {
+      __m256 acc[8];
+      for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+      const uint8_t* c = w.codes + n * w.k;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const __m256 s = _mm256_set1_ps(w.scale(n, b));
+        __m256 part[8];
+        for (int64_t r = 0; r < rows; ++r) part[r] = _mm256_setzero_ps();
+        for (int64_t j = b * w.block; j < (b + 1) * w.block; j += 8) {
+          const __m256 v = decode8_e4m3(c + j);
+          for (int64_t r = 0; r < rows; ++r)
+            part[r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xp + (r0 + r) * w.k + j), part[r]);
+        }
+        for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_fmadd_ps(part[r], s, acc[r]);
+      }
+      for (int64_t r = 0; r < rows; ++r) op[(r0 + r) * w.n + n] = hsum8(acc[r]);
+    }
+  }
+}
+
 // Rows [begin, end) of the product for up to 8 rows of x at a time: each block of 16 codes
 // decoded once into two vectors, then one multiply-add per row of x; each row's block sum
 // joins its accumulator times the block's scale.
@@ -63,7 +113,7 @@ inline void e2m1_gemv_rows(const MicroscaledLayout& w, const float* xp, int64_t 
       const uint8_t* c = w.codes + n * (w.k / 2);
       for (int64_t b = 0; b < blocks; ++b) {
         // the table's values are twice e2m1's: the scale takes the half
-        const __m256 s = _mm256_set1_ps(0.5f * w.scale_lut[w.scales[n * blocks + b]]);
+        const __m256 s = _mm256_set1_ps(0.5f * w.scale(n, b));
         __m256 part[8];
         for (int64_t r = 0; r < rows; ++r) part[r] = _mm256_setzero_ps();
         for (int64_t j = 0; j < w.block; j += 16) {
@@ -97,29 +147,44 @@ inline void decode_block(const MicroscaledLayout& w, int64_t n, int64_t b, float
   }
 }
 
+// scales: uint8 read through scale_lut (256 floats), or float32 (scale_lut empty).
 MicroscaledLayout microscaled_layout(const at::Tensor& codes, const at::Tensor& scales,
                                      const at::Tensor& code_lut, const at::Tensor& scale_lut,
                                      int64_t block) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kByte &&
-                  codes.is_contiguous() && scales.is_contiguous() && codes.dim() == 2 &&
-                  scales.dim() == 2,
-              "microscaled: uint8 codes [N, K * bits / 8] and scales [N, K / block], contiguous");
+  const bool float_scales = scales.scalar_type() == at::kFloat;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
+                  (float_scales || scales.scalar_type() == at::kByte) &&
+                  scales.is_contiguous() && scales.dim() == 2,
+              "microscaled: uint8 codes [N, K * bits / 8] and uint8 or float32 scales "
+              "[N, K / block], contiguous");
   TORCH_CHECK(code_lut.scalar_type() == at::kFloat && scale_lut.scalar_type() == at::kFloat &&
-                  (code_lut.numel() == 16 || code_lut.numel() == 256) && scale_lut.numel() == 256,
-              "microscaled: float32 tables of 16 or 256 code values and 256 scale values");
+                  (code_lut.numel() == 16 || code_lut.numel() == 256) &&
+                  scale_lut.numel() == (float_scales ? 0 : 256),
+              "microscaled: float32 tables of 16 or 256 code values and of 256 scale values "
+              "(none with float32 scales)");
   const int64_t bits = code_lut.numel() == 16 ? 4 : 8;
   const int64_t n = codes.size(0), k = codes.size(1) * 8 / bits;
-  TORCH_CHECK(block > 0 && block % 2 == 0 && block <= 256 && k % block == 0 &&
-                  scales.size(0) == n && scales.size(1) == k / block,
-              "microscaled: ", n, " rows of ", k, " inputs in blocks of ", block, " need scales [",
-              n, ", ", k / std::max<int64_t>(block, 1), "], got [", scales.size(0), ", ",
-              scales.size(1), "]");
-  MicroscaledLayout w{n, k, block, bits, codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(),
-                      code_lut.data_ptr<float>(), scale_lut.data_ptr<float>()};
-  w.e2m1 = bits == 4 && block % 16 == 0 &&
-           std::equal(kE2m1, kE2m1 + 16, w.code_lut, [](float a, float b) {
-             return a == b && std::signbit(a) == std::signbit(b);
-           });
+  TORCH_CHECK(block > 0 && block % 16 == 0 && k % block == 0 && scales.size(0) == n &&
+                  scales.size(1) == k / block,
+              "microscaled: ", n, " rows of ", k, " inputs in blocks of ", block,
+              " (a multiple of 16) need scales [", n, ", ", k / std::max<int64_t>(block, 1),
+              "], got [", scales.size(0), ", ", scales.size(1), "]");
+  MicroscaledLayout w{n, k, block, bits, codes.data_ptr<uint8_t>(),
+                      float_scales ? nullptr : scales.data_ptr<uint8_t>(),
+                      float_scales ? scales.data_ptr<float>() : nullptr,
+                      code_lut.data_ptr<float>(),
+                      float_scales ? nullptr : scale_lut.data_ptr<float>()};
+  const auto same = [](float a, float b) {
+    return (a == b && std::signbit(a) == std::signbit(b)) || (std::isnan(a) && std::isnan(b));
+  };
+  w.e2m1 = bits == 4 && std::equal(kE2m1, kE2m1 + 16, w.code_lut, same);
+  if (bits == 8) {
+    static const std::vector<float> kE4m3 = [] {
+      const auto t = at::arange(256, at::kByte).view(at::kFloat8_e4m3fn).to(at::kFloat);
+      return std::vector<float>(t.data_ptr<float>(), t.data_ptr<float>() + 256);
+    }();
+    w.e4m3 = std::equal(w.code_lut, w.code_lut + 256, kE4m3.begin(), same);
+  }
   return w;
 }
 
@@ -136,9 +201,12 @@ at::Tensor microscaled_gemv(at::Tensor x, at::Tensor codes, at::Tensor scales,
   float* op = out.data_ptr<float>();
   const int64_t blocks = w.k / w.block;
 #if defined(__AVX2__) && defined(__FMA__)
-  if (w.e2m1) {
+  if (w.e2m1 || w.e4m3) {
     at::parallel_for(0, w.n, 16, [&](int64_t begin, int64_t end) {
-      e2m1_gemv_rows(w, xp, m, op, begin, end);
+      if (w.e2m1)
+        e2m1_gemv_rows(w, xp, m, op, begin, end);
+      else
+        e4m3_gemv_rows(w, xp, m, op, begin, end);
     });
     return out.to(x.scalar_type());
   }
@@ -149,7 +217,7 @@ at::Tensor microscaled_gemv(at::Tensor x, at::Tensor codes, at::Tensor scales,
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t b = 0; b < blocks; ++b) {
         decode_block(w, n, b, buf.data());
-        const float s = w.scale_lut[w.scales[n * blocks + b]];
+        const float s = w.scale(n, b);
         const float* bp = buf.data();
         for (int64_t r = 0; r < m; ++r) {
           const float* xr = xp + r * w.k + b * w.block;
@@ -179,7 +247,7 @@ at::Tensor microscaled_dequantize(at::Tensor codes, at::Tensor scales, at::Tenso
       const int64_t n = first + r;
       for (int64_t b = 0; b < blocks; ++b) {
         float* dst = op + r * w.k + b * w.block;
-        const float s = w.scale_lut[w.scales[n * blocks + b]];
+        const float s = w.scale(n, b);
 #if defined(__AVX2__) && defined(__FMA__)
         if (w.e2m1) {
           const __m256 half_s = _mm256_set1_ps(0.5f * s);
@@ -189,6 +257,13 @@ at::Tensor microscaled_dequantize(at::Tensor codes, at::Tensor scales, at::Tenso
             _mm256_storeu_ps(dst + j, _mm256_mul_ps(v0, half_s));
             _mm256_storeu_ps(dst + j + 8, _mm256_mul_ps(v1, half_s));
           }
+          continue;
+        }
+        if (w.e4m3) {
+          const __m256 vs = _mm256_set1_ps(s);
+          for (int64_t j = 0; j < w.block; j += 8)
+            _mm256_storeu_ps(dst + j, _mm256_mul_ps(
+                decode8_e4m3(w.codes + n * w.k + b * w.block + j), vs));
           continue;
         }
 #endif

@@ -1,7 +1,9 @@
 """Microscaled weights kept packed: OCP MX (MXFP4: e2m1 codes, MXFP8: e4m3 codes, each block of
-32 inputs with an e8m0 scale byte) and NVFP4 (e2m1 codes, an e4m3 scale per 16 inputs times a
-tensor scale). w[n, k] = scale_lut[scale byte] * code_lut[code]; 4-bit codes pack two a byte,
-the even input in the low nibble (the OCP and gpt-oss layout).
+32 inputs with an e8m0 scale byte), NVFP4 (e2m1 codes, an e4m3 scale per 16 inputs times a
+tensor scale) and FP8 (e4m3 codes with a float32 scale per row or per block: quant/fp8.py).
+w[n, k] = scale[n, k / block] * code_lut[code], the scale a byte read through scale_lut or a
+float; 4-bit codes pack two a byte, the even input in the low nibble (the OCP and gpt-oss
+layout).
 
 A weight keeps its bytes: 4.25 bits a weight for MXFP4 (the codes and one scale byte per 32).
 Small batches (decode) run csrc/microscaled.h's GEMV, which decodes each block once for every
@@ -39,7 +41,9 @@ def e4m3_table() -> torch.Tensor:
 
 
 class MicroscaledPacked(PackedWeight):
-    """codes [N, K * bits / 8] and scales [N, K / block] as uint8, with their tables."""
+    """codes [N, K * bits / 8] as uint8 and scales [N, K / block], uint8 read through
+    `scale_lut` (256 floats) or float32 (`scale_lut` empty: FP8 checkpoints' scales), with the
+    codes' table (16 or 256 floats)."""
 
     dense_rows = 16  # past this many rows: dequantized tiles into the dense GEMM
 
@@ -47,14 +51,17 @@ class MicroscaledPacked(PackedWeight):
                  scale_lut: torch.Tensor, block: int, dtype: torch.dtype) -> None:
         bits = 4 if code_lut.numel() == 16 else 8
         n, k = codes.shape[0], codes.shape[1] * 8 // bits
-        if code_lut.numel() not in (16, 256) or scale_lut.numel() != 256:
-            raise ValueError("microscaled weights need 16 or 256 code values and 256 scales")
-        if k % block or tuple(scales.shape) != (n, k // block):
-            raise ValueError(f"microscaled weight of {n} rows x {k} inputs in blocks of {block}: "
-                             f"scales must be [{n}, {k // block}], got {tuple(scales.shape)}")
+        float_scales = scale_lut.numel() == 0
+        if code_lut.numel() not in (16, 256) or scale_lut.numel() not in (0, 256):
+            raise ValueError("microscaled weights need 16 or 256 code values and 256 scales "
+                             "(or float32 scales)")
+        if block % 16 or k % block or tuple(scales.shape) != (n, k // block):
+            raise ValueError(f"microscaled weight of {n} rows x {k} inputs in blocks of {block} "
+                             f"(a multiple of 16): scales must be [{n}, {k // block}], got "
+                             f"{tuple(scales.shape)}")
         self.out_features, self.in_features, self.perm = n, k, None
-        self.codes = codes.to(torch.uint8).contiguous()
-        self.scales = scales.to(torch.uint8).contiguous()
+        self.codes = codes.contiguous().view(torch.uint8)
+        self.scales = (scales.float() if float_scales else scales.to(torch.uint8)).contiguous()
         self.code_lut = code_lut.float().contiguous()
         self.scale_lut = scale_lut.float().contiguous()
         self.block, self.bits, self.dtype = block, bits, dtype
@@ -88,8 +95,17 @@ class MicroscaledPacked(PackedWeight):
         if self.bits == 4:
             codes = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)
         values = self.code_lut[codes.long()].view(codes.shape[0], -1, self.block)
-        scales = self.scale_lut[self.scales[start:end].long()]
+        scales = self.scales[start:end]
+        scales = scales if self.scale_lut.numel() == 0 else self.scale_lut[scales.long()]
         return (values * scales.unsqueeze(-1)).view(codes.shape[0], -1)
+
+
+def fp8_packed(w8: torch.Tensor, scales: torch.Tensor, block: int,
+               dtype: torch.dtype) -> MicroscaledPacked:
+    """float8_e4m3fn weights [N, K] with float32 scales [N, K / block] (one block: a scale per
+    row), kept as their bytes."""
+    return MicroscaledPacked(w8.view(torch.uint8), scales.float(), e4m3_table(),
+                             torch.empty(0), block, dtype)
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
