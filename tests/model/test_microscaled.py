@@ -1,8 +1,8 @@
 """Microscaled weights kept packed (quant/microscaled.py, csrc/microscaled.h): the GEMV and the
 dequantized tiles against dequantize-then-matmul on random codes of every table (MXFP4's e2m1
 with e8m0 scales per 32, MXFP8's e4m3 codes, NVFP4-like e4m3 scales per 16, FP8 with float32
-scales per block or per row) and every batch class; the OCP quantizer; and a gpt-oss checkpoint whose experts are MXFP4, packed at test time,
-against transformers on the dequantized weights."""
+scales per block or per row) and every batch class; the OCP quantizer; and a gpt-oss checkpoint
+whose experts are MXFP4, packed at test time, against transformers on the dequantized weights."""
 from __future__ import annotations
 
 import json
