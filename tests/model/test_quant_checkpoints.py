@@ -90,6 +90,17 @@ def _fp8_layer(w, per_channel, block=None):
             q.float() * scale)
 
 
+def _nvfp4_layer(w):
+    from octavo.model.quant.microscaled import (FP4_VALUES, MicroscaledPacked, e4m3_table,
+                                                quantize_nvfp4)
+
+    t = quantize_nvfp4(w)
+    packed = MicroscaledPacked(t["weight_packed"], t["weight_scale"].view(torch.uint8),
+                               torch.tensor(FP4_VALUES),
+                               e4m3_table() / t["weight_global_scale"], 16, torch.float32)
+    return t, packed.reference()
+
+
 def _random_model(arch):
     import transformers
 
@@ -128,6 +139,8 @@ def _build(tmp_path, tokenizer_folder, fmt, qconfig, arch="llama", **kw):
                          else torch.arange(w.shape[1]))
         if fmt == "fp8":
             layer, deq = _fp8_layer(w, kw["per_channel"], kw.get("block"))
+        elif fmt == "nvfp4":
+            layer, deq = _nvfp4_layer(w)
         else:
             layer, deq = _gptq_layer(w, kw["bits"], kw["group"], kw["sym"], perms[key], fmt)
         tensors[name] = deq.contiguous()  # the oracle's dequantized weight
@@ -222,6 +235,25 @@ def test_fp8_checkpoint_matches_dequantized_model(tmp_path, smollm_oracle_folder
         .gate_up_proj.weights.packed
     assert packed.codes.dtype == torch.uint8 and packed.codes.numel() == packed.out_features \
         * packed.in_features  # a byte a weight
+
+
+def test_nvfp4_checkpoint_keeps_its_codes_and_matches_dequantized_model(tmp_path,
+                                                                         smollm_oracle_folder):
+    """compressed-tensors' NVFP4 (e2m1 codes, e4m3 scales per 16, a global scale per layer, q/k/v
+    quantized apart): the codes stay packed (half a byte a weight) and the model equals
+    transformers on the dequantized weights."""
+    qc = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+          "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+              "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}}}}
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "nvfp4", qc)
+    llm = _compare(folder, ref)
+    _assert_packed(llm, "llama")
+    attn = llm.engine.client.core.executor.worker.runner.model.model.layers[0].self_attn
+    packed = attn.qkv_proj.weights.packed
+    assert packed.codes.numel() * 2 == packed.out_features * packed.in_features
+    assert packed.scales.dtype == torch.float32  # q, k and v scaled apart: float scales
+    down = llm.engine.client.core.executor.worker.runner.model.model.layers[0].mlp.down_proj
+    assert down.weights.packed.scales.dtype == torch.uint8  # one global scale: its bytes
 
 
 def test_quantization_flag_on_a_quantized_checkpoint_names_the_field(tmp_path,

@@ -1,7 +1,7 @@
 """Which quantization a model loads with, and which of its linear layers get which method.
 
 A checkpoint's `quantization_config` (config.json) names its format: gptq, awq, fp8,
-compressed-tensors, mxfp4 (gpt-oss's experts). `--quantization int8|int4|fp8` quantizes an
+compressed-tensors (FP8 or NVFP4), mxfp4 (gpt-oss's experts). `--quantization int8|int4|fp8` quantizes an
 unquantized checkpoint at load;
 asking for it on a checkpoint that is quantized already is a ValueError naming the field. On a
 GGUF, int4/int8 mean "its own codes in that layout, no dense copy" (quant/gguf.py). The
@@ -25,7 +25,7 @@ from octavo.model.quant.base import CheckpointMethod, OnTheFlyMethod, QuantMetho
 from octavo.model.quant.fp8 import FP8Spec, quantize_fp8
 from octavo.model.quant.gguf import GGUFPlan, gguf_plan
 from octavo.model.quant.gptq import GPTQSpec
-from octavo.model.quant.microscaled import MXFP4Spec
+from octavo.model.quant.microscaled import MXFP4Spec, NVFP4Spec, nvfp4_groups
 from octavo.model.quant.packed import quantize_int4, quantize_int8
 from octavo.model_source import ModelSource
 
@@ -55,7 +55,7 @@ class QuantPlan:
     required = True  # the model cannot load without its methods (GGUFPlan's may be dropped)
 
     def __init__(self, fmt: str, dtype: torch.dtype, *,
-                 spec: GPTQSpec | FP8Spec | MXFP4Spec | None = None,
+                 spec: GPTQSpec | FP8Spec | MXFP4Spec | NVFP4Spec | None = None,
                  on_the_fly: str | None = None) -> None:
         self.fmt, self.dtype, self.spec, self.on_the_fly = fmt, dtype, spec, on_the_fly
 
@@ -139,6 +139,8 @@ def plan_quantization(source: ModelSource, requested: str | None, dtype: torch.d
     fmt = str(qc.get("quant_method", "")).lower()
     if fmt in ("gptq", "awq"):
         return QuantPlan(fmt, dtype, spec=GPTQSpec(fmt, qc))
+    if fmt == "compressed-tensors" and nvfp4_groups(qc):
+        return QuantPlan(fmt, dtype, spec=NVFP4Spec(qc))
     if fmt in ("fp8", "compressed-tensors"):
         return QuantPlan(fmt, dtype, spec=FP8Spec(fmt, qc))
     if fmt == "mxfp4":

@@ -13,7 +13,8 @@ the same tables decode in torch.
 
 Checkpoints: gpt-oss's MXFP4 experts (`quant_method: mxfp4`: `<proj>_blocks` [.., N, K / 32, 16]
 and `<proj>_scales` [.., N, K / 32], split per expert by model/models/gpt_oss.py) load through
-`MXFP4Spec`; MXFP8 and NVFP4 checkpoints are not read yet (their packed weight is here).
+`MXFP4Spec`, compressed-tensors' NVFP4 through `NVFP4Spec`; MXFP8 checkpoints are not read yet
+(their packed weight is here).
 """
 from __future__ import annotations
 
@@ -106,6 +107,72 @@ def fp8_packed(w8: torch.Tensor, scales: torch.Tensor, block: int,
     row), kept as their bytes."""
     return MicroscaledPacked(w8.view(torch.uint8), scales.float(), e4m3_table(),
                              torch.empty(0), block, dtype)
+
+
+def nvfp4_groups(qc: dict[str, Any]) -> bool:
+    """Whether a compressed-tensors quantization_config is NVFP4 (4-bit float weights in groups
+    of 16: `nvfp4-pack-quantized`); ValueError where its groups mix it with another scheme."""
+    groups = [((g or {}).get("weights") or {}) for g in (qc.get("config_groups") or {}).values()]
+    fp4 = [w.get("type") == "float" and w.get("num_bits") == 4 for w in groups]
+    if any(fp4) and not all(fp4):
+        raise NotImplementedError("quantization_config.config_groups: NVFP4 groups beside "
+                                  "others in one checkpoint")
+    if any(fp4) and any(w.get("group_size", 16) != 16 for w in groups):
+        raise NotImplementedError("quantization_config.config_groups: NVFP4 with a group_size "
+                                  "other than 16")
+    return bool(groups) and all(fp4)
+
+
+class NVFP4Spec:
+    """compressed-tensors' NVFP4 (`nvfp4-pack-quantized`): each layer's `weight_packed` (e2m1
+    codes [N, K / 2]), `weight_scale` (e4m3 [N, K / 16]) and `weight_global_scale` (one float,
+    which the scales are divided by); the activations' `input_global_scale` is not needed
+    (they stay in bf16/float32). Packed slots that share one global scale keep their scale
+    bytes; slots with different ones (q, k and v quantized apart) get float32 scales."""
+
+    def __init__(self, qc: dict[str, Any]) -> None:
+        self.qc = qc
+
+    def build(self, parts: list[dict[str, torch.Tensor]], widths: list[int], k: int,
+              dtype: torch.dtype) -> MicroscaledPacked:
+        codes, scales, globals_ = [], [], []
+        for part, width in zip(parts, widths):
+            missing = {"weight_packed", "weight_scale", "weight_global_scale"} - set(part)
+            if missing:
+                raise ValueError(f"nvfp4 checkpoint: a quantized layer lacks {sorted(missing)}")
+            c, s = part["weight_packed"], part["weight_scale"]
+            if tuple(c.shape) != (width, k // 2) or tuple(s.shape) != (width, k // 16):
+                raise ValueError(f"nvfp4 checkpoint: weight_packed {tuple(c.shape)} and "
+                                 f"weight_scale {tuple(s.shape)} for a slot of {width} rows x "
+                                 f"{k} inputs")
+            codes.append(c.view(torch.uint8))
+            scales.append(s.view(torch.uint8))
+            globals_.append(float(part["weight_global_scale"].float().reshape(-1)[0]))
+        scale_bytes = torch.cat(scales)
+        if len(set(globals_)) == 1:
+            return MicroscaledPacked(torch.cat(codes), scale_bytes, torch.tensor(FP4_VALUES),
+                                     e4m3_table() / globals_[0], 16, dtype)
+        table = e4m3_table()
+        float_scales = torch.cat([table[s.long()] / g for s, g in zip(scales, globals_)])
+        return MicroscaledPacked(torch.cat(codes), float_scales, torch.tensor(FP4_VALUES),
+                                 torch.empty(0), 16, dtype)
+
+
+def quantize_nvfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """w [N, K] -> NVFP4 tensors as compressed-tensors writes them: a global scale bringing the
+    largest magnitude to 6 x 448, e4m3 scales per 16 inputs, e2m1 codes (for tests and tools)."""
+    n, k = w.shape
+    w = w.float()
+    global_scale = (6.0 * 448.0) / w.abs().amax().clamp(min=1e-12)
+    blocks = w.view(n, k // 16, 16)
+    scale = (blocks.abs().amax(-1) / 6.0 * global_scale).to(torch.float8_e4m3fn)
+    real = scale.float() / global_scale
+    scaled = blocks / real.clamp(min=1e-30).unsqueeze(-1)
+    grid = torch.tensor(FP4_VALUES[:8])
+    index = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1)
+    code = (index + 8 * (scaled < 0)).to(torch.uint8).view(n, k)
+    return {"weight_packed": (code[:, 0::2] | (code[:, 1::2] << 4)).contiguous(),
+            "weight_scale": scale, "weight_global_scale": global_scale.reshape(1)}
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
