@@ -1,8 +1,8 @@
 """Which quantization a model loads with, and which of its linear layers get which method.
 
 A checkpoint's `quantization_config` (config.json) names its format: gptq, awq, fp8,
-compressed-tensors (FP8 or NVFP4), mxfp4 (gpt-oss's experts). `--quantization int8|int4|fp8` quantizes an
-unquantized checkpoint at load;
+compressed-tensors (FP8 or NVFP4), mxfp4 (gpt-oss's experts). `--quantization int8|int4|fp8`
+quantizes an unquantized checkpoint at load;
 asking for it on a checkpoint that is quantized already is a ValueError naming the field. On a
 GGUF, int4/int8 mean "its own codes in that layout, no dense copy" (quant/gguf.py). The
 layers of a quantized checkpoint are the ones whose tensors carry the format's marker (`qweight`,
