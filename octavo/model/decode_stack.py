@@ -1,5 +1,6 @@
 """A step of a decoder of any family octavo has (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2 and 3,
-GPT-NeoX, GPT-2, Mixtral, Qwen2-MoE, Qwen3-MoE) as one C++ call (csrc/decode_stack.h).
+GPT-NeoX, GPT-2, Mixtral, Qwen2-MoE, Qwen3-MoE, InternLM 3, Granite, OLMo 2, StarCoder 2,
+Cohere, GLM, gpt-oss) as one C++ call (csrc/decode_stack.h).
 
 It takes the steps whose attention the in-place kernel computes whole: decodes, speculative
 verification, and prompts (of any length in bf16, else up to paged_attention.KERNEL_CONTEXT_LEN
@@ -19,9 +20,11 @@ weights are read from each linear layer's typed weights (`_forms`): dense weight
 without a GGUF's int4/int8 copy for small batches) or packed int4 / symmetric int8 weights alone
 (GGUFs, --quantization: their kernels up to the rows they win at, dequantized tiles into the
 dense GEMM or int8-quantized activations above, as the Python layers compute them); the KV
-cache is in the activations' dtype or in fp8 (with each layer's k/v scales). Anything else
-(steps with padded prefills, act-order or asymmetric int8 weights, kernels not loaded yet) runs
-the Python layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a
+cache is in the activations' dtype or in fp8 (with each layer's k/v scales); attention sinks
+scale each head's output by sigmoid(log-sum-exp - sink). Anything else (steps with padded
+prefills, act-order or asymmetric int8 weights, microscaled weights, a layer's own attention
+module such as DeepSeek's latent one, routing other than softmax top-k, kernels not loaded yet)
+runs the Python layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a
 rank's heads and slices and calls the ranks' all-reduce after each o and down projection (after
 the experts' sum, and after the shared expert, in a MoE layer), as the Python layers do.
 """
@@ -37,7 +40,7 @@ from octavo.distributed import parallel_state
 from octavo.kernels import fused
 from octavo.kernels.paged_attention import AttentionPlan
 from octavo.model.context import get_forward_context
-from octavo.model.layer_spec import LayerSpec, NormKind
+from octavo.model.layer_spec import Activation, LayerSpec, NormKind
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.lora import LoRASlots, LoRAStep
 from octavo.model.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
@@ -65,10 +68,6 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
             return "expert routing other than softmax top-k"
         if spec.moe is not None and parallel_state.ep_dispatches():
             return "experts dispatched to other context-parallel ranks (all-to-all)"
-        if spec.attention.sinks is not None:
-            return "attention sinks"
-        if spec.moe is not None and getattr(spec.moe.fused, "w13_bias", None) is not None:
-            return "experts with biases"
         if spec.activation is None:
             return "an activation other than silu or gelu (tanh) gated, or silu, gelu or relu"
         if spec.rotary is not None and type(spec.rotary) not in (RotaryEmbedding,
@@ -163,6 +162,19 @@ def _kind(low: PackedWeight | None) -> str:
     return "int8" if isinstance(low, (Int8Packed, Int8Grouped)) else "none"
 
 
+def _biases(spec: LayerSpec) -> list[torch.Tensor | None]:
+    """The bias of each of _linears(spec): a Linear's own, and a mixture's experts' (FusedMoE
+    keeps them: gpt-oss), the down projection's only where this rank adds it (once a row)."""
+    biases = [None if isinstance(lin, torch.Tensor) else lin.bias for lin in _linears(spec)]
+    fused_moe = None if spec.moe is None else spec.moe.fused
+    if fused_moe is not None and getattr(fused_moe, "w13_bias", None) is not None:
+        down = fused_moe._adds_down_bias
+        experts = [b for e in range(len(spec.moe.experts))
+                   for b in (fused_moe.w13_bias[e], fused_moe.w2_bias[e] if down else None)]
+        biases[len(biases) - len(experts):] = experts
+    return biases
+
+
 def _adapters(spec: LayerSpec) -> list[LoRASlots | None]:
     """The adapter slots of each of _linears(spec) (None: none; a mixture's experts keep theirs
     in FusedMoE.lora)."""
@@ -174,7 +186,8 @@ def _adapters(spec: LayerSpec) -> list[LoRASlots | None]:
     return slots
 
 
-def _linear(lin: Linear | torch.Tensor, lora: LoRASlots | None) -> tuple:
+def _linear(lin: Linear | torch.Tensor, bias: torch.Tensor | None,
+            lora: LoRASlots | None) -> tuple:
     """A linear layer as the C++ stack takes it (csrc/stack_linear.h): dense weight, bias, the
     low-bit kind and its tensors (two, and a wide int4 weight's high plane), output features,
     the most rows the low-bit kernel serves (beside a dense weight: its copy's; alone: the
@@ -194,7 +207,6 @@ def _linear(lin: Linear | torch.Tensor, lora: LoRASlots | None) -> tuple:
         a, b = None, None
     out = dense.shape[0] if dense is not None else low.out_features
     rows = 0 if low is None else max_rows(low) if dense is not None else low.dense_rows
-    bias = None if isinstance(lin, torch.Tensor) else lin.bias
     adapters = (None, None, None, [0, 0]) if lora is None else (lora.a, lora.b, lora.used_mask,
                                                                  lora.bounds)
     return dense, bias, kind, a, b, c, out, rows, *adapters
@@ -252,18 +264,21 @@ class DecodeStack:
             attn = spec.attention
             cos, sin = (None, None) if spec.rotary is None else (spec.rotary.cos,
                                                                  spec.rotary.sin)
+            sinks = None if attn.sinks is None else attn.sinks.float()
             stack.add_layer(kv_caches[attn.layer_index], cos, sin, spec.scale,
                             spec.softcap or 0.0, "sliding" if spec.window else "step",
-                            attn.k_scale, attn.v_scale)
+                            attn.k_scale, attn.v_scale, sinks)
             norms = (spec.attn_in_norm, spec.attn_out_norm, spec.mlp_in_norm, spec.mlp_out_norm)
             stack.set_norms(spec.norm_kind.value,
                             [_norm_weight(spec, n) for n in (*norms, spec.q_norm, spec.k_norm)],
                             [_norm_bias(spec, n) for n in norms], spec.parallel_residual,
                             spec.qk_norm_whole, spec.residual_scale)
             # One list per StackLinear field, over the layer's linear layers (_linears).
-            stack.set_linears(*[list(field) for field in zip(*map(_linear, _linears(spec),
-                                                                     _adapters(spec)))])
-            stack.set_mlp(spec.activation.value, spec.gated, *_moe_settings(spec))
+            stack.set_linears(*[list(field) for field in zip(*map(
+                _linear, _linears(spec), _biases(spec), _adapters(spec)))])
+            act_params = ([spec.act.alpha, spec.act.limit]
+                          if spec.activation is Activation.CLAMPED_SWIGLU else [])
+            stack.set_mlp(spec.activation.value, spec.gated, *_moe_settings(spec), act_params)
         self._stack, self._caches = stack, kv_caches
 
 

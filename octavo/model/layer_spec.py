@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from octavo.kernels import fused
+from octavo.model.layers.activation import ClampedSwiGLU
 from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.norm import GemmaRMSNorm, RMSNorm
@@ -43,6 +44,7 @@ class Activation(enum.Enum):
     GELU_TANH = "gelu_tanh"
     GELU = "gelu"
     RELU = "relu"
+    CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss's, gated (layers/activation.py ClampedSwiGLU)
 
 
 _GATED = {fused.silu_and_mul: Activation.SILU, fused.gelu_tanh_and_mul: Activation.GELU_TANH}
@@ -54,6 +56,12 @@ _PLAIN = {"silu": Activation.SILU, "gelu": Activation.GELU, "gelu_new": Activati
 
 def plain_activation(hidden_act: str) -> Activation | None:
     return _PLAIN.get(hidden_act)
+
+
+def gated_activation(act: Callable[[torch.Tensor], torch.Tensor]) -> Activation | None:
+    """The stack's name for a gated activation as the Python layers compute it (None: one the
+    stack does not compute)."""
+    return Activation.CLAMPED_SWIGLU if isinstance(act, ClampedSwiGLU) else _GATED.get(act)
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,7 +152,7 @@ def decoder_spec(self_attn: nn.Module, mlp: nn.Module, norm_kind: NormKind,
                  for name in ("q_norm", "k_norm", "qkv_proj", "o_proj"))
     return LayerSpec(
         norm_kind, attn_in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm, *described,
-        gate_up, down, _GATED.get(act), attn, None if mixer else self_attn.rotary,
+        gate_up, down, gated_activation(act), attn, None if mixer else self_attn.rotary,
         attn.scale, attn.sliding_window or None, attn.softcap or None, moe,
         parallel_residual=parallel_residual, act=act, residual_scale=residual_scale,
         qk_norm_whole=getattr(self_attn, "qk_norm_whole", False), mixer=mixer)

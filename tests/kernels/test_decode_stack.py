@@ -253,14 +253,15 @@ def test_windowed_and_gemma_layers_run_in_the_stack(tmp_path, smollm_oracle_fold
 
 
 @pytest.mark.parametrize("name", ["llama-biases", "granite", "olmo2", "starcoder2", "cohere",
-                                  "glm4"])
+                                  "glm4", "gpt-oss"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_llama_variant_layers_run_in_the_stack(tmp_path, smollm_oracle_folder, name, dtype):
     """The families built on Llama's classes take the stack in every step, with the Python
     layers' tokens and log-probabilities: o and MLP biases, Granite's residual and attention
     scales, OLMo 2's norms after the sublayers only and q/k norms over all heads, StarCoder 2's
     LayerNorms and window, Cohere's bias-free LayerNorm over a parallel block, GLM-4's
-    reordered pairwise rotary on half of each head and sandwich norms."""
+    reordered pairwise rotary on half of each head and sandwich norms, gpt-oss's attention
+    sinks, experts with biases and clamped SwiGLU."""
     folder, _ = _build(tmp_path, smollm_oracle_folder, name)
     llm = LLM(str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20,
               enable_prefix_caching=False)
@@ -370,11 +371,13 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
     with pytest.raises(RuntimeError, match="add_layer comes first"):
         stack.set_norms("rms", norms, [None] * 4, False, False, 1.0)
     with pytest.raises(RuntimeError, match="unknown attention plan 'global'"):
-        stack.add_layer(cache, cos, sin, 0.25, 0.0, "global", 1.0, 1.0)
+        stack.add_layer(cache, cos, sin, 0.25, 0.0, "global", 1.0, 1.0, None)
     with pytest.raises(RuntimeError, match="rotary tables must be"):
         stack.add_layer(cache, torch.ones(64, 16), torch.zeros(64, 16), 0.25, 0.0, "step", 1.0,
-                        1.0)
-    stack.add_layer(cache, cos, sin, 0.25, 0.0, "step", 1.0, 1.0)
+                        1.0, None)
+    with pytest.raises(RuntimeError, match="sinks must be float32"):
+        stack.add_layer(cache, cos, sin, 0.25, 0.0, "step", 1.0, 1.0, torch.zeros(3))
+    stack.add_layer(cache, cos, sin, 0.25, 0.0, "step", 1.0, 1.0, None)
     with pytest.raises(RuntimeError, match="unknown norm kind 'batch'"):
         stack.set_norms("batch", norms, [None] * 4, False, False, 1.0)
     with pytest.raises(RuntimeError, match="a bias comes with a LayerNorm's weight"):
@@ -391,16 +394,18 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
         linears(lora_a=torch.zeros(1, 4, 32))
     linears()
     with pytest.raises(RuntimeError, match="unknown activation 'swish'"):
-        stack.set_mlp("swish", True, 0, False, False, 0, 0, None)
-    with pytest.raises(RuntimeError, match="a gated MLP takes silu or gelu_tanh"):
-        stack.set_mlp("relu", True, 0, False, False, 0, 0, None)
+        stack.set_mlp("swish", True, 0, False, False, 0, 0, None, [])
+    with pytest.raises(RuntimeError, match="a gated MLP takes silu, gelu_tanh or clamped"):
+        stack.set_mlp("relu", True, 0, False, False, 0, 0, None, [])
+    with pytest.raises(RuntimeError, match="the clamped SwiGLU takes alpha and limit"):
+        stack.set_mlp("clamped_swiglu", True, 0, False, False, 0, 0, None, [])
     x = torch.zeros(1, 32)  # the layer is still open (no MLP): a forward is refused
     plan = (torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
             torch.ones(1, dtype=torch.long), 0)
     with pytest.raises(RuntimeError, match="a layer is not complete"):
         stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                       [plan], None, [])
-    stack.set_mlp("silu", True, 0, False, False, 0, 0, None)
+    stack.set_mlp("silu", True, 0, False, False, 0, 0, None, [])
     out = stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                         [plan], None, [])
     assert out.shape == (1, 32)

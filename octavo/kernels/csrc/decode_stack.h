@@ -30,9 +30,11 @@ class DecodeStack : public torch::CustomClassHolder {
   // linear layers and its MLP.
   // k_scale, v_scale: an fp8 cache's (PagedAttention's), ignored for a cache in the
   // activations' dtype.
+  // sinks: float32 [heads], a logit per head that joins each softmax's denominator (gpt-oss).
   void add_layer(at::Tensor kv_cache, std::optional<at::Tensor> cos,
                  std::optional<at::Tensor> sin, double scale, double softcap,
-                 const std::string& plan, double k_scale, double v_scale) {
+                 const std::string& plan, double k_scale, double v_scale,
+                 std::optional<at::Tensor> sinks) {
     TORCH_CHECK(layers_.empty() || layers_.back().complete, "the last layer is not complete");
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv cache must be [2, ...]");
     TORCH_CHECK(cos.has_value() == sin.has_value(), "rotary tables come in pairs");
@@ -54,6 +56,11 @@ class DecodeStack : public torch::CustomClassHolder {
     l.scale = scale;
     l.softcap = softcap;
     l.plan = plan_index(plan);
+    if (sinks) {
+      TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->numel() == heads_,
+                  "sinks must be float32 [heads]");
+      l.sinks = sinks->contiguous();
+    }
     layers_.push_back(std::move(l));
   }
 
@@ -131,16 +138,26 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // The MLP over the linears given: dense (top_k 0) or a mixture of experts. Completes the layer.
+  // act_params: the clamped SwiGLU's alpha and limit (else empty).
   void set_mlp(const std::string& activation, bool gated, int64_t top_k, bool renormalize,
                bool shared_expert, int64_t first_expert, int64_t num_experts,
-               std::optional<at::Tensor> routed) {
+               std::optional<at::Tensor> routed, std::vector<double> act_params) {
     StackLayer& l = building();
     auto& lin = l.linears;
     TORCH_CHECK(lin.size() >= 4, "set_linears comes before set_mlp");
     l.act = stack_activation(activation);
     l.gated = gated;
-    TORCH_CHECK(!gated || l.act == StackActivation::kSilu || l.act == StackActivation::kGeluTanh,
-                "a gated MLP takes silu or gelu_tanh");
+    TORCH_CHECK(!gated || l.act == StackActivation::kSilu || l.act == StackActivation::kGeluTanh ||
+                    l.act == StackActivation::kClampedSwiglu,
+                "a gated MLP takes silu, gelu_tanh or clamped_swiglu");
+    TORCH_CHECK(gated || l.act != StackActivation::kClampedSwiglu,
+                "the clamped SwiGLU is gated");
+    TORCH_CHECK((l.act == StackActivation::kClampedSwiglu) == (act_params.size() == 2),
+                "the clamped SwiGLU takes alpha and limit, the others nothing");
+    if (act_params.size() == 2) {
+      l.act_alpha = act_params[0];
+      l.act_limit = act_params[1];
+    }
     l.qkv = lin[0];
     l.o = lin[1];
     if (top_k == 0) {
@@ -240,9 +257,15 @@ class DecodeStack : public torch::CustomClassHolder {
         RECORD_FUNCTION("octavo::decode_attention", std::vector<c10::IValue>());
         // An fp8 cache's scales: k_scale folds into the softmax scale, v_scale into the output
         // (paged_attention.py does the same).
+        at::Tensor lse;  // each query's log-sum-exp per head, where sinks need it
+        if (l.sinks.defined()) lse = at::empty({t, heads_}, x.options().dtype(at::kFloat));
         decode_attention(attn, q, l.k_cache, l.v_cache, token_index, block_table, seq_lens,
-                         l.scale * l.k_scale, l.softcap, window);
+                         l.scale * l.k_scale, l.softcap, window,
+                         lse.defined() ? std::optional<at::Tensor>(lse) : std::nullopt);
         if (l.v_scale != 1.0) attn.mul_(l.v_scale);
+        // a sink's share of the softmax: the output times sigmoid(lse - sink), in float32 and
+        // rounded once (paged_attention.py's order)
+        if (l.sinks.defined()) attn.copy_(attn * (lse - l.sinks).sigmoid().unsqueeze(-1));
       }
       auto o = row_parallel(l.o, attn.view({t, q_size}), lora);
       if (l.norm_w[kAttnOut].defined()) o = norm(l, o, kAttnOut);
@@ -276,6 +299,12 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   static at::Tensor activate(const StackLayer& l, const at::Tensor& h) {
+    if (l.gated && l.act == StackActivation::kClampedSwiglu) {  // layers/activation.py's ops
+      const int64_t w = h.size(1) / 2;
+      auto gate = h.narrow(1, 0, w).clamp_max(l.act_limit);
+      auto up = h.narrow(1, w, w).clamp(-l.act_limit, l.act_limit);
+      return (up + 1) * (gate * (gate * l.act_alpha).sigmoid());
+    }
     if (l.gated)
       return l.act == StackActivation::kGeluTanh ? gelu_tanh_and_mul(h) : silu_and_mul(h);
     switch (l.act) {  // the ATen ops the Python layers' activations call
@@ -283,6 +312,7 @@ class DecodeStack : public torch::CustomClassHolder {
       case StackActivation::kGeluTanh: return at::gelu(h, "tanh");
       case StackActivation::kGelu: return at::gelu(h);
       case StackActivation::kRelu: return at::relu(h);
+      case StackActivation::kClampedSwiglu: break;  // gated only (set_mlp)
     }
     TORCH_CHECK(false, "unreachable");
   }

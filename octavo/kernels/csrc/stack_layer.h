@@ -21,16 +21,18 @@ inline StackNormKind stack_norm_kind(const std::string& name) {
   TORCH_CHECK(false, "unknown norm kind '", name, "' (rms, one_plus, layer)");
 }
 
-// The MLP's activation: on a packed [gate | up] projection where gated (silu and gelu_tanh),
-// else on the up projection alone.
-enum class StackActivation { kSilu, kGeluTanh, kGelu, kRelu };
+// The MLP's activation: on a packed [gate | up] projection where gated (silu, gelu_tanh and
+// gpt-oss's clamped SwiGLU), else on the up projection alone.
+enum class StackActivation { kSilu, kGeluTanh, kGelu, kRelu, kClampedSwiglu };
 
 inline StackActivation stack_activation(const std::string& name) {
   if (name == "silu") return StackActivation::kSilu;
   if (name == "gelu_tanh") return StackActivation::kGeluTanh;
   if (name == "gelu") return StackActivation::kGelu;
   if (name == "relu") return StackActivation::kRelu;
-  TORCH_CHECK(false, "unknown activation '", name, "' (silu, gelu_tanh, gelu, relu)");
+  if (name == "clamped_swiglu") return StackActivation::kClampedSwiglu;
+  TORCH_CHECK(false, "unknown activation '", name,
+              "' (silu, gelu_tanh, gelu, relu, clamped_swiglu)");
 }
 
 // Which of forward's plans a layer's attention reads: the step's, or the sliding-window one.
@@ -72,11 +74,13 @@ struct StackLayer {
   std::optional<StackMoe> moe;        // else the mixture of experts
   bool gated = true;
   StackActivation act = StackActivation::kSilu;
+  double act_alpha = 0.0, act_limit = 0.0;  // the clamped SwiGLU's
   at::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
   bool fp8_cache = false;       // float8_e4m3fn K/V: k / k_scale and v / v_scale stored
   double k_scale = 1.0, v_scale = 1.0;
   at::Tensor cos, sin;  // RoPE tables [positions, rotary_dim / 2] float32; undefined: no RoPE
   double scale = 1.0, softcap = 0.0;  // softcap 0: none
+  at::Tensor sinks;  // float32 [heads]: a logit per head in each softmax's denominator (gpt-oss)
   int64_t plan = 0;  // which of forward's plans its attention reads (1: the sliding-window one)
   std::vector<StackLinear> linears;  // as given, until set_mlp places them
   bool complete = false;  // set_mlp was called: the layer is whole

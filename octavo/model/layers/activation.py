@@ -38,14 +38,16 @@ def gated_act(name: str):
     return act_and_mul
 
 
-def clamped_swiglu(alpha: float, limit: float):
+class ClampedSwiGLU:
     """gpt-oss's gated activation on a packed [gate | up] projection: gate clamped above at
-    `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate). The fused
+    decode stack computes the same ops (csrc/decode_stack.h, activate)."""
 
-    def act(x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, alpha: float, limit: float) -> None:
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-    return act
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))

@@ -19,7 +19,7 @@ from torch import nn
 from octavo.arch_config import ArchConfig
 from octavo.model.decoder_layer import DecoderLayer
 from octavo.model.layer_spec import LayerSpec, MoeSpec, NormKind, decoder_spec
-from octavo.model.layers.activation import clamped_swiglu
+from octavo.model.layers.activation import ClampedSwiGLU
 from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.linear import Linear, Span, head_share
 from octavo.model.layers.moe import FusedMoE
@@ -36,8 +36,8 @@ class GptOssMoE(nn.Module):
         super().__init__()
         num_experts = cfg.num_experts
         self.router = Linear(cfg.hidden_size, [num_experts], bias=True)
-        act = clamped_swiglu(float(cfg.extra.get("swiglu_alpha", 1.702)),
-                             float(cfg.extra.get("swiglu_limit", 7.0)))
+        act = ClampedSwiGLU(float(cfg.extra.get("swiglu_alpha", 1.702)),
+                            float(cfg.extra.get("swiglu_limit", 7.0)))
         self.experts = FusedMoE(num_experts, int(cfg.extra["num_experts_per_tok"]),
                                 cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act,
                                 renormalize=True, bias=True, act=act)
