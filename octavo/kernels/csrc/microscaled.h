@@ -73,24 +73,30 @@ inline __m256 decode8_e4m3(const uint8_t* c) {
   return _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub, is_sub);
 }
 
-// As e2m1_gemv_rows, for float8_e4m3fn codes (FP8 and MXFP8), 8 at a time.
-inline void e4m3_gemv_rows(const MicroscaledLayout& w, const float* xp, int64_t m, float* op,
-                           int64_t begin, int64_t end) {
+// Rows [begin, end) of the product for up to 8 rows of x at a time: each run of `Step` codes
+// decoded once (`decode(n, j, v)` fills Step / 8 vectors with inputs j.. of row n, times
+// `unit`), then one multiply-add per vector and row of x; each row's block sum joins its
+// accumulator times the block's scale and `unit`'s inverse (`rescale`).
+template <int64_t Step, typename Decode>
+inline void simd_gemv_rows(const MicroscaledLayout& w, const float* xp, int64_t m, float* op,
+                           int64_t begin, int64_t end, float rescale, Decode decode) {
   const int64_t blocks = w.k / w.block;
   for (int64_t r0 = 0; r0 < m; r0 += 8) {
     const int64_t rows = std::min<int64_t>(8, m - r0);
     for (int64_t n = begin; n < end; ++n) {
       __m256 acc[8];
       for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
-      const uint8_t* c = w.codes + n * w.k;
       for (int64_t b = 0; b < blocks; ++b) {
-        const __m256 s = _mm256_set1_ps(w.scale(n, b));
+        const __m256 s = _mm256_set1_ps(rescale * w.scale(n, b));
         __m256 part[8];
         for (int64_t r = 0; r < rows; ++r) part[r] = _mm256_setzero_ps();
-        for (int64_t j = b * w.block; j < (b + 1) * w.block; j += 8) {
-          const __m256 v = decode8_e4m3(c + j);
+        for (int64_t j = b * w.block; j < (b + 1) * w.block; j += Step) {
+          __m256 v[Step / 8];
+          decode(n, j, v);
           for (int64_t r = 0; r < rows; ++r)
-            part[r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xp + (r0 + r) * w.k + j), part[r]);
+            for (int64_t q = 0; q < Step / 8; ++q)
+              part[r] = _mm256_fmadd_ps(v[q], _mm256_loadu_ps(xp + (r0 + r) * w.k + j + 8 * q),
+                                        part[r]);
         }
         for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_fmadd_ps(part[r], s, acc[r]);
       }
@@ -99,37 +105,20 @@ inline void e4m3_gemv_rows(const MicroscaledLayout& w, const float* xp, int64_t 
   }
 }
 
-// Rows [begin, end) of the product for up to 8 rows of x at a time: each block of 16 codes
-// decoded once into two vectors, then one multiply-add per row of x; each row's block sum
-// joins its accumulator times the block's scale.
+// e2m1 codes 16 at a time (the table's values are twice e2m1's: the scale takes the half);
+// e4m3 codes 8 at a time.
 inline void e2m1_gemv_rows(const MicroscaledLayout& w, const float* xp, int64_t m, float* op,
                            int64_t begin, int64_t end) {
-  const int64_t blocks = w.k / w.block;
-  for (int64_t r0 = 0; r0 < m; r0 += 8) {
-    const int64_t rows = std::min<int64_t>(8, m - r0);
-    for (int64_t n = begin; n < end; ++n) {
-      __m256 acc[8];
-      for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
-      const uint8_t* c = w.codes + n * (w.k / 2);
-      for (int64_t b = 0; b < blocks; ++b) {
-        // the table's values are twice e2m1's: the scale takes the half
-        const __m256 s = _mm256_set1_ps(0.5f * w.scale(n, b));
-        __m256 part[8];
-        for (int64_t r = 0; r < rows; ++r) part[r] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < w.block; j += 16) {
-          __m256 v0, v1;
-          decode16_e2m1(c + (b * w.block + j) / 2, v0, v1);
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* xr = xp + (r0 + r) * w.k + b * w.block + j;
-            part[r] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(xr), part[r]);
-            part[r] = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xr + 8), part[r]);
-          }
-        }
-        for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_fmadd_ps(part[r], s, acc[r]);
-      }
-      for (int64_t r = 0; r < rows; ++r) op[(r0 + r) * w.n + n] = hsum8(acc[r]);
-    }
-  }
+  simd_gemv_rows<16>(w, xp, m, op, begin, end, 0.5f, [&](int64_t n, int64_t j, __m256* v) {
+    decode16_e2m1(w.codes + n * (w.k / 2) + j / 2, v[0], v[1]);
+  });
+}
+
+inline void e4m3_gemv_rows(const MicroscaledLayout& w, const float* xp, int64_t m, float* op,
+                           int64_t begin, int64_t end) {
+  simd_gemv_rows<8>(w, xp, m, op, begin, end, 1.f, [&](int64_t n, int64_t j, __m256* v) {
+    v[0] = decode8_e4m3(w.codes + n * w.k + j);
+  });
 }
 #endif
 

@@ -15,14 +15,9 @@ as JSON or a literal where it is one, else kept as text, as vLLM's glm45 parser 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Callable
 
-from octavo.serving.tool_parsers.hermes import CLOSE, HermesToolParser
-from octavo.serving.tool_parsers.param_call import ParamCall, ParamFormat, prefixes
-
-if TYPE_CHECKING:  # tool_choice imports the parsers
-    from octavo.serving.tool_choice import FunctionSpec
+from octavo.serving.tool_parsers.hermes import CLOSE
+from octavo.serving.tool_parsers.param_call import ParamCallParser, ParamFormat, prefixes
 
 _NAME_CHAR = re.compile(r"[A-Za-z0-9_.\-]")
 GLM_FORMAT = ParamFormat(
@@ -37,16 +32,10 @@ GLM_FORMAT = ParamFormat(
     end=re.compile(r"\s*(" + re.escape(CLOSE) + ")"), end_consumed=False, untyped_literal=True)
 
 
-class Glm45ToolParser(HermesToolParser):
+class Glm45ToolParser(ParamCallParser):
     name = "glm45"
     call_start = ""  # a name: any of _NAME_CHAR
-    takes_functions = True
+    format = GLM_FORMAT
 
-    def __init__(self, new_id: Callable[[], str] | None = None,
-                 functions: Sequence[FunctionSpec] = ()) -> None:
-        super().__init__(new_id)
-        self._schemas = {f.name: dict((f.parameters or {}).get("properties") or {})
-                         for f in functions}
-
-    def _call_reader(self, text: str) -> ParamCall | None:
-        return ParamCall(GLM_FORMAT, self._schemas) if _NAME_CHAR.match(text) else None
+    def _starts_call(self, text: str) -> bool:
+        return _NAME_CHAR.match(text) is not None

@@ -13,11 +13,15 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
+from octavo.serving.tool_parsers.hermes import HermesToolParser
 from octavo.serving.tool_parsers.json_call import ReadState
+
+if TYPE_CHECKING:  # tool_choice imports the parsers
+    from octavo.serving.tool_choice import FunctionSpec
 
 
 def typed_value(text: str, schema: Mapping[str, Any] | None, untyped_literal: bool) -> Any:
@@ -142,3 +146,23 @@ class ParamCall:
 def prefixes(tag: str) -> str:
     """A pattern matching every non-empty prefix of `tag` (an undecided partial tag)."""
     return "|".join(re.escape(tag[:n]) for n in range(len(tag), 0, -1))
+
+
+class ParamCallParser(HermesToolParser):
+    """Hermes' tags around a call of a `ParamFormat`, its values typed by the request's tool
+    schemas (`takes_functions`): a subclass names its format and what a call starts with."""
+
+    takes_functions = True
+    format: ClassVar[ParamFormat]
+
+    def __init__(self, new_id: Callable[[], str] | None = None,
+                 functions: Sequence[FunctionSpec] = ()) -> None:
+        super().__init__(new_id)
+        self._schemas = {f.name: dict((f.parameters or {}).get("properties") or {})
+                         for f in functions}
+
+    def _starts_call(self, text: str) -> bool:
+        return text.startswith(self.call_start)
+
+    def _call_reader(self, text: str) -> ParamCall | None:
+        return ParamCall(self.format, self._schemas) if self._starts_call(text) else None

@@ -18,14 +18,8 @@ name stays text.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Callable
 
-from octavo.serving.tool_parsers.hermes import HermesToolParser
-from octavo.serving.tool_parsers.param_call import ParamCall, ParamFormat, prefixes
-
-if TYPE_CHECKING:  # tool_choice imports the parsers
-    from octavo.serving.tool_choice import FunctionSpec
+from octavo.serving.tool_parsers.param_call import ParamCallParser, ParamFormat, prefixes
 
 FUNCTION = "<function="
 XML_FORMAT = ParamFormat(
@@ -38,16 +32,7 @@ XML_FORMAT = ParamFormat(
     end=re.compile(r"\s*(</function>)"), end_consumed=True, untyped_literal=False)
 
 
-class Qwen3CoderToolParser(HermesToolParser):
+class Qwen3CoderToolParser(ParamCallParser):
     name = "qwen3_coder"
     call_start = FUNCTION
-    takes_functions = True
-
-    def __init__(self, new_id: Callable[[], str] | None = None,
-                 functions: Sequence[FunctionSpec] = ()) -> None:
-        super().__init__(new_id)
-        self._schemas = {f.name: dict((f.parameters or {}).get("properties") or {})
-                         for f in functions}
-
-    def _call_reader(self, text: str) -> ParamCall | None:
-        return ParamCall(XML_FORMAT, self._schemas) if text.startswith(FUNCTION) else None
+    format = XML_FORMAT
