@@ -216,7 +216,8 @@ def _from_hf(source: ModelSource) -> ArchConfig:
         rms_norm_eps=text.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta or 10000.0,
         rope_scaling=rope_scaling,
-        tie_word_embeddings=cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", text.get(
+            "tie_word_embeddings", archs[0] in _TIED_BY_DEFAULT)),
         attention_bias=text.get("attention_bias",
                                 text.get("qkv_bias", archs[0].startswith("Qwen2"))),
         hidden_act=text.get("hidden_activation") or text.get("hidden_act", "silu"),
@@ -290,6 +291,10 @@ def _sentence_transformers_pooling(folder: Path) -> tuple[str | None, bool | Non
     return pooling, "Normalize" in modules
 
 
+# Families whose transformers config ties the LM head to the embedding unless it says not to:
+# a config.json saved with its defaults left out omits the key.
+_TIED_BY_DEFAULT = {"GPT2LMHeadModel", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                    "Starcoder2ForCausalLM", "CohereForCausalLM"}
 # Families without grouped-query attention: a num_key_value_heads in their config means nothing.
 _MHA_ONLY = {"GPTNeoXForCausalLM", "GPT2LMHeadModel"}
 _ALIASES = [("hidden_size", "n_embd"), ("num_attention_heads", "n_head"),

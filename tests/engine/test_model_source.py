@@ -74,3 +74,22 @@ def test_generation_config_sampling_settings_become_request_defaults(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
     with pytest.raises(ValueError, match="generation_config.json: top_p must be"):
         read_arch_config(ModelSource("x", tmp_path))
+
+
+def test_an_omitted_tie_word_embeddings_takes_the_architectures_default(tmp_path):
+    """config.json saved with its defaults left out omits tie_word_embeddings: Cohere's and
+    StarCoder 2's transformers configs tie by default, Llama's does not."""
+    import json
+
+    from octavo.arch_config import read_arch_config
+    from octavo.model_source import ModelSource
+
+    def tied(arch: str, **extra) -> bool:
+        (tmp_path / "config.json").write_text(json.dumps({
+            "architectures": [arch], "vocab_size": 64, "hidden_size": 32,
+            "num_attention_heads": 2, "num_hidden_layers": 1, **extra}))
+        return read_arch_config(ModelSource("x", tmp_path)).tie_word_embeddings
+
+    assert tied("CohereForCausalLM") and tied("Starcoder2ForCausalLM")
+    assert not tied("LlamaForCausalLM") and not tied("CohereForCausalLM",
+                                                      tie_word_embeddings=False)

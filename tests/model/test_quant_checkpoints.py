@@ -305,3 +305,23 @@ def test_quantization_at_load_matches_fake_quantized_model(tmp_path, smollm_orac
     ref = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32).eval()
     llm = _compare(folder, ref, atol=2e-4, quantization=mode)
     _assert_packed(llm, arch)
+
+
+def test_moe_routers_stay_dense_under_quantization_at_load(tmp_path, smollm_oracle_folder):
+    """gpt-oss's router (mlp.router) picks the experts: --quantization int8 packs its experts
+    and attention, not the router; and a latent-attention layer refuses fp8 k/v cache scales
+    (its one cache row is both K and V)."""
+    from octavo.model.quant.weights import DenseWeights
+    from tests.parity.test_tiny_models import _build as build_tiny
+
+    folder, _ = build_tiny(tmp_path, smollm_oracle_folder, "gpt-oss")
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=8 << 20,
+              quantization="int8")
+    mlp = llm.engine.client.core.executor.worker.runner.model.model.layers[0].mlp
+    assert isinstance(mlp.router.weights, DenseWeights)
+    assert isinstance(mlp.experts.quantized[0][0].weights, PackedWeights)
+    from octavo.model.layers.attention import PagedAttention
+
+    latent = PagedAttention(0, 4, 1, 48, scale=1.0, shared_kv=True)
+    with pytest.raises(NotImplementedError, match="both K and V"):
+        latent.set_kv_scale("k_scale", torch.tensor(0.5))

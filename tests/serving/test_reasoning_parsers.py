@@ -149,6 +149,9 @@ HARMONY = [
     ("<|channel|>analysis<|message|>a<|start|>assistant<|channel|>final<|message|>b", ("a", "b")),
     ("<|channel|>bad header\n<|message|>x", (None, "<|channel|>bad header\n<|message|>x")),
     ("", (None, "")),
+    # a header past the limit is no header, whether it arrives in pieces or whole
+    ("<|channel|>final to=" + "x" * 300 + "<|message|>hi",
+     (None, "<|channel|>final to=" + "x" * 300 + "<|message|>hi")),
 ]
 
 

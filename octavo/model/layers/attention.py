@@ -14,8 +14,10 @@ from octavo.model.layers.linear import Span
 class PagedAttention(nn.Module):
     def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float, sliding_window: int | None = None,
-                 softcap: float | None = None, sinks: Span | None = None) -> None:
+                 softcap: float | None = None, sinks: Span | None = None,
+                 shared_kv: bool = False) -> None:
         super().__init__()
+        self.shared_kv = shared_kv  # K and V are one cache row (MLA: model/kv_spec.py)
         # gpt-oss: a learned logit per query head in each softmax's denominator (`sinks`: this
         # rank's heads among the model's), else None
         self.sinks = None
@@ -33,6 +35,9 @@ class PagedAttention(nn.Module):
         self.k_scale = self.v_scale = 1.0
 
     def set_kv_scale(self, name: str, value: torch.Tensor) -> None:
+        if self.shared_kv:
+            raise NotImplementedError(f"{name}: this layer caches one row a token as both K and "
+                                      f"V (latent attention); k/v cache scales do not apply")
         if name not in ("k_scale", "v_scale") or value.numel() != 1 or not value.item() > 0:
             raise ValueError(f"{name}: a KV-cache scale must be one positive number, "
                              f"got shape {tuple(value.shape)}")

@@ -77,7 +77,7 @@ class MlaAttention(nn.Module):
                 "mscale_all_dim"):
             scale *= _mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
         self.attn = PagedAttention(layer_index, self.num_heads, 1, self.rank + self.rope,
-                                   scale=scale)
+                                   scale=scale, shared_kv=True)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t, h = x.shape[0], self.num_heads

@@ -134,9 +134,14 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def convert_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         module, kind = name.split(".")[-2:]
         cfg = self.cfg
-        if not self._pairwise(cfg) or kind not in ("weight", "bias") or module not in (
-                "q_proj", "q_b_proj", "kv_a_proj_with_mqa"):
+        if not self._pairwise(cfg) or module not in ("q_proj", "q_b_proj",
+                                                     "kv_a_proj_with_mqa"):
             return tensor
+        if kind not in ("weight", "bias"):
+            raise NotImplementedError(
+                f"{name}: {cfg.architecture} rotates adjacent feature pairs, for which octavo "
+                f"reorders q and kv_a rows at load; it does that for dense weights and biases, "
+                f"not {kind!r} tensors (load a bf16 checkpoint, or --quantization)")
         nope, rope = need(cfg, "qk_nope_head_dim"), need(cfg, "qk_rope_head_dim")
         if module == "kv_a_proj_with_mqa":  # one row group: the latent, then the shared key
             rank = need(cfg, "kv_lora_rank")

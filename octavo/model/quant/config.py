@@ -32,6 +32,9 @@ from octavo.model_source import ModelSource
 logger = logging.getLogger(__name__)
 
 ON_THE_FLY = ("int8", "int4", "fp8")
+# MoE routers (Mixtral's and Qwen's gate, Qwen2-MoE's shared expert gate, gpt-oss's router):
+# they pick the experts, and stay dense
+_ROUTERS = (".gate", "shared_expert_gate", ".router")
 INT4_GROUP = 32  # on-the-fly int4: min/max per 32 inputs (SmolLM2 perplexity: docs/usage.md)
 _MARKERS = {"gptq": (".qweight",), "awq": (".qweight",), "fp8": (".weight_scale",
             ".weight_scale_inv"), "compressed-tensors": (".weight_scale",),
@@ -77,8 +80,7 @@ class QuantPlan:
         linears = {n: m for n, m in modules.items()  # Linear layers and MoE experts
                    if hasattr(m, "set_quant_method") or hasattr(m, "quantize_experts")}
         if self.on_the_fly is not None:
-            return {n: m for n, m in linears.items()
-                    if not (n.endswith(".gate") or n.endswith("shared_expert_gate"))}
+            return {n: m for n, m in linears.items() if not n.endswith(_ROUTERS)}
         chosen = {}
         for ckpt in checkpoint_names:
             marker = next((m for m in _MARKERS[self.fmt] if ckpt.endswith(m)), None)

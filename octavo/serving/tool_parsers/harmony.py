@@ -31,6 +31,7 @@ HEADER = re.compile(r"(?:assistant)?(?:[ \t]*to=([^\s<]+))?[ \t]*<\|channel\|>([
                     r"[ \t]*")
 _HEADER_SO_FAR = re.compile(r"(?:[^<\n]|<\|(?:channel|constrain)\|>)*(?:<[^>\n]*)?")
 _FUNCTION = re.compile(r"functions\.([A-Za-z0-9_.\-]+)")
+_MAX_HEADER = 256  # characters of a header (role, channel, recipient, content type)
 
 
 def message_head(buf: str, final: bool) -> tuple[str, re.Match[str]] | None | bool:
@@ -42,8 +43,8 @@ def message_head(buf: str, final: bool) -> tuple[str, re.Match[str]] | None | bo
             return None
         return False
     i = rest.find(MESSAGE)
-    if i < 0:
-        if not final and len(rest) < 256 and _HEADER_SO_FAR.fullmatch(rest):
+    if i < 0 or i > _MAX_HEADER:  # one limit, so that streamed and whole reads agree
+        if not final and i < 0 and len(rest) <= _MAX_HEADER and _HEADER_SO_FAR.fullmatch(rest):
             return None
         return False
     m = HEADER.fullmatch(rest[:i])

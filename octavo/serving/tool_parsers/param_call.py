@@ -4,9 +4,9 @@ the reader shared by their parsers, each format a `ParamFormat` of patterns.
 
 A value is typed as vLLM's parsers for these formats type it: a string parameter keeps its text;
 integer, number and boolean ones are read as such; others as JSON (else Python literals), falling
-back to the text. A parameter the schemas do not name is read as JSON or a literal where it is
-one (a string parameter declared as such always stays text). The arguments stream one parameter
-at a time, each once its value is complete.
+back to the text. A parameter the schemas do not name stays text, or, in formats that say so
+(`untyped_literal`: GLM-4.5), is read as JSON or a literal where it is one. The arguments stream
+one parameter at a time, each once its value is complete.
 """
 from __future__ import annotations
 
