@@ -113,6 +113,14 @@ class ArchConfig:
             return None
         return self.sliding_window
 
+    def required(self, key: str, *aliases: str) -> Any:
+        """A family's own config.json key (or the first of its aliases that is set); a
+        ValueError naming it where none is."""
+        for k in (key, *aliases):
+            if self.extra.get(k) is not None:
+                return self.extra[k]
+        raise ValueError(f"config.json lacks {key!r}, which {self.architecture} needs")
+
     @property
     def num_experts(self) -> int:
         """The routed experts of a mixture-of-experts model's sparse layers (0: dense)."""

@@ -4,8 +4,6 @@ the KV cache holds, and attention runs on it with each head's key projection abs
 query and its value projection applied to the output."""
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -20,17 +18,7 @@ from octavo.model.layers.linear import (
     row_parallel,
 )
 from octavo.model.layers.norm import RMSNorm
-from octavo.model.layers.rotary import RotaryEmbedding
-
-
-def need(cfg: ArchConfig, key: str):
-    if cfg.extra.get(key) is None:
-        raise ValueError(f"config.json lacks {key!r}, which {cfg.architecture} needs")
-    return cfg.extra[key]
-
-
-def _mscale(scale: float, m: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+from octavo.model.layers.rotary import RotaryEmbedding, yarn_mscale
 
 
 class _HeadRows(nn.Module):
@@ -50,8 +38,8 @@ class MlaAttention(nn.Module):
         heads = cfg.num_heads
         self.num_heads, _ = local_heads(heads, heads)
         first = head_share(heads, heads).q_first  # every head is a KV head (latent)
-        self.nope, self.rope = need(cfg, "qk_nope_head_dim"), need(cfg, "qk_rope_head_dim")
-        self.v_dim, self.rank = need(cfg, "v_head_dim"), need(cfg, "kv_lora_rank")
+        self.nope, self.rope = cfg.required("qk_nope_head_dim"), cfg.required("qk_rope_head_dim")
+        self.v_dim, self.rank = cfg.required("v_head_dim"), cfg.required("kv_lora_rank")
         q_dim = self.nope + self.rope
         bias = cfg.attention_bias
         self.q_lora_rank = cfg.extra.get("q_lora_rank")
@@ -75,7 +63,7 @@ class MlaAttention(nn.Module):
         scaling = cfg.rope_scaling or {}
         if scaling.get("rope_type", scaling.get("type")) == "yarn" and scaling.get(
                 "mscale_all_dim"):
-            scale *= _mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+            scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
         self.attn = PagedAttention(layer_index, self.num_heads, 1, self.rank + self.rope,
                                    scale=scale, shared_kv=True)
 

@@ -135,17 +135,7 @@ class FusedMoE(nn.Module):
             return f"{name}.{expert}.{slot}"
         if kind != "weight":
             raise ValueError(f"expert tensor {expert}.{proj}.{kind} on unquantized experts")
-        i = self.intermediate_size
-        if name == "w2":
-            dest = self.w2.data[expert]
-            tensor = self.span.take(tensor, 1, f"expert {expert}.{proj}")
-        else:
-            dest = self.w13.data[expert, slot * i:(slot + 1) * i]
-            tensor = self.span.take(tensor, 0, f"expert {expert}.{proj}")
-        if dest.shape != tensor.shape:
-            raise ValueError(f"expert {expert}.{proj}: checkpoint shape {tuple(tensor.shape)}, "
-                             f"layer shape {tuple(dest.shape)}")
-        dest.copy_(tensor)
+        self._copy_in(self.w13, self.w2, expert, name, slot, tensor, f"expert {expert}.{proj}")
         return f"{name}.{expert}.{slot}"
 
     def _load_bias(self, expert: int, name: str, slot: int, tensor: torch.Tensor,
@@ -153,17 +143,24 @@ class FusedMoE(nn.Module):
         if self.w13_bias is None:
             raise ValueError(f"expert tensor {expert}.{proj}.bias: this MoE layer's experts "
                              f"have no biases")
-        i = self.intermediate_size
-        if name == "w2":
-            dest = self.w2_bias.data[expert]
-        else:
-            dest = self.w13_bias.data[expert, slot * i:(slot + 1) * i]
-            tensor = self.span.take(tensor, 0, f"expert {expert}.{proj}.bias")
-        if dest.shape != tensor.shape:
-            raise ValueError(f"expert {expert}.{proj}.bias: checkpoint shape "
-                             f"{tuple(tensor.shape)}, layer shape {tuple(dest.shape)}")
-        dest.copy_(tensor)
+        self._copy_in(self.w13_bias, self.w2_bias, expert, name, slot, tensor,
+                      f"expert {expert}.{proj}.bias")
         return f"{name}_bias.{expert}.{slot}"
+
+    def _copy_in(self, gate_up: torch.Tensor, down: torch.Tensor, expert: int, name: str,
+                 slot: int, tensor: torch.Tensor, what: str) -> None:
+        """An expert's gate or up tensor into its slot of `gate_up`'s rows, or its down tensor
+        into `down` (weights or biases), cut to this rank's share of the intermediate width."""
+        i = self.intermediate_size
+        if name == "w2":  # the width is the down weight's columns (a bias has none)
+            dest, tensor = down.data[expert], self.span.take(tensor, 1, what)
+        else:
+            dest = gate_up.data[expert, slot * i:(slot + 1) * i]
+            tensor = self.span.take(tensor, 0, what)
+        if dest.shape != tensor.shape:
+            raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)}, layer shape "
+                             f"{tuple(dest.shape)}")
+        dest.copy_(tensor)
 
     def local_expert(self, expert: int) -> int | None:
         """Expert `expert`'s index among this rank's, None where another rank holds it."""

@@ -27,6 +27,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude for a context stretched `scale` times (DeepSeek also scales its softmax
+    by the square of this with its mscale_all_dim)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 def _yarn(dim: int, base: float, s: dict[str, Any],
           max_positions: int) -> tuple[torch.Tensor, float]:
     """YaRN (arXiv 2309.00071), as transformers computes it: each frequency interpolated
@@ -36,13 +42,11 @@ def _yarn(dim: int, base: float, s: dict[str, Any],
     original = s.get("original_max_position_embeddings") or max_positions
     factor = s.get("factor") or max_positions / original
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     magnitude = s.get("attention_factor")
     if magnitude is None:
         m, m_all = s.get("mscale"), s.get("mscale_all_dim")
-        magnitude = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        magnitude = (yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all
+                     else yarn_mscale(factor))
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))

@@ -27,10 +27,10 @@ from octavo.arch_config import ArchConfig
 from octavo.model.decoder_layer import DecoderLayer
 from octavo.model.kv_spec import KVCacheSpec
 from octavo.model.layer_spec import LayerSpec, MoeSpec, NormKind, decoder_spec
-from octavo.model.layers.mla import MlaAttention, need
+from octavo.model.layers.mla import MlaAttention
 from octavo.model.layers.moe import FloatRouter, FusedMoE, Route
 from octavo.model.layers.norm import RMSNorm
-from octavo.model.layers.rotary import RotaryEmbedding, pairs_to_halves
+from octavo.model.layers.rotary import RotaryEmbedding
 from octavo.model.models.llama import LlamaForCausalLM, LlamaMLP
 
 
@@ -82,8 +82,8 @@ def deepseek_route(cfg: ArchConfig, router: FloatRouter, top_k: int) -> Route:
 class DeepseekMoE(nn.Module):
     def __init__(self, cfg: ArchConfig, correction: bool) -> None:
         super().__init__()
-        experts, top_k = need(cfg, "n_routed_experts"), need(cfg, "num_experts_per_tok")
-        width = need(cfg, "moe_intermediate_size")
+        experts, top_k = cfg.required("n_routed_experts"), cfg.required("num_experts_per_tok")
+        width = cfg.required("moe_intermediate_size")
         self.gate = FloatRouter(cfg.hidden_size, experts, correction)
         self.experts = FusedMoE(experts, top_k, cfg.hidden_size, width, cfg.hidden_act,
                                 renormalize=False, route=deepseek_route(cfg, self.gate, top_k))
@@ -115,42 +115,34 @@ class DeepseekDecoderLayer(DecoderLayer):
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     correction = False  # V3's score correction bias
+    pairwise_rope = True
 
     @classmethod
     def kv_cache_spec(cls, cfg: ArchConfig) -> KVCacheSpec:
-        return KVCacheSpec(1, 1, need(cfg, "kv_lora_rank") + need(cfg, "qk_rope_head_dim"))
+        return KVCacheSpec(1, 1, cfg.required("kv_lora_rank") + cfg.required("qk_rope_head_dim"))
 
     def make_rotary(self, cfg: ArchConfig, max_positions: int) -> RotaryEmbedding:
-        return RotaryEmbedding(need(cfg, "qk_rope_head_dim"), max_positions, cfg.rope_theta,
+        return RotaryEmbedding(cfg.required("qk_rope_head_dim"), max_positions, cfg.rope_theta,
                                cfg.rope_scaling, cfg.max_position_embeddings)
 
     def decoder_layer(self, cfg: ArchConfig, layer_index: int,
                       rotary: RotaryEmbedding) -> nn.Module:
         return DeepseekDecoderLayer(cfg, layer_index, rotary, self.correction)
 
-    def _pairwise(self, cfg: ArchConfig) -> bool:
-        return True
-
-    def convert_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        module, kind = name.split(".")[-2:]
+    def pairwise_rows(self, module: str) -> tuple[int, int, int] | None:
         cfg = self.cfg
-        if not self._pairwise(cfg) or module not in ("q_proj", "q_b_proj",
-                                                     "kv_a_proj_with_mqa"):
-            return tensor
-        if kind not in ("weight", "bias"):
-            raise NotImplementedError(
-                f"{name}: {cfg.architecture} rotates adjacent feature pairs, for which octavo "
-                f"reorders q and kv_a rows at load; it does that for dense weights and biases, "
-                f"not {kind!r} tensors (load a bf16 checkpoint, or --quantization)")
-        nope, rope = need(cfg, "qk_nope_head_dim"), need(cfg, "qk_rope_head_dim")
+        if not self.pairwise_rope:
+            return None
+        nope, rope = cfg.required("qk_nope_head_dim"), cfg.required("qk_rope_head_dim")
         if module == "kv_a_proj_with_mqa":  # one row group: the latent, then the shared key
-            rank = need(cfg, "kv_lora_rank")
-            return pairs_to_halves(tensor, rank + rope, rope, offset=rank)
-        return pairs_to_halves(tensor, nope + rope, rope, offset=nope)
+            rank = cfg.required("kv_lora_rank")
+            return rank + rope, rope, rank
+        return (nope + rope, rope, nope) if module in ("q_proj", "q_b_proj") else None
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     correction = True
 
-    def _pairwise(self, cfg: ArchConfig) -> bool:
-        return cfg.extra.get("rope_interleave", True) is not False
+    @property
+    def pairwise_rope(self) -> bool:
+        return self.cfg.extra.get("rope_interleave", True) is not False

@@ -158,9 +158,17 @@ class LlamaForCausalLM(CausalLM):
     def embedding_scale(self, cfg: ArchConfig) -> float:
         return 1.0
 
+    def pairwise_rows(self, module: str) -> tuple[int, int, int] | None:
+        """Where `module`'s output rows hold adjacent RoPE pairs to reorder at load: (a head's
+        rows, its rotary features, their offset in it); None: nothing to reorder."""
+        if not self.pairwise_rope or module not in ("q_proj", "k_proj", "q_norm", "k_norm"):
+            return None
+        return self.cfg.head_dim, self.rotary_dim(self.cfg), 0
+
     def convert_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         module, kind = name.split(".")[-2:]
-        if not self.pairwise_rope or module not in ("q_proj", "k_proj", "q_norm", "k_norm"):
+        rows = self.pairwise_rows(module)
+        if rows is None:
             return tensor
         if kind not in _OUTPUT_ROW_KINDS:
             raise NotImplementedError(
@@ -169,9 +177,8 @@ class LlamaForCausalLM(CausalLM):
                 f"output feature (dense weights, biases, a GGUF's codes), not packed {kind!r} "
                 f"tensors (load the unquantized checkpoint, or --quantization)")
         # rows of heads along dim 0 (a per-head norm's weight [heads, head_dim]: flattened)
-        rows = tensor.reshape(-1) if module.endswith("norm") else tensor
-        cfg = self.cfg
-        return pairs_to_halves(rows, cfg.head_dim, self.rotary_dim(cfg)).reshape(tensor.shape)
+        flat = tensor.reshape(-1) if module.endswith("norm") else tensor
+        return pairs_to_halves(flat, *rows).reshape(tensor.shape)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

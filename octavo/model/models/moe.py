@@ -17,24 +17,17 @@ from octavo.model.models.llama import LlamaAttention, LlamaMLP, LlamaModel
 from octavo.model.pipeline import stage_layers
 
 
-def _moe_setting(cfg: ArchConfig, key: str, *aliases: str):
-    for k in (key, *aliases):
-        if cfg.extra.get(k) is not None:
-            return cfg.extra[k]
-    raise ValueError(f"config.json lacks {key!r}, which {cfg.architecture} needs")
-
-
 class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ArchConfig, renormalize: bool, shared_expert: bool) -> None:
         super().__init__()
-        num_experts = _moe_setting(cfg, "num_experts", "num_local_experts")
+        num_experts = cfg.required("num_experts", "num_local_experts")
         width = cfg.extra.get("moe_intermediate_size") or cfg.intermediate_size
         self.gate = Linear(cfg.hidden_size, [num_experts])
-        self.experts = FusedMoE(num_experts, _moe_setting(cfg, "num_experts_per_tok"),
+        self.experts = FusedMoE(num_experts, cfg.required("num_experts_per_tok"),
                                 cfg.hidden_size, width, cfg.hidden_act, renormalize)
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert:
-            self.shared_expert = LlamaMLP(cfg, _moe_setting(cfg, "shared_expert_intermediate_size"))
+            self.shared_expert = LlamaMLP(cfg, cfg.required("shared_expert_intermediate_size"))
             self.shared_expert_gate = Linear(cfg.hidden_size, [1])
 
     def moe_spec(self) -> MoeSpec:
