@@ -44,6 +44,8 @@ ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaM
                          "XLMRobertaForSequenceClassification", "ModernBertModel",
                          "ModernBertForSequenceClassification")
 SLIDING, FULL = "sliding_attention", "full_attention"
+# A layer whose queries see only the keys of their own attention_chunk_size-token chunk (Llama 4)
+CHUNKED = "chunked_attention"
 # generation_config.json keys that become request defaults (the SamplingParams field names)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -69,7 +71,8 @@ class ArchConfig:
     # generation_config.json's sampling settings, the defaults of requests that leave them unset
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     sliding_window: int | None = None  # sliding layers attend to at most this many latest tokens
-    # Per layer SLIDING or FULL; empty means every layer is sliding when sliding_window is set.
+    # Per layer SLIDING, FULL or CHUNKED; empty means every layer is sliding when sliding_window
+    # is set.
     layer_types: tuple[str, ...] = ()
     rotary_dim: int | None = None  # RoPE covers only this many leading features of a head
     rope_local_theta: float | None = None  # RoPE base of sliding layers, when it differs (Gemma 3)
@@ -85,6 +88,7 @@ class ArchConfig:
     num_labels: int = 0  # a *ForSequenceClassification head's outputs (0: no such head)
     sep_token_id: int | None = None  # an encoder's separator: a sentence pair's second part
     # starts after the first one (its token type 1)
+    attention_chunk_size: int | None = None  # the chunk of CHUNKED layers (Llama 4)
 
     @property
     def is_encoder(self) -> bool:
@@ -112,6 +116,13 @@ class ArchConfig:
         if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != SLIDING):
             return None
         return self.sliding_window
+
+    def layer_chunk(self, layer: int) -> int | None:
+        """The attention chunk of `layer` (its queries see the keys of their own chunk only),
+        or None."""
+        if not self.layer_types or self.layer_types[layer] != CHUNKED:
+            return None
+        return self.attention_chunk_size
 
     def required(self, key: str, *aliases: str) -> Any:
         """A family's own config.json key (or the first of its aliases that is set); a
@@ -207,7 +218,8 @@ def _from_hf(source: ModelSource) -> ArchConfig:
         window = text.get("local_attention", 128) // 2
     # Qwen2 configs name a window they do not use unless use_sliding_window is set.
     if not text.get("use_sliding_window", True) or (layer_types and SLIDING not in layer_types):
-        window, layer_types = None, ()
+        window = None
+        layer_types = layer_types if CHUNKED in layer_types else ()
     if layer_types and all(t == SLIDING for t in layer_types):
         layer_types = ()
     pooling, normalize = _sentence_transformers_pooling(source.path)
@@ -245,7 +257,18 @@ def _from_hf(source: ModelSource) -> ArchConfig:
         num_labels=(len(cfg.get("id2label") or {}) or cfg.get("num_labels") or 2)
         if archs[0].endswith("ForSequenceClassification") else 0,
         sep_token_id=_sep_token_id(source.path) if archs[0] in ENCODER_ARCHITECTURES else None,
+        attention_chunk_size=_attention_chunk(text, layer_types),
     )
+
+
+def _attention_chunk(text: dict[str, Any], layer_types: tuple[str, ...]) -> int | None:
+    if CHUNKED not in layer_types:
+        return None
+    chunk = text.get("attention_chunk_size")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"config.json: chunked_attention layers need a positive "
+                         f"attention_chunk_size, got {chunk!r}")
+    return chunk
 
 
 def _sep_token_id(folder: Path) -> int | None:
@@ -344,9 +367,9 @@ def _hf_layer_types(arch: str, text: dict[str, Any], num_layers: int) -> tuple[s
         types = [SLIDING if i % every else FULL for i in range(num_layers)]
     if types is None:
         return ()
-    if len(types) != num_layers or set(types) - {SLIDING, FULL}:
-        raise ValueError(f"config.json: layer_types must list {SLIDING!r} or {FULL!r} for each of "
-                         f"the {num_layers} layers, got {types}")
+    if len(types) != num_layers or set(types) - {SLIDING, FULL, CHUNKED}:
+        raise ValueError(f"config.json: layer_types must list {SLIDING!r}, {FULL!r} or "
+                         f"{CHUNKED!r} for each of the {num_layers} layers, got {types}")
     return tuple(types)
 
 

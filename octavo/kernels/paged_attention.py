@@ -148,10 +148,39 @@ def windowed_plan(plan: AttentionPlan, layout: StepLayout, block_table: np.ndarr
     return windowed
 
 
+def chunked_plan(plan: AttentionPlan, layout: StepLayout, block_table: np.ndarray,
+                 block_size: int, chunk: int, device: torch.device | str = "cpu"
+                 ) -> AttentionPlan:
+    """The step's plan for layers with chunked local attention (Llama 4): a query at position
+    p sees the keys from p - p % chunk through p. The same slots and buckets as `plan`; each
+    kernel entry reads its chunk as a context of its own (its table from the chunk's first
+    block, its length counted from there), which needs `chunk` to be whole blocks."""
+    if chunk % block_size:
+        raise NotImplementedError(f"attention_chunk_size {chunk} is not a multiple of the KV "
+                                  f"block size {block_size} (--block-size)")
+    decode = None
+    if plan.decode is not None:
+        index = plan.decode.token_index.cpu().numpy()
+        pos = layout.positions[index]
+        first = pos - pos % chunk
+        lens = (pos + 1 - first).astype(np.int64)
+        cols = (first // block_size)[:, None] + np.arange(-(-int(lens.max()) // block_size))
+        tables = block_table[layout.req_of_token[index][:, None],
+                             np.minimum(cols, block_table.shape[1] - 1)]
+        decode = DecodeGroup(plan.decode.token_index, torch.from_numpy(
+            np.ascontiguousarray(tables, np.int64)).to(device), torch.from_numpy(lens).to(device),
+            None)
+    chunked = AttentionPlan(plan.num_tokens, plan.slot_mapping, [], decode, plan.buckets)
+    chunked.groups = _groups(chunked, layout, block_table, block_size, None, device, chunk)
+    return chunked
+
+
 def _groups(plan: AttentionPlan, layout: StepLayout, block_table: np.ndarray, block_size: int,
-            window: int | None, device: torch.device | str) -> list[AttentionGroup]:
+            window: int | None, device: torch.device | str,
+            chunk: int | None = None) -> list[AttentionGroup]:
     return [_group(members, layout.query_lens, layout.seq_lens, layout.starts, block_table,
-                   block_size, plan.num_tokens, window, device) for members in plan.buckets]
+                   block_size, plan.num_tokens, window, device, chunk)
+            for members in plan.buckets]
 
 
 def _length_buckets(members: np.ndarray, query_lens: np.ndarray,
@@ -176,7 +205,7 @@ def _length_buckets(members: np.ndarray, query_lens: np.ndarray,
 
 def _group(members: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, starts: np.ndarray,
            block_table: np.ndarray, block_size: int, num_tokens: int, window: int | None,
-           device: torch.device | str) -> AttentionGroup:
+           device: torch.device | str, chunk: int | None = None) -> AttentionGroup:
     qlen, slen = query_lens[members], seq_lens[members]
     q_max, l_max = int(qlen.max()), int(slen.max())
     i = np.arange(q_max)
@@ -185,12 +214,14 @@ def _group(members: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, st
     j = np.arange(l_max)
     key_slots = block_table[members][:, j // block_size] * block_size + j % block_size
     mask = None
-    if len(members) > 1 or q_max != l_max or window is not None:
+    if len(members) > 1 or q_max != l_max or window is not None or chunk is not None:
         # Padded query rows get position 0 so they attend to one key and never produce NaN.
         q_pos = np.where(valid, (slen - qlen)[:, None] + i[None, :], 0)
         mask = j[None, None, :] <= q_pos[:, :, None]
         if window is not None:
             mask &= j[None, None, :] > q_pos[:, :, None] - window
+        if chunk is not None:
+            mask &= j[None, None, :] >= (q_pos - q_pos % chunk)[:, :, None]
         mask = torch.from_numpy(mask[:, None]).to(device)
     return AttentionGroup(
         torch.from_numpy(token_index.astype(np.int64)).to(device),

@@ -15,7 +15,8 @@ import torch
 
 from octavo.kernels import fused
 from octavo.kernels.context_parallel import ContextParallel, ContextParallelStep, build_step
-from octavo.kernels.paged_attention import AttentionPlan, StepLayout, build_plan, windowed_plan
+from octavo.kernels.paged_attention import (AttentionPlan, StepLayout, build_plan, chunked_plan,
+                                            windowed_plan)
 
 if TYPE_CHECKING:
     from octavo.model.layers.lora import LoRAStep
@@ -30,6 +31,7 @@ class ForwardContext:
     # this rank's share of the step under context parallelism (model/context_parallel.py)
     context_parallel: ContextParallelStep | None = None
     layout: StepLayout | None = None  # the step's requests (an encoder's sequences: bert.py)
+    chunked_plan: AttentionPlan | None = None  # for layers with chunked local attention
 
 
 _current: list[ForwardContext] = []
@@ -64,10 +66,12 @@ def step_lora() -> LoRAStep | None:
 
 def step_context(layout: StepLayout, tables: np.ndarray, block_size: int,
                  kv_caches: list[torch.Tensor], sliding_window: int | None,
-                 device: torch.device, cp: ContextParallel | None = None) -> ForwardContext:
+                 device: torch.device, cp: ContextParallel | None = None,
+                 attention_chunk: int | None = None) -> ForwardContext:
     """The context of one forward pass over the requests whose block tables are `tables`:
     the attention plan, and the sliding-window plan of a model with windowed layers (the same
-    slots and kernel entries, the window applied). Whether the C++ kernels take the short
+    slots and kernel entries, the window applied), or the chunked plan of one with chunked
+    local attention (`attention_chunk`). Whether the C++ kernels take the short
     queries is decided per step: kernels built in the background take over once they are
     ready. Under context parallelism (`cp`), this rank's share of the step instead, whose
     attention applies each layer's own window; a step it does not split on a rank holding the
@@ -82,4 +86,6 @@ def step_context(layout: StepLayout, tables: np.ndarray, block_size: int,
                       prompt_runs=runs)
     sliding = None if sliding_window is None else windowed_plan(
         plan, layout, tables, block_size, sliding_window, device)
-    return ForwardContext(plan, kv_caches, sliding, layout=layout)
+    chunked = None if attention_chunk is None else chunked_plan(
+        plan, layout, tables, block_size, attention_chunk, device)
+    return ForwardContext(plan, kv_caches, sliding, layout=layout, chunked_plan=chunked)

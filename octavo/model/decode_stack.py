@@ -66,6 +66,8 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
             return f"attention of its own ({type(spec.mixer).__name__})"
         if spec.moe is not None and getattr(spec.moe.fused, "route", None) is not None:
             return "expert routing other than softmax top-k"
+        if spec.attention.chunk is not None:
+            return "chunked local attention"
         if spec.moe is not None and parallel_state.ep_dispatches():
             return "experts dispatched to other context-parallel ranks (all-to-all)"
         if spec.activation is None:

@@ -23,6 +23,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GptOssForCausalLM": ("octavo.model.models.gpt_oss", "GptOssForCausalLM"),
     "DeepseekV2ForCausalLM": ("octavo.model.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("octavo.model.models.deepseek", "DeepseekV3ForCausalLM"),
+    "Llama4ForCausalLM": ("octavo.model.models.llama4", "Llama4ForCausalLM"),
+    "Llama4ForConditionalGeneration": ("octavo.model.models.llama4", "Llama4ForCausalLM"),
     "GPTNeoXForCausalLM": ("octavo.model.models.gpt_neox", "GPTNeoXForCausalLM"),
     "GPT2LMHeadModel": ("octavo.model.models.gpt2", "GPT2LMHeadModel"),
     "MixtralForCausalLM": ("octavo.model.models.moe", "MixtralForCausalLM"),

@@ -52,14 +52,16 @@ class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, max_num_seqs: int,
                  max_model_len: int, block_size: int, vocab_size: int, seed: int,
                  sliding_window: int | None = None,
-                 context_parallel: ContextParallel | None = None) -> None:
+                 context_parallel: ContextParallel | None = None,
+                 attention_chunk: int | None = None) -> None:
         """block_size: tokens of a core block (under decode context parallelism, a block on
-        each rank of the group)."""
+        each rank of the group); sliding_window, attention_chunk: the model's local layers'
+        (ArchConfig)."""
         self.model = model
         self.context_parallel = context_parallel
         self.device = device
         self.block_size = block_size
-        self.sliding_window = sliding_window
+        self.sliding_window, self.attention_chunk = sliding_window, attention_chunk
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, vocab_size, device)
         self.sampler = Sampler(seed, device)
         self.kv_caches: list[torch.Tensor] = []
@@ -107,7 +109,8 @@ class ModelRunner:
             context = ForwardContext(None, [], layout=layout)
         else:
             context = step_context(layout, b.block_table[rows], self.block_size, self.kv_caches,
-                                   self.sliding_window, self.device, self.context_parallel)
+                                   self.sliding_window, self.device, self.context_parallel,
+                                   self.attention_chunk)
         last_stage = is_last_stage()  # else its hidden states go on to the next stage
         sampling = seq_lens >= b.num_tokens[rows]
         pools = np.zeros(len(req_ids), bool)

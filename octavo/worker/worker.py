@@ -129,7 +129,7 @@ class Worker:
         self.runner = ModelRunner(
             model, self.device, sched.max_num_seqs, self.max_model_len,
             self.config.core_block_size, self.arch.vocab_size, self.config.device.seed,
-            self.arch.sliding_window, self._context_parallel())
+            self.arch.sliding_window, self._context_parallel(), self.arch.attention_chunk_size)
         if self.config.lora.enable_lora:
             self.runner.lora = LoRAManager(model, self.config.lora, self.arch, self.dtype,
                                            self.device)
@@ -178,7 +178,8 @@ class Worker:
             decode_stack.attach(model)  # its k - 1 single-token steps are decode steps
         self.draft_arch = arch
         return DraftModel(model, self.device, k, self.config.cache.block_size,
-                          self.config.device.seed, arch.sliding_window)
+                          self.config.device.seed, arch.sliding_window,
+                          arch.attention_chunk_size)
 
     def _kv_layers(self) -> list[KVCacheSpec]:
         """What each KV layer caches: the target's layers on this pipeline stage, then the

@@ -21,6 +21,13 @@ _DEEPSEEK = dict(num_hidden_layers=3, first_k_dense_replace=1, num_key_value_hea
                  n_shared_experts=1, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
                  v_head_dim=24, pad_token_id=0)
 
+_LLAMA4 = dict(head_dim=16, intermediate_size=64, intermediate_size_mlp=96, no_rope_layers=[1, 0],
+               moe_layers=[0], num_local_experts=4, num_experts_per_tok=2,
+               attention_chunk_size=48, floor_scale=16, pad_token_id=0, rope_parameters={
+                   "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64})
+
 CASES = {
     "llama-default": ("LlamaConfig", "LlamaForCausalLM", {}),
     "llama-tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
@@ -104,6 +111,10 @@ CASES = {
     "deepseek-v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
         **_DEEPSEEK, "q_lora_rank": None, "topk_method": "group_limited_greedy", "n_group": 2,
         "topk_group": 1, "routed_scaling_factor": 1.5}),
+    # a RoPE layer (adjacent pairs, llama3 scaling) with weightless q/k norms, attending within
+    # 48-token chunks of the 150-token prompt, its experts' inputs scaled by the sigmoid routing
+    # weights beside a shared expert; a dense layer without RoPE, its queries scaled by position
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", _LLAMA4),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
         **_GEMMA, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_GEMMA, "rope_parameters": {
@@ -246,5 +257,34 @@ def test_latent_attention_caches_the_compressed_row_only(tmp_path, smollm_oracle
         assert llm.engine.client.core.scheduler.num_preemptions > 0
         again = llm.generate(prompts[:1], params, use_tqdm=False)[0]
         assert again.num_cached_tokens >= 32 and again.outputs[0].token_ids == expected[0]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_llama4_chunked_attention_batched_preempted_and_cached(tmp_path, smollm_oracle_folder):
+    """Llama 4's chunked layers in a batch of prompts whose chunks begin at different steps,
+    with a cache small enough to preempt, and a prompt again from the prefix cache: the tokens
+    stay transformers'. The layers run layer by layer, and say so."""
+    from octavo.model import decode_stack
+
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "llama4")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 49000, (n,), generator=gen).tolist() for n in (40, 95, 61, 130)]
+    with torch.inference_mode():
+        expected = [ref.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12,
+                                 pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # layers x K and V x tokens x KV heads x size x float32
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=20 * per_block,
+              max_num_batched_tokens=64)  # the prompts and outputs need 23 blocks at once
+    try:
+        model = llm.engine.client.core.executor.worker.runner.model
+        assert model.model.decode_stack is None
+        assert decode_stack.unsupported_reason(model.model.layers) is not None
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert llm.engine.client.core.scheduler.num_preemptions > 0
+        again = llm.generate(prompts[3:], params, use_tqdm=False)[0]
+        assert again.num_cached_tokens >= 64 and again.outputs[0].token_ids == expected[3]
     finally:
         llm.engine.shutdown()

@@ -15,8 +15,11 @@ class PagedAttention(nn.Module):
     def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float, sliding_window: int | None = None,
                  softcap: float | None = None, sinks: Span | None = None,
-                 shared_kv: bool = False) -> None:
+                 shared_kv: bool = False, chunk: int | None = None) -> None:
         super().__init__()
+        # Llama 4's local layers: a query sees only the keys of its own `chunk`-token chunk
+        # (the step's chunked plan), else None
+        self.chunk = chunk
         self.shared_kv = shared_kv  # K and V are one cache row (MLA: model/kv_spec.py)
         # gpt-oss: a learned logit per query head in each softmax's denominator (`sinks`: this
         # rank's heads among the model's), else None
@@ -50,12 +53,17 @@ class PagedAttention(nn.Module):
         ks, vs = ((self.k_scale, self.v_scale) if cache.dtype == torch.float8_e4m3fn
                   else (1.0, 1.0))
         if ctx.context_parallel is not None:
-            if self.sinks is not None:
-                raise NotImplementedError("attention sinks under context parallelism")
+            if self.sinks is not None or self.chunk is not None:
+                raise NotImplementedError("attention sinks and chunked local attention under "
+                                          "context parallelism")
             out = context_parallel.attention(ctx.context_parallel, q, k, v, cache, self.scale,
                                              self.softcap, self.sliding_window, ks, vs)
             return out.reshape(q.shape[0], -1)
-        plan = ctx.sliding_plan if self.sliding_window and ctx.sliding_plan else ctx.plan
+        plan = ctx.plan
+        if self.sliding_window and ctx.sliding_plan:
+            plan = ctx.sliding_plan
+        elif self.chunk is not None:
+            plan = ctx.chunked_plan
         write_kv(cache, k, v, plan.slot_mapping, ks, vs)
         out = paged_attention(q, cache, plan, self.scale, self.softcap, ks, vs, self.sinks)
         return out.reshape(q.shape[0], -1)

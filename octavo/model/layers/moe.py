@@ -45,13 +45,15 @@ EXPERT_TENSOR = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(\w+)$")
 class FusedMoE(nn.Module):
     """`act`: the gated activation on [gate | up] where the family has its own (gpt-oss), else
     hidden_act's; `bias`: each expert's projections have biases (gpt-oss), which stay dense
-    here, beside quantized weights too."""
+    here, beside quantized weights too; `weigh_inputs`: a row's routing weight scales the
+    expert's input rather than its output (Llama 4)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  hidden_act: str, renormalize: bool, bias: bool = False,
                  act: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 route: Route | None = None) -> None:
+                 route: Route | None = None, weigh_inputs: bool = False) -> None:
         super().__init__()
+        self.weigh_inputs = weigh_inputs
         # the family's own routing, router logits -> (weights, experts) [T, top_k] (DeepSeek's
         # sigmoid scores and expert groups), else softmax, top-k, renormalized or not
         self.route = route
@@ -207,8 +209,12 @@ class FusedMoE(nn.Module):
         order = order[begin:begin + sum(counts[first:first + self.num_local])]
         counts = counts[first:first + self.num_local]
         token = order // self.top_k  # the token each sorted row came from
-        ys = self._experts(x.index_select(0, token), counts, token)
-        ys = ys * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
+        weight = weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
+        xs = x.index_select(0, token)
+        if self.weigh_inputs:
+            ys = self._experts(xs * weight, counts, token)
+        else:
+            ys = self._experts(xs, counts, token) * weight
         return parallel_state.tp_all_reduce(torch.zeros_like(x).index_add_(0, token, ys))
 
     def _experts(self, xs: torch.Tensor, counts: list[int],
@@ -259,15 +265,20 @@ class FusedMoE(nn.Module):
         mine = mine[dest[mine].argsort(stable=True)]
         send = torch.bincount(dest[mine], minlength=parallel_state.ep_size()).tolist()
         token = mine // self.top_k
+        weight = weights.reshape(-1)[mine].unsqueeze(1).to(x.dtype)
+        sent_rows = x.index_select(0, token)
+        if self.weigh_inputs:
+            sent_rows = sent_rows * weight
         (rows, local), recv, matrix = parallel_state.ep_all_to_all(
-            [x.index_select(0, token), flat[mine] - dest[mine] * self.num_local], send)
+            [sent_rows, flat[mine] - dest[mine] * self.num_local], send)
         by_expert = local.argsort(stable=True)
         counts = torch.bincount(local, minlength=self.num_local)
         self.routed[self.first_expert:self.first_expert + self.num_local] += counts
         ys = torch.empty_like(rows)
         ys[by_expert] = self._experts(rows.index_select(0, by_expert), counts.tolist(), None)
         (back,), _, _ = parallel_state.ep_all_to_all([ys], recv, matrix.t())
-        back = back * weights.reshape(-1)[mine].unsqueeze(1).to(x.dtype)
+        if not self.weigh_inputs:
+            back = back * weight
         return parallel_state.tp_all_reduce(torch.zeros_like(x).index_add_(0, token, back))
 
 

@@ -18,6 +18,16 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class UnitRMSNorm(RMSNorm):
+    """x / rms(x) without a learned weight (Llama 4's q/k norm): a weight of ones that no
+    checkpoint tensor fills."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        nn.Module.__init__(self)
+        self.register_buffer("weight", torch.ones(hidden_size), persistent=False)
+        self.eps = eps
+
+
 class GemmaRMSNorm(nn.Module):
     """RMSNorm scaling by (1 + w), multiplied in float32 before the cast back (Gemma's order)."""
 

@@ -162,6 +162,20 @@ def pairs_to_halves(tensor: torch.Tensor, head_dim: int, rotary_dim: int,
     return tensor.index_select(0, order)
 
 
+class QueryTemperature(nn.Module):
+    """Llama 4's layers without RoPE: the queries scaled by log(floor((p + 1) / floor_scale)
+    + 1) * attn_scale + 1 at position p, the keys left as they are, in a rotary's place."""
+
+    def __init__(self, floor_scale: float, attn_scale: float) -> None:
+        super().__init__()
+        self.floor_scale, self.attn_scale = float(floor_scale), float(attn_scale)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale))
+        return (q * (scale * self.attn_scale + 1.0)[:, None, None]).to(q.dtype), k
+
+
 def make_rotary(head_dim: int, rotary_dim: int, max_positions: int, base: float,
                 scaling: dict[str, Any] | None = None,
                 original_max_positions: int | None = None) -> RotaryEmbedding:

@@ -3,17 +3,11 @@ every softmax (PagedAttention's `sinks`), sliding-window and full layers alterna
 and a mixture of experts in every layer: a router with a bias, softmax over the top-k logits,
 experts with biases and a clamped SwiGLU whose gate and up columns the checkpoint interleaves.
 
-The checkpoint stacks each layer's experts, [experts, in, out] as `x @ W` multiplies
-(`mlp.experts.gate_up_proj`, `down_proj` and their `_bias`), or in MXFP4 as `_blocks` and
-`_scales` [experts, out, ...] (quantization_config `mxfp4`: kept packed, quant/microscaled.py);
-they are split per expert (dense weights transposed to octavo's [out, in]), gate and up rows
-de-interleaved, as they are read."""
+The checkpoint stacks each layer's experts (models/moe.py StackedExperts), dense or in MXFP4
+(quantization_config `mxfp4`: kept packed, quant/microscaled.py), gate and up columns
+interleaved."""
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator
-
-import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
@@ -26,9 +20,7 @@ from octavo.model.layers.moe import FusedMoE
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
 from octavo.model.models.llama import LlamaAttention, LlamaForCausalLM
-
-# <layer>.mlp.experts.<gate_up_proj|down_proj>[_bias | _blocks | _scales]
-_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+from octavo.model.models.moe import StackedExperts
 
 
 class GptOssMoE(nn.Module):
@@ -68,42 +60,12 @@ class GptOssDecoderLayer(DecoderLayer):
                             self.post_attention_layernorm)
 
 
-class GptOssForCausalLM(LlamaForCausalLM):
+class GptOssForCausalLM(StackedExperts, LlamaForCausalLM):
+    interleaved_gate_up = True
+
     def decoder_layer(self, cfg: ArchConfig, layer_index: int,
                       rotary: RotaryEmbedding) -> nn.Module:
         return GptOssDecoderLayer(cfg, layer_index, rotary)
 
     def checkpoint_name(self, name: str) -> str | None:
         return super().checkpoint_name(name.replace(".self_attn.sinks", ".self_attn.attn.sinks"))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(_per_expert(weights))
-
-    def linear_name(self, ckpt_name: str) -> str | None:
-        # a stacked expert tensor names its experts' layer as any one expert's tensor does
-        m = _STACKED.match(ckpt_name.removesuffix(".weight"))
-        if m is not None:
-            proj = "gate_proj" if m[2] == "gate_up_proj" else "down_proj"
-            ckpt_name = f"{m[1]}.0.{proj}.weight"
-        return super().linear_name(ckpt_name)
-
-
-def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The stacked expert tensors as each expert's gate, up and down tensors in [out, in]."""
-    for name, tensor in weights:
-        m = _STACKED.match(name)
-        if m is None:
-            yield name, tensor
-            continue
-        prefix, proj, suffix = m.groups()
-        kind = {"_bias": "bias", "_blocks": "mx_blocks", "_scales": "mx_scales"}.get(suffix,
-                                                                                    "weight")
-        for e in range(tensor.shape[0]):
-            # [out, ...]: a dense weight is stored [in, out], MXFP4's blocks and scales [out, ...]
-            w = tensor[e].t() if kind == "weight" else tensor[e]
-            if proj == "down_proj":
-                yield f"{prefix}.{e}.down_proj.{kind}", w
-            else:  # gate and up columns interleaved
-                yield f"{prefix}.{e}.gate_proj.{kind}", w[0::2]
-                yield f"{prefix}.{e}.up_proj.{kind}", w[1::2]

@@ -68,7 +68,8 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(layer_index, self.num_heads, self.num_kv_heads, hd,
                                    scale=hd ** -0.5 if scale is None else scale,
-                                   sliding_window=cfg.layer_window(layer_index))
+                                   sliding_window=cfg.layer_window(layer_index),
+                                   chunk=cfg.layer_chunk(layer_index))
 
 
 class LlamaMLP(nn.Module):

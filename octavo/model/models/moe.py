@@ -1,8 +1,13 @@
 """Mixture-of-experts decoders on Llama-style attention: Mixtral (every layer sparse, top-k weights
 renormalized), Qwen2-MoE (a sigmoid-gated shared expert beside the routed ones, q/k/v bias) and
-Qwen3-MoE (q/k norm). Qwen's mlp_only_layers and decoder_sparse_step keep some layers dense."""
+Qwen3-MoE (q/k norm). Qwen's mlp_only_layers and decoder_sparse_step keep some layers dense.
+Also the reading of checkpoints that stack a layer's experts in one tensor (gpt-oss, Llama 4)."""
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
@@ -15,6 +20,10 @@ from octavo.model.layers.rotary import RotaryEmbedding, make_rotary
 from octavo.model.models.base import CausalLM, QKV_GATE_UP
 from octavo.model.models.llama import LlamaAttention, LlamaMLP, LlamaModel
 from octavo.model.pipeline import stage_layers
+
+# <layer>.experts.<gate_up_proj|down_proj>[_bias | _blocks | _scales]: one tensor per projection
+# holding every expert of the layer
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 
 
 class SparseMoeBlock(nn.Module):
@@ -90,3 +99,46 @@ class Qwen2MoeForCausalLM(_MoeForCausalLM):
 
 class Qwen3MoeForCausalLM(_MoeForCausalLM):
     qk_norm = True
+
+
+class StackedExperts:
+    """For a causal LM whose checkpoint stacks each layer's experts, [experts, in, out] as
+    `x @ W` multiplies (`<layer>.experts.gate_up_proj`, `down_proj`, with `_bias`, or MXFP4's
+    `_blocks` and `_scales` [experts, out, ...]): they are split per expert as they are read,
+    dense weights transposed to octavo's [out, in]. `interleaved_gate_up`: gate and up
+    columns alternate (gpt-oss), else gate's come first, then up's (Llama 4)."""
+
+    interleaved_gate_up = False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._per_expert(weights))
+
+    def linear_name(self, ckpt_name: str) -> str | None:
+        # a stacked expert tensor names its experts' layer as any one expert's tensor does
+        m = _STACKED.match(ckpt_name.removesuffix(".weight"))
+        if m is not None:
+            proj = "gate_proj" if m[2] == "gate_up_proj" else "down_proj"
+            ckpt_name = f"{m[1]}.0.{proj}.weight"
+        return super().linear_name(ckpt_name)
+
+    def _per_expert(self, weights: Iterable[tuple[str, torch.Tensor]]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            m = _STACKED.match(name)
+            if m is None:
+                yield name, tensor
+                continue
+            prefix, proj, suffix = m.groups()
+            kind = {"_bias": "bias", "_blocks": "mx_blocks",
+                    "_scales": "mx_scales"}.get(suffix, "weight")
+            for e in range(tensor.shape[0]):
+                # [out, ...]: a dense weight is stored [in, out], MXFP4's blocks and scales
+                # [out, ...]
+                w = tensor[e].t() if kind == "weight" else tensor[e]
+                if proj == "down_proj":
+                    yield f"{prefix}.{e}.down_proj.{kind}", w
+                    continue
+                gate, up = ((w[0::2], w[1::2]) if self.interleaved_gate_up
+                            else w.chunk(2, dim=0))
+                yield f"{prefix}.{e}.gate_proj.{kind}", gate
+                yield f"{prefix}.{e}.up_proj.{kind}", up

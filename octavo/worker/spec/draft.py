@@ -29,12 +29,13 @@ _DRAFT_SALT = 0x5EED_D4AF  # draft noise is drawn apart from the target's at the
 
 class DraftModel:
     def __init__(self, model: nn.Module, device: torch.device, num_speculative_tokens: int,
-                 block_size: int, seed: int, sliding_window: int | None = None) -> None:
+                 block_size: int, seed: int, sliding_window: int | None = None,
+                 attention_chunk: int | None = None) -> None:
         self.model = model
         self.device = device
         self.k = num_speculative_tokens
         self.block_size = block_size
-        self.sliding_window = sliding_window
+        self.sliding_window, self.attention_chunk = sliding_window, attention_chunk
         self.kv_caches: list[torch.Tensor] = []  # one per draft layer, on the target's blocks
         self.sampler = Sampler(seed ^ _DRAFT_SALT, device)
         # request id -> (its drafts, q of each [num_drafts, V]); q only for random rows
@@ -54,7 +55,8 @@ class DraftModel:
     def _forward(self, input_ids: np.ndarray, layout: StepLayout,
                  tables: np.ndarray) -> torch.Tensor:
         with forward_context(step_context(layout, tables, self.block_size, self.kv_caches,
-                                          self.sliding_window, self.device)):
+                                          self.sliding_window, self.device,
+                                          attention_chunk=self.attention_chunk)):
             return self.model(torch.from_numpy(input_ids).to(self.device),
                               torch.from_numpy(layout.positions).to(self.device))
 
