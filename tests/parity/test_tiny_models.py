@@ -135,18 +135,22 @@ def _build(tmp_path, tokenizer_folder, name):
     base = {} if config_cls == "GPT2Config" else _COMMON  # GPT-2 has names of its own
     config = getattr(transformers, config_cls)(vocab_size=vocab, **{**base, **extra})
     torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config).eval()
+    model = _randomized(getattr(transformers, model_cls)(config).eval())
+    folder = tmp_path / name
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_folder / f, folder / f)
+    return folder, model
+
+
+def _randomized(model):
     with torch.no_grad():  # larger weights than the default init, so differences show
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
             else:  # norms and biases too, so a norm read as w instead of 1 + w shows
                 p.add_(torch.randn_like(p) * 0.1)
-    folder = tmp_path / name
-    model.save_pretrained(folder, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_folder / f, folder / f)
-    return folder, model
+    return model
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -288,3 +292,30 @@ def test_llama4_chunked_attention_batched_preempted_and_cached(tmp_path, smollm_
         assert again.num_cached_tokens >= 64 and again.outputs[0].token_ids == expected[3]
     finally:
         llm.engine.shutdown()
+
+
+def test_llama4_conditional_generation_checkpoint_runs_its_text_model(tmp_path,
+                                                                      smollm_oracle_folder):
+    """A Llama4ForConditionalGeneration checkpoint (text_config, weights under language_model.,
+    a vision tower) runs as its text model: transformers' greedy tokens."""
+    import transformers
+
+    text = {**_COMMON, **_LLAMA4, "vocab_size": 49152, "num_experts_per_tok": 1}
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64, image_size=28, patch_size=14, vision_output_dim=64,
+                  projector_input_dim=64, projector_output_dim=64)
+    torch.manual_seed(0)
+    ref = _randomized(transformers.Llama4ForConditionalGeneration(
+        transformers.Llama4Config(text_config=text, vision_config=vision)).eval())
+    folder = tmp_path / "llama4-vl"
+    ref.save_pretrained(folder, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm_oracle_folder / f, folder / f)
+    prompt = list(range(300, 400))
+    with torch.inference_mode():
+        expected = ref.generate(input_ids=torch.tensor([prompt]), do_sample=False,
+                                max_new_tokens=8, pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected
