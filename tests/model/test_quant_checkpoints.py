@@ -101,6 +101,24 @@ def _nvfp4_layer(w):
     return t, packed.reference()
 
 
+def _modelopt_layer(w, algo):
+    from octavo.model.quant.microscaled import (FP4_VALUES, MicroscaledPacked, e4m3_table,
+                                                e8m0_table, quantize_mxfp8, quantize_nvfp4)
+
+    if algo == "MXFP8":
+        codes, scales = quantize_mxfp8(w)
+        packed = MicroscaledPacked(codes.view(torch.uint8), scales, e4m3_table(), e8m0_table(),
+                                   32, torch.float32)
+        return {"weight": codes, "weight_scale": scales}, packed.reference()
+    t = quantize_nvfp4(w)  # ModelOpt's global scale multiplies: the reciprocal of this one
+    layer = {"weight": t["weight_packed"], "weight_scale": t["weight_scale"],
+             "weight_scale_2": 1.0 / t["weight_global_scale"], "input_scale": torch.ones(1)}
+    packed = MicroscaledPacked(t["weight_packed"], t["weight_scale"].view(torch.uint8),
+                               torch.tensor(FP4_VALUES),
+                               e4m3_table() / t["weight_global_scale"], 16, torch.float32)
+    return layer, packed.reference()
+
+
 def _random_model(arch):
     import transformers
 
@@ -141,6 +159,8 @@ def _build(tmp_path, tokenizer_folder, fmt, qconfig, arch="llama", **kw):
             layer, deq = _fp8_layer(w, kw["per_channel"], kw.get("block"))
         elif fmt == "nvfp4":
             layer, deq = _nvfp4_layer(w)
+        elif fmt == "modelopt":
+            layer, deq = _modelopt_layer(w, kw["algo"])
         else:
             layer, deq = _gptq_layer(w, kw["bits"], kw["group"], kw["sym"], perms[key], fmt)
         tensors[name] = deq.contiguous()  # the oracle's dequantized weight
@@ -254,6 +274,37 @@ def test_nvfp4_checkpoint_keeps_its_codes_and_matches_dequantized_model(tmp_path
     assert packed.scales.dtype == torch.float32  # q, k and v scaled apart: float scales
     down = llm.engine.client.core.executor.worker.runner.model.model.layers[0].mlp.down_proj
     assert down.weights.packed.scales.dtype == torch.uint8  # one global scale: its bytes
+
+
+@pytest.mark.parametrize("algo", ["NVFP4", "MXFP8"])
+def test_modelopt_checkpoint_keeps_its_codes_and_matches_dequantized_model(
+        tmp_path, smollm_oracle_folder, algo):
+    """ModelOpt's NVFP4 (global scales that multiply, named in hf_quant_config.json, with
+    input scales and KV-cache scales on k_proj / v_proj) and MXFP8 (e4m3 codes, e8m0 scales per
+    32, named in config.json): kept packed, equal to transformers on the dequantized
+    weights."""
+    qc = {"quant_method": "modelopt", "quant_algo": algo, "exclude_modules": ["lm_head"]}
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "modelopt", qc, algo=algo)
+    if algo == "NVFP4":  # the older export: hf_quant_config.json, not config.json
+        cfg = json.loads((folder / "config.json").read_text())
+        del cfg["quantization_config"]
+        (folder / "config.json").write_text(json.dumps(cfg))
+        (folder / "hf_quant_config.json").write_text(json.dumps({"producer": {
+            "name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                                                  "kv_cache_quant_algo": "FP8"}}))
+        tensors = load_file(folder / "model.safetensors")
+        for i in range(_CONFIG["num_hidden_layers"]):
+            for kv in "kv":
+                tensors[f"model.layers.{i}.self_attn.{kv}_proj.{kv}_scale"] = torch.tensor(0.5)
+        save_file(tensors, str(folder / "model.safetensors"))
+    llm = _compare(folder, ref)
+    _assert_packed(llm, "llama")
+    layer = llm.engine.client.core.executor.worker.runner.model.model.layers[0]
+    packed = layer.mlp.down_proj.weights.packed
+    assert packed.codes.numel() * (2 if algo == "NVFP4" else 1) == packed.out_features * \
+        packed.in_features
+    if algo == "NVFP4":
+        assert layer.self_attn.attn.k_scale == layer.self_attn.attn.v_scale == 0.5
 
 
 def test_quantization_flag_on_a_quantized_checkpoint_names_the_field(tmp_path,

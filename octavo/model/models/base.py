@@ -172,4 +172,8 @@ class CausalLM(CheckpointModel):
         """The parameter name a checkpoint tensor maps to, or None to skip it."""
         if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
             return None
+        # ModelOpt writes the KV-cache scales on the projections (k_proj.k_scale): the layer's
+        if name.endswith((".k_proj.k_scale", ".v_proj.v_scale")):
+            projection, _, scale = name.rpartition(".")
+            name = f"{projection.rpartition('.')[0]}.{scale}"
         return local_layer_name(name, self.cfg.num_layers)

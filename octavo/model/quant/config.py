@@ -1,8 +1,9 @@
 """Which quantization a model loads with, and which of its linear layers get which method.
 
 A checkpoint's `quantization_config` (config.json) names its format: gptq, awq, fp8,
-compressed-tensors (FP8 or NVFP4), mxfp4 (gpt-oss's experts). `--quantization int8|int4|fp8`
-quantizes an unquantized checkpoint at load;
+compressed-tensors (FP8 or NVFP4), mxfp4 (gpt-oss's experts), modelopt (FP8, NVFP4, MXFP8; or
+hf_quant_config.json's `quantization`, as ModelOpt's older exports write it).
+`--quantization int8|int4|fp8` quantizes an unquantized checkpoint at load;
 asking for it on a checkpoint that is quantized already is a ValueError naming the field. On a
 GGUF, int4/int8 mean "its own codes in that layout, no dense copy" (quant/gguf.py). The
 layers of a quantized checkpoint are the ones whose tensors carry the format's marker (`qweight`,
@@ -25,7 +26,7 @@ from octavo.model.quant.base import CheckpointMethod, OnTheFlyMethod, QuantMetho
 from octavo.model.quant.fp8 import FP8Spec, quantize_fp8
 from octavo.model.quant.gguf import GGUFPlan, gguf_plan
 from octavo.model.quant.gptq import GPTQSpec
-from octavo.model.quant.microscaled import MXFP4Spec, NVFP4Spec, nvfp4_groups
+from octavo.model.quant.microscaled import MXFP4Spec, MXFP8Spec, NVFP4Spec, nvfp4_groups
 from octavo.model.quant.packed import quantize_int4, quantize_int8
 from octavo.model_source import ModelSource
 
@@ -38,7 +39,7 @@ _ROUTERS = (".gate", "shared_expert_gate", ".router")
 INT4_GROUP = 32  # on-the-fly int4: min/max per 32 inputs (SmolLM2 perplexity: docs/usage.md)
 _MARKERS = {"gptq": (".qweight",), "awq": (".qweight",), "fp8": (".weight_scale",
             ".weight_scale_inv"), "compressed-tensors": (".weight_scale",),
-            "mxfp4": ("_blocks",)}
+            "mxfp4": ("_blocks",), "modelopt": (".weight_scale",)}
 
 
 def checkpoint_quantization(source: ModelSource) -> dict[str, Any] | None:
@@ -49,6 +50,10 @@ def checkpoint_quantization(source: ModelSource) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     qc = json.loads(path.read_text()).get("quantization_config")
+    modelopt = source.path / "hf_quant_config.json"
+    if not qc and modelopt.is_file():
+        qc = {"quant_method": "modelopt",
+              **(json.loads(modelopt.read_text()).get("quantization") or {})}
     return qc or None
 
 
@@ -58,7 +63,7 @@ class QuantPlan:
     required = True  # the model cannot load without its methods (GGUFPlan's may be dropped)
 
     def __init__(self, fmt: str, dtype: torch.dtype, *,
-                 spec: GPTQSpec | FP8Spec | MXFP4Spec | NVFP4Spec | None = None,
+                 spec: GPTQSpec | FP8Spec | MXFP4Spec | MXFP8Spec | NVFP4Spec | None = None,
                  on_the_fly: str | None = None) -> None:
         self.fmt, self.dtype, self.spec, self.on_the_fly = fmt, dtype, spec, on_the_fly
 
@@ -147,5 +152,22 @@ def plan_quantization(source: ModelSource, requested: str | None, dtype: torch.d
         return QuantPlan(fmt, dtype, spec=FP8Spec(fmt, qc))
     if fmt == "mxfp4":
         return QuantPlan(fmt, dtype, spec=MXFP4Spec(qc))
+    if fmt == "modelopt":
+        return QuantPlan(fmt, dtype, spec=_modelopt_spec(qc))
     raise NotImplementedError(f"quantization_config.quant_method={fmt!r} is not supported; "
-                              "supported: gptq, awq, fp8, compressed-tensors, mxfp4")
+                              "supported: gptq, awq, fp8, compressed-tensors, mxfp4, modelopt")
+
+
+def _modelopt_spec(qc: dict[str, Any]) -> FP8Spec | NVFP4Spec | MXFP8Spec:
+    algo = str(qc.get("quant_algo", "")).upper()
+    if algo == "FP8":  # a scale per tensor; the activations' input_scale is not needed
+        return FP8Spec("fp8", {})
+    if algo == "NVFP4":
+        if qc.get("group_size", 16) != 16:
+            raise NotImplementedError(f"quantization_config.group_size={qc['group_size']!r}: "
+                                      f"NVFP4 takes groups of 16")
+        return NVFP4Spec(qc, modelopt=True)
+    if algo == "MXFP8":
+        return MXFP8Spec(qc)
+    raise NotImplementedError(f"quantization_config.quant_algo={qc.get('quant_algo')!r} "
+                              f"(modelopt) is not supported; supported: FP8, NVFP4, MXFP8")

@@ -13,8 +13,8 @@ the same tables decode in torch.
 
 Checkpoints: gpt-oss's MXFP4 experts (`quant_method: mxfp4`: `<proj>_blocks` [.., N, K / 32, 16]
 and `<proj>_scales` [.., N, K / 32], split per expert by model/models/gpt_oss.py) load through
-`MXFP4Spec`, compressed-tensors' NVFP4 through `NVFP4Spec`; MXFP8 checkpoints are not read yet
-(their packed weight is here).
+`MXFP4Spec`, compressed-tensors' and ModelOpt's NVFP4 through `NVFP4Spec`, ModelOpt's MXFP8
+through `MXFP8Spec`.
 """
 from __future__ import annotations
 
@@ -124,38 +124,81 @@ def nvfp4_groups(qc: dict[str, Any]) -> bool:
 
 
 class NVFP4Spec:
-    """compressed-tensors' NVFP4 (`nvfp4-pack-quantized`): each layer's `weight_packed` (e2m1
-    codes [N, K / 2]), `weight_scale` (e4m3 [N, K / 16]) and `weight_global_scale` (one float,
-    which the scales are divided by); the activations' `input_global_scale` is not needed
-    (they stay in bf16/float32). Packed slots that share one global scale keep their scale
-    bytes; slots with different ones (q, k and v quantized apart) get float32 scales."""
+    """NVFP4 checkpoints: each layer's e2m1 codes [N, K / 2], e4m3 scales [N, K / 16] and one
+    global float, as compressed-tensors writes them (`nvfp4-pack-quantized`: `weight_packed`,
+    `weight_scale`, `weight_global_scale`, which the scales are divided by) or ModelOpt
+    (`quant_algo: NVFP4`: `weight`, `weight_scale`, `weight_scale_2`, which they are multiplied
+    by). The activations' input scales are not needed (they stay in bf16/float32). Packed
+    slots that share one global scale keep their scale bytes; slots with different ones (q, k
+    and v quantized apart) get float32 scales."""
+
+    def __init__(self, qc: dict[str, Any], modelopt: bool = False) -> None:
+        self.qc = qc
+        self.codes, self.global_name = (("weight", "weight_scale_2") if modelopt
+                                        else ("weight_packed", "weight_global_scale"))
+        self.divides = not modelopt
+
+    def build(self, parts: list[dict[str, torch.Tensor]], widths: list[int], k: int,
+              dtype: torch.dtype) -> MicroscaledPacked:
+        codes, scales, factors = [], [], []
+        for part, width in zip(parts, widths):
+            missing = {self.codes, "weight_scale", self.global_name} - set(part)
+            if missing:
+                raise ValueError(f"nvfp4 checkpoint: a quantized layer lacks {sorted(missing)}")
+            c, s = part[self.codes], part["weight_scale"]
+            if tuple(c.shape) != (width, k // 2) or tuple(s.shape) != (width, k // 16):
+                raise ValueError(f"nvfp4 checkpoint: {self.codes} {tuple(c.shape)} and "
+                                 f"weight_scale {tuple(s.shape)} for a slot of {width} rows x "
+                                 f"{k} inputs")
+            codes.append(c.view(torch.uint8))
+            scales.append(s.view(torch.uint8))
+            g = float(part[self.global_name].float().reshape(-1)[0])
+            factors.append(1.0 / g if self.divides else g)
+        table = e4m3_table()
+        if len(set(factors)) == 1:
+            return MicroscaledPacked(torch.cat(codes), torch.cat(scales),
+                                     torch.tensor(FP4_VALUES), table * factors[0], 16, dtype)
+        float_scales = torch.cat([table[s.long()] * f for s, f in zip(scales, factors)])
+        return MicroscaledPacked(torch.cat(codes), float_scales, torch.tensor(FP4_VALUES),
+                                 torch.empty(0), 16, dtype)
+
+
+class MXFP8Spec:
+    """ModelOpt's MXFP8 (`quant_algo: MXFP8`): each layer's `weight`, e4m3 [N, K] (as
+    float8_e4m3fn or its bytes), and `weight_scale`, e8m0 bytes [N, K / 32]."""
 
     def __init__(self, qc: dict[str, Any]) -> None:
         self.qc = qc
 
     def build(self, parts: list[dict[str, torch.Tensor]], widths: list[int], k: int,
               dtype: torch.dtype) -> MicroscaledPacked:
-        codes, scales, globals_ = [], [], []
+        codes, scales = [], []
         for part, width in zip(parts, widths):
-            missing = {"weight_packed", "weight_scale", "weight_global_scale"} - set(part)
-            if missing:
-                raise ValueError(f"nvfp4 checkpoint: a quantized layer lacks {sorted(missing)}")
-            c, s = part["weight_packed"], part["weight_scale"]
-            if tuple(c.shape) != (width, k // 2) or tuple(s.shape) != (width, k // 16):
-                raise ValueError(f"nvfp4 checkpoint: weight_packed {tuple(c.shape)} and "
-                                 f"weight_scale {tuple(s.shape)} for a slot of {width} rows x "
-                                 f"{k} inputs")
-            codes.append(c.view(torch.uint8))
-            scales.append(s.view(torch.uint8))
-            globals_.append(float(part["weight_global_scale"].float().reshape(-1)[0]))
-        scale_bytes = torch.cat(scales)
-        if len(set(globals_)) == 1:
-            return MicroscaledPacked(torch.cat(codes), scale_bytes, torch.tensor(FP4_VALUES),
-                                     e4m3_table() / globals_[0], 16, dtype)
-        table = e4m3_table()
-        float_scales = torch.cat([table[s.long()] / g for s, g in zip(scales, globals_)])
-        return MicroscaledPacked(torch.cat(codes), float_scales, torch.tensor(FP4_VALUES),
-                                 torch.empty(0), 16, dtype)
+            if "weight" not in part or "weight_scale" not in part:
+                raise ValueError(f"mxfp8 checkpoint: a quantized layer has weight and "
+                                 f"weight_scale, got {sorted(part)}")
+            w, s = part["weight"], part["weight_scale"]
+            if w.dtype not in (torch.float8_e4m3fn, torch.uint8) or s.dtype != torch.uint8:
+                raise ValueError(f"mxfp8 checkpoint: weight of e4m3 bytes and e8m0 scale bytes, "
+                                 f"got {w.dtype} and {s.dtype}")
+            if tuple(w.shape) != (width, k) or tuple(s.shape) != (width, k // 32):
+                raise ValueError(f"mxfp8 checkpoint: weight {tuple(w.shape)} and weight_scale "
+                                 f"{tuple(s.shape)} for a slot of {width} rows x {k} inputs")
+            codes.append(w.view(torch.uint8))
+            scales.append(s)
+        return MicroscaledPacked(torch.cat(codes), torch.cat(scales), e4m3_table(),
+                                 e8m0_table(), 32, dtype)
+
+
+def quantize_mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 codes [N, K], e8m0 scales [N, K / 32]): each block's scale the power
+    of two that brings its largest magnitude to at most 448 (for tests and tools)."""
+    n, k = w.shape
+    blocks = w.float().view(n, k // 32, 32)
+    amax = blocks.abs().amax(-1).clamp(min=2.0 ** -126)
+    exp = torch.ceil(torch.log2(amax / 448.0)).clamp(-127, 127)
+    scaled = blocks / torch.ldexp(torch.ones_like(exp), exp.int()).unsqueeze(-1)
+    return scaled.view(n, k).to(torch.float8_e4m3fn), (exp + 127).to(torch.uint8)
 
 
 def quantize_nvfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
