@@ -46,6 +46,8 @@ ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaM
 SLIDING, FULL = "sliding_attention", "full_attention"
 # A layer whose queries see only the keys of their own attention_chunk_size-token chunk (Llama 4)
 CHUNKED = "chunked_attention"
+# A layer of linear attention over a recurrent state per request, no KV cache (Qwen3-Next)
+LINEAR = "linear_attention"
 # generation_config.json keys that become request defaults (the SamplingParams field names)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -71,8 +73,8 @@ class ArchConfig:
     # generation_config.json's sampling settings, the defaults of requests that leave them unset
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     sliding_window: int | None = None  # sliding layers attend to at most this many latest tokens
-    # Per layer SLIDING, FULL or CHUNKED; empty means every layer is sliding when sliding_window
-    # is set.
+    # Per layer SLIDING, FULL, CHUNKED or LINEAR; empty means every layer is sliding when
+    # sliding_window is set.
     layer_types: tuple[str, ...] = ()
     rotary_dim: int | None = None  # RoPE covers only this many leading features of a head
     rope_local_theta: float | None = None  # RoPE base of sliding layers, when it differs (Gemma 3)
@@ -123,6 +125,12 @@ class ArchConfig:
         if not self.layer_types or self.layer_types[layer] != CHUNKED:
             return None
         return self.attention_chunk_size
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The layers of linear attention, which keep a recurrent state per request instead of
+        KV-cache blocks."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
 
     def required(self, key: str, *aliases: str) -> Any:
         """A family's own config.json key (or the first of its aliases that is set); a
@@ -219,7 +227,7 @@ def _from_hf(source: ModelSource) -> ArchConfig:
     # Qwen2 configs name a window they do not use unless use_sliding_window is set.
     if not text.get("use_sliding_window", True) or (layer_types and SLIDING not in layer_types):
         window = None
-        layer_types = layer_types if CHUNKED in layer_types else ()
+        layer_types = layer_types if set(layer_types) - {SLIDING, FULL} else ()
     if layer_types and all(t == SLIDING for t in layer_types):
         layer_types = ()
     pooling, normalize = _sentence_transformers_pooling(source.path)
@@ -365,11 +373,15 @@ def _hf_layer_types(arch: str, text: dict[str, Any], num_layers: int) -> tuple[s
     elif types is None and arch.startswith("ModernBert"):
         every = text.get("global_attn_every_n_layers", 3)
         types = [SLIDING if i % every else FULL for i in range(num_layers)]
+    elif types is None and arch.startswith("Qwen3Next"):  # configs written before layer_types
+        every = text.get("full_attention_interval", 4)
+        types = [LINEAR if (i + 1) % every else FULL for i in range(num_layers)]
     if types is None:
         return ()
-    if len(types) != num_layers or set(types) - {SLIDING, FULL, CHUNKED}:
-        raise ValueError(f"config.json: layer_types must list {SLIDING!r}, {FULL!r} or "
-                         f"{CHUNKED!r} for each of the {num_layers} layers, got {types}")
+    if len(types) != num_layers or set(types) - {SLIDING, FULL, CHUNKED, LINEAR}:
+        raise ValueError(f"config.json: layer_types must list {SLIDING!r}, {FULL!r}, "
+                         f"{CHUNKED!r} or {LINEAR!r} for each of the {num_layers} layers, got "
+                         f"{types}")
     return tuple(types)
 
 

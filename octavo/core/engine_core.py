@@ -221,8 +221,25 @@ def create_engine_core(config: EngineConfig, source: ModelSource, arch: ArchConf
                        grammar_backend: BackendFactory | None = None) -> EngineCore:
     """The core's entry point for its hosts: build the executor (loading the model) and the
     core around it."""
+    if arch.linear_layers:
+        config = _without_prefix_caching(config, arch)
     with collector_paused():  # torch's import and the load are a start (see startup_gc)
         executor = Executor.create(config, source, arch, max_model_len, eos_token_ids)
     window = arch.sliding_window if arch.all_layers_sliding else None
     return EngineCore(config, executor, max_model_len, window, grammar_backend,
                       arch.vocab_size)
+
+
+def _without_prefix_caching(config: EngineConfig, arch: ArchConfig) -> EngineConfig:
+    """A model with linear-attention layers keeps a running state per request, which neither
+    a cached prefix's blocks nor a rollback of rejected drafts can restore: prefix caching is
+    turned off (said in the log), speculative decoding refused."""
+    if config.speculative is not None:
+        raise NotImplementedError(f"speculative decoding with {arch.architecture}: its "
+                                  f"linear-attention states cannot be rolled back over "
+                                  f"rejected drafts")
+    if not config.cache.enable_prefix_caching:
+        return config
+    logger.info("prefix caching is off: %s's linear-attention layers keep a state per request "
+                "that cached blocks cannot restore", arch.architecture)
+    return config.replace(enable_prefix_caching=False)

@@ -32,6 +32,11 @@ class ForwardContext:
     context_parallel: ContextParallelStep | None = None
     layout: StepLayout | None = None  # the step's requests (an encoder's sequences: bert.py)
     chunked_plan: AttentionPlan | None = None  # for layers with chunked local attention
+    # each of the step's requests' batch row, where its recurrent state lives (linear
+    # attention: model/layers/gated_delta_net.py), and the tokens it had computed before the
+    # step (0: its state starts empty); None outside the runner's steps
+    batch_rows: np.ndarray | None = None
+    num_computed: np.ndarray | None = None
 
 
 _current: list[ForwardContext] = []

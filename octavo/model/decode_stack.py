@@ -68,6 +68,8 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
             return "expert routing other than softmax top-k"
         if spec.attention.chunk is not None:
             return "chunked local attention"
+        if spec.output_gate:
+            return "attention with an output gate"
         if spec.moe is not None and parallel_state.ep_dispatches():
             return "experts dispatched to other context-parallel ranks (all-to-all)"
         if spec.activation is None:

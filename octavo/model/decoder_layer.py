@@ -50,6 +50,9 @@ def attention(spec: LayerSpec, positions: torch.Tensor, x: torch.Tensor) -> torc
         return spec.mixer(positions, x)
     t, a = x.shape[0], spec.attention
     q, k, v = spec.qkv(x).split(spec.qkv.shards, dim=-1)
+    if spec.output_gate:  # each head's query, then its gate
+        q, gate = q.view(t, a.num_heads, 2 * a.head_dim).chunk(2, dim=-1)
+        q = q.reshape(t, -1)
     if spec.q_norm is not None and spec.qk_norm_whole:
         q, k = spec.q_norm(q), spec.k_norm(k)
     q = q.view(t, a.num_heads, a.head_dim)
@@ -58,7 +61,10 @@ def attention(spec: LayerSpec, positions: torch.Tensor, x: torch.Tensor) -> torc
         q, k = spec.q_norm(q), spec.k_norm(k)
     if spec.rotary is not None:
         q, k = spec.rotary(positions, q, k)
-    return spec.o(a(q, k, v.view(t, a.num_kv_heads, a.head_dim)))
+    out = a(q, k, v.view(t, a.num_kv_heads, a.head_dim))
+    if spec.output_gate:
+        out = out * torch.sigmoid(gate.reshape(t, -1))
+    return spec.o(out)
 
 
 def mlp(spec: LayerSpec, x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """What one decoder layer keeps in the paged KV cache per token, so that the worker allocates
 each layer's cache by its model's description and the budget counts its true bytes: K and V of
 some heads (most attention), or one latent row that attention reads as both (DeepSeek's
-multi-head latent attention: the compressed KV and the shared RoPE key, far fewer bytes)."""
+multi-head latent attention: the compressed KV and the shared RoPE key, far fewer bytes), or
+nothing (a layer of linear attention, whose state is per request)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,3 +26,6 @@ class KVCacheSpec:
         """The cache as attention takes it, [2, blocks, block_size, heads, width]: a one-part
         cache is its own K and V (a view: one copy of the memory)."""
         return cache if self.parts == 2 else cache.expand(2, -1, -1, -1, -1)
+
+
+NO_KV = KVCacheSpec(2, 0, 0)  # a layer that caches nothing per token (an empty tensor)

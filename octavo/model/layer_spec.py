@@ -103,7 +103,7 @@ class LayerSpec:
     gate_up: Linear | None  # the MLP's input projection ([gate | up] where gated); None: MoE
     down: Linear | None
     activation: Activation | None  # None: one the stack does not compute
-    attention: PagedAttention  # heads, cache layer index
+    attention: PagedAttention | None  # heads, cache layer index (None: a mixer's own state)
     rotary: RotaryEmbedding | None  # this layer's tables (Gemma 3's local layers have their
     # own base); None: no rotary (GPT-2's positions are learned, added before the layers)
     scale: float
@@ -121,6 +121,9 @@ class LayerSpec:
     # (DeepSeek's latent attention), in place of the described q/k/v one (then qkv and o are
     # None); the fused stack does not take such layers.
     mixer: nn.Module | None = None
+    # The q projection holds each head's query and an output gate (Qwen3-Next): the attention's
+    # output times sigmoid(gate), before the o projection
+    output_gate: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -139,11 +142,11 @@ def decoder_spec(self_attn: nn.Module, mlp: nn.Module, norm_kind: NormKind,
                  mlp_out_norm: nn.Module | None = None, *, parallel_residual: bool = False,
                  residual_scale: float = 1.0) -> LayerSpec:
     """The spec of a layer whose attention has qkv_proj, o_proj, q_norm, k_norm (and
-    qk_norm_whole), rotary and a PagedAttention `attn` (an attention without qkv_proj is a
-    mixer, computed whole: it has only its `attn`), and whose MLP has gate_up_proj, down_proj
-    and a gated `act`, or is a mixture of experts that describes itself (`moe_spec()`, with its
-    experts' gated `act`)."""
-    attn = self_attn.attn
+    qk_norm_whole, output_gate), rotary and a PagedAttention `attn` (an attention without
+    qkv_proj is a mixer, computed whole: it has only its `attn`, or none where it keeps a state
+    of its own), and whose MLP has gate_up_proj, down_proj and a gated `act`, or is a mixture of
+    experts that describes itself (`moe_spec()`, with its experts' gated `act`)."""
+    attn = getattr(self_attn, "attn", None)
     moe = mlp.moe_spec() if hasattr(mlp, "moe_spec") else None
     gate_up, down = (None, None) if moe is not None else (mlp.gate_up_proj, mlp.down_proj)
     act = mlp.experts.act if moe is not None else mlp.act
@@ -153,6 +156,7 @@ def decoder_spec(self_attn: nn.Module, mlp: nn.Module, norm_kind: NormKind,
     return LayerSpec(
         norm_kind, attn_in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm, *described,
         gate_up, down, gated_activation(act), attn, None if mixer else self_attn.rotary,
-        attn.scale, attn.sliding_window or None, attn.softcap or None, moe,
-        parallel_residual=parallel_residual, act=act, residual_scale=residual_scale,
-        qk_norm_whole=getattr(self_attn, "qk_norm_whole", False), mixer=mixer)
+        1.0 if attn is None else attn.scale, attn and attn.sliding_window or None,
+        attn and attn.softcap or None, moe, parallel_residual=parallel_residual, act=act,
+        residual_scale=residual_scale, qk_norm_whole=getattr(self_attn, "qk_norm_whole", False),
+        mixer=mixer, output_gate=getattr(self_attn, "output_gate", False))

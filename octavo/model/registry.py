@@ -30,6 +30,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("octavo.model.models.moe", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("octavo.model.models.moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("octavo.model.models.moe", "Qwen3MoeForCausalLM"),
+    "Qwen3NextForCausalLM": ("octavo.model.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Gemma2ForCausalLM": ("octavo.model.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("octavo.model.models.gemma", "Gemma3ForCausalLM"),
     "BertModel": ("octavo.model.models.bert", "BertModel"),

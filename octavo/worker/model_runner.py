@@ -121,6 +121,7 @@ class ModelRunner:
         # Everything the sampler takes is prepared before the forward pass: the pass streams
         # the weights through the caches, and the first numpy calls after it run cold.
         entries = self._entries(sched, req_ids, rows, ends, sample_idx) if len(sample_idx) else None
+        context.batch_rows, context.num_computed = rows, computed
         if b.rows_with_lora:
             context.lora = self.lora.step(b.lora_id[rows][layout.req_of_token])
         input_ids_t = torch.from_numpy(input_ids).to(self.device)

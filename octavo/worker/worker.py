@@ -186,12 +186,12 @@ class Worker:
         draft model's (same blocks), each as its model class describes them."""
         if self.arch.is_encoder:
             return []
-        target = model_class(self.arch.architecture,
-                             self.config.model.model_impl).kv_cache_spec(self.arch)
-        layers = [target] * len(stage_range(self.arch.num_layers))
+        target = model_class(self.arch.architecture, self.config.model.model_impl)
+        layers = [target.kv_cache_spec(self.arch, i) for i in stage_range(self.arch.num_layers)]
         if self.draft_arch is not None:
-            draft = model_class(self.draft_arch.architecture).kv_cache_spec(self.draft_arch)
-            layers += [draft] * self.draft_arch.num_layers
+            draft = model_class(self.draft_arch.architecture)
+            layers += [draft.kv_cache_spec(self.draft_arch, i)
+                       for i in range(self.draft_arch.num_layers)]
         return layers
 
     def describe(self) -> str:
@@ -219,10 +219,12 @@ class Worker:
     def init_kv_cache(self, kv_cache_memory: int, block_size: int) -> int:
         if not self._kv_layers():  # an encoder caches nothing: its blocks are only a count
             return self.config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
-        num_blocks = kv_cache_memory // self.kv_bytes_per_block(block_size)
+        states = self._allocate_states()
+        num_blocks = (kv_cache_memory - states) // self.kv_bytes_per_block(block_size)
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than one "
-                             f"block ({self.kv_bytes_per_block(block_size)} bytes)")
+            held = f", {states} of them for linear-attention states" if states else ""
+            raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes{held}) is smaller than "
+                             f"one block ({self.kv_bytes_per_block(block_size)} bytes)")
         _check_kv_fits(kv_cache_memory, self.device)
         rank_block = self._rank_block(block_size)
         caches = [spec.as_kv(_zeros(spec.shape(num_blocks, rank_block), self.kv_dtype,
@@ -231,6 +233,19 @@ class Worker:
         if self.runner.drafter is not None:
             self.runner.drafter.kv_caches = caches[self.arch.num_layers:]
         return num_blocks
+
+    def _allocate_states(self) -> int:
+        """The recurrent states of linear-attention layers, one per batch row (the request in
+        it): allocated beside the KV cache, out of its memory. Returns their bytes."""
+        layers = [m for m in self.runner.model.modules() if hasattr(m, "allocate_state")]
+        rows = self.config.scheduler.max_num_seqs
+        total = rows * sum(m.state_bytes(self.dtype) for m in layers)
+        for m in layers:
+            m.allocate_state(rows, self.dtype, self.device)
+        if layers:
+            logger.info("linear-attention states: %d layers x %d requests, %.1f MiB of the KV "
+                        "cache memory", len(layers), rows, total / 2**20)
+        return total
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         self.do_idle_work()  # a busy engine packs a few weights before each step instead
@@ -291,7 +306,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     pages, so each first write into a 2 MB stretch of the cache zeroed 2 MB, compacting memory
     first when none was free. A first one-token request wrote 30 of them, one per layer: 25-270
     ms instead of about 12, most of it in the kernel."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or not nbytes:  # (an empty mapping is refused)
+        return torch.zeros(shape, dtype=dtype, device=device)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)

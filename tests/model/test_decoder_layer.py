@@ -13,10 +13,10 @@ from torch import nn
 from octavo.model import registry
 from octavo.model.decoder_layer import DecoderLayer
 from octavo.model.models import cohere, gemma, glm, gpt2, gpt_neox, granite, llama, moe, olmo2
-from octavo.model.models import deepseek, gpt_oss, llama4, starcoder2
+from octavo.model.models import deepseek, gpt_oss, llama4, qwen3_next, starcoder2
 
 FAMILIES = (llama, gemma, gpt2, gpt_neox, moe, granite, olmo2, starcoder2, cohere, glm, gpt_oss,
-            deepseek, llama4)
+            deepseek, llama4, qwen3_next)
 
 
 def test_no_family_writes_a_layer_forward_beside_its_description():
@@ -26,7 +26,8 @@ def test_no_family_writes_a_layer_forward_beside_its_description():
     assert {c.__name__ for c in layers} >= {
         "LlamaDecoderLayer", "GemmaDecoderLayer", "GPT2Block", "NeoXLayer", "MoeDecoderLayer",
         "Olmo2DecoderLayer", "Starcoder2DecoderLayer", "CohereDecoderLayer", "GlmDecoderLayer",
-        "GptOssDecoderLayer", "DeepseekDecoderLayer", "Llama4DecoderLayer"}
+        "GptOssDecoderLayer", "DeepseekDecoderLayer", "Llama4DecoderLayer",
+        "Qwen3NextDecoderLayer"}
     for cls in layers:
         assert cls.forward is DecoderLayer.forward, cls.__name__
     for mod in FAMILIES:  # only the models (ids -> hidden states) run modules themselves

@@ -21,6 +21,11 @@ _DEEPSEEK = dict(num_hidden_layers=3, first_k_dense_replace=1, num_key_value_hea
                  n_shared_experts=1, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
                  v_head_dim=24, pad_token_id=0)
 
+_QWEN3_NEXT = dict(layer_types=["linear_attention", "full_attention"], head_dim=32,
+                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=48, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                   pad_token_id=0)
 _LLAMA4 = dict(head_dim=16, intermediate_size=64, intermediate_size_mlp=96, no_rope_layers=[1, 0],
                moe_layers=[0], num_local_experts=4, num_experts_per_tok=2,
                attention_chunk_size=48, floor_scale=16, pad_token_id=0, rope_parameters={
@@ -115,6 +120,9 @@ CASES = {
     # 48-token chunks of the 150-token prompt, its experts' inputs scaled by the sigmoid routing
     # weights beside a shared expert; a dense layer without RoPE, its queries scaled by position
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", _LLAMA4),
+    # a Gated DeltaNet layer (grouped value heads, a conv window, a state carried across the
+    # 64-token prompt chunks) and a gated attention layer with (1 + w) norms, partial RoPE
+    "qwen3-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", _QWEN3_NEXT),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
         **_GEMMA, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_GEMMA, "rope_parameters": {
@@ -319,3 +327,57 @@ def test_llama4_conditional_generation_checkpoint_runs_its_text_model(tmp_path,
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == expected
+
+
+def test_qwen3_next_states_follow_their_requests(tmp_path, smollm_oracle_folder):
+    """Linear-attention states live at each request's batch row. Requests of random lengths,
+    four rows for eight of them, a KV cache small enough to preempt, two aborted (one mid-
+    prompt, one mid-output): every request that finishes gives transformers' tokens (rows
+    taken over by later requests, and preempted requests started over, begin from an empty
+    state), no row stays held, and the states' memory comes out of the KV cache's. Prefix
+    caching is off; speculative decoding is refused."""
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "qwen3-next")
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(100, 49000, (int(n),), generator=gen).tolist()
+               for n in torch.randint(20, 140, (8,), generator=gen)]
+    with torch.inference_mode():
+        expected = [ref.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12,
+                                 pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    states = 4 * (128 * 3 * 4 + 4 * 16 * 16 * 4)  # rows x (conv window + state), float32
+    per_block = 2 * 16 * 2 * 32 * 4  # the attention layer's K and V of 16 tokens
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_seqs=4,
+              kv_cache_memory=states + 16 * per_block, max_num_batched_tokens=64)
+    try:
+        core = llm.engine.client.core
+        assert core.num_blocks == 16 and not core.scheduler.kv.enable_caching
+        engine, params = llm.engine, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        finished, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.outputs[0].token_ids
+            steps += 1
+            if steps == 1:
+                engine.abort_request("1")  # its prompt only begun
+            if steps == 6:
+                engine.abort_request("6")
+        assert core.scheduler.num_preemptions > 0
+        for i, tokens in expected_pairs(finished, expected):
+            assert tokens == expected[i], i
+        assert len(finished) >= 6
+        # the worker hears of the last finished request with the next step: then only that
+        # step's request holds a row
+        llm.generate([prompts[0][:5]], SamplingParams(max_tokens=1), use_tqdm=False)
+        assert len(core.executor.worker.runner.batch.row_of) <= 1
+    finally:
+        llm.engine.shutdown()
+    with pytest.raises(NotImplementedError, match="rolled back"):
+        LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def expected_pairs(finished, expected):
+    """(index, tokens) of each finished request that was not aborted."""
+    return [(int(k), v) for k, v in finished.items() if len(v) == len(expected[int(k)])]

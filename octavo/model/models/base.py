@@ -10,7 +10,7 @@ from torch import nn
 
 from octavo.arch_config import ArchConfig
 from octavo.distributed import parallel_state
-from octavo.model.kv_spec import KVCacheSpec
+from octavo.model.kv_spec import NO_KV, KVCacheSpec
 from octavo.model.layers.embedding import Embedding, LMHead
 from octavo.model.layers.linear import local_heads
 from octavo.model.layers.moe import EXPERT_TENSOR
@@ -40,9 +40,12 @@ class CheckpointModel(nn.Module):
         return name
 
     @classmethod
-    def kv_cache_spec(cls, cfg: ArchConfig) -> KVCacheSpec:
-        """What each of its layers caches per token: by default K and V of this rank's KV
-        heads (tensor parallel: its share, or one replicated head)."""
+    def kv_cache_spec(cls, cfg: ArchConfig, layer: int) -> KVCacheSpec:
+        """What `layer` caches per token: by default K and V of this rank's KV heads (tensor
+        parallel: its share, or one replicated head); nothing for a layer of linear attention
+        (its state is kept per request: model/layers/gated_delta_net.py)."""
+        if layer in cfg.linear_layers:
+            return NO_KV
         return KVCacheSpec(2, local_heads(cfg.num_heads, cfg.num_kv_heads)[1], cfg.head_dim)
 
     def linear_name(self, ckpt_name: str) -> str | None:

@@ -118,7 +118,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     pairwise_rope = True
 
     @classmethod
-    def kv_cache_spec(cls, cfg: ArchConfig) -> KVCacheSpec:
+    def kv_cache_spec(cls, cfg: ArchConfig, layer: int) -> KVCacheSpec:
         return KVCacheSpec(1, 1, cfg.required("kv_lora_rank") + cfg.required("qk_rope_head_dim"))
 
     def make_rotary(self, cfg: ArchConfig, max_positions: int) -> RotaryEmbedding:

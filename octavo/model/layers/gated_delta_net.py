@@ -1,0 +1,190 @@
+"""Gated DeltaNet: linear attention over a recurrent state per request (Qwen3-Next's linear
+layers), computed whole as a layer's mixer.
+
+Each token's q, k, v come from one projection (grouped per key head: q, k, then its value heads'
+v and output gates z) through a causal depthwise convolution (kernel K, silu); with q and k
+L2-normalized and q scaled by 1/sqrt(d_k), each value head h keeps a state S [d_k, d_v]:
+
+    S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q
+
+where beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias) come from a second projection.
+The output is RMS-normalized per head, times silu(z), and projected back.
+
+The state of a request is its conv window (the last K - 1 inputs) and S per value head, kept in
+the layer's state buffers at the request's batch row (InputBatch), for as long as the request
+is in the batch: it starts empty at the request's first token (its row reused by a new request or
+by a preempted one started over), and is carried from one prompt chunk to the next. Prompt
+chunks run the chunked form of the recurrence (a triangular solve per chunk of 64 tokens: the
+same S and outputs as token by token); single-token steps are one batched update."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from octavo.arch_config import ArchConfig
+from octavo.model.context import get_forward_context
+from octavo.model.layers.linear import Linear
+
+CHUNK = 64  # tokens a triangular solve takes at once in a prompt chunk
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output (weight over d_v), times silu(z) in float32."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(x.dtype)
+        return (h * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.k_heads = cfg.required("linear_num_key_heads")
+        self.v_heads = cfg.required("linear_num_value_heads")
+        self.dk = cfg.required("linear_key_head_dim")
+        self.dv = cfg.required("linear_value_head_dim")
+        if self.v_heads % self.k_heads:
+            raise ValueError(f"linear_num_value_heads ({self.v_heads}) is not a multiple of "
+                             f"linear_num_key_heads ({self.k_heads})")
+        self.kernel = cfg.extra.get("linear_conv_kernel_dim") or 4
+        key, value = self.k_heads * self.dk, self.v_heads * self.dv
+        self.conv_dim = 2 * key + value
+        self.in_proj_qkvz = Linear(cfg.hidden_size, [2 * key + 2 * value])
+        self.in_proj_ba = Linear(cfg.hidden_size, [2 * self.v_heads])
+        self.conv1d = nn.Module()  # the checkpoint's conv1d.weight [conv_dim, 1, K]
+        self.conv1d.weight = nn.Parameter(torch.zeros(self.conv_dim, 1, self.kernel),
+                                          requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = Linear(value, [cfg.hidden_size])
+        # per batch row: the conv window [conv_dim, K - 1] (activation dtype) and the state
+        # [v_heads, d_k, d_v] (float32); set by allocate_state
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one request's state in this layer."""
+        return (self.conv_dim * (self.kernel - 1) * torch.empty((), dtype=dtype).element_size()
+                + self.v_heads * self.dk * self.dv * 4)
+
+    def allocate_state(self, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.conv_state = torch.zeros(rows, self.conv_dim, self.kernel - 1, dtype=dtype,
+                                      device=device)
+        self.ssm_state = torch.zeros(rows, self.v_heads, self.dk, self.dv, dtype=torch.float32,
+                                     device=device)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        layout, rows = ctx.layout, ctx.batch_rows
+        if self.ssm_state is None or rows is None:
+            raise RuntimeError("linear attention ran without its state (allocate_state, and the "
+                               "step's batch rows)")
+        fresh = rows[ctx.num_computed == 0]
+        if len(fresh):
+            self.conv_state[fresh] = 0
+            self.ssm_state[fresh] = 0
+        t = x.shape[0]
+        qkv, z, beta, g = self._project(x)
+        out = torch.empty(t, self.v_heads, self.dv, dtype=torch.float32, device=x.device)
+        single = np.flatnonzero(layout.query_lens == 1)
+        if len(single):  # decodes: one batched step of every such request's state
+            tokens = torch.from_numpy(layout.starts[single]).to(x.device)
+            state_rows = torch.from_numpy(rows[single]).to(x.device)
+            conv = self._conv_step(qkv.index_select(0, tokens), state_rows)
+            out[tokens] = self._recurrent_step(conv, beta[tokens], g[tokens], state_rows)
+        for r in np.flatnonzero(layout.query_lens > 1):  # prompt chunks, one request at a time
+            span = slice(int(layout.starts[r]), int(layout.ends[r]))
+            row = int(rows[r])
+            conv = self._conv_chunk(qkv[span], row)
+            out[span] = self._chunked(conv, beta[span], g[span], row)
+        h = self.norm(out.to(x.dtype).reshape(-1, self.dv), z.reshape(-1, self.dv))
+        return self.out_proj(h.reshape(t, -1))
+
+    def _project(self, x: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> the convolution's input [T, conv_dim] (all q, then k, then v), z
+        [T, v_heads, d_v], beta and g [T, v_heads] in float32."""
+        t, per = x.shape[0], self.v_heads // self.k_heads
+        mixed = self.in_proj_qkvz(x).view(t, self.k_heads, -1)  # grouped per key head
+        q, k, v, z = mixed.split([self.dk, self.dk, per * self.dv, per * self.dv], dim=-1)
+        qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, self.k_heads, 2 * per).split([per, per], dim=-1)
+        beta = b.reshape(t, self.v_heads).float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(t, self.v_heads).float()
+                                                   + self.dt_bias)
+        return qkv, z.reshape(t, self.v_heads, self.dv), beta, g
+
+    def _conv_step(self, x: torch.Tensor, state_rows: torch.Tensor) -> torch.Tensor:
+        """One token per request: x [R, conv_dim] -> the convolution's output, the windows
+        moved on by one."""
+        window = torch.cat([self.conv_state[state_rows], x.unsqueeze(-1)], dim=-1)  # [R, C, K]
+        self.conv_state[state_rows] = window[..., 1:]
+        return F.silu((window * self.conv1d.weight.squeeze(1)).sum(-1))
+
+    def _conv_chunk(self, x: torch.Tensor, row: int) -> torch.Tensor:
+        """A request's tokens x [L, conv_dim] after its window -> the output [L, conv_dim]."""
+        seq = torch.cat([self.conv_state[row], x.t()], dim=-1)  # [C, K - 1 + L]
+        self.conv_state[row] = seq[:, -(self.kernel - 1):]
+        out = F.conv1d(seq.unsqueeze(0), self.conv1d.weight, groups=self.conv_dim)[0]
+        return F.silu(out).t()
+
+    def _heads(self, conv: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's output [T, conv_dim] -> q, k [T, v_heads, d_k] (L2-normalized, q
+        scaled by 1/sqrt(d_k); key heads repeated over their value heads) and v [T, v_heads,
+        d_v], all float32."""
+        t, key = conv.shape[0], self.k_heads * self.dk
+        q, k, v = conv.float().split([key, key, self.v_heads * self.dv], dim=-1)
+        per = self.v_heads // self.k_heads
+        q, k = (F.normalize(y.view(t, self.k_heads, self.dk), dim=-1, eps=1e-6)
+                .repeat_interleave(per, dim=1) for y in (q, k))
+        return q * self.dk ** -0.5, k, v.view(t, self.v_heads, self.dv)
+
+    def _recurrent_step(self, conv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+                        state_rows: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._heads(conv)  # [R, H, d]
+        s = self.ssm_state[state_rows] * g.exp()[..., None, None]  # [R, H, dk, dv]
+        delta = (v - torch.einsum("rhkv,rhk->rhv", s, k)) * beta.unsqueeze(-1)
+        s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+        self.ssm_state[state_rows] = s
+        return torch.einsum("rhkv,rhk->rhv", s, q)
+
+    def _chunked(self, conv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+                 row: int) -> torch.Tensor:
+        """A request's prompt tokens from its state, CHUNK at a time: within a chunk, with
+        gamma_t = exp(cumulative g), the updates D solve (I + M) D = beta V - (beta gamma K) S0
+        with M[t, j] = beta_t (k_t . k_j) gamma_t / gamma_j below the diagonal; then
+        O = gamma Q S0 + (Q K^T * gamma_t / gamma_j, j <= t) D and
+        S = gamma_L S0 + (K gamma_L / gamma)^T D."""
+        q, k, v = (y.transpose(0, 1) for y in self._heads(conv))  # [H, L, d]
+        beta, g = beta.t(), g.t()  # [H, L]
+        s = self.ssm_state[row]
+        out = torch.empty_like(v)
+        for c in range(0, q.shape[1], CHUNK):
+            qc, kc, vc = q[:, c:c + CHUNK], k[:, c:c + CHUNK], v[:, c:c + CHUNK]
+            bc, cum = beta[:, c:c + CHUNK], g[:, c:c + CHUNK].cumsum(-1)
+            n = qc.shape[1]
+            ratio = (cum.unsqueeze(-1) - cum.unsqueeze(-2))  # log gamma_t / gamma_j
+            below = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            decay = torch.where(below, ratio, float("-inf")).exp()  # 0 above the diagonal
+            m = (kc @ kc.transpose(-1, -2)) * decay * bc.unsqueeze(-1)
+            m = m.tril(-1) + torch.eye(n, device=q.device)
+            rhs = bc.unsqueeze(-1) * (vc - cum.exp().unsqueeze(-1) * (kc @ s))
+            d = torch.linalg.solve_triangular(m, rhs, upper=False, unitriangular=True)
+            out[:, c:c + n] = (cum.exp().unsqueeze(-1) * (qc @ s)
+                               + ((qc @ kc.transpose(-1, -2)) * decay) @ d)
+            last = cum[:, -1:]
+            s = (last.exp().unsqueeze(-1) * s
+                 + (kc * (last - cum).exp().unsqueeze(-1)).transpose(-1, -2) @ d)
+        self.ssm_state[row] = s
+        return out.transpose(0, 1)

@@ -1,0 +1,78 @@
+"""Qwen3-Next: a hybrid of linear and full attention layers (three Gated DeltaNet layers to one
+attention layer by default, `layer_types`), each followed by a mixture of experts with a
+sigmoid-gated shared expert (Qwen2-MoE's block).
+
+- Linear layers: `GatedDeltaNet` (model/layers/gated_delta_net.py) as the layer's mixer, with a
+  recurrent state per request instead of KV-cache blocks (`kv_cache_spec`: nothing).
+- Attention layers: the q projection holds each head's query and an output gate
+  (`LayerSpec.output_gate`), q/k norms per head, partial RoPE.
+- Every RMSNorm scales by (1 + w) in float32 (Gemma's).
+
+Because a state is a running summary of every token before it, a request's state cannot be
+taken from the prefix cache, nor rolled back over rejected draft tokens: the engine turns
+prefix caching off for these models (and says so) and refuses speculative decoding. Tensor,
+pipeline and context parallelism are refused too. These layers run layer by layer."""
+from __future__ import annotations
+
+from torch import nn
+
+from octavo.arch_config import LINEAR, ArchConfig
+from octavo.distributed import parallel_state
+from octavo.model.decoder_layer import DecoderLayer
+from octavo.model.layer_spec import LayerSpec, NormKind, decoder_spec
+from octavo.model.layers.gated_delta_net import GatedDeltaNet
+from octavo.model.layers.linear import Linear
+from octavo.model.layers.norm import GemmaRMSNorm
+from octavo.model.layers.rotary import RotaryEmbedding
+from octavo.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from octavo.model.models.moe import SparseMoeBlock
+
+
+class GatedAttention(LlamaAttention):
+    """Attention whose q projection gives each head's query and its output gate."""
+
+    output_gate = True
+
+    def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__(cfg, layer_index, rotary)
+        hd = cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [2 * cfg.num_heads * hd, cfg.num_kv_heads * hd,
+                                                 cfg.num_kv_heads * hd],
+                               bias=cfg.attention_bias)
+        self.q_norm = GemmaRMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(hd, cfg.rms_norm_eps)
+
+
+class Qwen3NextDecoderLayer(DecoderLayer):
+    def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        if cfg.layer_types[layer_index] == LINEAR:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg, layer_index, rotary)
+        self.mlp = (SparseMoeBlock(cfg, bool(cfg.extra.get("norm_topk_prob", True)), True)
+                    if cfg.moe_layer(layer_index) else LlamaMLP(cfg))
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def spec(self) -> LayerSpec:
+        mixer = getattr(self, "linear_attn", None) or self.self_attn
+        return decoder_spec(mixer, self.mlp, NormKind.ONE_PLUS, self.input_layernorm,
+                            self.post_attention_layernorm)
+
+
+class Qwen3NextForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        where = parallel_state.placement()
+        if max(where.tp_size, where.pp_size, where.cp_size) > 1:
+            raise NotImplementedError(f"{cfg.architecture} over tensor, pipeline or context "
+                                      f"parallel ranks: its linear-attention states are not "
+                                      f"split yet")
+        super().__init__(cfg, max_positions)
+
+    def decoder_layer(self, cfg: ArchConfig, layer_index: int,
+                      rotary: RotaryEmbedding) -> nn.Module:
+        return Qwen3NextDecoderLayer(cfg, layer_index, rotary)
+
+    def final_norm(self, cfg: ArchConfig) -> nn.Module | None:
+        return GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
