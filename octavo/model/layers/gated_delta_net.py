@@ -119,7 +119,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z = mixed.split([self.dk, self.dk, per * self.dv, per * self.dv], dim=-1)
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         b, a = self.in_proj_ba(x).view(t, self.k_heads, 2 * per).split([per, per], dim=-1)
-        beta = b.reshape(t, self.v_heads).float().sigmoid()
+        beta = b.reshape(t, self.v_heads).sigmoid().float()  # in the model dtype, as trained
         g = -self.A_log.float().exp() * F.softplus(a.reshape(t, self.v_heads).float()
                                                    + self.dt_bias)
         return qkv, z.reshape(t, self.v_heads, self.dv), beta, g
