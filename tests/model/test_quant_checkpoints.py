@@ -23,9 +23,15 @@ _ARCHS = {  # MoE: every expert's projections quantized, routers dense
     "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
         "shared_expert_intermediate_size": 128}),
+    # latent attention (kv_b_proj read whole), RoPE rows reordered, experts and a shared one
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "n_group": 1, "topk_group": 1, "pad_token_id": 0}),
 }
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-         "w1", "w2", "w3")
+         "w1", "w2", "w3", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 _SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj", "w3": "w1"}
 _AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
@@ -124,7 +130,7 @@ def _random_model(arch):
 
     config_cls, model_cls, extra = _ARCHS[arch]
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**_CONFIG, **extra)
+    config = getattr(transformers, config_cls)(**{**_CONFIG, **extra})
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -255,6 +261,21 @@ def test_fp8_checkpoint_matches_dequantized_model(tmp_path, smollm_oracle_folder
         .gate_up_proj.weights.packed
     assert packed.codes.dtype == torch.uint8 and packed.codes.numel() == packed.out_features \
         * packed.in_features  # a byte a weight
+
+
+def test_deepseek_fp8_block_checkpoint_matches_dequantized_model(tmp_path,
+                                                                 smollm_oracle_folder):
+    """DeepSeek V3's own format: every projection FP8 with a scale per [16, 16] block (the
+    release's 128). kv_b_proj, which the latent attention reads whole, is decoded as it is
+    read; the rest stays FP8, the q and kv_a rows reordered for RoPE within their scale
+    blocks. Equal to transformers on the dequantized weights."""
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "fp8", qc, "deepseek-v3",
+                         per_channel=False, block=16)
+    llm = _compare(folder, ref)
+    attn = llm.engine.client.core.executor.worker.runner.model.model.layers[1].self_attn
+    assert isinstance(attn.q_b_proj.weights, PackedWeights)
+    assert attn.kv_b_proj.weight.dtype == torch.float32
 
 
 def test_nvfp4_checkpoint_keeps_its_codes_and_matches_dequantized_model(tmp_path,

@@ -23,7 +23,10 @@ from octavo.model.layers.rotary import RotaryEmbedding, yarn_mscale
 
 class _HeadRows(nn.Module):
     """A weight read whole by the latent attention (kv_b_proj: each head's W_UK and W_UV): not a
-    Linear, so no quantization takes it; tensor parallelism keeps this rank's heads' rows."""
+    Linear, so no quantization takes it (an FP8 checkpoint's is dequantized as it is read, as
+    the model file's load_weights does); tensor parallelism keeps this rank's heads' rows."""
+
+    reads_dequantized = True  # quantized checkpoint tensors of it are the model file's to decode
 
     def __init__(self, rows: Span, in_features: int) -> None:
         super().__init__()

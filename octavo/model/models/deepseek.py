@@ -17,8 +17,10 @@ learned correction bias, weighs by the plain scores (renormalized where norm_top
 routed_scaling_factor; V2 takes a softmax, greedy or within the best groups by their maximum,
 times the factor. Shared experts are added ungated. The first first_k_dense_replace layers are
 dense. These layers run layer by layer (the fused stack takes neither the latent attention nor
-this routing)."""
+this routing). FP8 checkpoints (V3's own) stay FP8 but for kv_b_proj, decoded as it is read."""
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -32,6 +34,7 @@ from octavo.model.layers.moe import FloatRouter, FusedMoE, Route
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
 from octavo.model.models.llama import LlamaForCausalLM, LlamaMLP
+from octavo.model.quant.fp8 import dequantize_fp8
 
 
 def _grouped(choice: torch.Tensor, groups: int, keep: int, group_score: str,
@@ -128,6 +131,32 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def decoder_layer(self, cfg: ArchConfig, layer_index: int,
                       rotary: RotaryEmbedding) -> nn.Module:
         return DeepseekDecoderLayer(cfg, layer_index, rotary, self.correction)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._dequantized_kv_b(weights))
+
+    def _dequantized_kv_b(self, weights: Iterable[tuple[str, torch.Tensor]]
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+        """An FP8 checkpoint's kv_b_proj weights decoded with their scales as they are read:
+        the latent attention takes each head's projections apart and absorbs them (as vLLM
+        does); every other FP8 layer stays FP8."""
+        block = (self.cfg.extra.get("quantization_config") or {}).get("weight_block_size")
+        held: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            module, _, kind = name.rpartition(".")
+            if not module.endswith(".kv_b_proj") or (
+                    kind == "weight" and tensor.dtype != torch.float8_e4m3fn):
+                yield name, tensor
+                continue
+            if kind == "input_scale":  # the activations stay in bf16/float32
+                continue
+            part = held.setdefault(module, {})
+            part[kind] = tensor
+            if "weight" in part and ("weight_scale_inv" if block else "weight_scale") in part:
+                yield f"{module}.weight", dequantize_fp8(held.pop(module), block)
+        if held:
+            raise ValueError(f"{sorted(held)[0]}: an FP8 weight without its scales, or scales "
+                             f"without their weight")
 
     def pairwise_rows(self, module: str) -> tuple[int, int, int] | None:
         cfg = self.cfg

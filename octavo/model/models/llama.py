@@ -171,15 +171,31 @@ class LlamaForCausalLM(CausalLM):
         rows = self.pairwise_rows(module)
         if rows is None:
             return tensor
-        if kind not in _OUTPUT_ROW_KINDS:
+        if kind == "weight_scale" and tensor.numel() == 1:  # FP8, one scale per tensor
+            return tensor
+        if kind == "weight_scale_inv" and self._reorder_within_blocks(tensor, rows):
+            return tensor  # FP8 block scales: each reordered row stays in its block of rows
+        if kind not in _OUTPUT_ROW_KINDS and kind != "weight_scale":
             raise NotImplementedError(
                 f"{name}: {self.cfg.architecture} rotates adjacent feature pairs, for which "
                 f"octavo reorders q/k rows at load; it does that for tensors with a row per "
                 f"output feature (dense weights, biases, a GGUF's codes), not packed {kind!r} "
                 f"tensors (load the unquantized checkpoint, or --quantization)")
-        # rows of heads along dim 0 (a per-head norm's weight [heads, head_dim]: flattened)
-        flat = tensor.reshape(-1) if module.endswith("norm") else tensor
+        # rows of heads along dim 0 (a per-head norm's weight [heads, head_dim], a per-channel
+        # scale [rows, 1]: flattened)
+        flat = tensor.reshape(-1) if module.endswith("norm") or kind == "weight_scale" \
+            else tensor
         return pairs_to_halves(flat, *rows).reshape(tensor.shape)
+
+    def _reorder_within_blocks(self, scales: torch.Tensor, rows: tuple[int, int, int]) -> bool:
+        """Whether the rows reordered (each head's rotary features) lie inside one block of an
+        FP8 checkpoint's block scales [N / b0, K / b1] in every head."""
+        block = (self.cfg.extra.get("quantization_config") or {}).get("weight_block_size")
+        if not block:
+            return False
+        head, rotary, offset = rows
+        first = torch.arange(scales.shape[0] * block[0] // head) * head + offset
+        return bool(torch.equal(first // block[0], (first + rotary - 1) // block[0]))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

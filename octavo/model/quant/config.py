@@ -97,7 +97,7 @@ class QuantPlan:
                 name = f"{expert[1]}.experts"
             if name in linears:
                 chosen[name] = linears[name]
-            elif name is not None:
+            elif name is not None and not getattr(modules.get(name), "reads_dequantized", False):
                 raise NotImplementedError(
                     f"{self.fmt} tensor {ckpt}: quantized weights are supported on linear layers "
                     f"only, not on {name}")

@@ -86,6 +86,15 @@ class FP8Spec:
         return fp8_packed(torch.cat([w for w, _, _ in slots]), scales, block, dtype)
 
 
+def dequantize_fp8(part: dict[str, torch.Tensor], block: list[int] | None) -> torch.Tensor:
+    """An FP8 weight [N, K] with its scales (any of the forms above) as float32: for a weight an
+    algorithm reads whole rather than multiplies (DeepSeek's kv_b_proj, whose heads'
+    projections are absorbed into the queries)."""
+    n, k = part["weight"].shape
+    w8, scales, b = _row_scales(part, n, k, block)
+    return w8.float() * scales.repeat_interleave(b, 1)[:, :k]
+
+
 def quantize_fp8(w: torch.Tensor, dtype: torch.dtype) -> MicroscaledPacked | torch.Tensor:
     """--quantization fp8: e4m3 per output channel, kept as FP8 (a layer whose inputs do not
     come in 16s stays in `dtype`, rounded as FP8 would)."""
