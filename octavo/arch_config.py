@@ -34,6 +34,7 @@ GGUF_ARCHITECTURES = {
     "starcoder2": "Starcoder2ForCausalLM",
     "command-r": "CohereForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # ... and the one it registers under when the file holds stacked expert tensors.
 GGUF_EXPERT_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
@@ -459,6 +460,15 @@ def _from_gguf(source: ModelSource) -> ArchConfig:
                         "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
     elif arch == "glm4":  # RoPE on rope.dimension_count features (half of a head by default)
         cfg["extra"] = {"partial_rotary_factor": (rope_dims or head_dim // 2) / head_dim}
+    elif arch == "gpt-oss":  # sliding and full layers alternate, as llama.cpp hard-codes
+        cfg.update(
+            intermediate_size=need("expert_feed_forward_length"),
+            sliding_window=need("attention.sliding_window"),
+            layer_types=tuple(SLIDING if i % 2 == 0 else FULL for i in range(num_layers)),
+            extra={"num_local_experts": need("expert_count"),
+                   "num_experts_per_tok": need("expert_used_count")})
+        if cfg["rope_scaling"] is not None:  # gpt-oss's YaRN keeps its correction range whole
+            cfg["rope_scaling"] = {**cfg["rope_scaling"], "truncate": False}
     elif arch == "gpt2":
         pos = tensors.get("position_embd.weight")
         if pos is None:
@@ -525,5 +535,9 @@ def _gguf_rope_scaling(source: ModelSource, arch: str, meta: dict[str, Any],
                 "attention_factor": meta.get(f"{arch}.rope.scaling.attn_factor")}
     if kind == "none":
         return None
-    return {"rope_type": kind, "factor": meta.get(f"{arch}.rope.scaling.factor", 1.0),
-            "original_max_position_embeddings": original}
+    scaling = {"rope_type": kind, "factor": meta.get(f"{arch}.rope.scaling.factor", 1.0),
+               "original_max_position_embeddings": original}
+    for hf, key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+        if meta.get(f"{arch}.rope.scaling.{key}") is not None:
+            scaling[hf] = meta[f"{arch}.rope.scaling.{key}"]
+    return scaling

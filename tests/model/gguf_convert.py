@@ -6,8 +6,9 @@ use, not against its own table): q/k rows permuted for the llama and granite arc
 their scales as Granite's and Cohere's keys, Gemma norms stored
 as 1 + w, GPT-2's Conv1D weights transposed to [out, in] and its head written as a copy of the
 embedding, GPT-NeoX's per-head q/k/v regrouped into q | k | v, MoE experts stacked per
-projection, the shared-expert gate as a vector, and RoPE factors as tensors (rope_freqs for
-Llama 3 scaling, rope_factors_long/short for Phi-3's longrope).
+projection (gpt-oss's gate and up columns split), the shared-expert gate as a vector, and RoPE
+factors as tensors (rope_freqs for Llama 3 scaling, rope_factors_long/short for Phi-3's
+longrope) or keys (YaRN).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ _ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen3": gguf.MODEL_ARCH.QWEN3,
           "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
           "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2,
           "starcoder2": gguf.MODEL_ARCH.STARCODER2, "command-r": gguf.MODEL_ARCH.COMMAND_R,
-          "glm4": gguf.MODEL_ARCH.GLM4}
+          "glm4": gguf.MODEL_ARCH.GLM4, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS}
 # llama.cpp's converter permutes q/k rows for these (its LlamaModel and subclasses); Cohere and
 # GLM-4 rotate adjacent pairs in Hugging Face's layout already, which llama.cpp reads as it is.
 _INTERLEAVED = ("llama", "granite")
@@ -86,8 +87,16 @@ def _metadata(w: gguf.GGUFWriter, arch: str, c, head_dim: int) -> None:
         w.add_rope_freq_base(rope["rope_theta"])
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * head_dim))
-    if arch in ("gemma3", "phi3") and c.sliding_window:
+    if arch in ("gemma3", "phi3", "gpt-oss") and c.sliding_window:
         w.add_sliding_window(c.sliding_window)
+    if arch == "gpt-oss":  # its experts' width; YaRN as llama.cpp's converter writes it
+        w.add_expert_feed_forward_length(c.intermediate_size)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope.get("beta_fast", 32.0))
+        w.add_rope_scaling_yarn_beta_slow(rope.get("beta_slow", 1.0))
     if arch == "gptneox":
         w.add_parallel_residual(c.use_parallel_residual)
     experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
@@ -116,7 +125,11 @@ def _tensors(arch: str, model) -> dict[str, np.ndarray]:
         t = t.float().numpy()
         if name.endswith(_SKIP) or (name == "lm_head.weight" and c.tie_word_embeddings):
             continue
-        if name.endswith("experts.down_proj"):  # [E, H, I], stacked as in the GGUF
+        if arch == "gpt-oss" and "mlp.experts." in name:  # [E, in, out]; gate, up interleaved
+            parts = _gpt_oss_experts(name, t)
+        elif name.endswith("self_attn.sinks"):
+            parts = {name + ".weight": t}
+        elif name.endswith("experts.down_proj"):  # [E, H, I], stacked as in the GGUF
             parts = {name + ".weight": t}
         elif name.endswith("experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
             half = t.shape[1] // 2
@@ -149,6 +162,21 @@ def _tensors(arch: str, model) -> dict[str, np.ndarray]:
         out["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
         out["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
     return out
+
+
+def _gpt_oss_experts(name: str, t: np.ndarray) -> dict[str, np.ndarray]:
+    """gpt-oss's stacked experts as llama.cpp's converter splits them: gate and up apart (the
+    even and odd columns), weights as [E, out, in]."""
+    stem, _, kind = name.rpartition(".experts.")
+    base = f"{stem}.experts."
+    if kind == "gate_up_proj":
+        t = t.transpose(0, 2, 1)
+        return {base + "gate_proj.weight": t[:, 0::2], base + "up_proj.weight": t[:, 1::2]}
+    if kind == "gate_up_proj_bias":
+        return {base + "gate_proj.bias": t[:, 0::2], base + "up_proj.bias": t[:, 1::2]}
+    if kind == "down_proj":
+        return {base + "down_proj.weight": t.transpose(0, 2, 1)}
+    return {base + "down_proj.bias": t}
 
 
 def write_gguf(path, arch: str, model, qtypes=None) -> None:

@@ -130,3 +130,50 @@ def test_missing_gguf_field_is_named(tmp_path, monkeypatch, arch, missing):
     w.close()
     with pytest.raises(ValueError, match=missing):
         read_arch_config(ModelSource(str(path), path))
+
+
+def test_gpt_oss_gguf_keeps_its_mxfp4_experts(tmp_path, smollm_oracle_folder):
+    """gpt-oss as llama.cpp writes it: experts in MXFP4 (gate and up apart, with biases), sinks
+    as attn_sinks, YaRN and the window as keys. The experts keep their codes and scales (a
+    microscaled weight, half a byte a weight), and the model equals transformers on the
+    MXFP4-rounded weights."""
+    import gguf
+    import gguf.quants
+    import transformers
+
+    from octavo import LLM, SamplingParams
+    from octavo.model.quant.microscaled import MicroscaledPacked
+
+    config = transformers.GptOssConfig(
+        vocab_size=49152, **_COMMON, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+        sliding_window=32, layer_types=["sliding_attention", "full_attention"], pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).eval()
+    mx = gguf.GGMLQuantizationType.MXFP4
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+        for layer in model.model.layers:  # the experts as MXFP4 rounds them, along their inputs
+            for w in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                t = w.transpose(1, 2).contiguous().numpy()  # [E, out, in]
+                back = gguf.quants.dequantize(gguf.quants.quantize(t, mx), mx)
+                w.copy_(torch.from_numpy(back.reshape(t.shape)).transpose(1, 2))
+    path = tmp_path / "gpt-oss.gguf"
+    write_gguf(path, "gpt-oss", model, lambda name: mx if "_exps.weight" in name else None)
+    prompt = torch.randint(100, 49000, (100,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+        ref_tokens = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6,
+                                    pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(str(path), tokenizer=str(smollm_oracle_folder), dtype="float32", max_model_len=256,
+              kv_cache_memory=16 << 20, max_num_batched_tokens=48)
+    experts = llm.engine.client.core.executor.worker.runner.model.model.layers[0].mlp.experts
+    packed = experts.quantized[0][0].weights.packed
+    assert isinstance(packed, MicroscaledPacked) and packed.codes.numel() * 2 == \
+        packed.out_features * packed.in_features
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                prompt_logprobs=0), use_tqdm=False)[0]
+    ours = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
+    expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(ours, expected, atol=1e-4), (ours - expected).abs().max()
+    assert out.outputs[0].token_ids == ref_tokens

@@ -86,6 +86,10 @@ _LAYOUTS: dict[str, tuple[str, dict[str, str], dict[str, str]]] = {
          "output_norm": "transformer.ln_f", "output": "lm_head"}),
 }
 _LAYOUTS["Gemma3ForCausalLM"] = _LAYOUTS["Gemma2ForCausalLM"]
+# gpt-oss: the router and experts with biases, a sink logit per head
+_LAYOUTS["GptOssForCausalLM"] = ("model.layers", {
+    **_experts("mlp", "gate_proj", "up_proj", "down_proj"), "ffn_gate_inp": "mlp.router",
+    "attn_sinks": "self_attn.sinks"}, _LLAMA_GLOBAL)
 # Llama, Mistral, Qwen2, Qwen3, Granite, OLMo 2 (post-norms only), Cohere
 _DEFAULT_LAYOUT = ("model.layers", _LLAMA, _LLAMA_GLOBAL)
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -140,7 +144,7 @@ def _to_hf_layout(name: str, w: torch.Tensor, cfg: ArchConfig) -> torch.Tensor:
 
 def source_bits(tensor_type: GGMLType) -> int:
     """Bits per weight of a GGML type, before its block scales (Q4_1 -> 4, Q8_0 -> 8, F16 -> 16)."""
-    m = re.search(r"Q(\d)", tensor_type.name)
+    m = re.search(r"(?:Q|FP)(\d)", tensor_type.name)  # MXFP4: 4
     if m:
         return int(m.group(1))
     return 32 if tensor_type.name == "F32" else 16
@@ -216,11 +220,11 @@ class _CodeBlocks:
     def __init__(self, t: GGUFTensor, rows: int, form: str) -> None:
         from gguf.constants import GGML_QUANT_SIZES
 
-        from octavo.model.quant.ggml_codes import affine_codes, int8_codes
+        from octavo.model.quant.ggml_codes import affine_codes, int8_codes, mx_codes
         from octavo.model.quant.gguf import CODE_FORMS
 
         self.kinds = CODE_FORMS[form]
-        self._convert = int8_codes if form == "int8" else affine_codes
+        self._convert = {"int8": int8_codes, "mx": mx_codes}.get(form, affine_codes)
         self._raw, self._type = t.data.reshape(rows, -1), t.tensor_type
         self._block_bytes = GGML_QUANT_SIZES[t.tensor_type][1]
         self.blocks = self._raw.shape[1] // self._block_bytes
@@ -250,7 +254,8 @@ class _CodesReader:
         self.name, self._blocks, self._kind, self.rows = name, blocks, kind, rows
         self._per_block = blocks.columns_per_block[kind]
         self.cols = blocks.blocks * self._per_block
-        self.dtype = {"gguf_q4": torch.uint8, "gguf_q8": torch.int8}.get(kind, torch.float32)
+        self.dtype = {"gguf_q4": torch.uint8, "gguf_q8": torch.int8, "gguf_mx": torch.uint8,
+                      "gguf_mx_scale": torch.uint8}.get(kind, torch.float32)
 
     def read(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
         b0, b1 = c0 // self._per_block, -(-c1 // self._per_block)

@@ -68,4 +68,6 @@ class GptOssForCausalLM(StackedExperts, LlamaForCausalLM):
         return GptOssDecoderLayer(cfg, layer_index, rotary)
 
     def checkpoint_name(self, name: str) -> str | None:
+        if name.endswith(".sinks.weight"):  # a GGUF's attn_sinks
+            name = name.removesuffix(".weight")
         return super().checkpoint_name(name.replace(".self_attn.sinks", ".self_attn.attn.sinks"))

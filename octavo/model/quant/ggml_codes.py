@@ -2,7 +2,7 @@
 integer codes and scales, the forms octavo's packed weights keep (quant/gguf.py): unsigned affine
 codes (Q4_0, Q4_1, Q4_K, and 5- and 8-bit Q5_0 and Q8_0: w = scale * q + offset per 32 inputs)
 for octavo's int4 layout, signed int8 codes (Q8_0, Q5_0, Q6_K: w = scale * q per 32 or 16) for
-its grouped int8 kernel."""
+its grouped int8 kernel, and MXFP4's e2m1 codes and e8m0 scales for its microscaled weight."""
 from __future__ import annotations
 
 import numpy as np
@@ -71,3 +71,18 @@ def int8_codes(qtype: Q, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     hi = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3
     q = (nib | (hi << 4)).astype(np.int8) - 32
     return q.reshape(rows, -1), (d * sc).reshape(rows, -1)
+
+
+def mx_codes(qtype: Q, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Raw blocks [rows, row bytes] of an MXFP4 tensor (per 32 weights: an e8m0 scale byte, then
+    16 bytes whose byte j holds weight j in its low nibble and j + 16 in its high one) -> e2m1
+    codes packed two a byte in the OCP order (the even weight in the low nibble) [rows, K / 2]
+    and the scale bytes [rows, K / 32], as quant/microscaled.py keeps them."""
+    if qtype != Q.MXFP4:
+        raise ValueError(f"mx_codes takes MXFP4 blocks, got {qtype.name}")
+    rows = data.shape[0]
+    b = data.reshape(rows, -1, 17)
+    qs = b[..., 1:]
+    q = np.concatenate([qs & 15, qs >> 4], -1)  # [rows, nb, 32]: weights in order
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)
+    return packed.reshape(rows, -1), np.ascontiguousarray(b[..., 0])

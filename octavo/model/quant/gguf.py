@@ -13,7 +13,8 @@ kernels have: Q6_K (w = d * sc * (q - 32) per 16), and Q8_0 / Q5_0 beside it or 
 (the C++ kernels off), to int8 codes with a scale per 32 (16 for a layer with a Q6_K slot)
 inputs (`Int8Grouped`), their codes and scales taken from the file (int8_codes: the same weights
 bit for bit); Q5_1/Q5_K to int8 per 32, re-quantized; Q2_K/Q3_K to int4 min/max per
-32. Measured on Qwen2.5-0.5B's Q4_K_M file
+32; MXFP4 (gpt-oss's experts) keeps its codes and scales as a microscaled weight. Measured on
+Qwen2.5-0.5B's Q4_K_M file
 (relative Frobenius error against the GGUF's own weights): int8 per 32 Q8_0 0%, and before it
 existed, int8 per channel Q8_0 1.8%, Q6_K 1.6%, Q5_0 1.1%; int4 min/max Q8_0 10.6%, Q5_0 8.5%,
 Q6_K 8.2% (Q4_K would be 4.3%; it is copied, 0%). Perplexity:
@@ -43,6 +44,7 @@ from octavo.model.quant.base import Loading, QuantMethod, dense_destination, loa
 from octavo.model.quant.decode_weights import make_decode_weight
 from octavo.model.quant.ggml_codes import affine_codes, int8_codes
 from octavo.model.quant.ggml_types import GGMLType as Q
+from octavo.model.quant.microscaled import FP4_VALUES, MicroscaledPacked, e8m0_table
 from octavo.model.quant.packed import (
     Int4Packed,
     Int8Grouped,
@@ -69,8 +71,11 @@ CODE_KINDS = ("gguf_q4", "gguf_q4_scale", "gguf_q4_low")
 # 0.5% (Gemma 3's Q5_0 and Q6_K), enough to move prompt logprobs by 0.13 against transformers.
 INT8_EXACT = (Q.Q8_0, Q.Q5_0, Q.Q6_K)
 CODE8_KINDS = ("gguf_q8", "gguf_q8_scale")
+# MXFP4 (gpt-oss's experts): e2m1 codes [N, K / 2] in the OCP nibble order and e8m0 scale bytes
+# [N, K / 32], kept as they are (quant/microscaled.py)
+MX_KINDS = ("gguf_mx", "gguf_mx_scale")
 # How the loader yields a weight whose codes a layer keeps (the kinds it gives in its place).
-CODE_FORMS = {"int4": CODE_KINDS, "int8": CODE8_KINDS}
+CODE_FORMS = {"int4": CODE_KINDS, "int8": CODE8_KINDS, "mx": MX_KINDS}
 # Wider codes in octavo's int4 layout (Int4Packed with a high plane, bf16): the types each width
 # keeps code for code (a narrower code is a wider one with high bits 0), by target.
 _WIDE_INT4 = {"int4:5bit": (5, (*INT4_EXACT, Q.Q5_0)),
@@ -83,6 +88,8 @@ def _target(mode: str, types: list[Q], in_features: int, dtype: torch.dtype) -> 
         return "int4" if mode == "int4" and in_features % GROUP == 0 else "int8"
     if in_features % GROUP:
         return None
+    if all(t == Q.MXFP4 for t in types):
+        return "mx"
     if all(t in _INT4_NEAREST for t in types):
         return "int4"
     wide = _wide_target(types, dtype)
@@ -103,6 +110,8 @@ def _wide_target(types: list[Q], dtype: torch.dtype) -> str | None:
 
 
 def _how(qtype: Q, target: str, in_features: int, exact_int8: bool) -> str:
+    if target == "mx":
+        return "MXFP4 codes and scales kept (exact)"
     if target in _WIDE_INT4:
         return (f"int4 layout with {_WIDE_INT4[target][0]}-bit codes, its codes, scales and "
                 f"offsets copied (exact)")
@@ -133,6 +142,8 @@ class GGUFMethod(QuantMethod):
         layer.loading = Loading()
 
     def _needs(self, slot: int) -> tuple[str, ...]:
+        if self.target == "mx":
+            return MX_KINDS
         if self.target in _WIDE_INT4 or self.target == "int4" and self.types[slot] in INT4_EXACT:
             return CODE_KINDS
         if self._int8_exact():
@@ -145,7 +156,7 @@ class GGUFMethod(QuantMethod):
 
     def load_shard(self, layer: nn.Module, name: str, index: int | None,
                    tensor: torch.Tensor) -> None:
-        if name not in ("weight", *CODE_KINDS, *CODE8_KINDS):
+        if name not in ("weight", *CODE_KINDS, *CODE8_KINDS, *MX_KINDS):
             raise ValueError(f"checkpoint tensor {name!r} on a GGUF linear layer")
         if name == "weight" and self.keep_dense:
             load_dense(layer, index, tensor)
@@ -160,6 +171,10 @@ class GGUFMethod(QuantMethod):
             loading.parts = {}  # built as soon as its codes are in: the parts go at once
 
     def _build(self, parts: list[dict[str, torch.Tensor]]) -> PackedWeight:
+        if self.target == "mx":
+            return MicroscaledPacked(torch.cat([p["gguf_mx"] for p in parts]),
+                                     torch.cat([p["gguf_mx_scale"] for p in parts]),
+                                     torch.tensor(FP4_VALUES), e8m0_table(), 32, self.dtype)
         if self.target == "int8" and self._int8_exact():
             # One group for the layer: 16 where a slot is Q6_K, the others' scales repeated.
             group = 16 if Q.Q6_K in self.types else 32
@@ -243,7 +258,9 @@ class GGUFPlan:
                     logged.add((t, target, exact_int8))
                     logger.info("GGUF %s weights -> %s", t.name, _how(
                         t, target, layer.in_features, exact_int8))
-                if target in _WIDE_INT4 or target == "int4" and t in INT4_EXACT:
+                if target == "mx":
+                    wants[ckpt] = "mx"
+                elif target in _WIDE_INT4 or target == "int4" and t in INT4_EXACT:
                     wants[ckpt] = "int4"  # affine codes
                 elif exact_int8:
                     wants[ckpt] = "int8"
