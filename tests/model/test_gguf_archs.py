@@ -85,26 +85,33 @@ def _build(name: str):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_gguf_architecture_matches_transformers(tmp_path, smollm_oracle_folder, name):
-    from octavo import LLM, SamplingParams
-
     arch, *_, architecture = CASES[name]
     model = _build(name)
     path = tmp_path / f"{name}.gguf"
     write_gguf(path, arch, model)
+    llm = _compare(path, model, smollm_oracle_folder)
+    assert llm.engine.arch.architecture == architecture
+
+
+def _compare(path, model, tokenizer_folder):
+    """Load the GGUF at `path` and check its prompt logprobs and greedy tokens against
+    `model`'s; returns the LLM."""
+    from octavo import LLM, SamplingParams
+
     prompt = torch.randint(100, 49000, (100,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.inference_mode():
         ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
         ref_tokens = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6,
                                     pad_token_id=0)[0, len(prompt):].tolist()
-    llm = LLM(str(path), tokenizer=str(smollm_oracle_folder), dtype="float32", max_model_len=256,
+    llm = LLM(str(path), tokenizer=str(tokenizer_folder), dtype="float32", max_model_len=256,
               kv_cache_memory=16 << 20, max_num_batched_tokens=48)
-    assert llm.engine.arch.architecture == architecture
     out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
                                                 prompt_logprobs=0), use_tqdm=False)[0]
     ours = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
     expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert torch.allclose(ours, expected, atol=1e-4), (ours - expected).abs().max()
     assert out.outputs[0].token_ids == ref_tokens
+    return llm
 
 
 @pytest.mark.parametrize("arch, missing", [("qwen2moe", "qwen2moe.expert_count"),
@@ -141,7 +148,6 @@ def test_gpt_oss_gguf_keeps_its_mxfp4_experts(tmp_path, smollm_oracle_folder):
     import gguf.quants
     import transformers
 
-    from octavo import LLM, SamplingParams
     from octavo.model.quant.microscaled import MicroscaledPacked
 
     config = transformers.GptOssConfig(
@@ -160,20 +166,8 @@ def test_gpt_oss_gguf_keeps_its_mxfp4_experts(tmp_path, smollm_oracle_folder):
                 w.copy_(torch.from_numpy(back.reshape(t.shape)).transpose(1, 2))
     path = tmp_path / "gpt-oss.gguf"
     write_gguf(path, "gpt-oss", model, lambda name: mx if "_exps.weight" in name else None)
-    prompt = torch.randint(100, 49000, (100,), generator=torch.Generator().manual_seed(3)).tolist()
-    with torch.inference_mode():
-        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
-        ref_tokens = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6,
-                                    pad_token_id=0)[0, len(prompt):].tolist()
-    llm = LLM(str(path), tokenizer=str(smollm_oracle_folder), dtype="float32", max_model_len=256,
-              kv_cache_memory=16 << 20, max_num_batched_tokens=48)
+    llm = _compare(path, model, smollm_oracle_folder)
     experts = llm.engine.client.core.executor.worker.runner.model.model.layers[0].mlp.experts
     packed = experts.quantized[0][0].weights.packed
     assert isinstance(packed, MicroscaledPacked) and packed.codes.numel() * 2 == \
         packed.out_features * packed.in_features
-    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                                prompt_logprobs=0), use_tqdm=False)[0]
-    ours = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
-    expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    assert torch.allclose(ours, expected, atol=1e-4), (ours - expected).abs().max()
-    assert out.outputs[0].token_ids == ref_tokens

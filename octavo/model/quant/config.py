@@ -26,7 +26,7 @@ from octavo.model.quant.base import CheckpointMethod, OnTheFlyMethod, QuantMetho
 from octavo.model.quant.fp8 import FP8Spec, quantize_fp8
 from octavo.model.quant.gguf import GGUFPlan, gguf_plan
 from octavo.model.quant.gptq import GPTQSpec
-from octavo.model.quant.microscaled import MXFP4Spec, MXFP8Spec, NVFP4Spec, nvfp4_groups
+from octavo.model.quant.microscaled import MXSpec, NVFP4Spec, nvfp4_groups
 from octavo.model.quant.packed import quantize_int4, quantize_int8
 from octavo.model_source import ModelSource
 
@@ -63,7 +63,7 @@ class QuantPlan:
     required = True  # the model cannot load without its methods (GGUFPlan's may be dropped)
 
     def __init__(self, fmt: str, dtype: torch.dtype, *,
-                 spec: GPTQSpec | FP8Spec | MXFP4Spec | MXFP8Spec | NVFP4Spec | None = None,
+                 spec: GPTQSpec | FP8Spec | MXSpec | NVFP4Spec | None = None,
                  on_the_fly: str | None = None) -> None:
         self.fmt, self.dtype, self.spec, self.on_the_fly = fmt, dtype, spec, on_the_fly
 
@@ -151,14 +151,14 @@ def plan_quantization(source: ModelSource, requested: str | None, dtype: torch.d
     if fmt in ("fp8", "compressed-tensors"):
         return QuantPlan(fmt, dtype, spec=FP8Spec(fmt, qc))
     if fmt == "mxfp4":
-        return QuantPlan(fmt, dtype, spec=MXFP4Spec(qc))
+        return QuantPlan(fmt, dtype, spec=MXSpec(qc, "mxfp4"))
     if fmt == "modelopt":
         return QuantPlan(fmt, dtype, spec=_modelopt_spec(qc))
     raise NotImplementedError(f"quantization_config.quant_method={fmt!r} is not supported; "
                               "supported: gptq, awq, fp8, compressed-tensors, mxfp4, modelopt")
 
 
-def _modelopt_spec(qc: dict[str, Any]) -> FP8Spec | NVFP4Spec | MXFP8Spec:
+def _modelopt_spec(qc: dict[str, Any]) -> FP8Spec | NVFP4Spec | MXSpec:
     algo = str(qc.get("quant_algo", "")).upper()
     if algo == "FP8":  # a scale per tensor; the activations' input_scale is not needed
         return FP8Spec("fp8", {})
@@ -168,6 +168,6 @@ def _modelopt_spec(qc: dict[str, Any]) -> FP8Spec | NVFP4Spec | MXFP8Spec:
                                       f"NVFP4 takes groups of 16")
         return NVFP4Spec(qc, modelopt=True)
     if algo == "MXFP8":
-        return MXFP8Spec(qc)
+        return MXSpec(qc, "mxfp8")
     raise NotImplementedError(f"quantization_config.quant_algo={qc.get('quant_algo')!r} "
                               f"(modelopt) is not supported; supported: FP8, NVFP4, MXFP8")

@@ -13,8 +13,8 @@ the same tables decode in torch.
 
 Checkpoints: gpt-oss's MXFP4 experts (`quant_method: mxfp4`: `<proj>_blocks` [.., N, K / 32, 16]
 and `<proj>_scales` [.., N, K / 32], split per expert by model/models/gpt_oss.py) load through
-`MXFP4Spec`, compressed-tensors' and ModelOpt's NVFP4 through `NVFP4Spec`, ModelOpt's MXFP8
-through `MXFP8Spec`.
+`MXSpec`, compressed-tensors' and ModelOpt's NVFP4 through `NVFP4Spec`, ModelOpt's MXFP8
+through `MXSpec` too.
 """
 from __future__ import annotations
 
@@ -163,33 +163,6 @@ class NVFP4Spec:
                                  torch.empty(0), 16, dtype)
 
 
-class MXFP8Spec:
-    """ModelOpt's MXFP8 (`quant_algo: MXFP8`): each layer's `weight`, e4m3 [N, K] (as
-    float8_e4m3fn or its bytes), and `weight_scale`, e8m0 bytes [N, K / 32]."""
-
-    def __init__(self, qc: dict[str, Any]) -> None:
-        self.qc = qc
-
-    def build(self, parts: list[dict[str, torch.Tensor]], widths: list[int], k: int,
-              dtype: torch.dtype) -> MicroscaledPacked:
-        codes, scales = [], []
-        for part, width in zip(parts, widths):
-            if "weight" not in part or "weight_scale" not in part:
-                raise ValueError(f"mxfp8 checkpoint: a quantized layer has weight and "
-                                 f"weight_scale, got {sorted(part)}")
-            w, s = part["weight"], part["weight_scale"]
-            if w.dtype not in (torch.float8_e4m3fn, torch.uint8) or s.dtype != torch.uint8:
-                raise ValueError(f"mxfp8 checkpoint: weight of e4m3 bytes and e8m0 scale bytes, "
-                                 f"got {w.dtype} and {s.dtype}")
-            if tuple(w.shape) != (width, k) or tuple(s.shape) != (width, k // 32):
-                raise ValueError(f"mxfp8 checkpoint: weight {tuple(w.shape)} and weight_scale "
-                                 f"{tuple(s.shape)} for a slot of {width} rows x {k} inputs")
-            codes.append(w.view(torch.uint8))
-            scales.append(s)
-        return MicroscaledPacked(torch.cat(codes), torch.cat(scales), e4m3_table(),
-                                 e8m0_table(), 32, dtype)
-
-
 def quantize_mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (e4m3 codes [N, K], e8m0 scales [N, K / 32]): each block's scale the power
     of two that brings its largest magnitude to at most 448 (for tests and tools)."""
@@ -233,26 +206,36 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (code[:, 0::2] | (code[:, 1::2] << 4)).contiguous(), (exp + 127).to(torch.uint8)
 
 
-class MXFP4Spec:
-    """quantization_config `quant_method: mxfp4` (gpt-oss): each quantized layer's `mx_blocks`
-    ([N, K / 32, 16] bytes) and `mx_scales` ([N, K / 32] e8m0) per packed slot (the model
-    file names them so, apart from GPTQ's `scales`)."""
+class MXSpec:
+    """OCP MX checkpoints: each quantized layer's codes and e8m0 scale bytes [N, K / 32] per
+    packed slot, by their names: gpt-oss's MXFP4 (`quant_method: mxfp4`: `mx_blocks`
+    [N, K / 32, 16] bytes and `mx_scales`, as the model file names them, apart from GPTQ's
+    `scales`) and ModelOpt's MXFP8 (`quant_algo: MXFP8`: `weight`, e4m3 [N, K] as
+    float8_e4m3fn or its bytes, and `weight_scale`)."""
 
-    def __init__(self, qc: dict[str, Any]) -> None:
-        self.qc = qc
+    _NAMES = {"mxfp4": ("mx_blocks", "mx_scales", 4), "mxfp8": ("weight", "weight_scale", 8)}
+
+    def __init__(self, qc: dict[str, Any], fmt: str) -> None:
+        self.qc, self.fmt = qc, fmt
+        self.codes, self.scales, self.bits = self._NAMES[fmt]
 
     def build(self, parts: list[dict[str, torch.Tensor]], widths: list[int], k: int,
               dtype: torch.dtype) -> MicroscaledPacked:
         codes, scales = [], []
         for part, width in zip(parts, widths):
-            if set(part) != {"mx_blocks", "mx_scales"}:
-                raise ValueError(f"mxfp4 checkpoint: a quantized layer has blocks and scales, "
-                                 f"got {sorted(part)}")
-            b, s = part["mx_blocks"], part["mx_scales"]
-            if tuple(b.shape) != (width, k // 32, 16) or tuple(s.shape) != (width, k // 32):
-                raise ValueError(f"mxfp4 checkpoint: blocks {tuple(b.shape)} and scales "
-                                 f"{tuple(s.shape)} for a slot of {width} rows x {k} inputs")
-            codes.append(b.reshape(width, k // 2))
+            if self.codes not in part or self.scales not in part:
+                raise ValueError(f"{self.fmt} checkpoint: a quantized layer has {self.codes} and "
+                                 f"{self.scales}, got {sorted(part)}")
+            c = part[self.codes].reshape(width, -1).view(torch.uint8)
+            s = part[self.scales]
+            if (tuple(c.shape) != (width, k * self.bits // 8) or s.dtype != torch.uint8
+                    or tuple(s.shape) != (width, k // 32)):
+                raise ValueError(f"{self.fmt} checkpoint: {self.codes} "
+                                 f"{tuple(part[self.codes].shape)} and {self.scales} "
+                                 f"{tuple(s.shape)} ({s.dtype}) for a slot of {width} rows x "
+                                 f"{k} inputs")
+            codes.append(c)
             scales.append(s)
-        return MicroscaledPacked(torch.cat(codes), torch.cat(scales), torch.tensor(FP4_VALUES),
-                                 e8m0_table(), 32, dtype)
+        table = torch.tensor(FP4_VALUES) if self.bits == 4 else e4m3_table()
+        return MicroscaledPacked(torch.cat(codes), torch.cat(scales), table, e8m0_table(), 32,
+                                 dtype)
