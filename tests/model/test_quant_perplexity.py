@@ -77,8 +77,9 @@ def test_quantized_perplexity_close_to_fp32(smollm_oracle_folder, fp32_perplexit
 # where the CPU has AVX-512 VNNI (and bf16 tiles elsewhere): +0.08% on 1024 tokens (AMD EPYC
 # AVX-512), where bf16 with dense weights gave +0.15%.
 QWEN_TOKENS = 256
-QWEN_MODES = {"bf16": ("bfloat16", None, 0.01), "int8": ("auto", "int8", 0.02),
-              "int4": ("auto", "int4", 0.12), "packed": ("auto", None, 0.01)}
+# (bf16 with the dense weights is SmolLM2's case above: its bound is checked there once.)
+QWEN_MODES = {"int8": ("auto", "int8", 0.02), "int4": ("auto", "int4", 0.12),
+              "packed": ("auto", None, 0.01)}
 
 
 def gguf_perplexity(path: Path, dtype: str, quantization: str | None,
