@@ -35,6 +35,7 @@ GGUF_ARCHITECTURES = {
     "command-r": "CohereForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "llama4": "Llama4ForCausalLM",
 }
 # ... and the one it registers under when the file holds stacked expert tensors.
 GGUF_EXPERT_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
@@ -469,6 +470,8 @@ def _from_gguf(source: ModelSource) -> ArchConfig:
                    "num_experts_per_tok": need("expert_used_count")})
         if cfg["rope_scaling"] is not None:  # gpt-oss's YaRN keeps its correction range whole
             cfg["rope_scaling"] = {**cfg["rope_scaling"], "truncate": False}
+    elif arch == "llama4":
+        cfg.update(_gguf_llama4(meta, num_layers, need))
     elif arch == "gpt2":
         pos = tensors.get("position_embd.weight")
         if pos is None:
@@ -479,6 +482,26 @@ def _from_gguf(source: ModelSource) -> ArchConfig:
     if arch in ("qwen2moe", "qwen3moe") or cfg["architecture"] == "MixtralForCausalLM":
         cfg["extra"] = _gguf_experts(arch, meta, tensors, need)
     return ArchConfig(**cfg)
+
+
+def _gguf_llama4(meta: dict[str, Any], num_layers: int,
+                 need: Callable[[str], Any]) -> dict[str, Any]:
+    """Llama 4's settings as llama.cpp reads them: chunks of 8192 tokens and a layer without
+    RoPE (over the whole context, its query temperature at floor 8192, scale 0.1) every
+    fourth are hard-coded there, as are q/k norms on all but the 128-expert model (Maverick);
+    a sliding window of 0 in the file turns chunks off and RoPE on everywhere."""
+    experts = need("expert_count")
+    chunked = meta.get("llama4.attention.sliding_window") != 0
+    rope = [int(not chunked or (i + 1) % 4 != 0) for i in range(num_layers)]
+    return dict(
+        intermediate_size=need("expert_feed_forward_length"),
+        layer_types=tuple(CHUNKED if r and chunked else FULL for r in rope),
+        attention_chunk_size=8192 if chunked else None,
+        extra={"intermediate_size_mlp": need("feed_forward_length"),
+               "num_local_experts": experts, "num_experts_per_tok": need("expert_used_count"),
+               "interleave_moe_layer_step": need("interleave_moe_layer_step"),
+               "use_qk_norm": experts != 128, "no_rope_layers": rope, "floor_scale": 8192,
+               "attn_scale": 0.1})
 
 
 def _gguf_experts(arch: str, meta: dict[str, Any], tensors: dict[str, Any],

@@ -24,7 +24,8 @@ _ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen3": gguf.MODEL_ARCH.QWEN3,
           "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
           "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2,
           "starcoder2": gguf.MODEL_ARCH.STARCODER2, "command-r": gguf.MODEL_ARCH.COMMAND_R,
-          "glm4": gguf.MODEL_ARCH.GLM4, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS}
+          "glm4": gguf.MODEL_ARCH.GLM4, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS,
+          "llama4": gguf.MODEL_ARCH.LLAMA4}
 # llama.cpp's converter permutes q/k rows for these (its LlamaModel and subclasses); Cohere and
 # GLM-4 rotate adjacent pairs in Hugging Face's layout already, which llama.cpp reads as it is.
 _INTERLEAVED = ("llama", "granite")
@@ -61,7 +62,8 @@ def _metadata(w: gguf.GGUFWriter, arch: str, c, head_dim: int) -> None:
     w.add_context_length(c.n_positions if gpt2 else c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.n_inner or 4 * c.n_embd if gpt2 else c.intermediate_size)
+    w.add_feed_forward_length(c.n_inner or 4 * c.n_embd if gpt2 else
+                              getattr(c, "intermediate_size_mlp", None) or c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     if arch in ("gptneox", "gpt2"):
         w.add_layer_norm_eps(c.layer_norm_epsilon if gpt2 else c.layer_norm_eps)
@@ -89,8 +91,10 @@ def _metadata(w: gguf.GGUFWriter, arch: str, c, head_dim: int) -> None:
         w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * head_dim))
     if arch in ("gemma3", "phi3", "gpt-oss") and c.sliding_window:
         w.add_sliding_window(c.sliding_window)
-    if arch == "gpt-oss":  # its experts' width; YaRN as llama.cpp's converter writes it
+    if arch in ("gpt-oss", "llama4"):  # its experts' width; YaRN as llama.cpp writes it
         w.add_expert_feed_forward_length(c.intermediate_size)
+    if arch == "llama4":
+        w.add_interleave_moe_layer_step(c.interleave_moe_layer_step)
     if rope.get("rope_type") == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
@@ -127,6 +131,12 @@ def _tensors(arch: str, model) -> dict[str, np.ndarray]:
             continue
         if arch == "gpt-oss" and "mlp.experts." in name:  # [E, in, out]; gate, up interleaved
             parts = _gpt_oss_experts(name, t)
+        elif arch == "llama4" and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            t = t.transpose(0, 2, 1)  # [E, in, out] -> [E, out, in]; gate rows, then up rows
+            half = t.shape[1] // 2
+            parts = ({name + ".weight": t} if name.endswith("down_proj") else {
+                name.replace("gate_up_proj", "gate_proj.weight"): t[:, :half],
+                name.replace("gate_up_proj", "up_proj.weight"): t[:, half:]})
         elif name.endswith("self_attn.sinks"):
             parts = {name + ".weight": t}
         elif name.endswith("experts.down_proj"):  # [E, H, I], stacked as in the GGUF

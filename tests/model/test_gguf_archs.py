@@ -8,7 +8,8 @@ use_parallel_residual key; GPT-2's transposed Conv1D weights and learned positio
 llama GGUF with stacked experts (and permuted q/k); Qwen2-MoE's shared expert (its gate stored as
 a vector) and unnormalized top-k; Qwen3-MoE's renormalized top-k; Llama 3.1 RoPE scaling as
 rope_freqs; Granite's scales as keys, OLMo 2's post-norms, StarCoder 2's LayerNorms and plain
-MLP, Command R's per-head q/k norms and logit scale, GLM-4's packed gate_up and sandwich norms.
+MLP, Command R's per-head q/k norms and logit scale, GLM-4's packed gate_up and sandwich norms,
+Llama 4's unpermuted q/k and split experts, gpt-oss's MXFP4 experts.
 """
 from __future__ import annotations
 
@@ -57,6 +58,16 @@ CASES = {
     # packed gate_up, post-norms, rope.dimension_count of half a head
     "glm4": ("glm4", "Glm4Config", "Glm4ForCausalLM", {"head_dim": 32, "pad_token_id": 0},
              "Glm4ForCausalLM"),
+    # q/k not permuted (pairwise RoPE as Hugging Face has it), llama3 factors as rope_freqs,
+    # dense and MoE layers interleaved (experts split from gate_up, a shared expert), a layer
+    # without RoPE, q/k norms (16 experts); the chunk and temperature are llama.cpp's constants
+    "llama4": ("llama4", "Llama4TextConfig", "Llama4ForCausalLM", {
+        "num_hidden_layers": 4, "head_dim": 16, "intermediate_size": 64,
+        "intermediate_size_mlp": 96, "num_local_experts": 16, "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2, "pad_token_id": 0, "rope_parameters": {
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32}}, "Llama4ForCausalLM"),
 }
 
 

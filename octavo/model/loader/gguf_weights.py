@@ -86,6 +86,14 @@ _LAYOUTS: dict[str, tuple[str, dict[str, str], dict[str, str]]] = {
          "output_norm": "transformer.ln_f", "output": "lm_head"}),
 }
 _LAYOUTS["Gemma3ForCausalLM"] = _LAYOUTS["Gemma2ForCausalLM"]
+# Llama 4: its MLP is `feed_forward`, MoE (router, experts, shared expert) or dense
+_LAYOUTS["Llama4ForCausalLM"] = ("model.layers", {
+    **_experts("feed_forward", "gate_proj", "up_proj", "down_proj"),
+    "ffn_gate": "feed_forward.gate_proj", "ffn_up": "feed_forward.up_proj",
+    "ffn_down": "feed_forward.down_proj", "ffn_gate_inp": "feed_forward.router",
+    "ffn_gate_shexp": "feed_forward.shared_expert.gate_proj",
+    "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
+    "ffn_down_shexp": "feed_forward.shared_expert.down_proj"}, _LLAMA_GLOBAL)
 # gpt-oss: the router and experts with biases, a sink logit per head
 _LAYOUTS["GptOssForCausalLM"] = ("model.layers", {
     **_experts("mlp", "gate_proj", "up_proj", "down_proj"), "ffn_gate_inp": "mlp.router",

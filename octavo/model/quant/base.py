@@ -26,6 +26,10 @@ from torch import nn
 from octavo.model.quant.packed import PackedWeight
 from octavo.model.quant.weights import DenseWeights, LinearWeights, PackedWeights
 
+# MoE routers (Mixtral's and Qwen's gate, Qwen2-MoE's shared expert gate, gpt-oss's and Llama
+# 4's router): they pick the experts, and stay dense under every quantization
+ROUTERS = (".gate", "shared_expert_gate", ".router")
+
 
 @dataclass
 class Loading:

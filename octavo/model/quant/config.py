@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from octavo.model.layers.moe import EXPERT_TENSOR
-from octavo.model.quant.base import CheckpointMethod, OnTheFlyMethod, QuantMethod
+from octavo.model.quant.base import ROUTERS, CheckpointMethod, OnTheFlyMethod, QuantMethod
 from octavo.model.quant.fp8 import FP8Spec, quantize_fp8
 from octavo.model.quant.gguf import GGUFPlan, gguf_plan
 from octavo.model.quant.gptq import GPTQSpec
@@ -33,9 +33,6 @@ from octavo.model_source import ModelSource
 logger = logging.getLogger(__name__)
 
 ON_THE_FLY = ("int8", "int4", "fp8")
-# MoE routers (Mixtral's and Qwen's gate, Qwen2-MoE's shared expert gate, gpt-oss's router):
-# they pick the experts, and stay dense
-_ROUTERS = (".gate", "shared_expert_gate", ".router")
 INT4_GROUP = 32  # on-the-fly int4: min/max per 32 inputs (SmolLM2 perplexity: docs/usage.md)
 _MARKERS = {"gptq": (".qweight",), "awq": (".qweight",), "fp8": (".weight_scale",
             ".weight_scale_inv"), "compressed-tensors": (".weight_scale",),
@@ -85,7 +82,7 @@ class QuantPlan:
         linears = {n: m for n, m in modules.items()  # Linear layers and MoE experts
                    if hasattr(m, "set_quant_method") or hasattr(m, "quantize_experts")}
         if self.on_the_fly is not None:
-            return {n: m for n, m in linears.items() if not n.endswith(_ROUTERS)}
+            return {n: m for n, m in linears.items() if not n.endswith(ROUTERS)}
         chosen = {}
         for ckpt in checkpoint_names:
             marker = next((m for m in _MARKERS[self.fmt] if ckpt.endswith(m)), None)

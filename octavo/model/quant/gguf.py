@@ -40,7 +40,13 @@ from torch import nn
 
 from octavo.model.layers.embedding import Embedding
 from octavo.model.layers.moe import EXPERT_TENSOR
-from octavo.model.quant.base import Loading, QuantMethod, dense_destination, load_dense
+from octavo.model.quant.base import (
+    ROUTERS,
+    Loading,
+    QuantMethod,
+    dense_destination,
+    load_dense,
+)
 from octavo.model.quant.decode_weights import make_decode_weight
 from octavo.model.quant.ggml_codes import affine_codes, int8_codes
 from octavo.model.quant.ggml_types import GGMLType as Q
@@ -269,7 +275,7 @@ class GGUFPlan:
         count = 0
         for name, typed in slots.items():
             layer = modules[name]
-            if name.endswith(".gate") or name.endswith("shared_expert_gate"):
+            if name.endswith(ROUTERS):
                 continue  # MoE routers stay dense, as with on-the-fly quantization
             if None in typed:  # one tensor for every slot (Phi-3's attn_qkv), cut into its
                 # slots where tensor parallelism takes a share of each (Linear.load_shard)
