@@ -86,7 +86,9 @@ def step_context(layout: StepLayout, tables: np.ndarray, block_size: int,
         kernel = native and (cp.kv_ranks == 1 or sliding_window is None)
         return ForwardContext(None, kv_caches, context_parallel=build_step(
             cp, layout, tables, device, kernel), layout=layout)
-    runs = native and fused.prompt_runs_ready(kv_caches[0])
+    # (a layer of linear attention has an empty cache: the first attention layer's tells)
+    runs = native and fused.prompt_runs_ready(next((c for c in kv_caches if c.numel()),
+                                                   kv_caches[0]))
     plan = build_plan(layout, tables, block_size, device=device, native_decode=native,
                       prompt_runs=runs)
     sliding = None if sliding_window is None else windowed_plan(

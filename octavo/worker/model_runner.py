@@ -62,6 +62,10 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.sliding_window, self.attention_chunk = sliding_window, attention_chunk
+        if attention_chunk is not None and attention_chunk % block_size:
+            # refused at start-up: its chunks are read from their first block (chunked_plan)
+            raise NotImplementedError(f"attention_chunk_size {attention_chunk} is not a multiple "
+                                      f"of the KV block size {block_size} (--block-size)")
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, vocab_size, device)
         self.sampler = Sampler(seed, device)
         self.kv_caches: list[torch.Tensor] = []

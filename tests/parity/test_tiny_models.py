@@ -381,3 +381,14 @@ def test_qwen3_next_states_follow_their_requests(tmp_path, smollm_oracle_folder)
 def expected_pairs(finished, expected):
     """(index, tokens) of each finished request that was not aborted."""
     return [(int(k), v) for k, v in finished.items() if len(v) == len(expected[int(k)])]
+
+
+def test_an_attention_chunk_that_splits_a_block_is_refused_at_start(tmp_path,
+                                                                     smollm_oracle_folder):
+    import json
+
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "llama4")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_chunk_size": 40}))
+    with pytest.raises(NotImplementedError, match="attention_chunk_size 40 .*block size 16"):
+        LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
