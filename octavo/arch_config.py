@@ -36,6 +36,7 @@ GGUF_ARCHITECTURES = {
     "glm4": "Glm4ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "llama4": "Llama4ForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",  # V3's when the file has its score correction
 }
 # ... and the one it registers under when the file holds stacked expert tensors.
 GGUF_EXPERT_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
@@ -472,6 +473,8 @@ def _from_gguf(source: ModelSource) -> ArchConfig:
             cfg["rope_scaling"] = {**cfg["rope_scaling"], "truncate": False}
     elif arch == "llama4":
         cfg.update(_gguf_llama4(meta, num_layers, need))
+    elif arch == "deepseek2":
+        cfg.update(_gguf_deepseek2(meta, tensors, cfg, need))
     elif arch == "gpt2":
         pos = tensors.get("position_embd.weight")
         if pos is None:
@@ -502,6 +505,40 @@ def _gguf_llama4(meta: dict[str, Any], num_layers: int,
                "interleave_moe_layer_step": need("interleave_moe_layer_step"),
                "use_qk_norm": experts != 128, "no_rope_layers": rope, "floor_scale": 8192,
                "attn_scale": 0.1})
+
+
+def _gguf_deepseek2(meta: dict[str, Any], tensors: dict[str, Any], cfg: dict[str, Any],
+                    need: Callable[[str], Any]) -> dict[str, Any]:
+    """DeepSeek V2/V3 as llama.cpp writes them: the latent attention as one KV head of
+    kv_lora_rank + rope features (key_length), the heads' own sizes as key_length_mla and
+    value_length_mla (older files: key_length and value_length), V3 told by its score
+    correction (exp_probs_b), YaRN's mscale as yarn_log_multiplier / 0.1."""
+    a = "deepseek2"
+    rope = need("rope.dimension_count")
+    key = meta.get(f"{a}.attention.key_length_mla") or need("attention.key_length")
+    value = meta.get(f"{a}.attention.value_length_mla") or need("attention.value_length")
+    v3 = "blk.0.exp_probs_b.bias" in tensors or any(
+        n.endswith("exp_probs_b.bias") for n in tensors)
+    groups = meta.get(f"{a}.expert_group_count") or 1
+    extra = {"kv_lora_rank": need("attention.kv_lora_rank"),
+             "q_lora_rank": meta.get(f"{a}.attention.q_lora_rank"),
+             "qk_rope_head_dim": rope, "qk_nope_head_dim": key - rope, "v_head_dim": value,
+             "n_routed_experts": need("expert_count"),
+             "num_experts_per_tok": need("expert_used_count"),
+             "moe_intermediate_size": need("expert_feed_forward_length"),
+             "n_shared_experts": meta.get(f"{a}.expert_shared_count") or 0,
+             "first_k_dense_replace": meta.get(f"{a}.leading_dense_block_count") or 0,
+             "routed_scaling_factor": meta.get(f"{a}.expert_weights_scale") or 1.0,
+             "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm")),
+             "n_group": groups, "topk_group": meta.get(f"{a}.expert_group_used_count") or 1,
+             "topk_method": "group_limited_greedy" if groups > 1 and not v3 else "greedy"}
+    scaling = cfg["rope_scaling"]
+    log_mul = meta.get(f"{a}.rope.scaling.yarn_log_multiplier")
+    if scaling is not None and log_mul:
+        scaling = {**scaling, "mscale": log_mul / 0.1, "mscale_all_dim": log_mul / 0.1}
+    return dict(architecture="DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM",
+                num_kv_heads=cfg["num_heads"], head_dim=key, rotary_dim=None,
+                rope_scaling=scaling, extra=extra)
 
 
 def _gguf_experts(arch: str, meta: dict[str, Any], tensors: dict[str, Any],

@@ -25,7 +25,7 @@ _ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen3": gguf.MODEL_ARCH.QWEN3,
           "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2,
           "starcoder2": gguf.MODEL_ARCH.STARCODER2, "command-r": gguf.MODEL_ARCH.COMMAND_R,
           "glm4": gguf.MODEL_ARCH.GLM4, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS,
-          "llama4": gguf.MODEL_ARCH.LLAMA4}
+          "llama4": gguf.MODEL_ARCH.LLAMA4, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2}
 # llama.cpp's converter permutes q/k rows for these (its LlamaModel and subclasses); Cohere and
 # GLM-4 rotate adjacent pairs in Hugging Face's layout already, which llama.cpp reads as it is.
 _INTERLEAVED = ("llama", "granite")
@@ -67,6 +67,8 @@ def _metadata(w: gguf.GGUFWriter, arch: str, c, head_dim: int) -> None:
     w.add_head_count(c.num_attention_heads)
     if arch in ("gptneox", "gpt2"):
         w.add_layer_norm_eps(c.layer_norm_epsilon if gpt2 else c.layer_norm_eps)
+    elif arch == "deepseek2":
+        _deepseek2_metadata(w, c)
     else:
         w.add_head_count_kv(c.num_key_value_heads)
     if arch in ("starcoder2", "command-r"):
@@ -80,14 +82,14 @@ def _metadata(w: gguf.GGUFWriter, arch: str, c, head_dim: int) -> None:
         w.add_logit_scale(c.logits_scaling)
     elif arch == "command-r":
         w.add_logit_scale(c.logit_scale)
-    if getattr(c, "head_dim", None):
+    if getattr(c, "head_dim", None) and arch != "deepseek2":
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
     rope = getattr(c, "rope_parameters", None) or {}
     rope = rope.get("full_attention", rope)  # Gemma 3's base is its global layers'
     if "rope_theta" in rope:
         w.add_rope_freq_base(rope["rope_theta"])
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+    if rope.get("partial_rotary_factor", 1.0) != 1.0 and arch != "deepseek2":
         w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * head_dim))
     if arch in ("gemma3", "phi3", "gpt-oss") and c.sliding_window:
         w.add_sliding_window(c.sliding_window)
@@ -137,6 +139,9 @@ def _tensors(arch: str, model) -> dict[str, np.ndarray]:
             parts = ({name + ".weight": t} if name.endswith("down_proj") else {
                 name.replace("gate_up_proj", "gate_proj.weight"): t[:, :half],
                 name.replace("gate_up_proj", "up_proj.weight"): t[:, half:]})
+        elif arch == "deepseek2" and name.endswith(("kv_b_proj.weight",
+                                                    "e_score_correction_bias")):
+            parts = _deepseek2_tensor(name, t, c)
         elif name.endswith("self_attn.sinks"):
             parts = {name + ".weight": t}
         elif name.endswith("experts.down_proj"):  # [E, H, I], stacked as in the GGUF
@@ -172,6 +177,41 @@ def _tensors(arch: str, model) -> dict[str, np.ndarray]:
         out["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
         out["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
     return out
+
+
+def _deepseek2_metadata(w: gguf.GGUFWriter, c) -> None:
+    """The latent attention as llama.cpp's converter describes it: one KV head of
+    kv_lora_rank + rope features, the heads' sizes as the *_mla lengths."""
+    w.add_head_count_kv(1)
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    if c.q_lora_rank:
+        w.add_q_lora_rank(c.q_lora_rank)
+    w.add_kv_lora_rank(c.kv_lora_rank)
+    w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+    w.add_value_length(c.kv_lora_rank)
+    w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+    w.add_value_length_mla(c.v_head_dim)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    if c.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    w.add_expert_group_count(c.n_group)
+    w.add_expert_group_used_count(c.topk_group)
+    w.add_rope_dimension_count(c.qk_rope_head_dim)
+    rope = c.rope_parameters
+    if rope.get("mscale_all_dim"):
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _deepseek2_tensor(name: str, t: np.ndarray, c) -> dict[str, np.ndarray]:
+    """kv_b_proj split into each head's k_b (transposed) and v_b, the score correction as a
+    bias, as llama.cpp's converter writes them."""
+    if name.endswith("kv_b_proj.weight"):
+        kv_b = t.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+        k_b, v_b = kv_b[:, :c.qk_nope_head_dim], kv_b[:, c.qk_nope_head_dim:]
+        return {name.replace("kv_b_proj", "k_b_proj"): k_b.transpose(0, 2, 1),
+                name.replace("kv_b_proj", "v_b_proj"): v_b}
+    return {name.replace("e_score_correction_bias", "e_score_correction.bias"): t}
 
 
 def _gpt_oss_experts(name: str, t: np.ndarray) -> dict[str, np.ndarray]:

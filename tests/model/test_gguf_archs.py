@@ -9,7 +9,8 @@ llama GGUF with stacked experts (and permuted q/k); Qwen2-MoE's shared expert (i
 a vector) and unnormalized top-k; Qwen3-MoE's renormalized top-k; Llama 3.1 RoPE scaling as
 rope_freqs; Granite's scales as keys, OLMo 2's post-norms, StarCoder 2's LayerNorms and plain
 MLP, Command R's per-head q/k norms and logit scale, GLM-4's packed gate_up and sandwich norms,
-Llama 4's unpermuted q/k and split experts, gpt-oss's MXFP4 experts.
+Llama 4's unpermuted q/k and split experts, DeepSeek's split kv_b and MLA lengths, gpt-oss's
+MXFP4 experts.
 """
 from __future__ import annotations
 
@@ -68,6 +69,19 @@ CASES = {
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 32}}, "Llama4ForCausalLM"),
+    # the latent attention's kv_b split into k_b (transposed) and v_b, a compressed q, one KV
+    # head of rank + rope in the keys, YaRN's mscale as its log multiplier, a dense first
+    # layer, sigmoid routing in groups with the score correction as exp_probs_b
+    "deepseek-v3": ("deepseek2", "DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "num_hidden_layers": 3, "num_key_value_heads": 4, "q_lora_rank": 48,
+        "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 24,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "pad_token_id": 0,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "mscale": 0.707, "mscale_all_dim": 0.707,
+                            "original_max_position_embeddings": 64}},
+        "DeepseekV3ForCausalLM"),
 }
 
 

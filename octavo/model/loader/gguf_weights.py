@@ -94,6 +94,19 @@ _LAYOUTS["Llama4ForCausalLM"] = ("model.layers", {
     "ffn_gate_shexp": "feed_forward.shared_expert.gate_proj",
     "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
     "ffn_down_shexp": "feed_forward.shared_expert.down_proj"}, _LLAMA_GLOBAL)
+# DeepSeek V2/V3: the latent attention's projections, kv_b split into each head's k_b (stored
+# [heads, rank, nope]) and v_b by newer converters, the router's score correction
+_LAYOUTS["DeepseekV2ForCausalLM"] = ("model.layers", {
+    **_experts("mlp", "gate_proj", "up_proj", "down_proj"),
+    **{f"attn_{g}": f"self_attn.{h}" for g, h in (
+        ("q_a", "q_a_proj"), ("q_a_norm", "q_a_layernorm"), ("q_b", "q_b_proj"),
+        ("kv_a_mqa", "kv_a_proj_with_mqa"), ("kv_a_norm", "kv_a_layernorm"),
+        ("kv_b", "kv_b_proj"), ("k_b", "k_b_proj"), ("v_b", "v_b_proj"))},
+    "exp_probs_b": "mlp.gate.e_score_correction",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj"}, _LLAMA_GLOBAL)
+_LAYOUTS["DeepseekV3ForCausalLM"] = _LAYOUTS["DeepseekV2ForCausalLM"]
 # gpt-oss: the router and experts with biases, a sink logit per head
 _LAYOUTS["GptOssForCausalLM"] = ("model.layers", {
     **_experts("mlp", "gate_proj", "up_proj", "down_proj"), "ffn_gate_inp": "mlp.router",

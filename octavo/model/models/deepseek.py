@@ -133,7 +133,12 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         return DeepseekDecoderLayer(cfg, layer_index, rotary, self.correction)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._dequantized_kv_b(weights))
+        return super().load_weights(self._dequantized_kv_b(_joined_kv_b(weights)))
+
+    def checkpoint_name(self, name: str) -> str | None:
+        # a GGUF's exp_probs_b.bias
+        return super().checkpoint_name(name.replace(".e_score_correction.bias",
+                                                    ".e_score_correction_bias"))
 
     def _dequantized_kv_b(self, weights: Iterable[tuple[str, torch.Tensor]]
                           ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -175,3 +180,26 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     @property
     def pairwise_rope(self) -> bool:
         return self.cfg.extra.get("rope_interleave", True) is not False
+
+
+def _joined_kv_b(weights: Iterable[tuple[str, torch.Tensor]]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """kv_b_proj whole from a GGUF's k_b_proj [heads, rank, nope] and v_b_proj [heads, v, rank]
+    (llama.cpp's converter splits it so, k_b transposed): each head's nope rows, then its v
+    rows."""
+    held: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        module, _, kind = name.rpartition(".")
+        owner, _, leaf = module.rpartition(".")
+        if leaf not in ("k_b_proj", "v_b_proj") or kind != "weight":
+            yield name, tensor
+            continue
+        part = held.setdefault(owner, {})
+        part[leaf] = tensor
+        if len(part) == 2:
+            part = held.pop(owner)
+            k_b, v_b = part["k_b_proj"], part["v_b_proj"]
+            joined = torch.cat([k_b.transpose(1, 2), v_b], 1)  # [heads, nope + v, rank]
+            yield f"{owner}.kv_b_proj.weight", joined.reshape(-1, v_b.shape[2])
+    if held:
+        raise ValueError(f"{sorted(held)[0]}: k_b_proj without v_b_proj, or the reverse")
