@@ -517,8 +517,7 @@ def _gguf_deepseek2(meta: dict[str, Any], tensors: dict[str, Any], cfg: dict[str
     rope = need("rope.dimension_count")
     key = meta.get(f"{a}.attention.key_length_mla") or need("attention.key_length")
     value = meta.get(f"{a}.attention.value_length_mla") or need("attention.value_length")
-    v3 = "blk.0.exp_probs_b.bias" in tensors or any(
-        n.endswith("exp_probs_b.bias") for n in tensors)
+    v3 = any(n.endswith(".exp_probs_b.bias") for n in tensors)
     groups = meta.get(f"{a}.expert_group_count") or 1
     extra = {"kv_lora_rank": need("attention.kv_lora_rank"),
              "q_lora_rank": meta.get(f"{a}.attention.q_lora_rank"),

@@ -148,16 +148,22 @@ def windowed_plan(plan: AttentionPlan, layout: StepLayout, block_table: np.ndarr
     return windowed
 
 
+def check_chunk(chunk: int | None, block_size: int) -> None:
+    """NotImplementedError where a model's attention chunk is not whole KV blocks, which
+    chunked_plan needs; its runners call this at start-up."""
+    if chunk is not None and chunk % block_size:
+        raise NotImplementedError(f"attention_chunk_size {chunk} is not a multiple of the KV "
+                                  f"block size {block_size} (--block-size)")
+
+
 def chunked_plan(plan: AttentionPlan, layout: StepLayout, block_table: np.ndarray,
                  block_size: int, chunk: int, device: torch.device | str = "cpu"
                  ) -> AttentionPlan:
     """The step's plan for layers with chunked local attention (Llama 4): a query at position
     p sees the keys from p - p % chunk through p. The same slots and buckets as `plan`; each
     kernel entry reads its chunk as a context of its own (its table from the chunk's first
-    block, its length counted from there), which needs `chunk` to be whole blocks."""
-    if chunk % block_size:
-        raise NotImplementedError(f"attention_chunk_size {chunk} is not a multiple of the KV "
-                                  f"block size {block_size} (--block-size)")
+    block, its length counted from there), which needs `chunk` to be whole blocks
+    (check_chunk)."""
     decode = None
     if plan.decode is not None:
         index = plan.decode.token_index.cpu().numpy()

@@ -22,7 +22,7 @@ from torch import nn
 
 from octavo.core.contract import GrammarBitmask, ModelOutput, SchedulerOutput, TopLogprobs
 from octavo.kernels.context_parallel import ContextParallel
-from octavo.kernels.paged_attention import step_layout
+from octavo.kernels.paged_attention import check_chunk, step_layout
 from octavo.model.context import ForwardContext, forward_context, step_context
 from octavo.model.context_parallel import gather_rows, own_rows
 from octavo.model.pipeline import is_last_stage
@@ -62,10 +62,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.sliding_window, self.attention_chunk = sliding_window, attention_chunk
-        if attention_chunk is not None and attention_chunk % block_size:
-            # refused at start-up: its chunks are read from their first block (chunked_plan)
-            raise NotImplementedError(f"attention_chunk_size {attention_chunk} is not a multiple "
-                                      f"of the KV block size {block_size} (--block-size)")
+        check_chunk(attention_chunk, block_size)
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, vocab_size, device)
         self.sampler = Sampler(seed, device)
         self.kv_caches: list[torch.Tensor] = []

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from octavo.kernels.paged_attention import StepLayout, step_layout
+from octavo.kernels.paged_attention import StepLayout, check_chunk, step_layout
 from octavo.model.context import forward_context, step_context
 from octavo.worker.input_batch import InputBatch
 from octavo.worker.sampler import Sampler, SamplingBatch
@@ -36,6 +36,7 @@ class DraftModel:
         self.k = num_speculative_tokens
         self.block_size = block_size
         self.sliding_window, self.attention_chunk = sliding_window, attention_chunk
+        check_chunk(attention_chunk, block_size)
         self.kv_caches: list[torch.Tensor] = []  # one per draft layer, on the target's blocks
         self.sampler = Sampler(seed ^ _DRAFT_SALT, device)
         # request id -> (its drafts, q of each [num_drafts, V]); q only for random rows
