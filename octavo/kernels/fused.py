@@ -262,6 +262,15 @@ def microscaled_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return _native.microscaled_gemv(x.contiguous(), codes, scales, code_lut, scale_lut, block)
 
 
+def microscaled_tiled_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                             code_lut: torch.Tensor, scale_lut: torch.Tensor,
+                             block: int) -> torch.Tensor:
+    """x [M, K] bf16 or float32 times a microscaled weight -> [M, N] in x's dtype, a tile of
+    rows at a time dequantized into the dense GEMM (large batches; C++ only)."""
+    return _native.microscaled_tiled_linear(x.contiguous(), codes, scales, code_lut, scale_lut,
+                                            block)
+
+
 def microscaled_dequantize(codes: torch.Tensor, scales: torch.Tensor, code_lut: torch.Tensor,
                            scale_lut: torch.Tensor, block: int, first: int,
                            count: int) -> torch.Tensor:

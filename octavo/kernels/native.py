@@ -138,7 +138,8 @@ class Kernels:
             "silu_and_mul", "gelu_tanh_and_mul", "int8_gemv", "int4_gemm", "int4_int8_gemm",
             "int4_int16_gemm",
             "int4_dequantize", "int4_tiled_linear", "int4_rows", "int8_dequantize",
-            "int8_tiled_linear", "lora_apply", "microscaled_gemv", "microscaled_dequantize")
+            "int8_tiled_linear", "lora_apply", "microscaled_gemv", "microscaled_dequantize",
+            "microscaled_tiled_linear")
 
     def __init__(self) -> None:
         import torch
@@ -190,6 +191,8 @@ def _register_fakes() -> None:
         "lora_apply": lambda *args: None,
         "microscaled_gemv": lambda x, codes, scales, code_lut, scale_lut, block: rows_out(
             x, codes.shape[0]),
+        "microscaled_tiled_linear": lambda x, codes, scales, code_lut, scale_lut, block:
+        rows_out(x, codes.shape[0]),
         "microscaled_dequantize": lambda codes, scales, code_lut, scale_lut, block, first, count:
         codes.new_empty(count, scales.shape[1] * block, dtype=torch.float32),
         "int8_dequantize": lambda q, scale, first, count, bf16: q.new_empty(

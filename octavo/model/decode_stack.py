@@ -17,12 +17,13 @@ sliding window and softcap, its RoPE tables (over the whole head or its first ro
 features, or none), and a gated or plain MLP or a mixture of experts (router, top-k,
 renormalization, a shared expert; tokens grouped by expert, as FusedMoE groups them). The
 weights are read from each linear layer's typed weights (`_forms`): dense weights (with or
-without a GGUF's int4/int8 copy for small batches) or packed int4 / symmetric int8 weights alone
-(GGUFs, --quantization: their kernels up to the rows they win at, dequantized tiles into the
-dense GEMM or int8-quantized activations above, as the Python layers compute them); the KV
+without a GGUF's int4/int8 copy for small batches) or packed int4 / symmetric int8 /
+microscaled (MX, NVFP4, FP8) weights alone (GGUFs, quantized checkpoints, --quantization: their
+kernels up to the rows they win at, dequantized tiles into the dense GEMM or int8-quantized
+activations above, as the Python layers compute them); the KV
 cache is in the activations' dtype or in fp8 (with each layer's k/v scales); attention sinks
 scale each head's output by sigmoid(log-sum-exp - sink). Anything else (steps with padded
-prefills, act-order or asymmetric int8 weights, microscaled weights, a layer's own attention
+prefills, act-order or asymmetric int8 weights, a layer's own attention
 module such as DeepSeek's latent one, routing other than softmax top-k, kernels not loaded yet)
 runs the Python layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a
 rank's heads and slices and calls the ranks' all-reduce after each o and down projection (after
@@ -45,6 +46,7 @@ from octavo.model.layers.linear import Linear
 from octavo.model.layers.lora import LoRASlots, LoRAStep
 from octavo.model.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
 from octavo.model.quant.decode_weights import max_rows
+from octavo.model.quant.microscaled import MicroscaledPacked
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed, PackedWeight
 from octavo.model.quant.weights import DenseWeights, PackedWeights
 
@@ -139,7 +141,7 @@ def _weight_reason(lin: Linear | torch.Tensor, dtype: torch.dtype) -> str | None
             f"{low.bits}-bit codes without octavo's bf16 int4 kernel"
     if isinstance(low, Int8Packed) and (low.q.shape[0] != 1 or low.zero_term is not None):
         return "a grouped or asymmetric int8 weight"
-    if isinstance(low, (Int8Packed, Int8Grouped)):
+    if isinstance(low, (Int8Packed, Int8Grouped, MicroscaledPacked)):
         return None
     return f"a {type(low).__name__} weight"
 
@@ -147,7 +149,8 @@ def _weight_reason(lin: Linear | torch.Tensor, dtype: torch.dtype) -> str | None
 def _row_limit(lin: Linear | torch.Tensor) -> int | None:
     """The most rows the stack computes of `lin` as its Python layer does (None: any)."""
     dense, low = _forms(lin)
-    if dense is not None or isinstance(low, Int8Grouped) or _kind(low) in INT4_LAYOUT_KINDS:
+    if dense is not None or isinstance(low, (Int8Grouped, MicroscaledPacked)) \
+            or _kind(low) in INT4_LAYOUT_KINDS:
         return None  # above its kernel's rows: the dense weight, or the packed one's tiles
     # The Python layer runs torch's int8 kernel for per-channel int8 above 8 rows, and tiles
     # above torch's int4 kernel's rows: the stack has neither.
@@ -163,6 +166,8 @@ def _kind(low: PackedWeight | None) -> str:
         return "int4_int8" if low.int8_product_ready(low.dtype) else "int4"
     if isinstance(low, Int4Packed):
         return "int4_torch"
+    if isinstance(low, MicroscaledPacked):
+        return "microscaled"
     return "int8" if isinstance(low, (Int8Packed, Int8Grouped)) else "none"
 
 
@@ -193,14 +198,17 @@ def _adapters(spec: LayerSpec) -> list[LoRASlots | None]:
 def _linear(lin: Linear | torch.Tensor, bias: torch.Tensor | None,
             lora: LoRASlots | None) -> tuple:
     """A linear layer as the C++ stack takes it (csrc/stack_linear.h): dense weight, bias, the
-    low-bit kind and its tensors (two, and a wide int4 weight's high plane), output features,
+    low-bit kind and its tensors (two; a wide int4 weight's high plane or a microscaled weight's
+    code table; a microscaled weight's scale table), output features,
     the most rows the low-bit kernel serves (beside a dense weight: its copy's; alone: the
     packed weight's dense_rows, tiles above them), and its LoRA slots (A, B, which are in use)
     where LoRA is on."""
     dense, low = _forms(lin)
-    kind, c = _kind(low), None
+    kind, c, d = _kind(low), None, None
     if kind in INT4_LAYOUT_KINDS:  # octavo's kernels
         a, b, c = low.native_layout()
+    elif kind == "microscaled":  # the block follows from the shapes
+        a, b, c, d, _ = low.native_layout()
     elif kind == "int4_torch":  # torch's kernel, groups of 32
         a, b = low.torch_layout()
     elif isinstance(low, Int8Packed):
@@ -213,7 +221,7 @@ def _linear(lin: Linear | torch.Tensor, bias: torch.Tensor | None,
     rows = 0 if low is None else max_rows(low) if dense is not None else low.dense_rows
     adapters = (None, None, None, [0, 0]) if lora is None else (lora.a, lora.b, lora.used_mask,
                                                                  lora.bounds)
-    return dense, bias, kind, a, b, c, out, rows, *adapters
+    return dense, bias, kind, a, b, c, d, out, rows, *adapters
 
 
 class DecodeStack:

@@ -13,7 +13,9 @@ from octavo import LLM, SamplingParams
 from octavo.kernels import fused as fused_kernels
 from octavo.model import decode_stack
 from octavo.model.quant.decode_weights import make_decode_weight
+from octavo.model.quant.microscaled import MicroscaledPacked
 from octavo.model.quant.weights import DenseWeights
+from tests.model.test_microscaled import mxfp4_gpt_oss
 from tests.parity.test_tiny_models import _build
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
@@ -157,6 +159,31 @@ def test_moe_layers_run_in_the_stack(tmp_path, smollm_oracle_folder, name, dtype
     moe = next(spec.moe for spec in specs if spec.moe is not None)
     # Quantized experts are Linears of packed weights; dense ones slices of the stacked weights.
     assert isinstance(moe.experts[0][0], torch.Tensor) == (quantization is None)
+
+
+@pytest.mark.parametrize("name, dtype", [("llama-default", "bfloat16"), ("qwen3-moe", "float32"),
+                                         ("qwen2-bias", "bfloat16")])
+def test_fp8_weights_run_in_the_stack(tmp_path, smollm_oracle_folder, name, dtype):
+    """FP8 weights (e4m3 bytes, a float32 scale per row: --quantization fp8, as an FP8
+    checkpoint keeps them), dense layers and experts, take the stack in every step: the GEMV for
+    decode and, for bf16's prompts of 20-38 tokens, the tiles; the Python layers' tokens and
+    log-probabilities."""
+    folder, _ = _build(tmp_path, smollm_oracle_folder, name)
+    llm = LLM(str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20,
+              enable_prefix_caching=False, quantization="fp8")
+    specs = _stack_then_layers(llm, dtype == "bfloat16")
+    assert isinstance(specs[0].qkv.weights.packed, MicroscaledPacked)
+
+
+def test_mxfp4_experts_run_in_the_stack(tmp_path, smollm_oracle_folder):
+    """gpt-oss's MXFP4 experts (e2m1 codes, e8m0 scale bytes) take the stack in every step, the
+    prompts' 20-38 rows through the tiles, with the Python layers' tokens and log-probabilities."""
+    folder, _ = mxfp4_gpt_oss(tmp_path, smollm_oracle_folder)
+    llm = LLM(str(folder), dtype="bfloat16", max_model_len=256, kv_cache_memory=16 << 20,
+              enable_prefix_caching=False)
+    specs = _stack_then_layers(llm, bf16=True)
+    expert = specs[0].moe.experts[0][0]
+    assert isinstance(expert.weights.packed, MicroscaledPacked) and expert.weights.packed.bits == 4
 
 
 @pytest.mark.parametrize("name, dtype, quantization", [
@@ -363,10 +390,10 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
     dense = [torch.zeros(48, 32), torch.zeros(32, 32), torch.zeros(64, 32), torch.zeros(32, 32)]
     cache, cos, sin = torch.zeros(2, 4, 16, 1, 16), torch.ones(64, 8), torch.zeros(64, 8)
 
-    def linears(kind="none", lora_a=None):
-        stack.set_linears(dense, [None] * 4, [kind] * 4, [None] * 4, [None] * 4, [None] * 4,
-                          [48, 32, 64, 32], [0] * 4, [lora_a] * 4, [None] * 4, [None] * 4,
-                          [[0, 0]] * 4)
+    def linears(kind="none", lora_a=None, low=(None, None)):
+        stack.set_linears(dense, [None] * 4, [kind] * 4, [low[0]] * 4, [low[1]] * 4,
+                          [None] * 4, [None] * 4, [48, 32, 64, 32], [0] * 4, [lora_a] * 4,
+                          [None] * 4, [None] * 4, [[0, 0]] * 4)
 
     with pytest.raises(RuntimeError, match="add_layer comes first"):
         stack.set_norms("rms", norms, [None] * 4, False, False, 1.0)
@@ -390,6 +417,8 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
         linears("int3")
     with pytest.raises(RuntimeError, match="a low-bit weight needs its tensors"):
         linears("int8")
+    with pytest.raises(RuntimeError, match="a microscaled weight comes with its codes' and its"):
+        linears("microscaled", low=(torch.zeros(48, 32, dtype=torch.uint8), torch.ones(48, 1)))
     with pytest.raises(RuntimeError, match="LoRA slots come as A, B and their use"):
         linears(lora_a=torch.zeros(1, 4, 32))
     linears()

@@ -71,13 +71,11 @@ def test_the_ocp_quantizer_rounds_each_block_to_its_grid():
     assert torch.equal(again, back)  # grid values are fixed points
 
 
-def test_gpt_oss_with_mxfp4_experts_matches_transformers_on_the_dequantized_weights(
-        tmp_path, smollm_oracle_folder):
-    """The experts' blocks and scales stay packed (4.25 bits a weight) and the model equals
-    transformers given the weights they decode to: prompt logprobs within 1e-4, greedy tokens."""
+def mxfp4_gpt_oss(tmp_path, smollm_oracle_folder):
+    """A tiny gpt-oss whose experts are an MXFP4 checkpoint's blocks and scales, and
+    transformers' model holding the weights they decode to."""
     import safetensors.torch
 
-    from octavo import LLM, SamplingParams
     from tests.parity.test_tiny_models import _build
 
     folder, ref = _build(tmp_path, smollm_oracle_folder, "gpt-oss")
@@ -104,7 +102,16 @@ def test_gpt_oss_with_mxfp4_experts_matches_transformers_on_the_dequantized_weig
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
         "lm_head"]}
     (folder / "config.json").write_text(json.dumps(config))
+    return folder, ref
 
+
+def test_gpt_oss_with_mxfp4_experts_matches_transformers_on_the_dequantized_weights(
+        tmp_path, smollm_oracle_folder):
+    """The experts' blocks and scales stay packed (4.25 bits a weight) and the model equals
+    transformers given the weights they decode to: prompt logprobs within 1e-4, greedy tokens."""
+    from octavo import LLM, SamplingParams
+
+    folder, ref = mxfp4_gpt_oss(tmp_path, smollm_oracle_folder)
     prompt = torch.randint(100, 49000, (90,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         ref_lp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].float(), -1)

@@ -179,6 +179,8 @@ TORCH_LIBRARY(octavo, m) {
         "Tensor scale_lut, int block) -> Tensor");
   m.def("microscaled_dequantize(Tensor codes, Tensor scales, Tensor code_lut, Tensor scale_lut, "
         "int block, int first, int count) -> Tensor");
+  m.def("microscaled_tiled_linear(Tensor x, Tensor codes, Tensor scales, Tensor code_lut, "
+        "Tensor scale_lut, int block) -> Tensor");
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecodeStack::add_layer)
@@ -208,6 +210,7 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("int8_tiled_linear", &int8_tiled_linear);
   m.impl("microscaled_gemv", &microscaled_gemv);
   m.impl("microscaled_dequantize", &microscaled_dequantize);
+  m.impl("microscaled_tiled_linear", &microscaled_tiled_linear);
   m.impl("lora_apply", [](at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b,
                           std::vector<int64_t> bounds, at::Tensor used, at::Tensor token_slot) {
     lora_apply(y, x, a, b, bounds, used, token_slot);

@@ -104,7 +104,8 @@ class DecodeStack : public torch::CustomClassHolder {
                    std::vector<std::optional<at::Tensor>> bias, std::vector<std::string> low_bit,
                    std::vector<std::optional<at::Tensor>> low_a,
                    std::vector<std::optional<at::Tensor>> low_b,
-                   std::vector<std::optional<at::Tensor>> low_c, std::vector<int64_t> out,
+                   std::vector<std::optional<at::Tensor>> low_c,
+                   std::vector<std::optional<at::Tensor>> low_d, std::vector<int64_t> out,
                    std::vector<int64_t> max_rows,
                    std::vector<std::optional<at::Tensor>> lora_a,
                    std::vector<std::optional<at::Tensor>> lora_b,
@@ -113,14 +114,14 @@ class DecodeStack : public torch::CustomClassHolder {
     StackLayer& l = building();
     const size_t count = dense.size();
     for (size_t n : {bias.size(), low_bit.size(), low_a.size(), low_b.size(), low_c.size(),
-                     out.size(), max_rows.size(), lora_a.size(), lora_b.size(), lora_used.size(),
+                     low_d.size(), out.size(), max_rows.size(), lora_a.size(), lora_b.size(), lora_used.size(),
                      lora_bounds.size()})
       TORCH_CHECK(n == count, "one entry per linear layer in each of its fields");
     TORCH_CHECK(count >= 4, "a layer has qkv, o and an MLP");
     l.linears.clear();
     for (size_t i = 0; i < count; ++i) {
-      l.linears.emplace_back(dense[i], bias[i], low_bit[i], low_a[i], low_b[i], low_c[i], out[i],
-                             max_rows[i]);
+      l.linears.emplace_back(dense[i], bias[i], low_bit[i], low_a[i], low_b[i], low_c[i],
+                             low_d[i], out[i], max_rows[i]);
       TORCH_CHECK(lora_a[i].has_value() == lora_b[i].has_value() &&
                   lora_a[i].has_value() == lora_used[i].has_value(),
                   "LoRA slots come as A, B and their use");

@@ -8,9 +8,9 @@
 // microscaled_gemv: x [M, K] (M small: decode) times the weight, the codes read once for every
 // row of x: each block decoded into floats once, then dotted with each row's block and scaled
 // (e2m1 codes with AVX2: sixteen at a time by a byte shuffle, the rest by the table).
-// microscaled_dequantize: rows of the weight as floats, for the dense GEMM of large batches
-// (octavo/model/quant/microscaled.py multiplies them a tile of rows at a time).
-// Included by cpu_ops.cpp only.
+// microscaled_dequantize: rows of the weight as floats; microscaled_tiled_linear: large batches
+// (prefill), the weight dequantized a tile of rows at a time into the dense GEMM.
+// Included by cpu_ops.cpp only, after dequant.h.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -262,4 +262,16 @@ at::Tensor microscaled_dequantize(at::Tensor codes, at::Tensor scales, at::Tenso
     }
   });
   return out;
+}
+
+// x [M, K] (bf16 or float32) times the weight -> [M, N] in x's dtype, tile by tile (dequant.h's
+// tiled_linear): what the Python layer and the decode stack run past the GEMV's rows.
+at::Tensor microscaled_tiled_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
+                                    at::Tensor code_lut, at::Tensor scale_lut, int64_t block) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "microscaled_tiled_linear: x must be [M, K] bf16 or float32");
+  return tiled_linear(x.contiguous(), codes.size(0), 1, [&](int64_t first, int64_t count) {
+    return microscaled_dequantize(codes, scales, code_lut, scale_lut, block, first, count)
+        .to(x.scalar_type());
+  });
 }

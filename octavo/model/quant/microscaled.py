@@ -8,8 +8,8 @@ layout).
 A weight keeps its bytes: 4.25 bits a weight for MXFP4 (the codes and one scale byte per 32).
 Small batches (decode) run csrc/microscaled.h's GEMV, which decodes each block once for every
 row; larger ones dequantize a tile of rows at a time into the activation dtype for the dense GEMM
-(PackedWeight.tiled_matmul), the whole matrix never dequantized at once. Without the C++ kernels
-the same tables decode in torch.
+(microscaled_tiled_linear), the whole matrix never dequantized at once. The decode stack runs the
+same two kernels. Without the C++ kernels the same tables decode in torch.
 
 Checkpoints: gpt-oss's MXFP4 experts (`quant_method: mxfp4`: `<proj>_blocks` [.., N, K / 32, 16]
 and `<proj>_scales` [.., N, K / 32], split per expert by model/models/gpt_oss.py) load through
@@ -79,9 +79,19 @@ class MicroscaledPacked(PackedWeight):
 
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
         if fused.native_active(x):
-            return fused.microscaled_gemv(x, self.codes, self.scales, self.code_lut,
-                                          self.scale_lut, self.block)
+            return fused.microscaled_gemv(x, *self.native_layout())
         return self.tiled_matmul(x)
+
+    def tiled_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.native_active(x) and x.dtype in (torch.bfloat16, torch.float32):
+            return fused.microscaled_tiled_linear(x, *self.native_layout())
+        return super().tiled_matmul(x)
+
+    def native_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                     int]:
+        """What the C++ kernels take: codes, scales, the codes' table, the scales' table (empty:
+        float32 scales) and the block."""
+        return self.codes, self.scales, self.code_lut, self.scale_lut, self.block
 
     def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         if fused.native_active(self.codes):
