@@ -186,9 +186,11 @@ def int4_int8_gemm_ready(dtype: torch.dtype) -> bool:
 
 def panel_ready(dtype: torch.dtype) -> bool:
     """Whether octavo's int4 kernel and int8 GEMV outrun the tiles at every batch of `dtype`
-    activations: float32 ones where bf16 is not native (AVX2), where past a few rows they
-    multiply them with a float32 panel of each block of 16 weight rows (csrc/panel_gemm.h)."""
-    return int4_gemm_ready(dtype) and dtype == torch.float32 and not cpu_platform().native_bf16
+    activations, where past a few rows they multiply them with a float32 panel of each block of
+    16 weight rows (csrc/panel_gemm.h): float32 ones, measured on AVX2 (Zen 2) and AVX-512 (Zen
+    4) CPUs. Not on AMX CPUs, unmeasured there: their float32 GEMM has two full 512-bit FMA units
+    against the panel's 256-bit FMAs."""
+    return int4_gemm_ready(dtype) and dtype == torch.float32 and not cpu_platform().amx
 
 
 def int4_int16_gemm_ready(dtype: torch.dtype) -> bool:
