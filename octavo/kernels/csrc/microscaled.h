@@ -34,6 +34,9 @@ struct MicroscaledLayout {
   }
 };
 
+// decode8_e4m3's and decode16_e4m3's values times this are e4m3's.
+constexpr float kE4m3Rescale = 256.f;
+
 // e2m1's values times 2 are the integers 0, 1, 2, 3, 4, 6, 8, 12 and their negatives.
 constexpr float kE2m1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                              -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
@@ -57,21 +60,16 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-// 8 float8_e4m3fn bytes as 8 floats: sign, exponent + 120 and mantissa moved into float32's
-// fields; an exponent of 0 (subnormal: mantissa x 2^-9) computed as a float and signed.
+// 8 float8_e4m3fn bytes as floats times 2^-8: each byte becomes a float16 (the sign kept, the
+// exponent and mantissa shifted one bit down: float16's exponent bias is 8 more than e4m3's),
+// which widens exactly, subnormals included (F16C). The scale takes kE4m3Rescale. (Zen 4, one
+// thread, AVX2 build: half the time of placing the fields into float32's, with a float path for
+// subnormals.)
 inline __m256 decode8_e4m3(const uint8_t* c) {
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
-  const __m256i exp = _mm256_and_si256(_mm256_srli_epi32(v, 3), _mm256_set1_epi32(15));
-  const __m256i mant = _mm256_and_si256(v, _mm256_set1_epi32(7));
-  const __m256i normal = _mm256_or_si256(
-      sign, _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(exp, _mm256_set1_epi32(120)), 23),
-                            _mm256_slli_epi32(mant, 20)));
-  const __m256 sub = _mm256_or_ps(
-      _mm256_mul_ps(_mm256_cvtepi32_ps(mant), _mm256_set1_ps(1.f / 512.f)),
-      _mm256_castsi256_ps(sign));
-  const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpeq_epi32(exp, _mm256_setzero_si256()));
-  return _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub, is_sub);
+  const __m128i high = _mm_slli_epi16(
+      _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))), 8);
+  return _mm256_cvtph_ps(
+      _mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16(static_cast<short>(0xBFFF))));
 }
 
 // Rows [begin, end) of the product for up to 8 rows of x at a time: each run of `Step` codes
@@ -117,9 +115,10 @@ inline void e2m1_gemv_rows(const MicroscaledLayout& w, const float* xp, int64_t 
 
 inline void e4m3_gemv_rows(const MicroscaledLayout& w, const float* xp, int64_t m, float* op,
                            int64_t begin, int64_t end) {
-  simd_gemv_rows<8>(w, xp, m, op, begin, end, 1.f, [&](int64_t n, int64_t j, __m256* v) {
-    v[0] = decode8_e4m3(w.codes + n * w.k + j);
-  });
+  simd_gemv_rows<8>(w, xp, m, op, begin, end, kE4m3Rescale,
+                    [&](int64_t n, int64_t j, __m256* v) {
+                      v[0] = decode8_e4m3(w.codes + n * w.k + j);
+                    });
 }
 #endif
 
@@ -283,7 +282,7 @@ at::Tensor microscaled_dequantize(at::Tensor codes, at::Tensor scales, at::Tenso
           continue;
         }
         if (w.e4m3) {
-          const __m256 vs = _mm256_set1_ps(s);
+          const __m256 vs = _mm256_set1_ps(kE4m3Rescale * s);
           for (int64_t j = 0; j < w.block; j += 8)
             _mm256_storeu_ps(dst + j, _mm256_mul_ps(
                 decode8_e4m3(w.codes + n * w.k + b * w.block + j), vs));

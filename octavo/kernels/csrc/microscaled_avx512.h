@@ -17,9 +17,7 @@ inline __m512 decode16_nibbles(const uint8_t* c, __m512 table) {
   return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table);
 }
 
-// 16 float8_e4m3fn bytes as floats times 2^-8: each byte becomes a float16 (the sign kept, the
-// exponent and mantissa shifted one bit down: float16's exponent bias is 8 more than e4m3's),
-// which widens exactly, subnormals included. The scale takes the 2^8.
+// 16 float8_e4m3fn bytes as floats times 2^-8, as decode8_e4m3 (microscaled.h) makes them.
 inline __m512 decode16_e4m3(const uint8_t* c) {
   const __m256i high = _mm256_slli_epi16(
       _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))), 8);
@@ -66,7 +64,7 @@ struct NibblePairDecode {
 struct E4m3Decode {
   const uint8_t* codes;
   int64_t k;
-  static constexpr float rescale = 256.f;
+  static constexpr float rescale = kE4m3Rescale;
   static constexpr bool deinterleaved = false;
   __m512 operator()(int64_t n, int64_t j) const { return decode16_e4m3(codes + n * k + j); }
   void pair(int64_t n, int64_t j, __m512& v0, __m512& v1) const {
