@@ -204,7 +204,7 @@ at::Tensor microscaled_gemv(at::Tensor x, at::Tensor codes, at::Tensor scales,
       });
     };
     if (w.bits == 4 && w.block % 32 == 0)
-      gemv(NibblePairDecode{w.codes, w.k, _mm512_loadu_ps(w.code_lut)},
+      gemv(NibblePairDecode{{w.codes, w.k, _mm512_loadu_ps(w.code_lut)}},
            deinterleave32(xp, m, w.k).data());
     else
       with_decode16(w, [&](const auto& decode) { gemv(decode, xp); });

@@ -47,11 +47,7 @@ struct NibbleDecode {
 // their odd ones: deinterleave32): 16 bytes widened to 32-bit lanes once index the table by
 // their low nibbles (vpermps reads an index's low 4 bits) and, shifted, by their high ones. Half
 // the shuffles of decode16_nibbles' input order.
-struct NibblePairDecode {
-  const uint8_t* codes;
-  int64_t k;
-  __m512 table;
-  static constexpr float rescale = 1.f;
+struct NibblePairDecode : NibbleDecode {
   static constexpr bool deinterleaved = true;
   void pair(int64_t n, int64_t j, __m512& even, __m512& odd) const {
     const __m512i bytes = _mm512_cvtepu8_epi32(
