@@ -149,8 +149,8 @@ def _weight_reason(lin: Linear | torch.Tensor, dtype: torch.dtype) -> str | None
 def _row_limit(lin: Linear | torch.Tensor) -> int | None:
     """The most rows the stack computes of `lin` as its Python layer does (None: any)."""
     dense, low = _forms(lin)
-    if dense is not None or isinstance(low, (Int8Grouped, MicroscaledPacked)) \
-            or _kind(low) in INT4_LAYOUT_KINDS:
+    if (dense is not None or isinstance(low, (Int8Grouped, MicroscaledPacked))
+            or _kind(low) in INT4_LAYOUT_KINDS):
         return None  # above its kernel's rows: the dense weight, or the packed one's tiles
     # The Python layer runs torch's int8 kernel for per-channel int8 above 8 rows, and tiles
     # above torch's int4 kernel's rows: the stack has neither.

@@ -114,8 +114,8 @@ class DecodeStack : public torch::CustomClassHolder {
     StackLayer& l = building();
     const size_t count = dense.size();
     for (size_t n : {bias.size(), low_bit.size(), low_a.size(), low_b.size(), low_c.size(),
-                     low_d.size(), out.size(), max_rows.size(), lora_a.size(), lora_b.size(), lora_used.size(),
-                     lora_bounds.size()})
+                     low_d.size(), out.size(), max_rows.size(), lora_a.size(), lora_b.size(),
+                     lora_used.size(), lora_bounds.size()})
       TORCH_CHECK(n == count, "one entry per linear layer in each of its fields");
     TORCH_CHECK(count >= 4, "a layer has qkv, o and an MLP");
     l.linears.clear();

@@ -128,7 +128,6 @@ inline void e4m3_gemv_rows(const MicroscaledLayout& w, const float* xp, int64_t 
 
 namespace {
 
-
 // One block of row n decoded into `out` (`block` floats), unscaled.
 inline void decode_block(const MicroscaledLayout& w, int64_t n, int64_t b, float* out) {
   if (w.bits == 4) {
