@@ -37,6 +37,7 @@ GGUF_ARCHITECTURES = {
     "gpt-oss": "GptOssForCausalLM",
     "llama4": "Llama4ForCausalLM",
     "deepseek2": "DeepseekV2ForCausalLM",  # V3's when the file has its score correction
+    "qwen3next": "Qwen3NextForCausalLM",
 }
 # ... and the one it registers under when the file holds stacked expert tensors.
 GGUF_EXPERT_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
@@ -475,6 +476,8 @@ def _from_gguf(source: ModelSource) -> ArchConfig:
         cfg.update(_gguf_llama4(meta, num_layers, need))
     elif arch == "deepseek2":
         cfg.update(_gguf_deepseek2(meta, tensors, cfg, need))
+    elif arch == "qwen3next":
+        cfg.update(_gguf_qwen3next(tensors, num_layers, need))
     elif arch == "gpt2":
         pos = tensors.get("position_embd.weight")
         if pos is None:
@@ -482,8 +485,9 @@ def _from_gguf(source: ModelSource) -> ArchConfig:
         cfg.update(hidden_act="gelu_new", max_position_embeddings=int(pos.shape[1]))
     if arch in GGUF_EXPERT_ARCHITECTURES and "blk.0.ffn_gate_exps.weight" in tensors:
         cfg["architecture"] = GGUF_EXPERT_ARCHITECTURES[arch]
-    if arch in ("qwen2moe", "qwen3moe") or cfg["architecture"] == "MixtralForCausalLM":
-        cfg["extra"] = _gguf_experts(arch, meta, tensors, need)
+    if arch in ("qwen2moe", "qwen3moe", "qwen3next") or \
+            cfg["architecture"] == "MixtralForCausalLM":
+        cfg["extra"] = {**cfg.get("extra", {}), **_gguf_experts(arch, meta, tensors, need)}
     return ArchConfig(**cfg)
 
 
@@ -540,6 +544,28 @@ def _gguf_deepseek2(meta: dict[str, Any], tensors: dict[str, Any], cfg: dict[str
                 rope_scaling=scaling, extra=extra)
 
 
+def _gguf_qwen3next(tensors: dict[str, Any], num_layers: int,
+                    need: Callable[[str], Any]) -> dict[str, Any]:
+    """Qwen3-Next as llama.cpp writes it: the linear layers' sizes as ssm.* keys (state_size is
+    a key head's width, group_count the key heads, time_step_rank the value heads, inner_size
+    all value features), full attention every full_attention_interval-th layer, and dense
+    layers where a layer has no router. Newer converters split the linear layers' projection
+    into q | k | v of all heads (attn_qkv) and z (attn_gate); older ones keep Hugging Face's
+    grouped in_proj_qkvz (ssm_in): `linear_qkvz_split` tells GatedDeltaNet which it reads."""
+    every = need("full_attention_interval")
+    v_heads = need("ssm.time_step_rank")
+    return dict(
+        layer_types=tuple(LINEAR if (i + 1) % every else FULL for i in range(num_layers)),
+        extra={"linear_conv_kernel_dim": need("ssm.conv_kernel"),
+               "linear_key_head_dim": need("ssm.state_size"),
+               "linear_num_key_heads": need("ssm.group_count"),
+               "linear_num_value_heads": v_heads,
+               "linear_value_head_dim": need("ssm.inner_size") // v_heads,
+               "linear_qkvz_split": any(n.endswith(".attn_gate.weight") for n in tensors),
+               "mlp_only_layers": [i for i in range(num_layers)
+                                   if f"blk.{i}.ffn_gate_inp.weight" not in tensors]})
+
+
 def _gguf_experts(arch: str, meta: dict[str, Any], tensors: dict[str, Any],
                   need: Callable[[str], Any]) -> dict[str, Any]:
     """The MoE settings under the names the Hugging Face configs (and octavo's MoE file) use."""
@@ -557,7 +583,7 @@ def _gguf_experts(arch: str, meta: dict[str, Any], tensors: dict[str, Any],
     extra["moe_intermediate_size"] = (meta.get(f"{arch}.expert_feed_forward_length")
                                       or rows("blk.0.ffn_gate_exps.weight")
                                       or need("expert_feed_forward_length"))
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "qwen3next"):
         extra["shared_expert_intermediate_size"] = (
             meta.get(f"{arch}.expert_shared_feed_forward_length")
             or rows("blk.0.ffn_gate_shexp.weight") or need("expert_shared_feed_forward_length"))

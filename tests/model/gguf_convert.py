@@ -3,12 +3,12 @@
 It lays tensors and metadata out the way llama.cpp's converter does, taking tensor names from the
 gguf package's own TensorNameMap (so octavo's loader is checked against the names real files
 use, not against its own table): q/k rows permuted for the llama and granite architectures,
-their scales as Granite's and Cohere's keys, Gemma norms stored
-as 1 + w, GPT-2's Conv1D weights transposed to [out, in] and its head written as a copy of the
-embedding, GPT-NeoX's per-head q/k/v regrouped into q | k | v, MoE experts stacked per
-projection (gpt-oss's gate and up columns split), the shared-expert gate as a vector, and RoPE
-factors as tensors (rope_freqs for Llama 3 scaling, rope_factors_long/short for Phi-3's
-longrope) or keys (YaRN).
+their scales as Granite's and Cohere's keys, Gemma's and Qwen3-Next's norms stored as 1 + w,
+Qwen3-Next's linear layers as _qwen3next_linear describes, GPT-2's Conv1D weights transposed
+to [out, in] and its head written as a copy of the embedding, GPT-NeoX's per-head q/k/v
+regrouped into q | k | v, MoE experts stacked per projection (gpt-oss's gate and up columns
+split), the shared-expert gate as a vector, and RoPE factors as tensors (rope_freqs for Llama 3
+scaling, rope_factors_long/short for Phi-3's longrope) or keys (YaRN).
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ _ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen3": gguf.MODEL_ARCH.QWEN3,
           "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2,
           "starcoder2": gguf.MODEL_ARCH.STARCODER2, "command-r": gguf.MODEL_ARCH.COMMAND_R,
           "glm4": gguf.MODEL_ARCH.GLM4, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS,
-          "llama4": gguf.MODEL_ARCH.LLAMA4, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2}
+          "llama4": gguf.MODEL_ARCH.LLAMA4, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
+          "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT}
 # llama.cpp's converter permutes q/k rows for these (its LlamaModel and subclasses); Cohere and
 # GLM-4 rotate adjacent pairs in Hugging Face's layout already, which llama.cpp reads as it is.
 _INTERLEAVED = ("llama", "granite")
@@ -97,6 +98,13 @@ def _metadata(w: gguf.GGUFWriter, arch: str, c, head_dim: int) -> None:
         w.add_expert_feed_forward_length(c.intermediate_size)
     if arch == "llama4":
         w.add_interleave_moe_layer_step(c.interleave_moe_layer_step)
+    if arch == "qwen3next":  # the linear layers' sizes as llama.cpp's ssm keys
+        w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+        w.add_ssm_state_size(c.linear_key_head_dim)
+        w.add_ssm_group_count(c.linear_num_key_heads)
+        w.add_ssm_time_step_rank(c.linear_num_value_heads)
+        w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+        w.add_full_attention_interval(c.full_attention_interval)
     if rope.get("rope_type") == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
@@ -121,8 +129,9 @@ def _metadata(w: gguf.GGUFWriter, arch: str, c, head_dim: int) -> None:
             math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
 
 
-def _tensors(arch: str, model) -> dict[str, np.ndarray]:
-    """The model's tensors under GGUF names, in llama.cpp's layouts."""
+def _tensors(arch: str, model, split_qkvz: bool = True) -> dict[str, np.ndarray]:
+    """The model's tensors under GGUF names, in llama.cpp's layouts (Qwen3-Next's linear
+    projection split as newer converters write it, or whole as older ones did)."""
     c = model.config
     names = gguf.get_tensor_name_map(_ARCHS[arch], c.num_hidden_layers)
     heads, kv_heads = c.num_attention_heads, getattr(c, "num_key_value_heads", None)
@@ -142,6 +151,8 @@ def _tensors(arch: str, model) -> dict[str, np.ndarray]:
         elif arch == "deepseek2" and name.endswith(("kv_b_proj.weight",
                                                     "e_score_correction_bias")):
             parts = _deepseek2_tensor(name, t, c)
+        elif arch == "qwen3next" and ".linear_attn." in name:
+            parts = _qwen3next_linear(name, t, c, split_qkvz)
         elif name.endswith("self_attn.sinks"):
             parts = {name + ".weight": t}
         elif name.endswith("experts.down_proj"):  # [E, H, I], stacked as in the GGUF
@@ -158,7 +169,8 @@ def _tensors(arch: str, model) -> dict[str, np.ndarray]:
                 raise KeyError(f"gguf has no name for {hf} ({arch})")
             if arch in _INTERLEAVED and gname.endswith(("attn_q.weight", "attn_k.weight")):
                 t = _interleave(t, heads if "attn_q" in gname else kv_heads)
-            elif arch == "gemma3" and hf.endswith("norm.weight"):
+            elif hf.endswith("norm.weight") and (
+                    arch == "gemma3" or (arch == "qwen3next" and ".linear_attn." not in hf)):
                 t = t + 1
             elif arch == "gptneox" and "attn_qkv" in gname:  # [head][q|k|v] -> [q|k|v][head]
                 t = t.reshape(heads, 3, -1, *t.shape[1:]).swapaxes(0, 1).reshape(t.shape)
@@ -214,6 +226,27 @@ def _deepseek2_tensor(name: str, t: np.ndarray, c) -> dict[str, np.ndarray]:
     return {name.replace("e_score_correction_bias", "e_score_correction.bias"): t}
 
 
+def _qwen3next_linear(name: str, t: np.ndarray, c, split_qkvz: bool) -> dict[str, np.ndarray]:
+    """A Qwen3-Next linear layer's tensor as llama.cpp's converter writes it: A as -exp(A_log),
+    dt_bias as dt_proj's bias, the conv squeezed to [channels, kernel], and in_proj_qkvz's
+    rows (grouped per key head) split into q | k | v of all heads and z."""
+    if name.endswith(".A_log"):
+        return {name: -np.exp(t)}
+    if name.endswith(".dt_bias"):
+        return {name.replace("dt_bias", "dt_proj.bias"): t}
+    if name.endswith("conv1d.weight"):
+        return {name: t.squeeze(1)}
+    if not name.endswith("in_proj_qkvz.weight") or not split_qkvz:
+        return {name: t}
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+    per = c.linear_num_value_heads // c.linear_num_key_heads
+    grouped = t.reshape(c.linear_num_key_heads, -1, t.shape[-1])
+    q, k, v, z = np.split(grouped, np.cumsum([dk, dk, per * dv])[:3], axis=1)
+    flat = [a.reshape(-1, t.shape[-1]) for a in (q, k, v, z)]
+    return {name.replace("qkvz", "qkv"): np.concatenate(flat[:3]),
+            name.replace("qkvz", "z"): flat[3]}
+
+
 def _gpt_oss_experts(name: str, t: np.ndarray) -> dict[str, np.ndarray]:
     """gpt-oss's stacked experts as llama.cpp's converter splits them: gate and up apart (the
     even and odd columns), weights as [E, out, in]."""
@@ -229,14 +262,15 @@ def _gpt_oss_experts(name: str, t: np.ndarray) -> dict[str, np.ndarray]:
     return {base + "down_proj.bias": t}
 
 
-def write_gguf(path, arch: str, model, qtypes=None) -> None:
+def write_gguf(path, arch: str, model, qtypes=None, split_qkvz: bool = True) -> None:
     """Write `model` (a transformers model) as a GGUF of architecture `arch`: float32, or the
     GGML type `qtypes(gguf name)` gives a tensor (None: float32; K-quants by the reference
-    quantizer of test_gguf_kquants, the others by the gguf package's)."""
+    quantizer of test_gguf_kquants, the others by the gguf package's); `split_qkvz`: see
+    _qwen3next_linear."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, arch, c, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    for name, t in _tensors(arch, model).items():
+    for name, t in _tensors(arch, model, split_qkvz).items():
         qtype = qtypes(name) if qtypes is not None else None
         if qtype is None:
             w.add_tensor(name, t)

@@ -17,10 +17,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.gguf_convert import write_gguf
+from tests.model.gguf_convert import _tensors, write_gguf
 
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+_QWEN3_NEXT = dict(layer_types=["linear_attention", "full_attention"], full_attention_interval=2,
+                   head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=48, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                   pad_token_id=0)
 
 # name: (GGUF architecture, transformers config and model classes, config, octavo's architecture)
 CASES = {
@@ -82,6 +88,10 @@ CASES = {
                             "mscale": 0.707, "mscale_all_dim": 0.707,
                             "original_max_position_embeddings": 64}},
         "DeepseekV3ForCausalLM"),
+    # a linear layer (its projection split into attn_qkv and attn_gate, A as -exp(A_log), the
+    # conv squeezed) and a gated attention layer, norms as 1 + w, Qwen2-MoE's experts
+    "qwen3-next": ("qwen3next", "Qwen3NextConfig", "Qwen3NextForCausalLM", _QWEN3_NEXT,
+                   "Qwen3NextForCausalLM"),
 }
 
 
@@ -196,3 +206,31 @@ def test_gpt_oss_gguf_keeps_its_mxfp4_experts(tmp_path, smollm_oracle_folder):
     packed = experts.quantized[0][0].weights.packed
     assert isinstance(packed, MicroscaledPacked) and packed.codes.numel() * 2 == \
         packed.out_features * packed.in_features
+
+
+def test_qwen3_next_gguf_whole_projection_and_q8_0(tmp_path, smollm_oracle_folder):
+    """Qwen3-Next as older converters wrote it (the linear layers' in_proj_qkvz whole, as
+    ssm_in), its matrices in Q8_0 but the routers (llama.cpp's quantizer keeps them float):
+    octavo keeps their codes and equals transformers on the Q8_0-rounded weights."""
+    import gguf
+    import gguf.quants
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    model = _build("qwen3-next")
+    with torch.no_grad():  # every matrix as Q8_0 rounds it, along its inputs
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and p.shape[-1] % 32 == 0 and "conv1d" not in name \
+                    and "embed" not in name and "mlp.gate." not in name:
+                t = p.reshape(-1, p.shape[-1]).numpy()
+                back = gguf.quants.dequantize(gguf.quants.quantize(t, q8), q8)
+                p.copy_(torch.from_numpy(back).reshape(p.shape))
+    path = tmp_path / "qwen3-next.gguf"
+    matrices = {n for n, t in _tensors("qwen3next", model, split_qkvz=False).items()
+                if n.startswith("blk.") and t.ndim >= 2 and t.shape[-1] % 32 == 0
+                and "conv1d" not in n and "ffn_gate_inp." not in n}
+    write_gguf(path, "qwen3next", model, split_qkvz=False,
+               qtypes=lambda n: q8 if n in matrices else None)
+    llm = _compare(path, model, smollm_oracle_folder)
+    layer = llm.engine.client.core.executor.worker.runner.model.model.layers[0]
+    assert not layer.linear_attn.qkvz_split
+    assert layer.linear_attn.in_proj_qkvz.weights.packed is not None

@@ -58,7 +58,12 @@ class GatedDeltaNet(nn.Module):
         self.kernel = cfg.extra.get("linear_conv_kernel_dim") or 4
         key, value = self.k_heads * self.dk, self.v_heads * self.dv
         self.conv_dim = 2 * key + value
-        self.in_proj_qkvz = Linear(cfg.hidden_size, [2 * key + 2 * value])
+        # Hugging Face's checkpoints group the projection's rows per key head (its q, k, then
+        # its value heads' v and z); llama.cpp's converter writes q | k | v of all heads and z
+        # apart, which load as the two slots of the same Linear.
+        self.qkvz_split = bool(cfg.extra.get("linear_qkvz_split"))
+        self.in_proj_qkvz = Linear(cfg.hidden_size, [self.conv_dim, value] if self.qkvz_split
+                                   else [2 * key + 2 * value])
         self.in_proj_ba = Linear(cfg.hidden_size, [2 * self.v_heads])
         self.conv1d = nn.Module()  # the checkpoint's conv1d.weight [conv_dim, 1, K]
         self.conv1d.weight = nn.Parameter(torch.zeros(self.conv_dim, 1, self.kernel),
@@ -115,9 +120,12 @@ class GatedDeltaNet(nn.Module):
         """x [T, hidden] -> the convolution's input [T, conv_dim] (all q, then k, then v), z
         [T, v_heads, d_v], beta and g [T, v_heads] in float32."""
         t, per = x.shape[0], self.v_heads // self.k_heads
-        mixed = self.in_proj_qkvz(x).view(t, self.k_heads, -1)  # grouped per key head
-        q, k, v, z = mixed.split([self.dk, self.dk, per * self.dv, per * self.dv], dim=-1)
-        qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        if self.qkvz_split:
+            qkv, z = self.in_proj_qkvz(x).split([self.conv_dim, self.v_heads * self.dv], dim=-1)
+        else:
+            mixed = self.in_proj_qkvz(x).view(t, self.k_heads, -1)  # grouped per key head
+            q, k, v, z = mixed.split([self.dk, self.dk, per * self.dv, per * self.dv], dim=-1)
+            qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         b, a = self.in_proj_ba(x).view(t, self.k_heads, 2 * per).split([per, per], dim=-1)
         beta = b.reshape(t, self.v_heads).sigmoid().float()  # in the model dtype, as trained
         g = -self.A_log.float().exp() * F.softplus(a.reshape(t, self.v_heads).float()

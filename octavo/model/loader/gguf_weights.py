@@ -2,8 +2,9 @@
 
 llama.cpp's converter renames every tensor (blk.N.attn_q, ...), stacks each MoE layer's experts
 into one tensor per projection, and changes some layouts: q/k rows permuted for llama's
-interleaved RoPE, Gemma's norms stored as 1 + w, GPT-2's Conv1D weights transposed, GPT-NeoX's
-per-head q/k/v regrouped into q | k | v. This module undoes each, so a model file loads a GGUF
+interleaved RoPE, Gemma's and Qwen3-Next's norms stored as 1 + w, GPT-2's Conv1D weights
+transposed, GPT-NeoX's per-head q/k/v regrouped into q | k | v, Qwen3-Next's A_log stored as
+-exp(A_log) and its conv squeezed. This module undoes each, so a model file loads a GGUF
 exactly as it loads the Hugging Face checkpoint. RoPE factor tensors (rope_freqs,
 rope_factors_long/short) are read into the ArchConfig instead (see arch_config).
 
@@ -111,16 +112,28 @@ _LAYOUTS["DeepseekV3ForCausalLM"] = _LAYOUTS["DeepseekV2ForCausalLM"]
 _LAYOUTS["GptOssForCausalLM"] = ("model.layers", {
     **_experts("mlp", "gate_proj", "up_proj", "down_proj"), "ffn_gate_inp": "mlp.router",
     "attn_sinks": "self_attn.sinks"}, _LLAMA_GLOBAL)
+# Qwen3-Next: Qwen2-MoE's experts; the linear layers' projections, conv, gated norm, and their
+# per-head A (stored as -exp(A_log)) and dt bias, which are parameters of their own
+_LAYOUTS["Qwen3NextForCausalLM"] = ("model.layers", {
+    **_LAYOUTS["Qwen2MoeForCausalLM"][1],
+    **{g: f"linear_attn.{h}" for g, h in (
+        ("attn_qkv", "in_proj_qkv"), ("attn_gate", "in_proj_z"), ("ssm_in", "in_proj_qkvz"),
+        ("ssm_ba", "in_proj_ba"), ("ssm_conv1d", "conv1d"), ("ssm_norm", "norm"),
+        ("ssm_out", "out_proj"), ("ssm_a", "A_log"), ("ssm_dt", "dt_bias"))}}, _LLAMA_GLOBAL)
+# GGUF parts that name a parameter, not a module: its .bias (or no suffix) is the parameter
+_PARAMETERS = {"ssm_a", "ssm_dt"}
 # Llama, Mistral, Qwen2, Qwen3, Granite, OLMo 2 (post-norms only), Cohere
 _DEFAULT_LAYOUT = ("model.layers", _LLAMA, _LLAMA_GLOBAL)
-_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")
 # Read into ArchConfig.rope_scaling, not parameters.
 _ROPE_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 # Architectures whose converter permuted q/k rows for llama.cpp's interleaved RoPE.
 _PERMUTED_QK = {"llama", "mistral", "granite"}
-# Architectures whose RMSNorm scales by (1 + w): llama.cpp's converter stores 1 + w.
-_NORM_PLUS_ONE = {"gemma2", "gemma3"}
+# Architectures whose RMSNorm scales by (1 + w): llama.cpp's converter stores 1 + w. Qwen3-Next's
+# gated norm in its linear layers scales by w, and is stored as it is.
+_NORM_PLUS_ONE = {"gemma2", "gemma3", "qwen3next"}
+_PLAIN_NORMS = ("linear_attn.norm.weight",)
 _CONV1D = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")  # GPT-2's [in, out] weights
 
 
@@ -130,9 +143,11 @@ def hf_name(gguf_name: str, architecture: str) -> str:
     m = _BLOCK.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        if part not in layer_names:
+        if part not in layer_names or (kind is None and part not in _PARAMETERS):
             raise ValueError(f"GGUF tensor {gguf_name} has no known Hugging Face name "
                              f"({architecture})")
+        if part in _PARAMETERS:
+            return f"{prefix}.{layer}.{layer_names[part]}"
         return f"{prefix}.{layer}.{layer_names[part]}.{kind}"
     stem, _, kind = gguf_name.rpartition(".")
     if stem not in global_names:
@@ -149,8 +164,13 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _to_hf_layout(name: str, w: torch.Tensor, cfg: ArchConfig) -> torch.Tensor:
     """`w` (named `name`, Hugging Face style) in the layout of the Hugging Face checkpoint."""
     arch = cfg.gguf_arch
-    if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+    if arch in _NORM_PLUS_ONE and name.endswith("norm.weight") and \
+            not name.endswith(_PLAIN_NORMS):
         return w - 1
+    if arch == "qwen3next" and name.endswith(".A_log"):
+        return torch.log(-w)  # stored as A = -exp(A_log)
+    if arch == "qwen3next" and name.endswith(".conv1d.weight"):
+        return w.reshape(w.shape[0], 1, w.shape[1])  # stored squeezed: [channels, kernel]
     if arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
         return _unpermute(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
     if arch == "gptneox" and ".query_key_value." in name:

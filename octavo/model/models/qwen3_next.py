@@ -62,6 +62,10 @@ class Qwen3NextDecoderLayer(DecoderLayer):
 
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):
+    # a GGUF's linear layers: q | k | v and z apart, the two slots of in_proj_qkvz
+    packed_modules_mapping = {**LlamaForCausalLM.packed_modules_mapping,
+                              "in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1)}
+
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
         where = parallel_state.placement()
         if max(where.tp_size, where.pp_size, where.cp_size) > 1:
