@@ -231,13 +231,9 @@ def create_engine_core(config: EngineConfig, source: ModelSource, arch: ArchConf
 
 
 def _without_prefix_caching(config: EngineConfig, arch: ArchConfig) -> EngineConfig:
-    """A model with linear-attention layers keeps a running state per request, which neither
-    a cached prefix's blocks nor a rollback of rejected drafts can restore: prefix caching is
-    turned off (said in the log), speculative decoding refused."""
-    if config.speculative is not None:
-        raise NotImplementedError(f"speculative decoding with {arch.architecture}: its "
-                                  f"linear-attention states cannot be rolled back over "
-                                  f"rejected drafts")
+    """A model with linear-attention layers keeps a running state per request, which a cached
+    prefix's blocks cannot restore: prefix caching is turned off (said in the log). (Rejected
+    drafts are another matter: the state waits for the verdict, worker/spec/verified_spans.py.)"""
     if not config.cache.enable_prefix_caching:
         return config
     logger.info("prefix caching is off: %s's linear-attention layers keep a state per request "

@@ -37,6 +37,9 @@ class ForwardContext:
     # step (0: its state starts empty); None outside the runner's steps
     batch_rows: np.ndarray | None = None
     num_computed: np.ndarray | None = None
+    # each request's draft tokens at the end of its span (speculative decoding; None: no
+    # request has any): a recurrent state may not move past them before they are accepted
+    num_drafts: np.ndarray | None = None
 
 
 _current: list[ForwardContext] = []

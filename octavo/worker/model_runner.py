@@ -33,6 +33,7 @@ from octavo.worker.lora import LoRAManager, slots_of
 from octavo.worker.sampler import Sampler, SamplingBatch, gather_logprobs
 from octavo.worker.spec.draft import DraftModel
 from octavo.worker.spec.rejection import accept_drafts
+from octavo.worker.spec.verified_spans import VerifiedSpans
 
 
 @dataclass
@@ -67,6 +68,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         self.kv_caches: list[torch.Tensor] = []
         self.drafter: DraftModel | None = None  # draft-model speculative decoding
+        self.verified_spans = VerifiedSpans(model)  # recurrent states wait on verdicts
         self.lora: LoRAManager | None = None  # with --enable-lora
         self.pooling: dict[str, PoolingParams] = {}  # the pooling requests in the batch
         # a decoder's pooling request whose prompt runs in chunks: the hidden states and input
@@ -80,6 +82,7 @@ class ModelRunner:
             self.pooling_chunks.pop(req_id, None)
             if self.drafter is not None:
                 self.drafter.forget(req_id)
+            self.verified_spans.forget(req_id)
         for new in sched.new_requests:
             self.batch.add(new)
             if new.pooling_params is not None:
@@ -87,6 +90,7 @@ class ModelRunner:
             if new.lora_request is not None:
                 self.lora.register(new.lora_request)
         self.batch.update(sched.cached_requests)
+        self.verified_spans.settle(sched, self.batch)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -123,6 +127,10 @@ class ModelRunner:
         # the weights through the caches, and the first numpy calls after it run cold.
         entries = self._entries(sched, req_ids, rows, ends, sample_idx) if len(sample_idx) else None
         context.batch_rows, context.num_computed = rows, computed
+        if drafts:
+            context.num_drafts = np.fromiter((len(drafts.get(r, ())) for r in req_ids), np.int64,
+                                             len(req_ids))
+            self.verified_spans.hold(req_ids, rows, computed, context.num_drafts)
         if b.rows_with_lora:
             context.lora = self.lora.step(b.lora_id[rows][layout.req_of_token])
         input_ids_t = torch.from_numpy(input_ids).to(self.device)

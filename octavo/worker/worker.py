@@ -164,6 +164,11 @@ class Worker:
             raise ValueError(f"speculative_config.model {name!r} has a vocabulary of "
                              f"{arch.vocab_size} tokens, the target {self.arch.vocab_size}: a "
                              f"draft model must share the target's tokenizer")
+        if arch.linear_layers:
+            raise NotImplementedError(f"speculative_config.model {name!r} ({arch.architecture}) "
+                                      f"has linear-attention layers: a draft model's states "
+                                      f"are not kept yet; an n-gram drafter or a draft model "
+                                      f"without them works")
         if self.arch.all_layers_sliding:
             raise ValueError("speculative_config.model: a draft model with a target whose every "
                              "layer slides (blocks behind the window are freed) is not supported")

@@ -335,7 +335,7 @@ def test_qwen3_next_states_follow_their_requests(tmp_path, smollm_oracle_folder)
     prompt, one mid-output): every request that finishes gives transformers' tokens (rows
     taken over by later requests, and preempted requests started over, begin from an empty
     state), no row stays held, and the states' memory comes out of the KV cache's. Prefix
-    caching is off; speculative decoding is refused."""
+    caching is off."""
     folder, ref = _build(tmp_path, smollm_oracle_folder, "qwen3-next")
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(100, 49000, (int(n),), generator=gen).tolist()
@@ -373,9 +373,62 @@ def test_qwen3_next_states_follow_their_requests(tmp_path, smollm_oracle_folder)
         assert len(core.executor.worker.runner.batch.row_of) <= 1
     finally:
         llm.engine.shutdown()
-    with pytest.raises(NotImplementedError, match="rolled back"):
+
+
+def test_qwen3_next_states_move_over_accepted_drafts_only(tmp_path, smollm_oracle_folder):
+    """Speculation over linear-attention layers: each verified span is computed from the state
+    before it, and the state moves over the tokens the core keeps. A random model's greedy
+    tokens never repeat, so the n-gram proposer is replaced by one that proposes transformers'
+    next tokens with the first or second of them made wrong at some steps: drafts are then
+    accepted whole, in part and not at all, and every request gives transformers' greedy
+    tokens, batched, rows reused, one aborted while its span waits on the verdict. A draft
+    model with linear-attention layers is refused by name."""
+    folder, ref = _build(tmp_path, smollm_oracle_folder, "qwen3-next")
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(100, 49000, (int(n),), generator=gen).tolist()
+               for n in torch.randint(5, 40, (6,), generator=gen)]
+    with torch.inference_mode():
+        expected = [ref.generate(torch.tensor([p]), do_sample=False, max_new_tokens=16,
+                                 pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+    def propose(token_ids, max_drafts):
+        tokens = list(token_ids)
+        i = next(i for i, p in enumerate(prompts) if tokens[:len(p)] == p)
+        done = len(tokens) - len(prompts[i])
+        drafts = expected[i][done:done + min(3, max_drafts)]
+        wrong = done % 3 - 1  # 0: the first draft, 1: the second, -1: none
+        if 0 <= wrong < len(drafts):
+            drafts[wrong] += 1
+        return drafts
+
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_seqs=3,
+              kv_cache_memory=16 << 20,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        engine, params = llm.engine, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        scheduler = llm.engine.client.core.scheduler
+        scheduler.proposer.propose = propose
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        finished, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.outputs[0].token_ids
+            steps += 1
+            if steps == 4:
+                engine.abort_request("2")
+        for i, tokens in expected_pairs(finished, expected):
+            assert tokens == expected[i], i
+        assert len(finished) >= 5
+        drafted, accepted, _ = scheduler.spec_counts
+        assert 0 < accepted < drafted, (accepted, drafted)
+    finally:
+        llm.engine.shutdown()
+    with pytest.raises(NotImplementedError, match="linear-attention layers"):
         LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+            speculative_config={"method": "draft_model", "model": str(folder),
+                                "num_speculative_tokens": 2})
 
 
 def expected_pairs(finished, expected):

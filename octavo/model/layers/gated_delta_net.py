@@ -15,7 +15,12 @@ the layer's state buffers at the request's batch row (InputBatch), for as long a
 is in the batch: it starts empty at the request's first token (its row reused by a new request or
 by a preempted one started over), and is carried from one prompt chunk to the next. Prompt
 chunks run the chunked form of the recurrence (a triangular solve per chunk of 64 tokens: the
-same S and outputs as token by token); single-token steps are one batched update."""
+same S and outputs as token by token); single-token steps are one batched update.
+
+Speculative decoding: a span that ends in draft tokens is computed from the state before it,
+which stays as it was; the span's inputs are kept until the engine says how many of its tokens
+were accepted (`accept_span`, from worker/spec/verified_spans.py), and the state then moves
+over those alone (a short chunk), or they are dropped with the request (`drop_span`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -76,6 +81,9 @@ class GatedDeltaNet(nn.Module):
         # [v_heads, d_k, d_v] (float32); set by allocate_state
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        # batch row -> a verified span not yet accepted: its conv sequence (the window before
+        # it, then its inputs) and its convolved inputs, beta and g
+        self.spans: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of one request's state in this layer."""
@@ -98,6 +106,8 @@ class GatedDeltaNet(nn.Module):
         if len(fresh):
             self.conv_state[fresh] = 0
             self.ssm_state[fresh] = 0
+            for row in fresh.tolist():
+                self.spans.pop(row, None)
         t = x.shape[0]
         qkv, z, beta, g = self._project(x)
         out = torch.empty(t, self.v_heads, self.dv, dtype=torch.float32, device=x.device)
@@ -107,11 +117,17 @@ class GatedDeltaNet(nn.Module):
             state_rows = torch.from_numpy(rows[single]).to(x.device)
             conv = self._conv_step(qkv.index_select(0, tokens), state_rows)
             out[tokens] = self._recurrent_step(conv, beta[tokens], g[tokens], state_rows)
+        drafts = ctx.num_drafts
         for r in np.flatnonzero(layout.query_lens > 1):  # prompt chunks, one request at a time
             span = slice(int(layout.starts[r]), int(layout.ends[r]))
             row = int(rows[r])
-            conv = self._conv_chunk(qkv[span], row)
-            out[span] = self._chunked(conv, beta[span], g[span], row)
+            conv, seq = self._conv_chunk(qkv[span], row)
+            out[span], state = self._chunked(conv, beta[span], g[span], self.ssm_state[row])
+            if drafts is not None and drafts[r]:  # the state moves once the drafts are judged
+                self.spans[row] = (seq, conv, beta[span], g[span])
+            else:
+                self.conv_state[row] = seq[:, -(self.kernel - 1):]
+                self.ssm_state[row] = state
         h = self.norm(out.to(x.dtype).reshape(-1, self.dv), z.reshape(-1, self.dv))
         return self.out_proj(h.reshape(t, -1))
 
@@ -139,12 +155,24 @@ class GatedDeltaNet(nn.Module):
         self.conv_state[state_rows] = window[..., 1:]
         return F.silu((window * self.conv1d.weight.squeeze(1)).sum(-1))
 
-    def _conv_chunk(self, x: torch.Tensor, row: int) -> torch.Tensor:
-        """A request's tokens x [L, conv_dim] after its window -> the output [L, conv_dim]."""
-        seq = torch.cat([self.conv_state[row], x.t()], dim=-1)  # [C, K - 1 + L]
-        self.conv_state[row] = seq[:, -(self.kernel - 1):]
+    def accept_span(self, row: int, kept: int) -> None:
+        """Move `row`'s state over the first `kept` tokens of its verified span (the last
+        token before the drafts and the drafts accepted)."""
+        seq, conv, beta, g = self.spans.pop(row)
+        self.conv_state[row] = seq[:, kept:kept + self.kernel - 1]
+        _, self.ssm_state[row] = self._chunked(conv[:kept], beta[:kept], g[:kept],
+                                               self.ssm_state[row])
+
+    def drop_span(self, row: int) -> None:
+        self.spans.pop(row, None)
+
+    def _conv_chunk(self, x: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's tokens x [L, conv_dim] after its window -> the output [L, conv_dim], and
+        the window then the tokens [conv_dim, K - 1 + L] (after n of them, the window is the
+        K - 1 columns from n)."""
+        seq = torch.cat([self.conv_state[row], x.t()], dim=-1)
         out = F.conv1d(seq.unsqueeze(0), self.conv1d.weight, groups=self.conv_dim)[0]
-        return F.silu(out).t()
+        return F.silu(out).t(), seq
 
     def _heads(self, conv: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -168,15 +196,15 @@ class GatedDeltaNet(nn.Module):
         return torch.einsum("rhkv,rhk->rhv", s, q)
 
     def _chunked(self, conv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
-                 row: int) -> torch.Tensor:
-        """A request's prompt tokens from its state, CHUNK at a time: within a chunk, with
+                 s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's prompt tokens from its state `s` -> their outputs and the state after
+        them, CHUNK at a time: within a chunk, with
         gamma_t = exp(cumulative g), the updates D solve (I + M) D = beta V - (beta gamma K) S0
         with M[t, j] = beta_t (k_t . k_j) gamma_t / gamma_j below the diagonal; then
         O = gamma Q S0 + (Q K^T * gamma_t / gamma_j, j <= t) D and
         S = gamma_L S0 + (K gamma_L / gamma)^T D."""
         q, k, v = (y.transpose(0, 1) for y in self._heads(conv))  # [H, L, d]
         beta, g = beta.t(), g.t()  # [H, L]
-        s = self.ssm_state[row]
         out = torch.empty_like(v)
         for c in range(0, q.shape[1], CHUNK):
             qc, kc, vc = q[:, c:c + CHUNK], k[:, c:c + CHUNK], v[:, c:c + CHUNK]
@@ -194,5 +222,4 @@ class GatedDeltaNet(nn.Module):
             last = cum[:, -1:]
             s = (last.exp().unsqueeze(-1) * s
                  + (kc * (last - cum).exp().unsqueeze(-1)).transpose(-1, -2) @ d)
-        self.ssm_state[row] = s
-        return out.transpose(0, 1)
+        return out.transpose(0, 1), s

@@ -9,9 +9,10 @@ sigmoid-gated shared expert (Qwen2-MoE's block).
 - Every RMSNorm scales by (1 + w) in float32 (Gemma's).
 
 Because a state is a running summary of every token before it, a request's state cannot be
-taken from the prefix cache, nor rolled back over rejected draft tokens: the engine turns
-prefix caching off for these models (and says so) and refuses speculative decoding. Tensor,
-pipeline and context parallelism are refused too. These layers run layer by layer."""
+taken from the prefix cache: the engine turns prefix caching off for these models (and says
+so). Under speculative decoding a state waits for the verdict on the drafts before it moves
+(worker/spec/verified_spans.py). Tensor, pipeline and context parallelism are refused. These
+layers run layer by layer."""
 from __future__ import annotations
 
 from torch import nn
