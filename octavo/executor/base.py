@@ -83,3 +83,23 @@ class Executor(abc.ABC):
 
     def shutdown(self) -> None:
         """Stop the workers; returns within seconds whatever state they are in."""
+
+
+def blocks_in_budget(kv_cache_memory: int, ranks: list[tuple[int, int]]) -> int:
+    """The KV blocks that fit in `kv_cache_memory` on every rank, given each rank's (bytes of
+    one block, bytes of its linear-attention states). A rank that caches no KV (a pipeline stage
+    of linear-attention layers alone) bounds nothing; 0 when no rank caches any (an encoder)."""
+    counts = []
+    for block, states in ranks:
+        if states > kv_cache_memory:
+            raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than the "
+                             f"linear-attention states ({states} bytes; fewer max_num_seqs "
+                             f"need less)")
+        if block:
+            counts.append((kv_cache_memory - states) // block)
+    if counts and min(counts) < 1:
+        block, states = max(ranks)
+        held = f", {states} of them for linear-attention states" if states else ""
+        raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes{held}) is smaller than one "
+                         f"block ({block} bytes on the largest rank)")
+    return min(counts, default=0)

@@ -58,9 +58,11 @@ class RankWorker:
                 out = worker.execute(call.scheduler_output)
                 return wire.ExecuteReply(rank, call.call_id, out if self.is_output_rank else None)
             if isinstance(call, wire.InitKVCache):
-                value = worker.init_kv_cache(call.kv_cache_memory, call.block_size)
+                value = worker.init_kv_cache(call.num_blocks, call.block_size)
             elif isinstance(call, wire.KVBytesPerBlock):
                 value = worker.kv_bytes_per_block(call.block_size)
+            elif isinstance(call, wire.StateBytes):
+                value = worker.state_bytes()
             elif isinstance(call, wire.AvailableMemory):
                 value = worker.available_memory()
             elif isinstance(call, wire.Describe):

@@ -26,7 +26,7 @@ import time
 from octavo.config import EngineConfig
 from octavo.core.contract import ModelOutput, SchedulerOutput
 from octavo.executor import wire
-from octavo.executor.base import Executor, PendingOutput
+from octavo.executor.base import Executor, PendingOutput, blocks_in_budget
 
 logger = logging.getLogger(__name__)
 
@@ -93,19 +93,15 @@ class RankExecutor(Executor):
     # --- the Executor interface ---------------------------------------------------------------
 
     def init_kv_cache(self, kv_cache_memory: int, block_size: int) -> int:
-        per_rank = self._block_bytes(block_size)
-        num_blocks = kv_cache_memory // max(per_rank)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than one "
-                             f"block ({max(per_rank)} bytes on the largest rank)")
-        call_id = self._next_id()
-        for rank, nbytes in enumerate(per_rank):
-            self._send(rank, wire.InitKVCache(call_id, num_blocks * nbytes, block_size))
-        got = self._gather(call_id, "init_kv_cache")
-        if set(got) != {num_blocks}:
+        states = self._broadcast(wire.StateBytes(self._next_id()), "state_bytes")
+        num_blocks = blocks_in_budget(kv_cache_memory,
+                                      list(zip(self._block_bytes(block_size), states)))
+        got = self._broadcast(wire.InitKVCache(self._next_id(), num_blocks, block_size),
+                              "init_kv_cache")
+        if len(set(got)) != 1 or (num_blocks and got[0] != num_blocks):
             self._fail(f"the ranks allocated different KV caches: {got} blocks, "
                        f"{num_blocks} agreed")
-        return num_blocks
+        return got[0]  # an encoder's count where no rank caches
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return max(self._block_bytes(block_size))

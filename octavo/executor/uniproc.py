@@ -5,7 +5,7 @@ from octavo.arch_config import ArchConfig
 from octavo.config import EngineConfig
 from octavo.core.contract import ModelOutput, SchedulerOutput
 from octavo.distributed.parallel_state import RankPlacement
-from octavo.executor.base import Executor
+from octavo.executor.base import Executor, blocks_in_budget
 from octavo.model_source import ModelSource
 from octavo.worker.worker import Worker
 
@@ -20,7 +20,8 @@ class UniprocExecutor(Executor):
         self.worker.load_model()
 
     def init_kv_cache(self, kv_cache_memory: int, block_size: int) -> int:
-        return self.worker.init_kv_cache(kv_cache_memory, block_size)
+        ranks = [(self.worker.kv_bytes_per_block(block_size), self.worker.state_bytes())]
+        return self.worker.init_kv_cache(blocks_in_budget(kv_cache_memory, ranks), block_size)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.worker.kv_bytes_per_block(block_size)

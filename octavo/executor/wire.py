@@ -50,8 +50,12 @@ class ProcessStart(msgspec.Struct):
 
 class InitKVCache(msgspec.Struct, tag=True):
     call_id: int
-    kv_cache_memory: int  # this rank's bytes: the agreed block count times its block size
+    num_blocks: int  # the count the executor fitted into every rank's budget
     block_size: int
+
+
+class StateBytes(msgspec.Struct, tag=True):
+    call_id: int
 
 
 class KVBytesPerBlock(msgspec.Struct, tag=True):
@@ -86,8 +90,8 @@ class Shutdown(msgspec.Struct, tag=True):
     call_id: int
 
 
-Call = Union[InitKVCache, KVBytesPerBlock, AvailableMemory, Describe, DoIdleWork, Execute,
-             CheckHealth, Shutdown]
+Call = Union[InitKVCache, KVBytesPerBlock, StateBytes, AvailableMemory, Describe, DoIdleWork,
+             Execute, CheckHealth, Shutdown]
 
 
 # --- replies, each rank -> executor -----------------------------------------------------------

@@ -221,16 +221,22 @@ class Worker:
         free = available_memory(self.device)
         return None if free is None else free[0]
 
-    def init_kv_cache(self, kv_cache_memory: int, block_size: int) -> int:
-        if not self._kv_layers():  # an encoder caches nothing: its blocks are only a count
+    def state_bytes(self) -> int:
+        """Bytes of the recurrent states of this rank's linear-attention layers, one per batch
+        row, which come out of the KV cache's budget."""
+        layers = [m for m in self.runner.model.modules() if hasattr(m, "allocate_state")]
+        return self.config.scheduler.max_num_seqs * sum(m.state_bytes(self.dtype)
+                                                        for m in layers)
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> int:
+        """Allocate `num_blocks` KV blocks (executor/base.py's blocks_in_budget fitted them
+        beside state_bytes on every rank) and the linear-attention states; returns the blocks.
+        With no rank caching anything (0 blocks), an encoder's blocks are only a count."""
+        if not num_blocks and not self._kv_layers():
             return self.config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
-        states = self._allocate_states()
-        num_blocks = (kv_cache_memory - states) // self.kv_bytes_per_block(block_size)
-        if num_blocks < 1:
-            held = f", {states} of them for linear-attention states" if states else ""
-            raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes{held}) is smaller than "
-                             f"one block ({self.kv_bytes_per_block(block_size)} bytes)")
-        _check_kv_fits(kv_cache_memory, self.device)
+        _check_kv_fits(num_blocks * self.kv_bytes_per_block(block_size) + self.state_bytes(),
+                       self.device)
+        self._allocate_states()
         rank_block = self._rank_block(block_size)
         caches = [spec.as_kv(_zeros(spec.shape(num_blocks, rank_block), self.kv_dtype,
                                     self.device)) for spec in self._kv_layers()]
@@ -244,7 +250,7 @@ class Worker:
         it): allocated beside the KV cache, out of its memory. Returns their bytes."""
         layers = [m for m in self.runner.model.modules() if hasattr(m, "allocate_state")]
         rows = self.config.scheduler.max_num_seqs
-        total = rows * sum(m.state_bytes(self.dtype) for m in layers)
+        total = self.state_bytes()
         for m in layers:
             m.allocate_state(rows, self.dtype, self.device)
         if layers:

@@ -16,7 +16,8 @@ from tests.parity.test_tiny_models import _build
 
 @pytest.mark.parametrize("name,tp,pp", [("llama-default", 1, 2), ("gemma3", 1, 3),
                                         ("qwen3-moe", 1, 2), ("qwen3-qk-norm", 1, 2),
-                                        ("gpt2", 1, 2), ("llama-default", 2, 2)])
+                                        ("gpt2", 1, 2), ("llama-default", 2, 2),
+                                        ("qwen3-next", 1, 2)])
 def test_stages_match_transformers(tmp_path, smollm_oracle_folder, name, tp, pp):
     """Chunked prefill and the prefix cache, as with tensor parallelism; Gemma 3's three layers
     on three stages (its sliding and global layers on different stages)."""

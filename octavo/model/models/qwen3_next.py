@@ -11,7 +11,7 @@ sigmoid-gated shared expert (Qwen2-MoE's block).
 Because a state is a running summary of every token before it, a request's state cannot be
 taken from the prefix cache: the engine turns prefix caching off for these models (and says
 so). Under speculative decoding a state waits for the verdict on the drafts before it moves
-(worker/spec/verified_spans.py). Tensor, pipeline and context parallelism are refused. These
+(worker/spec/verified_spans.py). Tensor and context parallelism are refused. These
 layers run layer by layer."""
 from __future__ import annotations
 
@@ -69,10 +69,9 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
         where = parallel_state.placement()
-        if max(where.tp_size, where.pp_size, where.cp_size) > 1:
-            raise NotImplementedError(f"{cfg.architecture} over tensor, pipeline or context "
-                                      f"parallel ranks: its linear-attention states are not "
-                                      f"split yet")
+        if max(where.tp_size, where.cp_size) > 1:
+            raise NotImplementedError(f"{cfg.architecture} over tensor or context parallel "
+                                      f"ranks: its linear-attention states are not split yet")
         super().__init__(cfg, max_positions)
 
     def decoder_layer(self, cfg: ArchConfig, layer_index: int,
