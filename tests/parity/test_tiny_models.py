@@ -350,19 +350,8 @@ def test_qwen3_next_states_follow_their_requests(tmp_path, smollm_oracle_folder)
     try:
         core = llm.engine.client.core
         assert core.num_blocks == 16 and not core.scheduler.kv.enable_caching
-        engine, params = llm.engine, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        finished, steps = {}, 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out.outputs[0].token_ids
-            steps += 1
-            if steps == 1:
-                engine.abort_request("1")  # its prompt only begun
-            if steps == 6:
-                engine.abort_request("6")
+        # "1" with its prompt only begun
+        finished = _drive(llm, prompts, 12, aborts={1: "1", 6: "6"})
         assert core.scheduler.num_preemptions > 0
         for i, tokens in expected_pairs(finished, expected):
             assert tokens == expected[i], i
@@ -405,19 +394,9 @@ def test_qwen3_next_states_move_over_accepted_drafts_only(tmp_path, smollm_oracl
               kv_cache_memory=16 << 20,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     try:
-        engine, params = llm.engine, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
         scheduler = llm.engine.client.core.scheduler
         scheduler.proposer.propose = propose
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        finished, steps = {}, 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out.outputs[0].token_ids
-            steps += 1
-            if steps == 4:
-                engine.abort_request("2")
+        finished = _drive(llm, prompts, 16, aborts={4: "2"})
         for i, tokens in expected_pairs(finished, expected):
             assert tokens == expected[i], i
         assert len(finished) >= 5
@@ -429,6 +408,24 @@ def test_qwen3_next_states_move_over_accepted_drafts_only(tmp_path, smollm_oracl
         LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
             speculative_config={"method": "draft_model", "model": str(folder),
                                 "num_speculative_tokens": 2})
+
+
+def _drive(llm, prompts, max_tokens, aborts):
+    """Run `prompts` greedily through the engine step by step, aborting request aborts[n]
+    after step n; the finished requests' tokens by request id."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    finished, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        if steps in aborts:
+            engine.abort_request(aborts[steps])
+    return finished
 
 
 def expected_pairs(finished, expected):
