@@ -127,7 +127,7 @@ class ModelRunner:
         # the weights through the caches, and the first numpy calls after it run cold.
         entries = self._entries(sched, req_ids, rows, ends, sample_idx) if len(sample_idx) else None
         context.batch_rows, context.num_computed = rows, computed
-        if drafts:
+        if drafts and self.verified_spans.layers:  # only recurrent states wait on verdicts
             context.num_drafts = np.fromiter((len(drafts.get(r, ())) for r in req_ids), np.int64,
                                              len(req_ids))
             self.verified_spans.hold(req_ids, rows, computed, context.num_drafts)

@@ -224,9 +224,11 @@ class Worker:
     def state_bytes(self) -> int:
         """Bytes of the recurrent states of this rank's linear-attention layers, one per batch
         row, which come out of the KV cache's budget."""
-        layers = [m for m in self.runner.model.modules() if hasattr(m, "allocate_state")]
         return self.config.scheduler.max_num_seqs * sum(m.state_bytes(self.dtype)
-                                                        for m in layers)
+                                                        for m in self._state_layers())
+
+    def _state_layers(self) -> list[torch.nn.Module]:
+        return [m for m in self.runner.model.modules() if hasattr(m, "allocate_state")]
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocate `num_blocks` KV blocks (executor/base.py's blocks_in_budget fitted them
@@ -248,7 +250,7 @@ class Worker:
     def _allocate_states(self) -> int:
         """The recurrent states of linear-attention layers, one per batch row (the request in
         it): allocated beside the KV cache, out of its memory. Returns their bytes."""
-        layers = [m for m in self.runner.model.modules() if hasattr(m, "allocate_state")]
+        layers = self._state_layers()
         rows = self.config.scheduler.max_num_seqs
         total = self.state_bytes()
         for m in layers:

@@ -37,7 +37,6 @@ class VerifiedSpans:
 
     def hold(self, req_ids: list[str], rows: np.ndarray, computed: np.ndarray,
              num_drafts: np.ndarray) -> None:
-        """After a step: the requests whose span ended in drafts wait on the core's verdict."""
-        if self.layers:
-            for i in np.flatnonzero(num_drafts).tolist():
-                self.waiting[req_ids[i]] = (int(rows[i]), int(computed[i]))
+        """With this step: the requests whose span ends in drafts wait on the core's verdict."""
+        for i in np.flatnonzero(num_drafts).tolist():
+            self.waiting[req_ids[i]] = (int(rows[i]), int(computed[i]))
