@@ -99,13 +99,16 @@ class CacheConfig:
     enable_prefix_caching: bool = field(default=True, metadata=_opt(
         "reuse the KV blocks of prompt prefixes computed before"))
     kv_cache_dtype: str = field(default="auto", metadata=_opt(
-        "KV cache element type: auto (the model dtype), bfloat16, fp8_e4m3 (half of bf16's "
-        "memory; per-layer scales from the checkpoint's k_scale/v_scale, else 1)",
-        choices=["auto", "bfloat16", "fp8_e4m3"]))
+        "KV cache element type: auto (the model dtype), bfloat16, fp8_e4m3 or fp8, vLLM's name "
+        "for it (half of bf16's memory; per-layer scales from the checkpoint's "
+        "k_scale/v_scale, else 1)",
+        choices=["auto", "bfloat16", "fp8_e4m3", "fp8"]))
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype == "fp8":  # vLLM's name for e4m3 on every platform but ROCm's
+            object.__setattr__(self, "kv_cache_dtype", "fp8_e4m3")
         if self.kv_cache_dtype not in ("auto", "bfloat16", "fp8_e4m3"):
-            raise ValueError(f"kv_cache_dtype must be auto, bfloat16 or fp8_e4m3, "
+            raise ValueError(f"kv_cache_dtype must be auto, bfloat16, fp8_e4m3 or fp8, "
                              f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")

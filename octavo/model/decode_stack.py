@@ -1,6 +1,6 @@
 """A step of a decoder of any family octavo has (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2 and 3,
 GPT-NeoX, GPT-2, Mixtral, Qwen2-MoE, Qwen3-MoE, InternLM 3, Granite, OLMo 2, StarCoder 2,
-Cohere, GLM, gpt-oss) as one C++ call (csrc/decode_stack.h).
+Cohere, GLM, gpt-oss, DeepSeek V2 and V3) as one C++ call (csrc/decode_stack.h).
 
 It takes the steps whose attention the in-place kernel computes whole: decodes, speculative
 verification, and prompts (of any length in bf16, else up to paged_attention.KERNEL_CONTEXT_LEN
@@ -14,8 +14,10 @@ graph), so it needs exactly what those kernels need. What a layer is comes from 
 bias), norms before each sublayer, after it or both, sequential or parallel residuals (scaled
 or not), q/k norms per head or over all heads, the attention's scale,
 sliding window and softcap, its RoPE tables (over the whole head or its first rotary_dim
-features, or none), and a gated or plain MLP or a mixture of experts (router, top-k,
-renormalization, a shared expert; tokens grouped by expert, as FusedMoE groups them). The
+features, or none), or DeepSeek's latent attention (its LatentSpec), and a gated or plain MLP
+or a mixture of experts (router, its Routing: softmax or sigmoid scores, expert groups, a
+correction bias, renormalization and scale; a shared expert, gated or not; tokens grouped by
+expert, as FusedMoE groups them). The
 weights are read from each linear layer's typed weights (`_forms`): dense weights (with or
 without a GGUF's int4/int8 copy for small batches) or packed int4 / symmetric int8 /
 microscaled (MX, NVFP4, FP8) weights alone (GGUFs, quantized checkpoints, --quantization: their
@@ -24,7 +26,8 @@ activations above, as the Python layers compute them); the KV
 cache is in the activations' dtype or in fp8 (with each layer's k/v scales); attention sinks
 scale each head's output by sigmoid(log-sum-exp - sink). Anything else (steps with padded
 prefills, act-order or asymmetric int8 weights, a layer's own attention
-module such as DeepSeek's latent one, routing other than softmax top-k, kernels not loaded yet)
+module such as Qwen3-Next's linear one, experts whose inputs the routing weighs (Llama 4),
+kernels not loaded yet)
 runs the Python layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a
 rank's heads and slices and calls the ranks' all-reduce after each o and down projection (after
 the experts' sum, and after the shared expert, in a MoE layer), as the Python layers do.
@@ -44,6 +47,7 @@ from octavo.model.context import get_forward_context
 from octavo.model.layer_spec import Activation, LayerSpec, NormKind
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.lora import LoRASlots, LoRAStep
+from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
 from octavo.model.quant.decode_weights import max_rows
 from octavo.model.quant.microscaled import MicroscaledPacked
@@ -64,10 +68,13 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
         if not hasattr(layer, "spec"):
             return f"layer type {type(layer).__name__}"
         spec: LayerSpec = layer.spec()
-        if spec.mixer is not None:
+        if spec.mixer is not None and spec.latent is None:
             return f"attention of its own ({type(spec.mixer).__name__})"
-        if spec.moe is not None and getattr(spec.moe.fused, "route", None) is not None:
-            return "expert routing other than softmax top-k"
+        if spec.latent is not None and any(type(n) is not RMSNorm for n in (
+                spec.latent.q_a_norm or spec.latent.kv_a_norm, spec.latent.kv_a_norm)):
+            return "a latent attention with norms other than RMSNorm"
+        if spec.moe is not None and spec.moe.fused.weigh_inputs:
+            return "experts whose inputs the routing weights scale"
         if spec.attention.chunk is not None:
             return "chunked local attention"
         if spec.output_gate:
@@ -100,10 +107,12 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
 
 def _linears(spec: LayerSpec) -> list[Linear | torch.Tensor]:
     """The layer's linear layers in the order the C++ stack takes them (DecodeStack.set_linears):
-    qkv, o, then the dense MLP's gate_up and down or the mixture of experts' (MoeSpec.linears;
-    an expert of stacked dense weights is its weight tensor)."""
+    qkv and o (a latent attention's: LatentSpec.linears), then the dense MLP's gate_up and down
+    or the mixture of experts' (MoeSpec.linears; an expert of stacked dense weights is its
+    weight tensor)."""
+    attention = [spec.qkv, spec.o] if spec.latent is None else spec.latent.linears
     mlp = [spec.gate_up, spec.down] if spec.moe is None else spec.moe.linears
-    return [spec.qkv, spec.o, *mlp]
+    return [*attention, *mlp]
 
 
 def _forms(lin: Linear | torch.Tensor
@@ -113,6 +122,8 @@ def _forms(lin: Linear | torch.Tensor
     for weights of another type."""
     if isinstance(lin, torch.Tensor):
         return lin, None
+    if not isinstance(lin, Linear):  # a router of its own dtype (moe.FloatRouter)
+        return lin.weight, None
     weights = lin.weights
     if isinstance(weights, DenseWeights):
         return weights.weight, weights.small_batch
@@ -174,7 +185,7 @@ def _kind(low: PackedWeight | None) -> str:
 def _biases(spec: LayerSpec) -> list[torch.Tensor | None]:
     """The bias of each of _linears(spec): a Linear's own, and a mixture's experts' (FusedMoE
     keeps them: gpt-oss), the down projection's only where this rank adds it (once a row)."""
-    biases = [None if isinstance(lin, torch.Tensor) else lin.bias for lin in _linears(spec)]
+    biases = [getattr(lin, "bias", None) for lin in _linears(spec)]
     fused_moe = None if spec.moe is None else spec.moe.fused
     if fused_moe is not None and getattr(fused_moe, "w13_bias", None) is not None:
         down = fused_moe._adds_down_bias
@@ -290,19 +301,31 @@ class DecodeStack:
                 _linear, _linears(spec), _biases(spec), _adapters(spec)))])
             act_params = ([spec.act.alpha, spec.act.limit]
                           if spec.activation is Activation.CLAMPED_SWIGLU else [])
+            if spec.latent is not None:
+                a = spec.latent
+                stack.set_latent(None if a.q_a_norm is None else a.q_a_norm.weight,
+                                 a.kv_a_norm.weight, 0.0 if a.q_a_norm is None else
+                                 a.q_a_norm.eps, a.kv_a_norm.eps, a.kv_b, a.nope, a.rope,
+                                 a.v_dim)
+            if spec.moe is not None:
+                r = spec.moe.routing
+                stack.set_routing(r.top_k, r.renormalize, r.scoring, r.choose_by, r.scale,
+                                  r.groups, r.keep_groups, r.group_score, r.correction)
             stack.set_mlp(spec.activation.value, spec.gated, *_moe_settings(spec), act_params)
         self._stack, self._caches = stack, kv_caches
 
 
 def _moe_settings(spec: LayerSpec) -> tuple:
-    """top_k (0: a dense MLP), renormalize, whether a shared expert comes first, the experts
-    the layer holds (the first's index and the mixture's count), and the count of rows routed
-    to each expert it adds to (FusedMoE.routed), if any."""
+    """The shared expert (none, plain or gated), the experts the layer holds (the first's index
+    and the mixture's count), and the count of rows routed to each expert it adds to
+    (FusedMoE.routed), if any."""
     moe = spec.moe
     if moe is None:
-        return 0, False, False, 0, 0, None
-    return (moe.top_k, moe.renormalize, moe.shared_gate is not None, moe.first_expert,
-            moe.num_experts or len(moe.experts), getattr(moe.fused, "routed", None))
+        return "none", 0, 0, None
+    shared = ("none" if moe.shared_gate_up is None else
+              "plain" if moe.shared_gate is None else "gated")
+    return (shared, moe.first_expert, moe.num_experts or len(moe.experts),
+            getattr(moe.fused, "routed", None))
 
 
 def _kernel_plan(plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

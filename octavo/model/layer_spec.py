@@ -20,6 +20,7 @@ from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.norm import GemmaRMSNorm, RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
+from octavo.model.layers.routing import Routing
 
 
 class NormKind(enum.Enum):
@@ -72,21 +73,47 @@ class MoeSpec:
 
     router: Linear | nn.Module  # hidden -> one logit per expert
     experts: list[tuple[Linear | torch.Tensor, Linear | torch.Tensor]]
-    top_k: int
-    renormalize: bool  # the top-k weights scaled to sum to 1
     shared_gate_up: Linear | None  # the shared expert, else None
     shared_down: Linear | None
     shared_gate: Linear | None  # its sigmoid gate (Qwen2-MoE), or None: added whole (DeepSeek)
-    fused: nn.Module | None = None  # the Python execution of the routed experts, grouped per
-    # step: FusedMoE(x, router logits)
+    fused: nn.Module  # the Python execution of the routed experts, grouped per step:
+    # FusedMoE(x, router logits), with its `routing` (model/layers/routing.py)
     first_expert: int = 0  # `experts` are experts [first_expert, + len) of num_experts (expert
     num_experts: int = 0  # parallelism: this rank's); 0: len(experts)
+
+    @property
+    def routing(self) -> Routing:
+        return self.fused.routing
 
     @property
     def linears(self) -> list[Linear | torch.Tensor]:
         shared = [self.shared_gate_up, self.shared_down, self.shared_gate]
         return ([self.router] + [w for w in shared if w is not None]
                 + [w for pair in self.experts for w in pair])
+
+
+@dataclass(frozen=True, eq=False)
+class LatentSpec:
+    """DeepSeek's latent attention (model/layers/mla.py MlaAttention, which computes it for the
+    Python layers) as the fused stack computes it: the query from q_proj, or from q_b_proj over
+    the RMS-normed q_a_proj (q_a_norm); the latent row from kv_a_proj (kv_a_norm on its first
+    rank features, RoPE on the rest); kv_b_proj's weight holds each head's W_UK and W_UV rows."""
+
+    q_a: Linear | None  # the compressed query's projection, else None
+    q_a_norm: nn.Module | None
+    q: Linear  # q_b_proj, or q_proj where the query is not compressed
+    kv_a: Linear
+    kv_a_norm: nn.Module
+    kv_b: torch.Tensor  # [heads * (nope + v_dim), rank]
+    o: Linear
+    nope: int
+    rope: int
+    v_dim: int
+
+    @property
+    def linears(self) -> list[Linear]:
+        """In the order the C++ stack takes them (DecodeStack.set_latent), then o."""
+        return [lin for lin in (self.q_a, self.q, self.kv_a) if lin is not None] + [self.o]
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,12 +145,13 @@ class LayerSpec:
     residual_scale: float = 1.0  # each sublayer's output scaled before the residual add (Granite)
     qk_norm_whole: bool = False  # q_norm / k_norm span all of a token's q / k heads (OLMo 2)
     # The attention as a module of its own, mixer(positions, x) -> the o projection's output
-    # (DeepSeek's latent attention), in place of the described q/k/v one (then qkv and o are
-    # None); the fused stack does not take such layers.
+    # (DeepSeek's latent attention, Qwen3-Next's linear one), in place of the described q/k/v
+    # one (then qkv and o are None); the fused stack takes it where it is described (`latent`).
     mixer: nn.Module | None = None
     # The q projection holds each head's query and an output gate (Qwen3-Next): the attention's
     # output times sigmoid(gate), before the o projection
     output_gate: bool = False
+    latent: LatentSpec | None = None  # the mixer described, where the stack computes it (MLA)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -140,7 +168,7 @@ def decoder_spec(self_attn: nn.Module, mlp: nn.Module, norm_kind: NormKind,
                  attn_in_norm: nn.Module | None, mlp_in_norm: nn.Module | None,
                  attn_out_norm: nn.Module | None = None,
                  mlp_out_norm: nn.Module | None = None, *, parallel_residual: bool = False,
-                 residual_scale: float = 1.0) -> LayerSpec:
+                 residual_scale: float = 1.0, latent: LatentSpec | None = None) -> LayerSpec:
     """The spec of a layer whose attention has qkv_proj, o_proj, q_norm, k_norm (and
     qk_norm_whole, output_gate), rotary and a PagedAttention `attn` (an attention without
     qkv_proj is a mixer, computed whole: it has only its `attn`, or none where it keeps a state
@@ -155,8 +183,9 @@ def decoder_spec(self_attn: nn.Module, mlp: nn.Module, norm_kind: NormKind,
                  for name in ("q_norm", "k_norm", "qkv_proj", "o_proj"))
     return LayerSpec(
         norm_kind, attn_in_norm, attn_out_norm, mlp_in_norm, mlp_out_norm, *described,
-        gate_up, down, gated_activation(act), attn, None if mixer else self_attn.rotary,
+        gate_up, down, gated_activation(act), attn,
+        self_attn.rotary if mixer is None or latent is not None else None,
         1.0 if attn is None else attn.scale, attn and attn.sliding_window or None,
         attn and attn.softcap or None, moe, parallel_residual=parallel_residual, act=act,
         residual_scale=residual_scale, qk_norm_whole=getattr(self_attn, "qk_norm_whole", False),
-        mixer=mixer, output_gate=getattr(self_attn, "output_gate", False))
+        mixer=mixer, output_gate=getattr(self_attn, "output_gate", False), latent=latent)

@@ -1,8 +1,9 @@
 """The fused decode stack (one C++ call for all decoder layers of a decode step) against the
 Python layers it replaces, on tiny random models: dense weights and int4/int8 low-bit copies,
 q/k norms (Qwen3) and qkv biases (Qwen2), Gemma 2 and 3 (sandwich norms of 1 + w, GeGLU,
-softcaps, sliding windows shorter than the prompts, local RoPE tables) and the real Gemma 3 270M;
-and the models and steps it must leave alone."""
+softcaps, sliding windows shorter than the prompts, local RoPE tables), mixtures of experts
+(DeepSeek's latent attention and grouped routing too) and the real Gemma 3 270M; and the models
+and steps it must leave alone."""
 from __future__ import annotations
 
 import pytest
@@ -184,6 +185,29 @@ def test_mxfp4_experts_run_in_the_stack(tmp_path, smollm_oracle_folder):
     specs = _stack_then_layers(llm, bf16=True)
     expert = specs[0].moe.experts[0][0]
     assert isinstance(expert.weights.packed, MicroscaledPacked) and expert.weights.packed.bits == 4
+
+
+@pytest.mark.parametrize("name, dtype, quantization, kv_cache_dtype", [
+    ("deepseek-v3", "float32", None, "auto"), ("deepseek-v2", "bfloat16", "int4", "auto"),
+    ("deepseek-v3", "float32", "int8", "fp8"), ("deepseek-v3", "bfloat16", "fp8", "auto")])
+def test_latent_attention_and_grouped_routing_run_in_the_stack(
+        tmp_path, smollm_oracle_folder, name, dtype, quantization, kv_cache_dtype):
+    """DeepSeek's layers take the stack in every step: the latent attention (V3's compressed
+    query, V2's plain one; an fp8 cache of latent rows) and the routing (V3's sigmoid scores
+    chosen with a correction bias within the best expert group, scaled and renormalized; V2's
+    softmax within the best group), an ungated shared expert, a dense first layer, dense, int4,
+    int8 and FP8 weights: the Python layers' tokens and log-probabilities."""
+    folder, _ = _build(tmp_path, smollm_oracle_folder, name)
+    llm = LLM(str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20,
+              enable_prefix_caching=False, quantization=quantization,
+              kv_cache_dtype=kv_cache_dtype)
+    cache = llm.engine.client.core.executor.worker.runner.kv_caches[0]
+    assert (cache.dtype == torch.float8_e4m3fn) == (kv_cache_dtype == "fp8")  # vLLM's name
+    specs = _stack_then_layers(llm, dtype == "bfloat16")
+    assert all(spec.latent is not None for spec in specs)
+    routing = next(spec.moe for spec in specs if spec.moe is not None).routing
+    assert routing.groups == 2 and routing.scoring == ("sigmoid" if name == "deepseek-v3"
+                                                       else "softmax")
 
 
 @pytest.mark.parametrize("name, dtype, quantization", [
@@ -423,18 +447,26 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
         linears(lora_a=torch.zeros(1, 4, 32))
     linears()
     with pytest.raises(RuntimeError, match="unknown activation 'swish'"):
-        stack.set_mlp("swish", True, 0, False, False, 0, 0, None, [])
+        stack.set_mlp("swish", True, "none", 0, 0, None, [])
     with pytest.raises(RuntimeError, match="a gated MLP takes silu, gelu_tanh or clamped"):
-        stack.set_mlp("relu", True, 0, False, False, 0, 0, None, [])
+        stack.set_mlp("relu", True, "none", 0, 0, None, [])
     with pytest.raises(RuntimeError, match="the clamped SwiGLU takes alpha and limit"):
-        stack.set_mlp("clamped_swiglu", True, 0, False, False, 0, 0, None, [])
+        stack.set_mlp("clamped_swiglu", True, "none", 0, 0, None, [])
     x = torch.zeros(1, 32)  # the layer is still open (no MLP): a forward is refused
     plan = (torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
             torch.ones(1, dtype=torch.long), 0)
     with pytest.raises(RuntimeError, match="a layer is not complete"):
         stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                       [plan], None, [])
-    stack.set_mlp("silu", True, 0, False, False, 0, 0, None, [])
+    with pytest.raises(RuntimeError, match="a dense MLP has two projections"):
+        stack.set_mlp("silu", True, "gated", 0, 0, None, [])
+    with pytest.raises(RuntimeError, match="scoring: softmax or sigmoid"):
+        stack.set_routing(2, True, "tanh", "scores", 1.0, 1, 1, "max", None)
+    with pytest.raises(RuntimeError, match="keep_groups in"):
+        stack.set_routing(2, True, "softmax", "scores", 1.0, 2, 3, "max", None)
+    with pytest.raises(RuntimeError, match="the latent attention's linears come first"):
+        stack.set_latent(None, torch.ones(8), 1e-6, 1e-6, torch.zeros(4, 8), 2, 8, 2)
+    stack.set_mlp("silu", True, "none", 0, 0, None, [])
     out = stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                         [plan], None, [])
     assert out.shape == (1, 32)

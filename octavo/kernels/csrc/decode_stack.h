@@ -138,14 +138,82 @@ class DecodeStack : public torch::CustomClassHolder {
     }
   }
 
-  // The MLP over the linears given: dense (top_k 0) or a mixture of experts. Completes the layer.
+  // DeepSeek's latent attention (StackLatent) in place of qkv, between set_linears and set_mlp:
+  // it takes the first linears given (q_a, q_b, kv_a where q_a_norm is given, else q, kv_a).
+  // kv_b: [heads * (nope + v_dim), rank], each head's W_UK rows then its W_UV rows.
+  void set_latent(std::optional<at::Tensor> q_a_norm, at::Tensor kv_a_norm, double q_a_eps,
+                  double kv_a_eps, at::Tensor kv_b, int64_t nope, int64_t rope, int64_t v_dim) {
+    StackLayer& l = building();
+    StackLatent a;
+    a.q_compressed = q_a_norm.has_value();
+    const size_t parts = a.q_compressed ? 3 : 2;
+    TORCH_CHECK(l.linears.size() >= parts + 3, "the latent attention's linears come first");
+    a.rank = head_dim_ - rope;
+    TORCH_CHECK(kv_heads_ == 1 && a.rank > 0 && nope > 0 && v_dim > 0 && rope % 2 == 0 &&
+                kv_b.dim() == 2 && kv_b.size(0) == heads_ * (nope + v_dim) &&
+                kv_b.size(1) == a.rank && kv_b.is_contiguous(),
+                "a latent stack has one KV head of rank + rope features, and kv_b is "
+                "[heads * (nope + v_dim), rank]");
+    TORCH_CHECK(l.cos.defined() && l.cos.size(1) * 2 == rope, "the rotary tables span rope");
+    if (a.q_compressed) {
+      a.q_a = l.linears[0];
+      a.q_a_norm = *q_a_norm;
+    }
+    a.q = l.linears[parts - 2];
+    a.kv_a = l.linears[parts - 1];
+    a.kv_a_norm = kv_a_norm;
+    a.q_a_eps = q_a_eps;
+    a.kv_a_eps = kv_a_eps;
+    auto per_head = kv_b.view({heads_, nope + v_dim, a.rank});
+    a.w_uk = per_head.narrow(1, 0, nope);
+    a.w_uv = per_head.narrow(1, nope, v_dim);
+    a.nope = nope;
+    a.rope = rope;
+    a.v_dim = v_dim;
+    l.linears.erase(l.linears.begin(), l.linears.begin() + parts);
+    l.latent = std::move(a);
+  }
+
+  // A mixture's routing (StackRouting), between set_linears and set_mlp: the layer's MLP is a
+  // mixture of experts. correction: float32 [num_experts] or None.
+  void set_routing(int64_t top_k, bool renormalize, const std::string& scoring,
+                   const std::string& choose_by, double scale, int64_t groups,
+                   int64_t keep_groups, const std::string& group_score,
+                   std::optional<at::Tensor> correction) {
+    StackLayer& l = building();
+    TORCH_CHECK(scoring == "softmax" || scoring == "sigmoid", "scoring: softmax or sigmoid");
+    TORCH_CHECK(choose_by == "scores" || choose_by == "logits", "choose_by: scores or logits");
+    TORCH_CHECK(group_score == "max" || group_score == "top2", "group_score: max or top2");
+    TORCH_CHECK(top_k >= 1 && 1 <= keep_groups && keep_groups <= groups,
+                "top_k >= 1, and keep_groups in [1, groups]");
+    StackRouting r;
+    r.top_k = top_k;
+    r.renormalize = renormalize;
+    r.sigmoid = scoring == "sigmoid";
+    r.by_logits = choose_by == "logits";
+    r.scale = scale;
+    r.groups = groups;
+    r.keep_groups = keep_groups;
+    r.group_top2 = group_score == "top2";
+    if (correction) {
+      TORCH_CHECK(correction->scalar_type() == at::kFloat && correction->dim() == 1 &&
+                  !r.by_logits, "a correction is float32 [num_experts], for a choice by scores");
+      r.correction = *correction;
+    }
+    l.routing = r;
+  }
+
+  // The MLP over the linears given: dense, or a mixture of experts where set_routing was called
+  // (shared: its shared expert, none, plain or gated). Completes the layer.
   // act_params: the clamped SwiGLU's alpha and limit (else empty).
-  void set_mlp(const std::string& activation, bool gated, int64_t top_k, bool renormalize,
-               bool shared_expert, int64_t first_expert, int64_t num_experts,
-               std::optional<at::Tensor> routed, std::vector<double> act_params) {
+  void set_mlp(const std::string& activation, bool gated, const std::string& shared,
+               int64_t first_expert, int64_t num_experts, std::optional<at::Tensor> routed,
+               std::vector<double> act_params) {
     StackLayer& l = building();
     auto& lin = l.linears;
-    TORCH_CHECK(lin.size() >= 4, "set_linears comes before set_mlp");
+    // the attention's linears (o alone after a latent attention took its own)
+    const size_t first_mlp = l.latent ? 1 : 2;
+    TORCH_CHECK(lin.size() >= first_mlp + 2, "set_linears comes before set_mlp");
     l.act = stack_activation(activation);
     l.gated = gated;
     TORCH_CHECK(!gated || l.act == StackActivation::kSilu || l.act == StackActivation::kGeluTanh ||
@@ -159,23 +227,27 @@ class DecodeStack : public torch::CustomClassHolder {
       l.act_alpha = act_params[0];
       l.act_limit = act_params[1];
     }
-    l.qkv = lin[0];
-    l.o = lin[1];
-    if (top_k == 0) {
-      TORCH_CHECK(lin.size() == 4, "a dense MLP has two projections");
-      l.gate_up = lin[2];
-      l.down = lin[3];
+    if (!l.latent) l.qkv = lin[0];
+    l.o = lin[first_mlp - 1];
+    if (!l.routing) {
+      TORCH_CHECK(lin.size() == first_mlp + 2 && shared == "none",
+                  "a dense MLP has two projections");
+      l.gate_up = lin[first_mlp];
+      l.down = lin[first_mlp + 1];
     } else {
       StackMoe moe;
-      moe.router = lin[2];
-      size_t next = 3;
-      moe.shared = shared_expert;
-      if (shared_expert) {
-        TORCH_CHECK(lin.size() >= 6, "a shared expert has gate_up, down and gate");
-        moe.shared_gate_up = lin[3];
-        moe.shared_down = lin[4];
-        moe.shared_gate = lin[5];
-        next = 6;
+      moe.routing = *l.routing;
+      moe.router = lin[first_mlp];
+      size_t next = first_mlp + 1;
+      moe.shared = stack_shared(shared);
+      if (moe.shared != StackShared::kNone) {
+        const size_t parts = moe.shared == StackShared::kGated ? 3 : 2;
+        TORCH_CHECK(lin.size() >= next + parts, "a shared expert has gate_up, down and, where "
+                    "gated, its gate");
+        moe.shared_gate_up = lin[next];
+        moe.shared_down = lin[next + 1];
+        if (parts == 3) moe.shared_gate = lin[next + 2];
+        next += parts;
       }
       TORCH_CHECK(gated && (lin.size() - next) % 2 == 0 && lin.size() > next,
                   "experts are gated, each with gate_up and down");
@@ -185,9 +257,11 @@ class DecodeStack : public torch::CustomClassHolder {
       }
       const int64_t held = static_cast<int64_t>(moe.gate_up.size());
       TORCH_CHECK(first_expert >= 0 && first_expert + held <= num_experts &&
-                  top_k <= num_experts, "experts [first_expert, + held) of num_experts, and "
-                  "top_k at most num_experts");
-      moe.top_k = top_k;
+                  moe.routing.top_k <= num_experts && num_experts % moe.routing.groups == 0,
+                  "experts [first_expert, + held) of num_experts, top_k at most num_experts, "
+                  "and groups dividing them");
+      TORCH_CHECK(!moe.routing.correction.defined() ||
+                  moe.routing.correction.numel() == num_experts, "a correction per expert");
       moe.first_expert = first_expert;
       moe.num_experts = num_experts;
       if (routed) {
@@ -195,7 +269,6 @@ class DecodeStack : public torch::CustomClassHolder {
                     "routed: int64 [num_experts]");
         moe.routed = *routed;
       }
-      moe.renormalize = renormalize;
       l.moe = std::move(moe);
     }
     lin.clear();
@@ -212,8 +285,6 @@ class DecodeStack : public torch::CustomClassHolder {
                      std::vector<int64_t> lora_slots) const {
     LoraStep lora;
     if (lora_slot && !lora_slots.empty()) lora = {*lora_slot, std::move(lora_slots)};
-    const int64_t t = x.size(0);
-    const int64_t q_size = heads_ * head_dim_;
     TORCH_CHECK(x.is_contiguous() && positions.is_contiguous() && slot_mapping.is_contiguous(),
                 "the stack takes contiguous inputs");
     TORCH_CHECK(!plans.empty() && plans.size() <= 2, "one or two attention plans");
@@ -225,50 +296,8 @@ class DecodeStack : public torch::CustomClassHolder {
     for (const StackLayer& l : layers_) TORCH_CHECK(l.complete, "a layer is not complete");
     for (const StackLayer& l : layers_) {
       auto xn = pending.defined() ? add_norm(l, x, pending, kAttnIn) : norm(l, x, kAttnIn);
-      auto qkv = l.qkv(xn, lora);
-      auto q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
-      TORCH_CHECK(qkv.stride(1) == 1, "qkv rows must be contiguous");
-      {
-        RECORD_FUNCTION("octavo::rope_write_kv", std::vector<c10::IValue>());
-        const bool rope = l.cos.defined();
-        const bool one_plus = l.norm_kind == StackNormKind::kOnePlus;
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_kv",
-                                        [&] {
-          rope_write_kv_typed<scalar_t>(
-              qkv.data_ptr<scalar_t>(), t, qkv.stride(0), heads_, kv_heads_, head_dim_,
-              rope ? l.cos.size(1) : 0, positions.data_ptr<int64_t>(),
-              rope ? l.cos.data_ptr<float>() : nullptr, rope ? l.sin.data_ptr<float>() : nullptr,
-              weight_of<scalar_t>(l.q_norm, one_plus), weight_of<scalar_t>(l.k_norm, one_plus),
-              l.whole_qk_norm, static_cast<float>(eps_),
-              l.fp8_cache ? nullptr : l.k_cache.data_ptr<scalar_t>(),
-              l.fp8_cache ? nullptr : l.v_cache.data_ptr<scalar_t>(),
-              slot_mapping.data_ptr<int64_t>());
-        });
-        if (l.fp8_cache) {
-          const int64_t kv_size = kv_heads_ * head_dim_;
-          write_fp8(l.k_cache, qkv.narrow(1, q_size, kv_size), slot_mapping, l.k_scale);
-          write_fp8(l.v_cache, qkv.narrow(1, q_size + kv_size, kv_size), slot_mapping,
-                    l.v_scale);
-        }
-      }
-      const auto& [token_index, block_table, seq_lens, window] =
-          plans[l.plan < static_cast<int64_t>(plans.size()) ? l.plan : 0];
-      auto attn = at::empty({t, heads_, head_dim_}, x.options());
-      {
-        RECORD_FUNCTION("octavo::decode_attention", std::vector<c10::IValue>());
-        // An fp8 cache's scales: k_scale folds into the softmax scale, v_scale into the output
-        // (paged_attention.py does the same).
-        at::Tensor lse;  // each query's log-sum-exp per head, where sinks need it
-        if (l.sinks.defined()) lse = at::empty({t, heads_}, x.options().dtype(at::kFloat));
-        decode_attention(attn, q, l.k_cache, l.v_cache, token_index, block_table, seq_lens,
-                         l.scale * l.k_scale, l.softcap, window,
-                         lse.defined() ? std::optional<at::Tensor>(lse) : std::nullopt);
-        if (l.v_scale != 1.0) attn.mul_(l.v_scale);
-        // a sink's share of the softmax: the output times sigmoid(lse - sink), in float32 and
-        // rounded once (paged_attention.py's order)
-        if (l.sinks.defined()) attn.copy_(attn * (lse - l.sinks).sigmoid().unsqueeze(-1));
-      }
-      auto o = row_parallel(l.o, attn.view({t, q_size}), lora);
+      const StackPlan& plan = plans[l.plan < static_cast<int64_t>(plans.size()) ? l.plan : 0];
+      auto o = row_parallel(l.o, attention(l, xn, positions, slot_mapping, plan, lora), lora);
       if (l.norm_w[kAttnOut].defined()) o = norm(l, o, kAttnOut);
       if (l.residual_scale != 1.0) o = o * l.residual_scale;
       at::Tensor mlp_x;
@@ -297,6 +326,61 @@ class DecodeStack : public torch::CustomClassHolder {
   StackLayer& building() {
     TORCH_CHECK(!layers_.empty() && !layers_.back().complete, "add_layer comes first");
     return layers_.back();
+  }
+
+  // The layer's attention of xn [T, hidden] over `plan`, its keys and values written first ->
+  // [T, heads * head_dim] (a latent attention: [T, heads * v_dim]), the o projection's input.
+  at::Tensor attention(const StackLayer& l, const at::Tensor& xn, const at::Tensor& positions,
+                       const at::Tensor& slot_mapping, const StackPlan& plan,
+                       const LoraStep& lora) const {
+    const auto& [token_index, block_table, seq_lens, window] = plan;
+    if (l.latent)
+      return latent_attention(*l.latent, xn, positions, l.cos, l.sin, l.k_cache, l.v_cache,
+                              l.fp8_cache, slot_mapping, token_index, block_table, seq_lens,
+                              window, l.scale, heads_, lora);
+    const int64_t t = xn.size(0), q_size = heads_ * head_dim_;
+    auto qkv = l.qkv(xn, lora);
+    auto q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
+    TORCH_CHECK(qkv.stride(1) == 1, "qkv rows must be contiguous");
+    {
+      RECORD_FUNCTION("octavo::rope_write_kv", std::vector<c10::IValue>());
+      const bool rope = l.cos.defined();
+      const bool one_plus = l.norm_kind == StackNormKind::kOnePlus;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xn.scalar_type(), "rope_kv",
+                                      [&] {
+        rope_write_kv_typed<scalar_t>(
+            qkv.data_ptr<scalar_t>(), t, qkv.stride(0), heads_, kv_heads_, head_dim_,
+            rope ? l.cos.size(1) : 0, positions.data_ptr<int64_t>(),
+            rope ? l.cos.data_ptr<float>() : nullptr, rope ? l.sin.data_ptr<float>() : nullptr,
+            weight_of<scalar_t>(l.q_norm, one_plus), weight_of<scalar_t>(l.k_norm, one_plus),
+            l.whole_qk_norm, static_cast<float>(eps_),
+            l.fp8_cache ? nullptr : l.k_cache.data_ptr<scalar_t>(),
+            l.fp8_cache ? nullptr : l.v_cache.data_ptr<scalar_t>(),
+            slot_mapping.data_ptr<int64_t>());
+      });
+      if (l.fp8_cache) {
+        const int64_t kv_size = kv_heads_ * head_dim_;
+        write_fp8(l.k_cache, qkv.narrow(1, q_size, kv_size), slot_mapping, l.k_scale);
+        write_fp8(l.v_cache, qkv.narrow(1, q_size + kv_size, kv_size), slot_mapping,
+                  l.v_scale);
+      }
+    }
+    auto attn = at::empty({t, heads_, head_dim_}, xn.options());
+    {
+      RECORD_FUNCTION("octavo::decode_attention", std::vector<c10::IValue>());
+      // An fp8 cache's scales: k_scale folds into the softmax scale, v_scale into the output
+      // (paged_attention.py does the same).
+      at::Tensor lse;  // each query's log-sum-exp per head, where sinks need it
+      if (l.sinks.defined()) lse = at::empty({t, heads_}, xn.options().dtype(at::kFloat));
+      decode_attention(attn, q, l.k_cache, l.v_cache, token_index, block_table, seq_lens,
+                       l.scale * l.k_scale, l.softcap, window,
+                       lse.defined() ? std::optional<at::Tensor>(lse) : std::nullopt);
+      if (l.v_scale != 1.0) attn.mul_(l.v_scale);
+      // a sink's share of the softmax: the output times sigmoid(lse - sink), in float32 and
+      // rounded once (paged_attention.py's order)
+      if (l.sinks.defined()) attn.copy_(attn * (lse - l.sinks).sigmoid().unsqueeze(-1));
+    }
+    return attn.view({t, q_size});
   }
 
   static at::Tensor activate(const StackLayer& l, const at::Tensor& h) {
@@ -336,9 +420,10 @@ class DecodeStack : public torch::CustomClassHolder {
     RECORD_FUNCTION("octavo::moe", std::vector<c10::IValue>());
     // FusedMoE.forward's ops in its order (the same sums): top-k routing, token rows sorted by
     // expert so that each expert runs one matmul over its rows, weighted and added back.
-    auto probs = m.router(xn).to(at::kFloat).softmax(-1);
-    auto [weights, experts] = probs.topk(m.top_k, -1);
-    if (m.renormalize) weights = weights / weights.sum(-1, true);
+    const auto& router = m.router;
+    auto [weights, experts] = stack_route(
+        m.routing, router.dense.defined() && router.dense.scalar_type() != xn.scalar_type()
+                       ? router(xn.to(router.dense.scalar_type())) : router(xn));
     auto flat = experts.reshape(-1);
     auto order = flat.argsort(/*stable=*/true);
     auto counts = at::bincount(flat, {}, m.num_experts);
@@ -347,7 +432,7 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t held = static_cast<int64_t>(m.gate_up.size());
     const int64_t before = counts.narrow(0, 0, m.first_expert).sum().item<int64_t>();
     order = order.narrow(0, before, std::accumulate(count, count + held, int64_t{0}));
-    auto token = at::div(order, m.top_k, "floor");
+    auto token = at::div(order, m.routing.top_k, "floor");
     auto xs = xn.index_select(0, token);
     auto ys = at::empty_like(xs);
     const bool adapted = !lora.slots.empty();
@@ -365,9 +450,10 @@ class DecodeStack : public torch::CustomClassHolder {
     ys = ys * weights.reshape(-1).index_select(0, order).unsqueeze(1).to(xn.scalar_type());
     auto out = at::zeros_like(xn).index_add_(0, token, ys);
     reduce(out);
-    if (!m.shared) return out;
+    if (m.shared == StackShared::kNone) return out;
     auto shared = row_parallel(m.shared_down, activate(l, m.shared_gate_up(xn, lora)), lora);
-    return out + m.shared_gate(xn).sigmoid() * shared;
+    return m.shared == StackShared::kGated ? out + m.shared_gate(xn).sigmoid() * shared
+                                           : out + shared;
   }
 
   // rows [T, kv_heads * head_dim] to an fp8 cache's slots as k / scale, saturated at the e4m3

@@ -5,9 +5,12 @@
 #pragma once
 
 #include <array>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "stack_latent.h"
 
 // How a layer's norms apply their weights: RMSNorm (x / rms(x) * w, rounded to the dtype first),
 // Gemma's (1 + w in float32, one rounding), or LayerNorm with a bias (GPT-NeoX, GPT-2) or
@@ -42,19 +45,67 @@ inline int64_t plan_index(const std::string& name) {
   TORCH_CHECK(false, "unknown attention plan '", name, "' (step, sliding)");
 }
 
-// A mixture-of-experts MLP (octavo/model/layers/moe.py FusedMoE, and Qwen2-MoE's sigmoid-gated
-// shared expert).
-struct StackMoe {
-  StackLinear router;
-  std::vector<StackLinear> gate_up, down;  // per expert
+// How a mixture routes a token (octavo/model/layers/routing.py, Routing): softmax or sigmoid
+// scores of the float32 logits; the top-k of the scores (plus a correction bias where given) or
+// of the logits, within the keep_groups best of `groups` groups of experts (a group scored by its
+// best expert or its best two); the chosen scores, renormalized where asked, times `scale`.
+struct StackRouting {
   int64_t top_k = 1;
   bool renormalize = false;
+  bool sigmoid = false;
+  bool by_logits = false;
+  double scale = 1.0;
+  int64_t groups = 1, keep_groups = 1;
+  bool group_top2 = false;
+  at::Tensor correction;  // float32 [num_experts], or undefined
+};
+
+// Routing.__call__'s ops: router logits [T, E] -> (weights float32, experts) [T, top_k].
+inline std::tuple<at::Tensor, at::Tensor> stack_route(const StackRouting& r,
+                                                     const at::Tensor& logits) {
+  auto floats = logits.to(at::kFloat);
+  auto scores = r.sigmoid ? floats.sigmoid() : floats.softmax(-1);
+  auto choice = r.by_logits ? logits
+                            : r.correction.defined() ? scores + r.correction : scores;
+  if (r.groups > 1) {  // the experts outside the keep_groups best groups set to -inf
+    const int64_t t = choice.size(0), per_group = choice.size(1) / r.groups;
+    auto by_group = choice.view({t, r.groups, per_group});
+    auto score = r.group_top2 ? std::get<0>(by_group.topk(2, -1)).sum(-1)
+                              : by_group.amax(-1);
+    auto best = std::get<1>(score.topk(r.keep_groups, -1));
+    auto kept = at::zeros_like(score, score.options().dtype(at::kBool))
+                    .scatter_(1, best, true);
+    choice = choice.masked_fill(kept.logical_not().repeat_interleave(per_group, 1),
+                                -std::numeric_limits<double>::infinity());
+  }
+  auto experts = std::get<1>(choice.topk(r.top_k, -1));
+  auto weights = scores.gather(1, experts);
+  if (r.renormalize) weights = weights / (weights.sum(-1, true) + 1e-20);
+  if (r.scale != 1.0) weights = weights * r.scale;
+  return {weights, experts};
+}
+
+// A mixture's shared expert: none, added as it is (DeepSeek), or gated by a sigmoid (Qwen2-MoE).
+enum class StackShared { kNone, kPlain, kGated };
+
+inline StackShared stack_shared(const std::string& name) {
+  if (name == "none") return StackShared::kNone;
+  if (name == "plain") return StackShared::kPlain;
+  if (name == "gated") return StackShared::kGated;
+  TORCH_CHECK(false, "unknown shared expert '", name, "' (none, plain, gated)");
+}
+
+// A mixture-of-experts MLP (octavo/model/layers/moe.py FusedMoE, with a shared expert).
+struct StackMoe {
+  StackLinear router;  // its dense weight may be float32 beside activations of another dtype
+  std::vector<StackLinear> gate_up, down;  // per expert
+  StackRouting routing;
   // gate_up and down are experts [first_expert, + size) of num_experts: under expert
   // parallelism this rank's, the others' rows left to their ranks
   int64_t first_expert = 0, num_experts = 0;
   at::Tensor routed;  // int64 [num_experts]: rows routed to each expert, added up; or undefined
-  bool shared = false;  // a shared expert: shared_down(act(shared_gate_up)) * sigmoid(gate)
-  StackLinear shared_gate_up, shared_down, shared_gate;
+  StackShared shared = StackShared::kNone;  // shared_down(act(shared_gate_up)), times
+  StackLinear shared_gate_up, shared_down, shared_gate;  // sigmoid(shared_gate) where gated
 };
 
 // The norms of a layer by place.
@@ -71,7 +122,9 @@ struct StackLayer {
   bool parallel_residual = false;  // the MLP reads the layer's input, as attention does (NeoX)
   double residual_scale = 1.0;     // each sublayer's output times this before the add (Granite)
   StackLinear qkv, o, gate_up, down;  // gate_up and down: a dense MLP's
+  std::optional<StackLatent> latent;  // DeepSeek's latent attention in qkv's place, else none
   std::optional<StackMoe> moe;        // else the mixture of experts
+  std::optional<StackRouting> routing;  // a mixture's, from set_routing until set_mlp
   bool gated = true;
   StackActivation act = StackActivation::kSilu;
   double act_alpha = 0.0, act_limit = 0.0;  // the clamped SwiGLU's

@@ -72,7 +72,7 @@ class MlaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t, h = x.shape[0], self.num_heads
-        q = (self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank
+        q = (self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x).contiguous())) if self.q_lora_rank
              else self.q_proj(x)).view(t, h, self.nope + self.rope)
         q_nope, q_rope = q.split([self.nope, self.rope], -1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], -1)

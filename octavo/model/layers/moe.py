@@ -31,13 +31,12 @@ from octavo.distributed import parallel_state
 from octavo.model.context import step_lora, step_real_rows
 from octavo.model.layers.activation import gated_act
 from octavo.model.layers.linear import Linear, Span, column_parallel, even_span, row_parallel
+from octavo.model.layers.routing import Routing
 from octavo.model.quant.base import QuantMethod
 
 # checkpoint projection name -> (packed parameter, slot): Mixtral's w1/w3/w2 and Qwen's names
 _PROJ = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
          "w2": ("w2", 0), "down_proj": ("w2", 0)}
-# router logits [T, E] -> (weights [T, top_k] float32, experts [T, top_k])
-Route = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # <block>.experts.<index>.<projection>.<kind: weight, or a quantized format's qweight, scales...>
 EXPERT_TENSOR = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(\w+)$")
 
@@ -45,21 +44,26 @@ EXPERT_TENSOR = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(\w+)$")
 class FusedMoE(nn.Module):
     """`act`: the gated activation on [gate | up] where the family has its own (gpt-oss), else
     hidden_act's; `bias`: each expert's projections have biases (gpt-oss), which stay dense
-    here, beside quantized weights too; `weigh_inputs`: a row's routing weight scales the
-    expert's input rather than its output (Llama 4)."""
+    here, beside quantized weights too; `routing`: the family's own (DeepSeek's sigmoid scores
+    and expert groups, Llama 4's), else softmax top-k, renormalized or not; `weigh_inputs`: a
+    row's routing weight scales the expert's input rather than its output (Llama 4)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  hidden_act: str, renormalize: bool, bias: bool = False,
                  act: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 route: Route | None = None, weigh_inputs: bool = False) -> None:
+                 routing: Routing | None = None, weigh_inputs: bool = False) -> None:
         super().__init__()
         self.weigh_inputs = weigh_inputs
-        # the family's own routing, router logits -> (weights, experts) [T, top_k] (DeepSeek's
-        # sigmoid scores and expert groups), else softmax, top-k, renormalized or not
-        self.route = route
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
-        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.routing = routing or Routing(top_k, renormalize)
+        if self.routing.top_k != top_k:
+            raise ValueError(f"the routing's top_k ({self.routing.top_k}) is not the layer's "
+                             f"({top_k})")
+        if num_experts % self.routing.groups:
+            raise ValueError(f"n_group ({self.routing.groups}) does not divide the "
+                             f"{num_experts} experts")
+        self.num_experts, self.top_k = num_experts, top_k
         ranks = parallel_state.ep_size()
         if num_experts % ranks:
             raise ValueError(f"num_experts ({num_experts}) is not divisible by the "
@@ -189,13 +193,7 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x: [T, H], router_logits: [T, E] -> [T, H]. The C++ decode stack
         (csrc/decode_stack.h, moe) runs these same ops in this order."""
-        if self.route is not None:
-            weights, experts = self.route(router_logits)
-        else:
-            probs = router_logits.float().softmax(-1)
-            weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
-            if self.renormalize:
-                weights = weights / weights.sum(-1, keepdim=True)
+        weights, experts = self.routing(router_logits)  # [T, k]
         if parallel_state.ep_dispatches():
             return self._dispatched(x, weights, experts)
         flat = experts.reshape(-1)  # [T * k]

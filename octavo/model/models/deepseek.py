@@ -16,8 +16,9 @@ Experts: V3 scores with a sigmoid, picks within the best expert groups by the sc
 learned correction bias, weighs by the plain scores (renormalized where norm_topk_prob) times
 routed_scaling_factor; V2 takes a softmax, greedy or within the best groups by their maximum,
 times the factor. Shared experts are added ungated. The first first_k_dense_replace layers are
-dense. These layers run layer by layer (the fused stack takes neither the latent attention nor
-this routing). FP8 checkpoints (V3's own) stay FP8 but for kv_b_proj, decoded as it is read."""
+dense. Decode steps run in the fused stack (model/decode_stack.py), which computes the latent
+attention from its description (LatentSpec) and the routing from FusedMoE's (Routing). FP8
+checkpoints (V3's own) stay FP8 but for kv_b_proj, decoded as it is read."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -28,58 +29,32 @@ from torch import nn
 from octavo.arch_config import ArchConfig
 from octavo.model.decoder_layer import DecoderLayer
 from octavo.model.kv_spec import KVCacheSpec
-from octavo.model.layer_spec import LayerSpec, MoeSpec, NormKind, decoder_spec
+from octavo.model.layer_spec import LatentSpec, LayerSpec, MoeSpec, NormKind, decoder_spec
 from octavo.model.layers.mla import MlaAttention
-from octavo.model.layers.moe import FloatRouter, FusedMoE, Route
+from octavo.model.layers.moe import FloatRouter, FusedMoE
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
+from octavo.model.layers.routing import Routing
 from octavo.model.models.llama import LlamaForCausalLM, LlamaMLP
 from octavo.model.quant.fp8 import dequantize_fp8
 
 
-def _grouped(choice: torch.Tensor, groups: int, keep: int, group_score: str,
-             fill: float) -> torch.Tensor:
-    """`choice` with the experts outside the `keep` best of `groups` groups set to `fill`."""
-    t, e = choice.shape
-    by_group = choice.view(t, groups, e // groups)
-    score = (by_group.topk(2, -1)[0].sum(-1) if group_score == "top2"
-             else by_group.amax(-1))
-    best = score.topk(keep, -1, sorted=False)[1]
-    mask = torch.zeros_like(score, dtype=torch.bool).scatter_(1, best, True)
-    return choice.masked_fill(~mask.unsqueeze(-1).expand(t, groups, e // groups).reshape(t, e),
-                              fill)
-
-
-def deepseek_route(cfg: ArchConfig, router: FloatRouter, top_k: int) -> Route:
+def deepseek_routing(cfg: ArchConfig, router: FloatRouter, top_k: int) -> Routing:
+    """V3: sigmoid scores, chosen with the correction bias within the groups best by their top
+    two; V2: softmax scores, greedy or within the groups best by their maximum."""
     scale = float(cfg.extra.get("routed_scaling_factor") or 1.0)
     groups, keep = cfg.extra.get("n_group") or 1, cfg.extra.get("topk_group") or 1
-    if router.e_score_correction_bias is not None:  # V3: sigmoid, groups by their top two
-        renormalize = bool(cfg.extra.get("norm_topk_prob"))
-
-        def route_v3(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            scores = logits.float().sigmoid()
-            choice = _grouped(scores + router.e_score_correction_bias, groups, keep, "top2",
-                              float("-inf"))
-            experts = choice.topk(top_k, -1, sorted=False)[1]
-            weights = scores.gather(1, experts)
-            if renormalize:
-                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-            return weights * scale, experts
-
-        return route_v3
+    if router.e_score_correction_bias is not None:
+        return Routing(top_k, bool(cfg.extra.get("norm_topk_prob")), "sigmoid", scale=scale,
+                       groups=groups, keep_groups=keep, group_score="top2",
+                       correction=router.e_score_correction_bias)
     method = cfg.extra.get("topk_method") or "greedy"
     if method not in ("greedy", "group_limited_greedy"):
         raise NotImplementedError(f"{cfg.architecture}: topk_method {method!r} (greedy and "
                                   f"group_limited_greedy are supported)")
-
-    def route_v2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = logits.float().softmax(-1)
-        if method == "group_limited_greedy":
-            scores = _grouped(scores, groups, keep, "max", 0.0)
-        weights, experts = scores.topk(top_k, -1, sorted=False)
-        return weights * scale, experts
-
-    return route_v2
+    if method == "greedy":
+        groups = keep = 1
+    return Routing(top_k, scale=scale, groups=groups, keep_groups=keep)
 
 
 class DeepseekMoE(nn.Module):
@@ -89,13 +64,14 @@ class DeepseekMoE(nn.Module):
         width = cfg.required("moe_intermediate_size")
         self.gate = FloatRouter(cfg.hidden_size, experts, correction)
         self.experts = FusedMoE(experts, top_k, cfg.hidden_size, width, cfg.hidden_act,
-                                renormalize=False, route=deepseek_route(cfg, self.gate, top_k))
+                                renormalize=False,
+                                routing=deepseek_routing(cfg, self.gate, top_k))
         shared = cfg.extra.get("n_shared_experts") or 0
         self.shared_experts = LlamaMLP(cfg, width * shared) if shared else None
 
     def moe_spec(self) -> MoeSpec:
         e, shared = self.experts, self.shared_experts
-        return MoeSpec(self.gate, e.expert_weights(), e.top_k, False,
+        return MoeSpec(self.gate, e.expert_weights(),
                        None if shared is None else shared.gate_up_proj,
                        None if shared is None else shared.down_proj, None, fused=e,
                        first_expert=e.first_expert, num_experts=e.num_experts)
@@ -111,9 +87,17 @@ class DeepseekDecoderLayer(DecoderLayer):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def spec(self) -> LayerSpec:  # the latent attention is a mixer: computed whole
-        return decoder_spec(self.self_attn, self.mlp, NormKind.RMS, self.input_layernorm,
-                            self.post_attention_layernorm)
+    def spec(self) -> LayerSpec:
+        # the latent attention is a mixer, which the Python layers compute whole (its forward)
+        # and the fused stack from its description
+        a = self.self_attn
+        compressed = bool(a.q_lora_rank)
+        latent = LatentSpec(
+            a.q_a_proj if compressed else None, a.q_a_layernorm if compressed else None,
+            a.q_b_proj if compressed else a.q_proj, a.kv_a_proj_with_mqa, a.kv_a_layernorm,
+            a.kv_b_proj.weight, a.o_proj, a.nope, a.rope, a.v_dim)
+        return decoder_spec(a, self.mlp, NormKind.RMS, self.input_layernorm,
+                            self.post_attention_layernorm, latent=latent)
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):

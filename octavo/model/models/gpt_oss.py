@@ -37,7 +37,7 @@ class GptOssMoE(nn.Module):
     def moe_spec(self) -> MoeSpec:
         e = self.experts
         # softmax over the top-k logits: the top-k of the softmax, renormalized
-        return MoeSpec(self.router, e.expert_weights(), e.top_k, True, None, None, None,
+        return MoeSpec(self.router, e.expert_weights(), None, None, None,
                        fused=e, first_expert=e.first_expert, num_experts=e.num_experts)
 
 

@@ -16,28 +16,18 @@ These layers run layer by layer: the fused stack takes neither chunked attention
 experts."""
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from octavo.arch_config import ArchConfig
 from octavo.model.decoder_layer import DecoderLayer
 from octavo.model.layer_spec import LayerSpec, MoeSpec, NormKind, decoder_spec
 from octavo.model.layers.linear import Linear
-from octavo.model.layers.moe import FusedMoE, Route
+from octavo.model.layers.moe import FusedMoE
 from octavo.model.layers.norm import RMSNorm, UnitRMSNorm
 from octavo.model.layers.rotary import QueryTemperature, RotaryEmbedding
+from octavo.model.layers.routing import Routing
 from octavo.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from octavo.model.models.moe import StackedExperts
-
-
-def sigmoid_top_k(top_k: int) -> Route:
-    """Each token's top-k experts by router logit, weighted by the sigmoid of their logits."""
-
-    def route(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top, experts = logits.topk(top_k, dim=-1)
-        return top.float().sigmoid().to(logits.dtype).float(), experts
-
-    return route
 
 
 class Llama4MoE(nn.Module):
@@ -46,13 +36,13 @@ class Llama4MoE(nn.Module):
         experts, top_k = cfg.required("num_local_experts"), cfg.required("num_experts_per_tok")
         self.router = Linear(cfg.hidden_size, [experts])
         self.experts = FusedMoE(experts, top_k, cfg.hidden_size, cfg.intermediate_size,
-                                cfg.hidden_act, renormalize=False, route=sigmoid_top_k(top_k),
-                                weigh_inputs=True)
+                                cfg.hidden_act, renormalize=False, weigh_inputs=True,
+                                routing=Routing(top_k, scoring="sigmoid", choose_by="logits"))
         self.shared_expert = LlamaMLP(cfg)
 
     def moe_spec(self) -> MoeSpec:
         e, shared = self.experts, self.shared_expert
-        return MoeSpec(self.router, e.expert_weights(), e.top_k, False, shared.gate_up_proj,
+        return MoeSpec(self.router, e.expert_weights(), shared.gate_up_proj,
                        shared.down_proj, None, fused=e, first_expert=e.first_expert,
                        num_experts=e.num_experts)
 

@@ -43,8 +43,8 @@ class SparseMoeBlock(nn.Module):
         shared = self.shared_expert
         gate_up, down = (None, None) if shared is None else (shared.gate_up_proj,
                                                              shared.down_proj)
-        return MoeSpec(self.gate, self.experts.expert_weights(), self.experts.top_k,
-                       self.experts.renormalize, gate_up, down, self.shared_expert_gate,
+        return MoeSpec(self.gate, self.experts.expert_weights(), gate_up, down,
+                       self.shared_expert_gate,
                        fused=self.experts, first_expert=self.experts.first_expert,
                        num_experts=self.experts.num_experts)
 
