@@ -43,12 +43,12 @@ from torch import nn
 from octavo.distributed import parallel_state
 from octavo.kernels import fused
 from octavo.kernels.paged_attention import AttentionPlan
-from octavo.model.context import get_forward_context
+from octavo.model.context import ForwardContext, get_forward_context
 from octavo.model.layer_spec import Activation, LayerSpec, NormKind
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.lora import LoRASlots, LoRAStep
-from octavo.model.layers.norm import RMSNorm
-from octavo.model.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
+from octavo.model.layers.norm import RMSNorm, UnitRMSNorm
+from octavo.model.layers.rotary import PartialRotaryEmbedding, QueryTemperature, RotaryEmbedding
 from octavo.model.quant.decode_weights import max_rows
 from octavo.model.quant.microscaled import MicroscaledPacked
 from octavo.model.quant.packed import Int4Packed, Int8Grouped, Int8Packed, PackedWeight
@@ -73,18 +73,14 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
         if spec.latent is not None and any(type(n) is not RMSNorm for n in (
                 spec.latent.q_a_norm or spec.latent.kv_a_norm, spec.latent.kv_a_norm)):
             return "a latent attention with norms other than RMSNorm"
-        if spec.moe is not None and spec.moe.fused.weigh_inputs:
-            return "experts whose inputs the routing weights scale"
-        if spec.attention.chunk is not None:
-            return "chunked local attention"
         if spec.output_gate:
             return "attention with an output gate"
         if spec.moe is not None and parallel_state.ep_dispatches():
             return "experts dispatched to other context-parallel ranks (all-to-all)"
         if spec.activation is None:
             return "an activation other than silu or gelu (tanh) gated, or silu, gelu or relu"
-        if spec.rotary is not None and type(spec.rotary) not in (RotaryEmbedding,
-                                                                 PartialRotaryEmbedding):
+        if spec.rotary is not None and type(spec.rotary) not in (
+                RotaryEmbedding, PartialRotaryEmbedding, QueryTemperature):
             return f"rotary embedding {type(spec.rotary).__name__}"
         if spec.norm_kind is NormKind.LAYER and (spec.q_norm is not None or any(
                 n.weight is None for n in spec.norms)):
@@ -93,7 +89,8 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
             reason = _weight_reason(lin, spec.dtype)
             if reason is not None:
                 return reason
-        if any(type(n) is not spec.norm_kind.module for n in spec.norms):
+        if any(type(n) is not spec.norm_kind.module for n in spec.norms
+               if not (spec.norm_kind is NormKind.RMS and type(n) is UnitRMSNorm)):
             return f"a norm other than {spec.norm_kind.module.__name__}"
         eps.update(n.eps for n in spec.norms)
         a = spec.attention
@@ -249,9 +246,9 @@ class DecodeStack:
                   if (n := _row_limit(lin)) is not None]
         self.max_tokens: int | None = min(limits) if limits else None
 
-    def usable(self, x: torch.Tensor, plan: AttentionPlan, sliding: AttentionPlan | None,
+    def usable(self, x: torch.Tensor, plans: list[AttentionPlan],
                kv_caches: list[torch.Tensor]) -> bool:
-        plans = (plan,) if sliding is None else (plan, sliding)
+        """plans: the step's plan, its sliding-window one and its chunked one (step_plans)."""
         return (all(not p.groups and p.decode is not None for p in plans)
                 and fused.native_active(x) and x.dtype == self.dtype
                 and kv_caches[0].dtype in (self.dtype, torch.float8_e4m3fn)
@@ -263,17 +260,15 @@ class DecodeStack:
         self.specs = [layer.spec() for layer in self.layers]
         self._stack, self._caches = None, None
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
-                 sliding: AttentionPlan | None, kv_caches: list[torch.Tensor],
-                 lora: LoRAStep | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, plans: list[AttentionPlan],
+                 kv_caches: list[torch.Tensor], lora: LoRAStep | None = None) -> torch.Tensor:
         if self._caches is not kv_caches:
             self._build(kv_caches)
-        # A windowed layer reads the sliding plan where the step has one, else the step's plan,
-        # as PagedAttention does.
-        plans = [_kernel_plan(plan)] + ([] if sliding is None else [_kernel_plan(sliding)])
+        kernel_plans = [_kernel_plan(p) for p in plans]
+        slots = plans[0].slot_mapping  # every plan's: they differ in what they read
         if lora is None:
-            return self._stack.forward(x, positions, plan.slot_mapping, plans, None, [])
-        return self._stack.forward(x, positions, plan.slot_mapping, plans, lora.token_slot,
+            return self._stack.forward(x, positions, slots, kernel_plans, None, [])
+        return self._stack.forward(x, positions, slots, kernel_plans, lora.token_slot,
                                    lora.slots)
 
     def _build(self, kv_caches: list[torch.Tensor]) -> None:
@@ -285,12 +280,14 @@ class DecodeStack:
             stack.set_all_reduce(parallel_state.TP_ALL_REDUCE_OP)
         for spec in self.specs:
             attn = spec.attention
-            cos, sin = (None, None) if spec.rotary is None else (spec.rotary.cos,
-                                                                 spec.rotary.sin)
+            rope = isinstance(spec.rotary, RotaryEmbedding)
+            cos, sin = (spec.rotary.cos, spec.rotary.sin) if rope else (None, None)
             sinks = None if attn.sinks is None else attn.sinks.float()
             stack.add_layer(kv_caches[attn.layer_index], cos, sin, spec.scale,
-                            spec.softcap or 0.0, "sliding" if spec.window else "step",
+                            spec.softcap or 0.0, _plan_name(spec),
                             attn.k_scale, attn.v_scale, sinks)
+            if isinstance(spec.rotary, QueryTemperature):
+                stack.set_query_temperature(spec.rotary.floor_scale, spec.rotary.attn_scale)
             norms = (spec.attn_in_norm, spec.attn_out_norm, spec.mlp_in_norm, spec.mlp_out_norm)
             stack.set_norms(spec.norm_kind.value,
                             [_norm_weight(spec, n) for n in (*norms, spec.q_norm, spec.k_norm)],
@@ -309,7 +306,8 @@ class DecodeStack:
                                  a.v_dim)
             if spec.moe is not None:
                 r = spec.moe.routing
-                stack.set_routing(r.top_k, r.renormalize, r.scoring, r.choose_by, r.scale,
+                stack.set_routing(r.top_k, r.renormalize, spec.moe.fused.weigh_inputs,
+                                  r.scoring, r.choose_by, r.scale,
                                   r.groups, r.keep_groups, r.group_score, r.correction)
             stack.set_mlp(spec.activation.value, spec.gated, *_moe_settings(spec), act_params)
         self._stack, self._caches = stack, kv_caches
@@ -326,6 +324,12 @@ def _moe_settings(spec: LayerSpec) -> tuple:
               "plain" if moe.shared_gate is None else "gated")
     return (shared, moe.first_expert, moe.num_experts or len(moe.experts),
             getattr(moe.fused, "routed", None))
+
+
+def _plan_name(spec: LayerSpec) -> str:
+    if spec.window:
+        return "sliding"
+    return "chunked" if spec.attention.chunk is not None else "step"
 
 
 def _kernel_plan(plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -362,13 +366,21 @@ def attach(model: nn.Module) -> DecodeStack | None:
     return inner.decode_stack
 
 
+def step_plans(ctx: ForwardContext) -> list[AttentionPlan]:
+    """The plans the stack's layers read by index (csrc/stack_layer.h, plan_index): the step's,
+    the sliding-window one and the chunked one, each the step's where the step has none, as
+    PagedAttention reads them."""
+    return [ctx.plan, ctx.sliding_plan or ctx.plan, ctx.chunked_plan or ctx.plan]
+
+
 def run_layers(layers: nn.ModuleList, stack: DecodeStack | None, x: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
     """The decoder layers over x: as one C++ stack where the step allows it, else one by one."""
     ctx = get_forward_context()
-    if (stack is not None and ctx.context_parallel is None
-            and stack.usable(x, ctx.plan, ctx.sliding_plan, ctx.kv_caches)):
-        return stack(x, positions, ctx.plan, ctx.sliding_plan, ctx.kv_caches, ctx.lora)
+    if stack is not None and ctx.context_parallel is None:
+        plans = step_plans(ctx)
+        if stack.usable(x, plans, ctx.kv_caches):
+            return stack(x, positions, plans, ctx.kv_caches, ctx.lora)
     for layer in layers:
         x = layer(positions, x)
     return x

@@ -2,8 +2,8 @@
 Python layers it replaces, on tiny random models: dense weights and int4/int8 low-bit copies,
 q/k norms (Qwen3) and qkv biases (Qwen2), Gemma 2 and 3 (sandwich norms of 1 + w, GeGLU,
 softcaps, sliding windows shorter than the prompts, local RoPE tables), mixtures of experts
-(DeepSeek's latent attention and grouped routing too) and the real Gemma 3 270M; and the models
-and steps it must leave alone."""
+(DeepSeek's latent attention and grouped routing, Llama 4's chunked attention and weighted
+inputs too) and the real Gemma 3 270M; and the models and steps it must leave alone."""
 from __future__ import annotations
 
 import pytest
@@ -70,9 +70,9 @@ def test_steps_with_padded_prefills_run_the_layers(tmp_path, smollm_oracle_folde
     seen = []
     usable = stack.usable
 
-    def spy(x, plan, sliding, caches):
-        ok = usable(x, plan, sliding, caches)
-        seen.append((bool(plan.groups), ok))
+    def spy(x, plans, caches):
+        ok = usable(x, plans, caches)
+        seen.append((bool(plans[0].groups), ok))
         return ok
 
     stack.usable = spy
@@ -208,6 +208,21 @@ def test_latent_attention_and_grouped_routing_run_in_the_stack(
     routing = next(spec.moe for spec in specs if spec.moe is not None).routing
     assert routing.groups == 2 and routing.scoring == ("sigmoid" if name == "deepseek-v3"
                                                        else "softmax")
+
+
+@pytest.mark.parametrize("dtype, quantization", [("float32", None), ("bfloat16", "int4")])
+def test_llama4_layers_run_in_the_stack(tmp_path, smollm_oracle_folder, dtype, quantization):
+    """Llama 4's layers take the stack in every step: chunked local attention (the 38-token
+    prompt decodes past its 48-token chunk: the chunked plan), weightless q/k norms, a layer
+    without RoPE whose queries take the position's temperature, experts whose inputs the
+    sigmoid routing weights scale beside an ungated shared expert; the Python layers' tokens
+    and log-probabilities."""
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "llama4")
+    llm = LLM(str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20,
+              enable_prefix_caching=False, quantization=quantization)
+    specs = _stack_then_layers(llm, dtype == "bfloat16")
+    assert [spec.attention.chunk for spec in specs] == [48, None]
+    assert specs[0].moe.fused.weigh_inputs and specs[0].moe.routing.choose_by == "logits"
 
 
 @pytest.mark.parametrize("name, dtype, quantization", [
@@ -421,7 +436,7 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
 
     with pytest.raises(RuntimeError, match="add_layer comes first"):
         stack.set_norms("rms", norms, [None] * 4, False, False, 1.0)
-    with pytest.raises(RuntimeError, match="unknown attention plan 'global'"):
+    with pytest.raises(RuntimeError, match=r"unknown attention plan 'global' \(step, sliding, chunked\)"):
         stack.add_layer(cache, cos, sin, 0.25, 0.0, "global", 1.0, 1.0, None)
     with pytest.raises(RuntimeError, match="rotary tables must be"):
         stack.add_layer(cache, torch.ones(64, 16), torch.zeros(64, 16), 0.25, 0.0, "step", 1.0,
@@ -461,9 +476,9 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
     with pytest.raises(RuntimeError, match="a dense MLP has two projections"):
         stack.set_mlp("silu", True, "gated", 0, 0, None, [])
     with pytest.raises(RuntimeError, match="scoring: softmax or sigmoid"):
-        stack.set_routing(2, True, "tanh", "scores", 1.0, 1, 1, "max", None)
+        stack.set_routing(2, True, False, "tanh", "scores", 1.0, 1, 1, "max", None)
     with pytest.raises(RuntimeError, match="keep_groups in"):
-        stack.set_routing(2, True, "softmax", "scores", 1.0, 2, 3, "max", None)
+        stack.set_routing(2, True, False, "softmax", "scores", 1.0, 2, 3, "max", None)
     with pytest.raises(RuntimeError, match="the latent attention's linears come first"):
         stack.set_latent(None, torch.ones(8), 1e-6, 1e-6, torch.zeros(4, 8), 2, 8, 2)
     stack.set_mlp("silu", True, "none", 0, 0, None, [])

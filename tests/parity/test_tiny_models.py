@@ -276,9 +276,7 @@ def test_latent_attention_caches_the_compressed_row_only(tmp_path, smollm_oracle
 def test_llama4_chunked_attention_batched_preempted_and_cached(tmp_path, smollm_oracle_folder):
     """Llama 4's chunked layers in a batch of prompts whose chunks begin at different steps,
     with a cache small enough to preempt, and a prompt again from the prefix cache: the tokens
-    stay transformers'. The layers run layer by layer, and say so."""
-    from octavo.model import decode_stack
-
+    stay transformers'. Decode steps run in the fused stack, reading the chunked plan."""
     folder, ref = _build(tmp_path, smollm_oracle_folder, "llama4")
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(100, 49000, (n,), generator=gen).tolist() for n in (40, 95, 61, 130)]
@@ -290,8 +288,7 @@ def test_llama4_chunked_attention_batched_preempted_and_cached(tmp_path, smollm_
               max_num_batched_tokens=64)  # the prompts and outputs need 23 blocks at once
     try:
         model = llm.engine.client.core.executor.worker.runner.model
-        assert model.model.decode_stack is None
-        assert decode_stack.unsupported_reason(model.model.layers) is not None
+        assert model.model.decode_stack is not None
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected

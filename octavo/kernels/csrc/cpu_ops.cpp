@@ -186,6 +186,7 @@ TORCH_LIBRARY(octavo, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_norms", &DecodeStack::set_norms)
       .def("set_linears", &DecodeStack::set_linears)
+      .def("set_query_temperature", &DecodeStack::set_query_temperature)
       .def("set_latent", &DecodeStack::set_latent)
       .def("set_routing", &DecodeStack::set_routing)
       .def("set_mlp", &DecodeStack::set_mlp)

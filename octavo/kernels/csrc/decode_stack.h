@@ -138,6 +138,16 @@ class DecodeStack : public torch::CustomClassHolder {
     }
   }
 
+  // Llama 4's query temperature in a layer without RoPE (StackLayer.temperature_floor), after
+  // add_layer.
+  void set_query_temperature(double floor_scale, double attn_scale) {
+    StackLayer& l = building();
+    TORCH_CHECK(floor_scale > 0 && !l.cos.defined(), "a query temperature takes RoPE's place, "
+                "with floor_scale > 0");
+    l.temperature_floor = floor_scale;
+    l.temperature_scale = attn_scale;
+  }
+
   // DeepSeek's latent attention (StackLatent) in place of qkv, between set_linears and set_mlp:
   // it takes the first linears given (q_a, q_b, kv_a where q_a_norm is given, else q, kv_a).
   // kv_b: [heads * (nope + v_dim), rank], each head's W_UK rows then its W_UV rows.
@@ -176,7 +186,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // A mixture's routing (StackRouting), between set_linears and set_mlp: the layer's MLP is a
   // mixture of experts. correction: float32 [num_experts] or None.
-  void set_routing(int64_t top_k, bool renormalize, const std::string& scoring,
+  void set_routing(int64_t top_k, bool renormalize, bool weigh_inputs, const std::string& scoring,
                    const std::string& choose_by, double scale, int64_t groups,
                    int64_t keep_groups, const std::string& group_score,
                    std::optional<at::Tensor> correction) {
@@ -189,6 +199,7 @@ class DecodeStack : public torch::CustomClassHolder {
     StackRouting r;
     r.top_k = top_k;
     r.renormalize = renormalize;
+    r.weigh_inputs = weigh_inputs;
     r.sigmoid = scoring == "sigmoid";
     r.by_logits = choose_by == "logits";
     r.scale = scale;
@@ -276,10 +287,10 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // x: [T, hidden] embeddings of the step's tokens (each plan's token_index maps attention
-  // entries to them) -> hidden states before the final norm. plans: the step's plan, then the
-  // sliding-window one where the step has it (a layer that reads plan 1 reads plan 0 without
-  // it, as PagedAttention does). lora_slot: each token's adapter slot (-1: none), and
-  // lora_slots the slots in the step (empty: no adapter).
+  // entries to them) -> hidden states before the final norm. plans: the step's plan, then its
+  // sliding-window one and its chunked one, each by plan_index (a layer whose plan is past the
+  // list reads plan 0). lora_slot: each token's adapter slot (-1: none), and lora_slots the
+  // slots in the step (empty: no adapter).
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slot_mapping,
                      std::vector<StackPlan> plans, std::optional<at::Tensor> lora_slot,
                      std::vector<int64_t> lora_slots) const {
@@ -287,7 +298,7 @@ class DecodeStack : public torch::CustomClassHolder {
     if (lora_slot && !lora_slots.empty()) lora = {*lora_slot, std::move(lora_slots)};
     TORCH_CHECK(x.is_contiguous() && positions.is_contiguous() && slot_mapping.is_contiguous(),
                 "the stack takes contiguous inputs");
-    TORCH_CHECK(!plans.empty() && plans.size() <= 2, "one or two attention plans");
+    TORCH_CHECK(!plans.empty() && plans.size() <= 3, "one to three attention plans");
     // Named in the profiler as the ops are (the stack calls its kernels directly, not through
     // the dispatcher); free while no profiler runs.
     RECORD_FUNCTION("octavo::DecodeStack.forward", std::vector<c10::IValue>());
@@ -365,6 +376,11 @@ class DecodeStack : public torch::CustomClassHolder {
                   l.v_scale);
       }
     }
+    if (l.temperature_floor > 0) {  // QueryTemperature's ops, in float32, rounded once
+      auto factor = at::floor((positions.to(at::kFloat) + 1.0) / l.temperature_floor).log1p() *
+                        l.temperature_scale + 1.0;
+      q.copy_(q * factor.view({t, 1, 1}));
+    }
     auto attn = at::empty({t, heads_, head_dim_}, xn.options());
     {
       RECORD_FUNCTION("octavo::decode_attention", std::vector<c10::IValue>());
@@ -434,6 +450,9 @@ class DecodeStack : public torch::CustomClassHolder {
     order = order.narrow(0, before, std::accumulate(count, count + held, int64_t{0}));
     auto token = at::div(order, m.routing.top_k, "floor");
     auto xs = xn.index_select(0, token);
+    auto row_weight =
+        weights.reshape(-1).index_select(0, order).unsqueeze(1).to(xn.scalar_type());
+    if (m.routing.weigh_inputs) xs = xs * row_weight;
     auto ys = at::empty_like(xs);
     const bool adapted = !lora.slots.empty();
     auto row_slot = adapted ? lora.token_slot.index_select(0, token) : at::Tensor();
@@ -447,7 +466,7 @@ class DecodeStack : public torch::CustomClassHolder {
                            rows));
       start += count[e];
     }
-    ys = ys * weights.reshape(-1).index_select(0, order).unsqueeze(1).to(xn.scalar_type());
+    if (!m.routing.weigh_inputs) ys = ys * row_weight;
     auto out = at::zeros_like(xn).index_add_(0, token, ys);
     reduce(out);
     if (m.shared == StackShared::kNone) return out;

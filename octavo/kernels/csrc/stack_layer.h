@@ -38,11 +38,13 @@ inline StackActivation stack_activation(const std::string& name) {
               "' (silu, gelu_tanh, gelu, relu, clamped_swiglu)");
 }
 
-// Which of forward's plans a layer's attention reads: the step's, or the sliding-window one.
+// Which of forward's plans a layer's attention reads: the step's, the sliding-window one, or the
+// chunked one (Llama 4's local layers).
 inline int64_t plan_index(const std::string& name) {
   if (name == "step") return 0;
   if (name == "sliding") return 1;
-  TORCH_CHECK(false, "unknown attention plan '", name, "' (step, sliding)");
+  if (name == "chunked") return 2;
+  TORCH_CHECK(false, "unknown attention plan '", name, "' (step, sliding, chunked)");
 }
 
 // How a mixture routes a token (octavo/model/layers/routing.py, Routing): softmax or sigmoid
@@ -52,6 +54,7 @@ inline int64_t plan_index(const std::string& name) {
 struct StackRouting {
   int64_t top_k = 1;
   bool renormalize = false;
+  bool weigh_inputs = false;  // a row's weight scales its expert's input, not its output
   bool sigmoid = false;
   bool by_logits = false;
   double scale = 1.0;
@@ -133,6 +136,9 @@ struct StackLayer {
   double k_scale = 1.0, v_scale = 1.0;
   at::Tensor cos, sin;  // RoPE tables [positions, rotary_dim / 2] float32; undefined: no RoPE
   double scale = 1.0, softcap = 0.0;  // softcap 0: none
+  // Llama 4's layers without RoPE: queries times log1p(floor((p + 1) / floor)) * scale + 1 at
+  // position p (rotary.QueryTemperature); floor 0: none
+  double temperature_floor = 0.0, temperature_scale = 0.0;
   at::Tensor sinks;  // float32 [heads]: a logit per head in each softmax's denominator (gpt-oss)
   int64_t plan = 0;  // which of forward's plans its attention reads (1: the sliding-window one)
   std::vector<StackLinear> linears;  // as given, until set_mlp places them

@@ -12,8 +12,8 @@
 - The checkpoint stacks each layer's experts (models/moe.py StackedExperts). A
   Llama4ForConditionalGeneration checkpoint's text model is read, its vision tower skipped.
 
-These layers run layer by layer: the fused stack takes neither chunked attention nor input-scaled
-experts."""
+Decode steps run in the fused stack (model/decode_stack.py): chunked layers read the step's
+chunked plan there too, and the routing is FusedMoE's description (layers/routing.py)."""
 from __future__ import annotations
 
 from torch import nn
