@@ -2,8 +2,9 @@
 real mixture of experts ships here. Qwen3-MoE by default, at the sizes docs/distributed.md quotes
 figures for (12 layers, hidden 512, 32 experts of width 256, top 4) unless given; or DeepSeek V2
 (`--family deepseek-v2`: latent attention of V2-Lite's head sizes halved, two shared experts, a
-dense first layer, routing within the best half of the expert groups), which docs/performance.md
-quotes decode figures for. The tokenizer is SmolLM2's, copied from the folder given (its
+dense first layer, routing within the best half of the expert groups) or Llama 4 (`--family
+llama4`: chunks of 256 tokens, every fourth layer without RoPE, a shared expert beside the
+routed ones), which docs/performance.md quotes decode figures for. The tokenizer is SmolLM2's, copied from the folder given (its
 vocabulary sets the model's). Usage:
 
     python3 -m tools.make_random_moe /tmp/qwen3-moe-random --tokenizer path/to/smollm2-folder
@@ -35,6 +36,13 @@ def make(out: Path, tokenizer: Path, layers: int, hidden: int, experts: int, wid
             qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
             topk_method="group_limited_greedy", n_group=4, topk_group=2)
         model = transformers.DeepseekV2ForCausalLM(config)
+    elif family == "llama4":
+        config = transformers.Llama4TextConfig(
+            **{**common, "intermediate_size": width}, num_attention_heads=16,
+            num_key_value_heads=4, head_dim=hidden // 16, num_local_experts=experts,
+            intermediate_size_mlp=4 * hidden, interleave_moe_layer_step=1,
+            attention_chunk_size=256)
+        model = transformers.Llama4ForCausalLM(config)
     else:
         config = transformers.Qwen3MoeConfig(
             **common, num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8,
@@ -62,7 +70,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--width", type=int, default=256, help="each expert's intermediate size")
     parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--family", choices=["qwen3-moe", "deepseek-v2"], default="qwen3-moe")
+    parser.add_argument("--family", choices=["qwen3-moe", "deepseek-v2", "llama4"],
+                        default="qwen3-moe")
     args = parser.parse_args()
     print(make(args.out, args.tokenizer, args.layers, args.hidden, args.experts, args.width,
                args.top_k, args.family))
