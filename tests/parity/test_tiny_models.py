@@ -113,6 +113,10 @@ CASES = {
         "routed_scaling_factor": 2.5, "rope_parameters": {
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
             "mscale_all_dim": 0.707, "original_max_position_embeddings": 64}}),
+    # more query heads over the one latent KV head than a kernel pass holds (64; V3 has 128)
+    "deepseek-v3-80-heads": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        **_DEEPSEEK, "num_attention_heads": 80, "num_key_value_heads": 80, "q_lora_rank": 48,
+        "n_group": 2, "topk_group": 1}),
     "deepseek-v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
         **_DEEPSEEK, "q_lora_rank": None, "topk_method": "group_limited_greedy", "n_group": 2,
         "topk_group": 1, "routed_scaling_factor": 1.5}),

@@ -54,7 +54,18 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache,
   TORCH_CHECK(q.scalar_type() == out.scalar_type(), "out and q differ in dtype");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.size(1) / k_cache.size(2) <= kMaxGroup, "too many query heads per KV head");
+  if (q.size(1) / k_cache.size(2) > kMaxGroup) {
+    // One KV head read by more query heads than a pass holds (DeepSeek V3's latent attention
+    // has 128): the heads in passes of kMaxGroup over the same keys.
+    TORCH_CHECK(k_cache.size(2) == 1 && !lse.has_value(),
+                "more than ", kMaxGroup, " query heads per KV head need one KV head, no lse");
+    for (int64_t h = 0; h < q.size(1); h += kMaxGroup) {
+      const int64_t n = std::min(kMaxGroup, q.size(1) - h);
+      decode_attention(out.narrow(1, h, n), q.narrow(1, h, n), k_cache, v_cache, token_index,
+                       block_table, seq_lens, scale, softcap, window);
+    }
+    return;
+  }
   TORCH_CHECK(token_index.is_contiguous() && seq_lens.is_contiguous() &&
               block_table.stride(1) == 1, "index tensors must be contiguous");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_q", [&] {
