@@ -1,6 +1,6 @@
 """A step of a decoder of any family octavo has (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2 and 3,
 GPT-NeoX, GPT-2, Mixtral, Qwen2-MoE, Qwen3-MoE, InternLM 3, Granite, OLMo 2, StarCoder 2,
-Cohere, GLM, gpt-oss, DeepSeek V2 and V3) as one C++ call (csrc/decode_stack.h).
+Cohere, GLM, gpt-oss, DeepSeek V2 and V3, Llama 4) as one C++ call (csrc/decode_stack.h).
 
 It takes the steps whose attention the in-place kernel computes whole: decodes, speculative
 verification, and prompts (of any length in bf16, else up to paged_attention.KERNEL_CONTEXT_LEN
@@ -13,11 +13,12 @@ graph), so it needs exactly what those kernels need. What a layer is comes from 
 (`layer.spec()`, model/layer_spec.py): RMSNorm, Gemma's 1 + w or LayerNorm (with or without a
 bias), norms before each sublayer, after it or both, sequential or parallel residuals (scaled
 or not), q/k norms per head or over all heads, the attention's scale,
-sliding window and softcap, its RoPE tables (over the whole head or its first rotary_dim
-features, or none), or DeepSeek's latent attention (its LatentSpec), and a gated or plain MLP
+sliding window, chunk and softcap, its RoPE tables (over the whole head or its first rotary_dim
+features, or none; Llama 4's query temperature in their place), or DeepSeek's latent attention
+(its LatentSpec), and a gated or plain MLP
 or a mixture of experts (router, its Routing: softmax or sigmoid scores, expert groups, a
-correction bias, renormalization and scale; a shared expert, gated or not; tokens grouped by
-expert, as FusedMoE groups them). The
+correction bias, renormalization and scale, weighing the experts' outputs or inputs; a shared
+expert, gated or not; tokens grouped by expert, as FusedMoE groups them). The
 weights are read from each linear layer's typed weights (`_forms`): dense weights (with or
 without a GGUF's int4/int8 copy for small batches) or packed int4 / symmetric int8 /
 microscaled (MX, NVFP4, FP8) weights alone (GGUFs, quantized checkpoints, --quantization: their
@@ -26,8 +27,7 @@ activations above, as the Python layers compute them); the KV
 cache is in the activations' dtype or in fp8 (with each layer's k/v scales); attention sinks
 scale each head's output by sigmoid(log-sum-exp - sink). Anything else (steps with padded
 prefills, act-order or asymmetric int8 weights, a layer's own attention
-module such as Qwen3-Next's linear one, experts whose inputs the routing weighs (Llama 4),
-kernels not loaded yet)
+module such as Qwen3-Next's linear one, kernels not loaded yet)
 runs the Python layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a
 rank's heads and slices and calls the ranks' all-reduce after each o and down projection (after
 the experts' sum, and after the shared expert, in a MoE layer), as the Python layers do.
@@ -70,8 +70,9 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
         spec: LayerSpec = layer.spec()
         if spec.mixer is not None and spec.latent is None:
             return f"attention of its own ({type(spec.mixer).__name__})"
-        if spec.latent is not None and any(type(n) is not RMSNorm for n in (
-                spec.latent.q_a_norm or spec.latent.kv_a_norm, spec.latent.kv_a_norm)):
+        if spec.latent is not None and any(
+                n is not None and type(n) is not RMSNorm
+                for n in (spec.latent.q_a_norm, spec.latent.kv_a_norm)):
             return "a latent attention with norms other than RMSNorm"
         if spec.output_gate:
             return "attention with an output gate"

@@ -1,6 +1,6 @@
 """A bounded soak of a real server: mixed streaming and non-streaming requests, disconnects
 before and during responses, n > 1, shared prefixes, rejected and refused requests, for
-OCTAVO_SOAK_SECONDS (default 75, within the suite's time budget; longer by setting it). At the
+OCTAVO_SOAK_SECONDS (default 60, within the suite's time budget; longer by setting it). At the
 end the server must be idle with nothing held: KV blocks, queues and front-end counters at zero;
 resident memory grown by less than MAX_RSS_GROWTH_MB per process since the warm-up; no more file
 descriptors, threads or event-loop tasks than after the warm-up; and received = finished +
@@ -16,7 +16,7 @@ import httpx
 
 from tests.e2e.conftest import child_pids, metric, start_server
 
-SOAK_S = float(os.environ.get("OCTAVO_SOAK_SECONDS", "75"))
+SOAK_S = float(os.environ.get("OCTAVO_SOAK_SECONDS", "60"))
 WARMUP_S = min(20.0, SOAK_S / 4)
 CLIENTS = 12
 MAX_RSS_GROWTH_MB = 64
