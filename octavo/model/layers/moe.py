@@ -282,7 +282,7 @@ class FusedMoE(nn.Module):
 
 class FloatRouter(nn.Module):
     """A router in float32 whatever the model's dtype (as DeepSeek computes it), with an
-    optional score correction bias (DeepSeek V3's, which its `route` reads)."""
+    optional score correction bias (DeepSeek V3's, which its Routing reads)."""
 
     def __init__(self, hidden: int, experts: int, correction: bool) -> None:
         super().__init__()
