@@ -370,8 +370,12 @@ def attach(model: nn.Module) -> DecodeStack | None:
 def step_plans(ctx: ForwardContext) -> list[AttentionPlan]:
     """The plans the stack's layers read by index (csrc/stack_layer.h, plan_index): the step's,
     the sliding-window one and the chunked one, each the step's where the step has none, as
-    PagedAttention reads them."""
-    return [ctx.plan, ctx.sliding_plan or ctx.plan, ctx.chunked_plan or ctx.plan]
+    PagedAttention reads them; the step's at the end are left off (the stack reads plan 0 past
+    the list), so a step of most models converts one plan."""
+    plans = [ctx.plan, ctx.sliding_plan or ctx.plan, ctx.chunked_plan or ctx.plan]
+    while len(plans) > 1 and plans[-1] is ctx.plan:
+        plans.pop()
+    return plans
 
 
 def run_layers(layers: nn.ModuleList, stack: DecodeStack | None, x: torch.Tensor,

@@ -39,6 +39,19 @@ void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
                                   [&] { write_kv_typed<scalar_t>(k, v, k_cache, v_cache, slots, n); });
 }
 
+// rows [T, kv_heads * head_dim] (or [T, kv_heads, head_dim]) to the slots of an fp8 cache
+// [num_blocks, block_size, kv_heads, head_dim] as x / scale, saturated at the e4m3 range:
+// fused.write_kv's ops, so the cache holds the same bytes (the stack's layers call it).
+void write_fp8_kv(const at::Tensor& cache, const at::Tensor& rows, const at::Tensor& slots,
+                  double scale) {
+  constexpr double kFp8Max = 448.0;
+  const int64_t kv_heads = cache.size(2), head_dim = cache.size(3);
+  auto x8 = (rows.to(at::kFloat).reshape({rows.size(0), kv_heads, head_dim}) / scale)
+                .clamp(-kFp8Max, kFp8Max)
+                .to(at::kFloat8_e4m3fn);
+  cache.view({-1, kv_heads, head_dim}).view(at::kByte).index_copy_(0, slots, x8.view(at::kByte));
+}
+
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache,
                       at::Tensor v_cache, at::Tensor token_index, at::Tensor block_table,
                       at::Tensor seq_lens, double scale, double softcap, int64_t window,

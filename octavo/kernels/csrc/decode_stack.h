@@ -371,9 +371,9 @@ class DecodeStack : public torch::CustomClassHolder {
       });
       if (l.fp8_cache) {
         const int64_t kv_size = kv_heads_ * head_dim_;
-        write_fp8(l.k_cache, qkv.narrow(1, q_size, kv_size), slot_mapping, l.k_scale);
-        write_fp8(l.v_cache, qkv.narrow(1, q_size + kv_size, kv_size), slot_mapping,
-                  l.v_scale);
+        write_fp8_kv(l.k_cache, qkv.narrow(1, q_size, kv_size), slot_mapping, l.k_scale);
+        write_fp8_kv(l.v_cache, qkv.narrow(1, q_size + kv_size, kv_size), slot_mapping,
+                     l.v_scale);
       }
     }
     if (l.temperature_floor > 0) {  // QueryTemperature's ops, in float32, rounded once
@@ -473,18 +473,6 @@ class DecodeStack : public torch::CustomClassHolder {
     auto shared = row_parallel(m.shared_down, activate(l, m.shared_gate_up(xn, lora)), lora);
     return m.shared == StackShared::kGated ? out + m.shared_gate(xn).sigmoid() * shared
                                            : out + shared;
-  }
-
-  // rows [T, kv_heads * head_dim] to an fp8 cache's slots as k / scale, saturated at the e4m3
-  // range: fused.write_kv's ops, so the cache holds the same bytes.
-  void write_fp8(const at::Tensor& cache, const at::Tensor& rows, const at::Tensor& slots,
-                 double scale) const {
-    constexpr double kFp8Max = 448.0;
-    auto x8 = (rows.to(at::kFloat).view({rows.size(0), kv_heads_, head_dim_}) / scale)
-                  .clamp(-kFp8Max, kFp8Max)
-                  .to(at::kFloat8_e4m3fn);
-    cache.view({-1, kv_heads_, head_dim_}).view(at::kByte).index_copy_(0, slots,
-                                                                      x8.view(at::kByte));
   }
 
   void reduce(const at::Tensor& partial) const {

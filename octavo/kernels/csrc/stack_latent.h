@@ -41,13 +41,10 @@ inline at::Tensor latent_attention(const StackLatent& a, const at::Tensor& xn,
   rotary_inplace(k_rope, positions, cos, sin);
   auto q_latent = at::einsum("thn,hnr->thr", {heads_q.narrow(2, 0, a.nope), a.w_uk});
   auto row = at::cat({latent, k_rope.view({t, a.rope})}, -1).view({t, 1, width});
-  if (fp8_cache) {  // fused.write_kv's ops (a latent row has no cache scale)
-    constexpr double kFp8Max = 448.0;
-    auto x8 = row.to(at::kFloat).clamp(-kFp8Max, kFp8Max).to(at::kFloat8_e4m3fn);
-    k_cache.view({-1, 1, width}).view(at::kByte).index_copy_(0, slot_mapping, x8.view(at::kByte));
-  } else {
+  if (fp8_cache)  // one write: K and V are the same storage (a latent row has no cache scale)
+    write_fp8_kv(k_cache, row, slot_mapping, 1.0);
+  else
     write_kv(row, row, k_cache, v_cache, slot_mapping);
-  }
   auto query = at::cat({q_latent, q_rope}, -1);
   auto out = at::empty_like(query);
   decode_attention(out, query, k_cache, v_cache, token_index, block_table, seq_lens, scale, 0.0,
