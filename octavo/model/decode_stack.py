@@ -12,7 +12,8 @@ runs the same kernels in the same order from C++ (the CPU analogue of replaying 
 graph), so it needs exactly what those kernels need. What a layer is comes from its description
 (`layer.spec()`, model/layer_spec.py): RMSNorm, Gemma's 1 + w or LayerNorm (with or without a
 bias), norms before each sublayer, after it or both, sequential or parallel residuals (scaled
-or not), q/k norms per head or over all heads, the attention's scale,
+or not), q/k norms per head or over all heads (RMS, or Cohere's LayerNorms per head), the
+attention's scale,
 sliding window, chunk and softcap, its RoPE tables (over the whole head or its first rotary_dim
 features, or none; Llama 4's query temperature in their place), or DeepSeek's latent attention
 (its LatentSpec), and a gated or plain MLP
@@ -47,7 +48,7 @@ from octavo.model.context import ForwardContext, get_forward_context
 from octavo.model.layer_spec import Activation, LayerSpec, NormKind
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.lora import LoRASlots, LoRAStep
-from octavo.model.layers.norm import RMSNorm, UnitRMSNorm
+from octavo.model.layers.norm import HeadLayerNorm, RMSNorm, UnitRMSNorm
 from octavo.model.layers.rotary import PartialRotaryEmbedding, QueryTemperature, RotaryEmbedding
 from octavo.model.quant.decode_weights import max_rows
 from octavo.model.quant.microscaled import MicroscaledPacked
@@ -83,14 +84,13 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
         if spec.rotary is not None and type(spec.rotary) not in (
                 RotaryEmbedding, PartialRotaryEmbedding, QueryTemperature):
             return f"rotary embedding {type(spec.rotary).__name__}"
-        if spec.norm_kind is NormKind.LAYER and (spec.q_norm is not None or any(
-                n.weight is None for n in spec.norms)):
-            return "LayerNorms without a weight, or q/k norms beside them"
+        if spec.norm_kind is NormKind.LAYER and any(n.weight is None for n in spec.norms):
+            return "LayerNorms without a weight"
         for lin in _linears(spec):
             reason = _weight_reason(lin, spec.dtype)
             if reason is not None:
                 return reason
-        if any(type(n) is not spec.norm_kind.module for n in spec.norms
+        if any(type(n) is not _norm_module(spec, n) for n in spec.norms
                if not (spec.norm_kind is NormKind.RMS and type(n) is UnitRMSNorm)):
             return f"a norm other than {spec.norm_kind.module.__name__}"
         eps.update(n.eps for n in spec.norms)
@@ -101,6 +101,14 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
     if len(shapes) > 1:
         return "layers with different head counts or sizes"
     return None
+
+
+def _norm_module(spec: LayerSpec, norm: nn.Module) -> type[nn.Module]:
+    """The norm type the stack computes at `norm`'s place: the layer's kind, whose q/k norms
+    are per-head LayerNorms beside LayerNorms (Cohere)."""
+    if spec.norm_kind is NormKind.LAYER and norm in (spec.q_norm, spec.k_norm):
+        return HeadLayerNorm
+    return spec.norm_kind.module
 
 
 def _linears(spec: LayerSpec) -> list[Linear | torch.Tensor]:
@@ -293,7 +301,7 @@ class DecodeStack:
             stack.set_norms(spec.norm_kind.value,
                             [_norm_weight(spec, n) for n in (*norms, spec.q_norm, spec.k_norm)],
                             [_norm_bias(spec, n) for n in norms], spec.parallel_residual,
-                            spec.qk_norm_whole, spec.residual_scale)
+                            spec.qk_norm_kind, spec.residual_scale)
             # One list per StackLinear field, over the layer's linear layers (_linears).
             stack.set_linears(*[list(field) for field in zip(*map(
                 _linear, _linears(spec), _biases(spec), _adapters(spec)))])

@@ -18,7 +18,7 @@ from octavo.kernels import fused
 from octavo.model.layers.activation import ClampedSwiGLU
 from octavo.model.layers.attention import PagedAttention
 from octavo.model.layers.linear import Linear
-from octavo.model.layers.norm import GemmaRMSNorm, RMSNorm
+from octavo.model.layers.norm import GemmaRMSNorm, HeadLayerNorm, RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
 from octavo.model.layers.routing import Routing
 
@@ -157,6 +157,14 @@ class LayerSpec:
     def dtype(self) -> torch.dtype:
         """The activations' dtype (the norms' weights are in it)."""
         return self.norms[0].weight.dtype
+
+    @property
+    def qk_norm_kind(self) -> str:
+        """How q_norm and k_norm apply, by the C++ stack's names (csrc/stack_layer.h,
+        stack_qk_norm): RMS norms per head or over all heads, or LayerNorms per head."""
+        if self.qk_norm_whole:
+            return "whole"
+        return "head_layer" if isinstance(self.q_norm, HeadLayerNorm) else "head"
 
     @property
     def norms(self) -> list[nn.Module]:

@@ -319,27 +319,20 @@ def test_windowed_and_gemma_layers_run_in_the_stack(tmp_path, smollm_oracle_fold
 
 
 @pytest.mark.parametrize("name", ["llama-biases", "granite", "olmo2", "starcoder2", "cohere",
-                                  "glm4", "gpt-oss"])
+                                  "cohere-qk-norm", "glm4", "gpt-oss"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_llama_variant_layers_run_in_the_stack(tmp_path, smollm_oracle_folder, name, dtype):
     """The families built on Llama's classes take the stack in every step, with the Python
     layers' tokens and log-probabilities: o and MLP biases, Granite's residual and attention
     scales, OLMo 2's norms after the sublayers only and q/k norms over all heads, StarCoder 2's
-    LayerNorms and window, Cohere's bias-free LayerNorm over a parallel block, GLM-4's
+    LayerNorms and window, Cohere's bias-free LayerNorm over a parallel block (and Command R+'s
+    LayerNorms of q and k with a weight per head), GLM-4's
     reordered pairwise rotary on half of each head and sandwich norms, gpt-oss's attention
     sinks, experts with biases and clamped SwiGLU."""
     folder, _ = _build(tmp_path, smollm_oracle_folder, name)
     llm = LLM(str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20,
               enable_prefix_caching=False)
     _stack_then_layers(llm, dtype == "bfloat16")
-
-
-def test_cohere_per_head_layer_norms_keep_the_python_layers(tmp_path, smollm_oracle_folder):
-    folder, _ = _build(tmp_path, smollm_oracle_folder, "cohere-qk-norm")
-    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
-    model = _model(llm)
-    assert model.model.decode_stack is None
-    assert "q/k norms beside" in decode_stack.unsupported_reason(model.model.layers)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -435,7 +428,7 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
                           [None] * 4, [None] * 4, [[0, 0]] * 4)
 
     with pytest.raises(RuntimeError, match="add_layer comes first"):
-        stack.set_norms("rms", norms, [None] * 4, False, False, 1.0)
+        stack.set_norms("rms", norms, [None] * 4, False, "head", 1.0)
     with pytest.raises(RuntimeError, match=r"unknown attention plan 'global' \(step, sliding, chunked\)"):
         stack.add_layer(cache, cos, sin, 0.25, 0.0, "global", 1.0, 1.0, None)
     with pytest.raises(RuntimeError, match="rotary tables must be"):
@@ -445,13 +438,18 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
         stack.add_layer(cache, cos, sin, 0.25, 0.0, "step", 1.0, 1.0, torch.zeros(3))
     stack.add_layer(cache, cos, sin, 0.25, 0.0, "step", 1.0, 1.0, None)
     with pytest.raises(RuntimeError, match="unknown norm kind 'batch'"):
-        stack.set_norms("batch", norms, [None] * 4, False, False, 1.0)
+        stack.set_norms("batch", norms, [None] * 4, False, "head", 1.0)
     with pytest.raises(RuntimeError, match="a bias comes with a LayerNorm's weight"):
-        stack.set_norms("rms", norms, [torch.zeros(32), None, None, None], False, False, 1.0)
+        stack.set_norms("rms", norms, [torch.zeros(32), None, None, None], False, "head", 1.0)
     with pytest.raises(RuntimeError, match="q/k norm weights span a head"):
         stack.set_norms("rms", norms[:4] + [torch.ones(32), torch.ones(16)], [None] * 4, False,
-                        False, 1.0)
-    stack.set_norms("rms", norms, [None] * 4, False, False, 1.0)
+                        "head", 1.0)
+    with pytest.raises(RuntimeError, match=r"unknown q/k norm 'per_token' \(head, whole, head_"):
+        stack.set_norms("rms", norms, [None] * 4, False, "per_token", 1.0)
+    with pytest.raises(RuntimeError, match="q/k norms beside LayerNorms are per-head LayerNorms"):
+        stack.set_norms("layer", norms[:4] + [torch.ones(16), torch.ones(16)], [None] * 4,
+                        False, "head", 1.0)
+    stack.set_norms("rms", norms, [None] * 4, False, "head", 1.0)
     with pytest.raises(RuntimeError, match="unknown low-bit weight kind 'int3'"):
         linears("int3")
     with pytest.raises(RuntimeError, match="a low-bit weight needs its tensors"):

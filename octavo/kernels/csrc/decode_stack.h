@@ -5,7 +5,7 @@
 // octavo/model/decode_stack.py builds it from each layer's description (octavo/model/
 // layer_spec.py) and checks what it supports: RMSNorm, Gemma's 1 + w and LayerNorm, placed before
 // each sublayer, after it or both, sequential or parallel residuals (scaled or not), q/k norms
-// per head or over all heads, RoPE over all or part of a head or none, dense gated or plain MLPs
+// per head or over all heads (RMS, or LayerNorms per head), RoPE over all or part of a head or none, dense gated or plain MLPs
 // and mixtures of experts.
 // Included by cpu_ops.cpp after the kernels and StackLinear it calls (one translation unit).
 #pragma once
@@ -65,11 +65,11 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // weights: [attn_in, attn_out, mlp_in, mlp_out, q_norm, k_norm], None where absent; biases:
-  // LayerNorm's, for the first four (None: a LayerNorm without one). whole_qk_norm: q_norm and
-  // k_norm span all of a token's heads; residual_scale: each sublayer's output is scaled by it.
+  // LayerNorm's, for the first four (None: a LayerNorm without one). qk_norm: how q_norm and
+  // k_norm apply (stack_qk_norm); residual_scale: each sublayer's output is scaled by it.
   void set_norms(const std::string& kind, std::vector<std::optional<at::Tensor>> weights,
                  std::vector<std::optional<at::Tensor>> biases, bool parallel_residual,
-                 bool whole_qk_norm, double residual_scale) {
+                 const std::string& qk_norm, double residual_scale) {
     StackLayer& l = building();
     TORCH_CHECK(weights.size() == 6 && biases.size() == 4, "norms: six weights, four biases");
     l.norm_kind = stack_norm_kind(kind);
@@ -80,16 +80,18 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK((layer_norm && weights[i]) || !biases[i],
                   "a bias comes with a LayerNorm's weight, other norms have none");
     }
-    l.whole_qk_norm = whole_qk_norm;
+    l.qk_norm = stack_qk_norm(qk_norm);
     l.residual_scale = residual_scale;
     l.q_norm = weights[4] ? *weights[4] : at::Tensor();
     l.k_norm = weights[5] ? *weights[5] : at::Tensor();
-    TORCH_CHECK(!layer_norm || (!l.q_norm.defined() && !l.k_norm.defined()),
-                "q/k norms are RMS norms");
+    TORCH_CHECK(!l.q_norm.defined() || layer_norm == (l.qk_norm == StackQkNorm::kHeadLayer),
+                "q/k norms beside LayerNorms are per-head LayerNorms, else RMS norms");
+    const bool all_heads = l.qk_norm != StackQkNorm::kHead;
     TORCH_CHECK(!l.q_norm.defined() ||
-                (l.q_norm.numel() == (whole_qk_norm ? heads_ : 1) * head_dim_ &&
-                 l.k_norm.numel() == (whole_qk_norm ? kv_heads_ : 1) * head_dim_),
-                "q/k norm weights span a head, or all of a token's heads where whole");
+                (l.q_norm.numel() == (all_heads ? heads_ : 1) * head_dim_ &&
+                 l.k_norm.numel() == (all_heads ? kv_heads_ : 1) * head_dim_),
+                "q/k norm weights span a head, or all of a token's heads where whole or per "
+                "head");
     for (const auto& n : {l.norm_w[0], l.norm_w[1], l.norm_w[2], l.norm_w[3], l.q_norm, l.k_norm})
       TORCH_CHECK(!n.defined() || (n.is_contiguous() && (l.norm_kind != StackNormKind::kOnePlus ||
                                                          n.scalar_type() == at::kFloat)),
@@ -353,18 +355,26 @@ class DecodeStack : public torch::CustomClassHolder {
     auto qkv = l.qkv(xn, lora);
     auto q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
     TORCH_CHECK(qkv.stride(1) == 1, "qkv rows must be contiguous");
+    if (l.q_norm.defined() && l.qk_norm == StackQkNorm::kHeadLayer) {
+      const int64_t kv_size = kv_heads_ * head_dim_;
+      head_layer_norm(q, l.q_norm);
+      head_layer_norm(qkv.narrow(1, q_size, kv_size).view({t, kv_heads_, head_dim_}), l.k_norm);
+    }
     {
       RECORD_FUNCTION("octavo::rope_write_kv", std::vector<c10::IValue>());
       const bool rope = l.cos.defined();
       const bool one_plus = l.norm_kind == StackNormKind::kOnePlus;
+      // the kernel's q/k norms are RMS norms (a per-head LayerNorm is applied above)
+      const auto& q_norm = l.qk_norm == StackQkNorm::kHeadLayer ? at::Tensor() : l.q_norm;
+      const auto& k_norm = l.qk_norm == StackQkNorm::kHeadLayer ? at::Tensor() : l.k_norm;
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xn.scalar_type(), "rope_kv",
                                       [&] {
         rope_write_kv_typed<scalar_t>(
             qkv.data_ptr<scalar_t>(), t, qkv.stride(0), heads_, kv_heads_, head_dim_,
             rope ? l.cos.size(1) : 0, positions.data_ptr<int64_t>(),
             rope ? l.cos.data_ptr<float>() : nullptr, rope ? l.sin.data_ptr<float>() : nullptr,
-            weight_of<scalar_t>(l.q_norm, one_plus), weight_of<scalar_t>(l.k_norm, one_plus),
-            l.whole_qk_norm, static_cast<float>(eps_),
+            weight_of<scalar_t>(q_norm, one_plus), weight_of<scalar_t>(k_norm, one_plus),
+            l.qk_norm == StackQkNorm::kWhole, static_cast<float>(eps_),
             l.fp8_cache ? nullptr : l.k_cache.data_ptr<scalar_t>(),
             l.fp8_cache ? nullptr : l.v_cache.data_ptr<scalar_t>(),
             slot_mapping.data_ptr<int64_t>());
@@ -397,6 +407,15 @@ class DecodeStack : public torch::CustomClassHolder {
       if (l.sinks.defined()) attn.copy_(attn * (lse - l.sinks).sigmoid().unsqueeze(-1));
     }
     return attn.view({t, q_size});
+  }
+
+  // HeadLayerNorm's ops on x [T, heads, head_dim] in place (Cohere's q/k norms): each head's
+  // features centred and scaled in float32, times its weight [heads, head_dim], rounded once.
+  void head_layer_norm(const at::Tensor& x, const at::Tensor& weight) const {
+    auto xf = x.to(at::kFloat);
+    xf = xf - xf.mean(-1, true);
+    xf = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps_);
+    x.copy_(weight.to(at::kFloat).view({x.size(1), x.size(2)}) * xf);
   }
 
   static at::Tensor activate(const StackLayer& l, const at::Tensor& h) {

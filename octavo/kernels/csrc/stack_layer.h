@@ -24,6 +24,17 @@ inline StackNormKind stack_norm_kind(const std::string& name) {
   TORCH_CHECK(false, "unknown norm kind '", name, "' (rms, one_plus, layer)");
 }
 
+// How a layer's q/k norms apply: RMS norms per head (Qwen3, Gemma 3) or over all of a token's
+// heads (OLMo 2), or LayerNorms per head with a weight per head (Cohere).
+enum class StackQkNorm { kHead, kWhole, kHeadLayer };
+
+inline StackQkNorm stack_qk_norm(const std::string& name) {
+  if (name == "head") return StackQkNorm::kHead;
+  if (name == "whole") return StackQkNorm::kWhole;
+  if (name == "head_layer") return StackQkNorm::kHeadLayer;
+  TORCH_CHECK(false, "unknown q/k norm '", name, "' (head, whole, head_layer)");
+}
+
 // The MLP's activation: on a packed [gate | up] projection where gated (silu, gelu_tanh and
 // gpt-oss's clamped SwiGLU), else on the up projection alone.
 enum class StackActivation { kSilu, kGeluTanh, kGelu, kRelu, kClampedSwiglu };
@@ -120,8 +131,8 @@ struct StackLayer {
   // the layer has them (undefined: none; Gemma has all four, OLMo 2 only those after):
   // 1 + w in float32 for kOnePlus.
   std::array<at::Tensor, 4> norm_w, norm_b;
-  at::Tensor q_norm, k_norm;  // before the rotation (Qwen3, Gemma 3, OLMo 2), else undefined
-  bool whole_qk_norm = false;  // q_norm / k_norm span all of a token's heads, not one (OLMo 2)
+  at::Tensor q_norm, k_norm;  // before the rotation (Qwen3, Gemma 3, OLMo 2, Cohere), else
+  StackQkNorm qk_norm = StackQkNorm::kHead;  // undefined; how they apply
   bool parallel_residual = false;  // the MLP reads the layer's input, as attention does (NeoX)
   double residual_scale = 1.0;     // each sublayer's output times this before the add (Granite)
   StackLinear qkv, o, gate_up, down;  // gate_up and down: a dense MLP's
