@@ -1,6 +1,7 @@
 """A step of a decoder of any family octavo has (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2 and 3,
 GPT-NeoX, GPT-2, Mixtral, Qwen2-MoE, Qwen3-MoE, InternLM 3, Granite, OLMo 2, StarCoder 2,
-Cohere, GLM, gpt-oss, DeepSeek V2 and V3, Llama 4) as one C++ call (csrc/decode_stack.h).
+Cohere, GLM, gpt-oss, DeepSeek V2 and V3, Llama 4, Qwen3-Next) as one C++ call
+(csrc/decode_stack.h).
 
 It takes the steps whose attention the in-place kernel computes whole: decodes, speculative
 verification, and prompts (of any length in bf16, else up to paged_attention.KERNEL_CONTEXT_LEN
@@ -16,7 +17,9 @@ or not), q/k norms per head or over all heads (RMS, or Cohere's LayerNorms per h
 attention's scale,
 sliding window, chunk and softcap, its RoPE tables (over the whole head or its first rotary_dim
 features, or none; Llama 4's query temperature in their place), or DeepSeek's latent attention
-(its LatentSpec), and a gated or plain MLP
+(its LatentSpec) or Qwen3-Next's linear attention (its DeltaNetSpec; in steps where every
+request brings one token, its state moved by it), attention with an output gate, and a gated
+or plain MLP
 or a mixture of experts (router, its Routing: softmax or sigmoid scores, expert groups, a
 correction bias, renormalization and scale, weighing the experts' outputs or inputs; a shared
 expert, gated or not; tokens grouped by expert, as FusedMoE groups them). The
@@ -28,7 +31,8 @@ activations above, as the Python layers compute them); the KV
 cache is in the activations' dtype or in fp8 (with each layer's k/v scales); attention sinks
 scale each head's output by sigmoid(log-sum-exp - sink). Anything else (steps with padded
 prefills, act-order or asymmetric int8 weights, a layer's own attention
-module such as Qwen3-Next's linear one, kernels not loaded yet)
+module not described for the stack, prompt chunks of a model with linear attention, kernels not
+loaded yet)
 runs the Python layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a
 rank's heads and slices and calls the ranks' all-reduce after each o and down projection (after
 the experts' sum, and after the shared expert, in a MoE layer), as the Python layers do.
@@ -47,7 +51,7 @@ from octavo.kernels.paged_attention import AttentionPlan
 from octavo.model.context import ForwardContext, get_forward_context
 from octavo.model.layer_spec import Activation, LayerSpec, NormKind
 from octavo.model.layers.linear import Linear
-from octavo.model.layers.lora import LoRASlots, LoRAStep
+from octavo.model.layers.lora import LoRASlots
 from octavo.model.layers.norm import HeadLayerNorm, RMSNorm, UnitRMSNorm
 from octavo.model.layers.rotary import PartialRotaryEmbedding, QueryTemperature, RotaryEmbedding
 from octavo.model.quant.decode_weights import max_rows
@@ -69,14 +73,12 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
         if not hasattr(layer, "spec"):
             return f"layer type {type(layer).__name__}"
         spec: LayerSpec = layer.spec()
-        if spec.mixer is not None and spec.latent is None:
+        if spec.mixer is not None and spec.latent is None and spec.delta_net is None:
             return f"attention of its own ({type(spec.mixer).__name__})"
         if spec.latent is not None and any(
                 n is not None and type(n) is not RMSNorm
                 for n in (spec.latent.q_a_norm, spec.latent.kv_a_norm)):
             return "a latent attention with norms other than RMSNorm"
-        if spec.output_gate:
-            return "attention with an output gate"
         if spec.moe is not None and parallel_state.ep_dispatches():
             return "experts dispatched to other context-parallel ranks (all-to-all)"
         if spec.activation is None:
@@ -95,7 +97,8 @@ def unsupported_reason(layers: nn.ModuleList) -> str | None:
             return f"a norm other than {spec.norm_kind.module.__name__}"
         eps.update(n.eps for n in spec.norms)
         a = spec.attention
-        shapes.add((a.num_heads, a.num_kv_heads, a.head_dim))
+        if a is not None:  # a linear attention has none
+            shapes.add((a.num_heads, a.num_kv_heads, a.head_dim))
     if len(eps) > 1:
         return "norm epsilons that differ between norms"
     if len(shapes) > 1:
@@ -113,10 +116,11 @@ def _norm_module(spec: LayerSpec, norm: nn.Module) -> type[nn.Module]:
 
 def _linears(spec: LayerSpec) -> list[Linear | torch.Tensor]:
     """The layer's linear layers in the order the C++ stack takes them (DecodeStack.set_linears):
-    qkv and o (a latent attention's: LatentSpec.linears), then the dense MLP's gate_up and down
-    or the mixture of experts' (MoeSpec.linears; an expert of stacked dense weights is its
-    weight tensor)."""
-    attention = [spec.qkv, spec.o] if spec.latent is None else spec.latent.linears
+    qkv and o (a latent or linear attention's: its spec's linears), then the dense MLP's
+    gate_up and down or the mixture of experts' (MoeSpec.linears; an expert of stacked dense
+    weights is its weight tensor)."""
+    described = spec.latent or spec.delta_net
+    attention = [spec.qkv, spec.o] if described is None else described.linears
     mlp = [spec.gate_up, spec.down] if spec.moe is None else spec.moe.linears
     return [*attention, *mlp]
 
@@ -248,6 +252,9 @@ class DecodeStack:
         self.layers = layers
         self.specs: list[LayerSpec] = [layer.spec() for layer in layers]
         self.dtype = self.specs[0].dtype  # the activations it computes in
+        # linear attention layers: their states move by one token a step, so the stack takes
+        # steps in which every request brings one token
+        self.delta_nets = [spec.delta_net for spec in self.specs if spec.delta_net is not None]
         self._stack: Any = None
         self._caches: list[torch.Tensor] | None = None
         # Tokens a step may have (packed-only layers compute small batches only); None: any.
@@ -255,13 +262,15 @@ class DecodeStack:
                   if (n := _row_limit(lin)) is not None]
         self.max_tokens: int | None = min(limits) if limits else None
 
-    def usable(self, x: torch.Tensor, plans: list[AttentionPlan],
-               kv_caches: list[torch.Tensor]) -> bool:
+    def usable(self, x: torch.Tensor, plans: list[AttentionPlan], ctx: ForwardContext) -> bool:
         """plans: the step's plan, its sliding-window one and its chunked one (step_plans)."""
+        caches = ctx.kv_caches
         return (all(not p.groups and p.decode is not None for p in plans)
                 and fused.native_active(x) and x.dtype == self.dtype
-                and kv_caches[0].dtype in (self.dtype, torch.float8_e4m3fn)
-                and (self.max_tokens is None or x.shape[0] <= self.max_tokens))
+                and (not caches or caches[0].dtype in (self.dtype, torch.float8_e4m3fn))
+                and (self.max_tokens is None or x.shape[0] <= self.max_tokens)
+                and (not self.delta_nets or (ctx.batch_rows is not None
+                                             and x.shape[0] == len(ctx.batch_rows))))
 
     def rebuild(self) -> None:
         """Build the C++ stack anew at the next step: its layers hold the weights they were
@@ -270,31 +279,41 @@ class DecodeStack:
         self._stack, self._caches = None, None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, plans: list[AttentionPlan],
-                 kv_caches: list[torch.Tensor], lora: LoRAStep | None = None) -> torch.Tensor:
-        if self._caches is not kv_caches:
-            self._build(kv_caches)
+                 ctx: ForwardContext) -> torch.Tensor:
+        if self._caches is not ctx.kv_caches:
+            self._build(ctx.kv_caches)
         kernel_plans = [_kernel_plan(p) for p in plans]
         slots = plans[0].slot_mapping  # every plan's: they differ in what they read
+        rows = None
+        if self.delta_nets:  # one token a request (usable): token i is request i
+            fresh = ctx.batch_rows[ctx.num_computed == 0]
+            for d in self.delta_nets:
+                d.states.start_fresh(fresh)
+            rows = torch.from_numpy(ctx.batch_rows).to(torch.int64)
+        lora = ctx.lora
         if lora is None:
-            return self._stack.forward(x, positions, slots, kernel_plans, None, [])
+            return self._stack.forward(x, positions, slots, kernel_plans, None, [], rows)
         return self._stack.forward(x, positions, slots, kernel_plans, lora.token_slot,
-                                   lora.slots)
+                                   lora.slots, rows)
 
     def _build(self, kv_caches: list[torch.Tensor]) -> None:
-        first = self.specs[0]
-        stack = fused.native_module().DecodeStack(
-            first.attention.num_heads, first.attention.num_kv_heads, first.attention.head_dim,
-            first.norms[0].eps)
+        attns = [spec.attention for spec in self.specs if spec.attention is not None]
+        heads = ((attns[0].num_heads, attns[0].num_kv_heads, attns[0].head_dim) if attns
+                 else (0, 0, 0))  # a pipeline stage of linear attention layers only
+        stack = fused.native_module().DecodeStack(*heads, self.specs[0].norms[0].eps)
         if parallel_state.tp_size() > 1:  # the row-parallel projections' partial sums
             stack.set_all_reduce(parallel_state.TP_ALL_REDUCE_OP)
         for spec in self.specs:
             attn = spec.attention
             rope = isinstance(spec.rotary, RotaryEmbedding)
             cos, sin = (spec.rotary.cos, spec.rotary.sin) if rope else (None, None)
-            sinks = None if attn.sinks is None else attn.sinks.float()
-            stack.add_layer(kv_caches[attn.layer_index], cos, sin, spec.scale,
-                            spec.softcap or 0.0, _plan_name(spec),
-                            attn.k_scale, attn.v_scale, sinks)
+            sinks = None if attn is None or attn.sinks is None else attn.sinks.float()
+            stack.add_layer(None if attn is None else kv_caches[attn.layer_index], cos, sin,
+                            spec.scale, spec.softcap or 0.0, _plan_name(spec),
+                            1.0 if attn is None else attn.k_scale,
+                            1.0 if attn is None else attn.v_scale, sinks)
+            if spec.output_gate:
+                stack.set_output_gate()
             if isinstance(spec.rotary, QueryTemperature):
                 stack.set_query_temperature(spec.rotary.floor_scale, spec.rotary.attn_scale)
             norms = (spec.attn_in_norm, spec.attn_out_norm, spec.mlp_in_norm, spec.mlp_out_norm)
@@ -313,6 +332,11 @@ class DecodeStack:
                                  a.kv_a_norm.weight, 0.0 if a.q_a_norm is None else
                                  a.q_a_norm.eps, a.kv_a_norm.eps, a.kv_b, a.nope, a.rope,
                                  a.v_dim)
+            if spec.delta_net is not None:
+                d = spec.delta_net
+                stack.set_delta_net(d.qkvz_split, d.conv, d.a_log, d.dt_bias, d.norm.weight,
+                                    d.norm.eps, d.k_heads, d.v_heads, d.dk, d.dv,
+                                    d.states.conv_state, d.states.ssm_state)
             if spec.moe is not None:
                 r = spec.moe.routing
                 stack.set_routing(r.top_k, r.renormalize, spec.moe.fused.weigh_inputs,
@@ -338,7 +362,7 @@ def _moe_settings(spec: LayerSpec) -> tuple:
 def _plan_name(spec: LayerSpec) -> str:
     if spec.window:
         return "sliding"
-    return "chunked" if spec.attention.chunk is not None else "step"
+    return "chunked" if spec.attention and spec.attention.chunk is not None else "step"
 
 
 def _kernel_plan(plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -392,8 +416,8 @@ def run_layers(layers: nn.ModuleList, stack: DecodeStack | None, x: torch.Tensor
     ctx = get_forward_context()
     if stack is not None and ctx.context_parallel is None:
         plans = step_plans(ctx)
-        if stack.usable(x, plans, ctx.kv_caches):
-            return stack(x, positions, plans, ctx.kv_caches, ctx.lora)
+        if stack.usable(x, plans, ctx):
+            return stack(x, positions, plans, ctx)
     for layer in layers:
         x = layer(positions, x)
     return x

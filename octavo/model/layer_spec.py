@@ -117,6 +117,35 @@ class LatentSpec:
 
 
 @dataclass(frozen=True, eq=False)
+class DeltaNetSpec:
+    """Qwen3-Next's Gated DeltaNet (model/layers/gated_delta_net.py GatedDeltaNet, which computes
+    it for the Python layers and owns each request's state) as the fused stack computes a step
+    of one token per request: q | k | v and z from qkvz (grouped per key head unless
+    qkvz_split), beta and the decay's input from ba, the causal convolution over the conv
+    window, the delta rule on the state, the gated RMS norm, out."""
+
+    qkvz: Linear
+    ba: Linear
+    out: Linear
+    qkvz_split: bool
+    conv: torch.Tensor  # [conv_dim, K]
+    a_log: torch.Tensor  # [v_heads]
+    dt_bias: torch.Tensor  # [v_heads]
+    norm: nn.Module  # GatedRMSNorm: weight [d_v], eps
+    k_heads: int
+    v_heads: int
+    dk: int
+    dv: int
+    states: nn.Module  # the layer: conv_state, ssm_state (set once the KV cache is), and
+    # start_fresh(rows), which empties the states of requests that start at a step
+
+    @property
+    def linears(self) -> list[Linear]:
+        """In the order the C++ stack takes them (DecodeStack.set_delta_net), then out."""
+        return [self.qkvz, self.ba, self.out]
+
+
+@dataclass(frozen=True, eq=False)
 class LayerSpec:
     norm_kind: NormKind
     attn_in_norm: nn.Module | None  # before attention (None: none, OLMo 2's post-norms only)
@@ -152,6 +181,7 @@ class LayerSpec:
     # output times sigmoid(gate), before the o projection
     output_gate: bool = False
     latent: LatentSpec | None = None  # the mixer described, where the stack computes it (MLA)
+    delta_net: DeltaNetSpec | None = None  # or a linear attention's (Qwen3-Next)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -176,7 +206,8 @@ def decoder_spec(self_attn: nn.Module, mlp: nn.Module, norm_kind: NormKind,
                  attn_in_norm: nn.Module | None, mlp_in_norm: nn.Module | None,
                  attn_out_norm: nn.Module | None = None,
                  mlp_out_norm: nn.Module | None = None, *, parallel_residual: bool = False,
-                 residual_scale: float = 1.0, latent: LatentSpec | None = None) -> LayerSpec:
+                 residual_scale: float = 1.0, latent: LatentSpec | None = None,
+                 delta_net: DeltaNetSpec | None = None) -> LayerSpec:
     """The spec of a layer whose attention has qkv_proj, o_proj, q_norm, k_norm (and
     qk_norm_whole, output_gate), rotary and a PagedAttention `attn` (an attention without
     qkv_proj is a mixer, computed whole: it has only its `attn`, or none where it keeps a state
@@ -196,4 +227,5 @@ def decoder_spec(self_attn: nn.Module, mlp: nn.Module, norm_kind: NormKind,
         1.0 if attn is None else attn.scale, attn and attn.sliding_window or None,
         attn and attn.softcap or None, moe, parallel_residual=parallel_residual, act=act,
         residual_scale=residual_scale, qk_norm_whole=getattr(self_attn, "qk_norm_whole", False),
-        mixer=mixer, output_gate=getattr(self_attn, "output_gate", False), latent=latent)
+        mixer=mixer, output_gate=getattr(self_attn, "output_gate", False), latent=latent,
+        delta_net=delta_net)

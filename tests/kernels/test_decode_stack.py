@@ -70,8 +70,8 @@ def test_steps_with_padded_prefills_run_the_layers(tmp_path, smollm_oracle_folde
     seen = []
     usable = stack.usable
 
-    def spy(x, plans, caches):
-        ok = usable(x, plans, caches)
+    def spy(x, plans, ctx):
+        ok = usable(x, plans, ctx)
         seen.append((bool(plans[0].groups), ok))
         return ok
 
@@ -470,7 +470,7 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
             torch.ones(1, dtype=torch.long), 0)
     with pytest.raises(RuntimeError, match="a layer is not complete"):
         stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                      [plan], None, [])
+                      [plan], None, [], None)
     with pytest.raises(RuntimeError, match="a dense MLP has two projections"):
         stack.set_mlp("silu", True, "gated", 0, 0, None, [])
     with pytest.raises(RuntimeError, match="scoring: softmax or sigmoid"):
@@ -481,5 +481,28 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
         stack.set_latent(None, torch.ones(8), 1e-6, 1e-6, torch.zeros(4, 8), 2, 8, 2)
     stack.set_mlp("silu", True, "none", 0, 0, None, [])
     out = stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                        [plan], None, [])
+                        [plan], None, [], None)
     assert out.shape == (1, 32)
+    # A layer without a KV cache is a linear attention's, which needs its description.
+    stack.add_layer(None, None, None, 1.0, 0.0, "step", 1.0, 1.0, None)
+    stack.set_norms("rms", norms, [None] * 4, False, "head", 1.0)
+    linears()
+    with pytest.raises(RuntimeError, match="the linear attention's linears come first"):
+        stack.set_delta_net(False, torch.zeros(40, 4), torch.zeros(2), torch.zeros(2),
+                            torch.ones(8), 1e-6, 1, 2, 8, 8, torch.zeros(2, 40, 3),
+                            torch.zeros(2, 2, 8, 8))
+    with pytest.raises(RuntimeError, match="a layer without a KV cache computes a linear"):
+        stack.set_mlp("silu", True, "none", 0, 0, None, [])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qwen3_next_decodes_in_the_stack(tmp_path, smollm_oracle_folder, dtype):
+    """Qwen3-Next's linear attention layers (each request's conv window and state moved by its
+    token) and its attention layers with output gates take the stack in every decode step, with
+    the Python layers' tokens and log-probabilities; prompts run the layers."""
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-next")
+    llm = LLM(str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20,
+              enable_prefix_caching=False)
+    specs = _stack_then_layers(llm, dtype == "bfloat16")
+    assert {spec.delta_net is not None for spec in specs} == {True, False}
+    assert any(spec.output_gate for spec in specs)

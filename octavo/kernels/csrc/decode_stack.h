@@ -28,17 +28,24 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // A layer is given in four calls, in this order: its attention (add_layer), its norms, its
   // linear layers and its MLP.
+  // kv_cache: None for a layer whose linear attention keeps a state instead (set_delta_net).
   // k_scale, v_scale: an fp8 cache's (PagedAttention's), ignored for a cache in the
   // activations' dtype.
   // sinks: float32 [heads], a logit per head that joins each softmax's denominator (gpt-oss).
-  void add_layer(at::Tensor kv_cache, std::optional<at::Tensor> cos,
+  void add_layer(std::optional<at::Tensor> kv_cache, std::optional<at::Tensor> cos,
                  std::optional<at::Tensor> sin, double scale, double softcap,
                  const std::string& plan, double k_scale, double v_scale,
                  std::optional<at::Tensor> sinks) {
     TORCH_CHECK(layers_.empty() || layers_.back().complete, "the last layer is not complete");
-    TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv cache must be [2, ...]");
     TORCH_CHECK(cos.has_value() == sin.has_value(), "rotary tables come in pairs");
     StackLayer l;
+    if (!kv_cache) {
+      TORCH_CHECK(!cos && !sinks, "a layer without a KV cache has no rotary tables or sinks");
+      l.plan = plan_index(plan);
+      layers_.push_back(std::move(l));
+      return;
+    }
+    TORCH_CHECK(kv_cache->dim() == 5 && kv_cache->size(0) == 2, "kv cache must be [2, ...]");
     if (cos) {
       TORCH_CHECK(cos->scalar_type() == at::kFloat && cos->is_contiguous() &&
                   sin->is_contiguous() && cos->size(1) * 2 <= head_dim_,
@@ -46,10 +53,10 @@ class DecodeStack : public torch::CustomClassHolder {
       l.cos = *cos;
       l.sin = *sin;
     }
-    l.k_cache = kv_cache[0];
-    l.v_cache = kv_cache[1];
+    l.k_cache = (*kv_cache)[0];
+    l.v_cache = (*kv_cache)[1];
     check_cache(l.k_cache, l.v_cache);
-    l.fp8_cache = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+    l.fp8_cache = kv_cache->scalar_type() == at::kFloat8_e4m3fn;
     TORCH_CHECK(!l.fp8_cache || (k_scale > 0 && v_scale > 0), "fp8 cache scales must be > 0");
     l.k_scale = l.fp8_cache ? k_scale : 1.0;
     l.v_scale = l.fp8_cache ? v_scale : 1.0;
@@ -150,6 +157,56 @@ class DecodeStack : public torch::CustomClassHolder {
     l.temperature_scale = attn_scale;
   }
 
+  // Qwen3-Next's attention whose q projection gives each head's query then its output gate
+  // (the attention's output times sigmoid(gate)), after add_layer.
+  void set_output_gate() {
+    StackLayer& l = building();
+    TORCH_CHECK(l.k_cache.defined(), "an output gate is an attention layer's");
+    l.output_gate = true;
+  }
+
+  // Qwen3-Next's linear attention (StackDeltaNet) in place of qkv, in a layer added without a
+  // KV cache, between set_linears and set_mlp: it takes the first two linears given
+  // (in_proj_qkvz, in_proj_ba); out_proj is the layer's o. conv_weight: [conv_dim, K];
+  // conv_state, ssm_state: the layer's state buffers, moved in place.
+  void set_delta_net(bool qkvz_split, at::Tensor conv_weight, at::Tensor a_log,
+                     at::Tensor dt_bias, at::Tensor norm_weight, double norm_eps,
+                     int64_t k_heads, int64_t v_heads, int64_t dk, int64_t dv,
+                     at::Tensor conv_state, at::Tensor ssm_state) {
+    StackLayer& l = building();
+    TORCH_CHECK(!l.k_cache.defined(), "a linear attention layer has no KV cache");
+    TORCH_CHECK(l.linears.size() >= 5, "the linear attention's linears come first");
+    const int64_t conv_dim = 2 * k_heads * dk + v_heads * dv;
+    TORCH_CHECK(k_heads > 0 && v_heads % k_heads == 0 && conv_weight.dim() == 2 &&
+                conv_weight.size(0) == conv_dim && conv_state.dim() == 3 &&
+                conv_state.size(1) == conv_dim && conv_state.size(2) == conv_weight.size(1) - 1 &&
+                ssm_state.scalar_type() == at::kFloat && ssm_state.dim() == 4 &&
+                ssm_state.size(0) == conv_state.size(0) && ssm_state.size(1) == v_heads &&
+                ssm_state.size(2) == dk && ssm_state.size(3) == dv &&
+                a_log.numel() == v_heads && dt_bias.numel() == v_heads &&
+                norm_weight.numel() == dv,
+                "a linear attention's conv weight is [2 k_heads d_k + v_heads d_v, K], its states "
+                "[rows, conv_dim, K - 1] and float32 [rows, v_heads, d_k, d_v], and v_heads a "
+                "multiple of k_heads");
+    StackDeltaNet d;
+    d.qkvz = l.linears[0];
+    d.ba = l.linears[1];
+    d.qkvz_split = qkvz_split;
+    d.conv_weight = conv_weight;
+    d.decay_rate = -a_log.to(at::kFloat).exp();
+    d.dt_bias = dt_bias;
+    d.norm_weight = norm_weight;
+    d.norm_eps = norm_eps;
+    d.k_heads = k_heads;
+    d.v_heads = v_heads;
+    d.dk = dk;
+    d.dv = dv;
+    d.conv_state = conv_state;
+    d.ssm_state = ssm_state;
+    l.linears.erase(l.linears.begin(), l.linears.begin() + 2);
+    l.delta_net = std::move(d);
+  }
+
   // DeepSeek's latent attention (StackLatent) in place of qkv, between set_linears and set_mlp:
   // it takes the first linears given (q_a, q_b, kv_a where q_a_norm is given, else q, kv_a).
   // kv_b: [heads * (nope + v_dim), rank], each head's W_UK rows then its W_UV rows.
@@ -224,9 +281,12 @@ class DecodeStack : public torch::CustomClassHolder {
                std::vector<double> act_params) {
     StackLayer& l = building();
     auto& lin = l.linears;
-    // the attention's linears (o alone after a latent attention took its own)
-    const size_t first_mlp = l.latent ? 1 : 2;
+    // the attention's linears (o alone after a latent or linear attention took its own)
+    const bool mixer = l.latent || l.delta_net;
+    const size_t first_mlp = mixer ? 1 : 2;
     TORCH_CHECK(lin.size() >= first_mlp + 2, "set_linears comes before set_mlp");
+    TORCH_CHECK(l.k_cache.defined() || l.delta_net,
+                "a layer without a KV cache computes a linear attention (set_delta_net)");
     l.act = stack_activation(activation);
     l.gated = gated;
     TORCH_CHECK(!gated || l.act == StackActivation::kSilu || l.act == StackActivation::kGeluTanh ||
@@ -240,7 +300,7 @@ class DecodeStack : public torch::CustomClassHolder {
       l.act_alpha = act_params[0];
       l.act_limit = act_params[1];
     }
-    if (!l.latent) l.qkv = lin[0];
+    if (!mixer) l.qkv = lin[0];
     l.o = lin[first_mlp - 1];
     if (!l.routing) {
       TORCH_CHECK(lin.size() == first_mlp + 2 && shared == "none",
@@ -292,10 +352,13 @@ class DecodeStack : public torch::CustomClassHolder {
   // entries to them) -> hidden states before the final norm. plans: the step's plan, then its
   // sliding-window one and its chunked one, each by plan_index (a layer whose plan is past the
   // list reads plan 0). lora_slot: each token's adapter slot (-1: none), and lora_slots the
-  // slots in the step (empty: no adapter).
+  // slots in the step (empty: no adapter). state_rows: int64 [T], each token's request's row in
+  // the linear attention's states, where the stack has such layers (every request then brings
+  // one token).
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slot_mapping,
                      std::vector<StackPlan> plans, std::optional<at::Tensor> lora_slot,
-                     std::vector<int64_t> lora_slots) const {
+                     std::vector<int64_t> lora_slots,
+                     std::optional<at::Tensor> state_rows) const {
     LoraStep lora;
     if (lora_slot && !lora_slots.empty()) lora = {*lora_slot, std::move(lora_slots)};
     TORCH_CHECK(x.is_contiguous() && positions.is_contiguous() && slot_mapping.is_contiguous(),
@@ -310,7 +373,11 @@ class DecodeStack : public torch::CustomClassHolder {
     for (const StackLayer& l : layers_) {
       auto xn = pending.defined() ? add_norm(l, x, pending, kAttnIn) : norm(l, x, kAttnIn);
       const StackPlan& plan = plans[l.plan < static_cast<int64_t>(plans.size()) ? l.plan : 0];
-      auto o = row_parallel(l.o, attention(l, xn, positions, slot_mapping, plan, lora), lora);
+      auto o = row_parallel(l.o, l.delta_net ? delta_net_step(*l.delta_net, xn,
+                                                              rows_of(state_rows, xn), lora)
+                                             : attention(l, xn, positions, slot_mapping, plan,
+                                                         lora),
+                            lora);
       if (l.norm_w[kAttnOut].defined()) o = norm(l, o, kAttnOut);
       if (l.residual_scale != 1.0) o = o * l.residual_scale;
       at::Tensor mlp_x;
@@ -336,6 +403,14 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
+  static const at::Tensor& rows_of(const std::optional<at::Tensor>& state_rows,
+                                   const at::Tensor& x) {
+    TORCH_CHECK(state_rows && state_rows->scalar_type() == at::kLong &&
+                state_rows->numel() == x.size(0),
+                "a linear attention layer needs each token's state row (int64 [T])");
+    return *state_rows;
+  }
+
   StackLayer& building() {
     TORCH_CHECK(!layers_.empty() && !layers_.back().complete, "add_layer comes first");
     return layers_.back();
@@ -353,6 +428,13 @@ class DecodeStack : public torch::CustomClassHolder {
                               window, l.scale, heads_, lora);
     const int64_t t = xn.size(0), q_size = heads_ * head_dim_;
     auto qkv = l.qkv(xn, lora);
+    at::Tensor gate;
+    if (l.output_gate) {  // [query, gate] per head: the queries gathered before k and v
+      auto per_head = qkv.narrow(1, 0, 2 * q_size).view({t, heads_, 2, head_dim_});
+      gate = per_head.select(2, 1).reshape({t, q_size});
+      qkv = at::cat({per_head.select(2, 0).reshape({t, q_size}),
+                     qkv.narrow(1, 2 * q_size, qkv.size(1) - 2 * q_size)}, 1);
+    }
     auto q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
     TORCH_CHECK(qkv.stride(1) == 1, "qkv rows must be contiguous");
     if (l.q_norm.defined() && l.qk_norm == StackQkNorm::kHeadLayer) {
@@ -406,6 +488,7 @@ class DecodeStack : public torch::CustomClassHolder {
       // rounded once (paged_attention.py's order)
       if (l.sinks.defined()) attn.copy_(attn * (lse - l.sinks).sigmoid().unsqueeze(-1));
     }
+    if (gate.defined()) return attn.view({t, q_size}) * gate.sigmoid();
     return attn.view({t, q_size});
   }
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "stack_delta_net.h"
 #include "stack_latent.h"
 
 // How a layer's norms apply their weights: RMSNorm (x / rms(x) * w, rounded to the dtype first),
@@ -137,6 +138,9 @@ struct StackLayer {
   double residual_scale = 1.0;     // each sublayer's output times this before the add (Granite)
   StackLinear qkv, o, gate_up, down;  // gate_up and down: a dense MLP's
   std::optional<StackLatent> latent;  // DeepSeek's latent attention in qkv's place, else none
+  std::optional<StackDeltaNet> delta_net;  // Qwen3-Next's linear attention in its place, else
+  // none (the layer has no KV cache)
+  bool output_gate = false;  // qkv gives each head's query then its gate: out * sigmoid(gate)
   std::optional<StackMoe> moe;        // else the mixture of experts
   std::optional<StackRouting> routing;  // a mixture's, from set_routing until set_mlp
   bool gated = true;

@@ -96,18 +96,21 @@ class GatedDeltaNet(nn.Module):
         self.ssm_state = torch.zeros(rows, self.v_heads, self.dk, self.dv, dtype=torch.float32,
                                      device=device)
 
+    def start_fresh(self, rows: np.ndarray) -> None:
+        """Empty the states at `rows`, whose requests start at this step."""
+        if len(rows):
+            self.conv_state[rows] = 0
+            self.ssm_state[rows] = 0
+            for row in rows.tolist():
+                self.spans.pop(row, None)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         layout, rows = ctx.layout, ctx.batch_rows
         if self.ssm_state is None or rows is None:
             raise RuntimeError("linear attention ran without its state (allocate_state, and the "
                                "step's batch rows)")
-        fresh = rows[ctx.num_computed == 0]
-        if len(fresh):
-            self.conv_state[fresh] = 0
-            self.ssm_state[fresh] = 0
-            for row in fresh.tolist():
-                self.spans.pop(row, None)
+        self.start_fresh(rows[ctx.num_computed == 0])
         t = x.shape[0]
         qkv, z, beta, g = self._project(x)
         out = torch.empty(t, self.v_heads, self.dv, dtype=torch.float32, device=x.device)

@@ -11,8 +11,9 @@ sigmoid-gated shared expert (Qwen2-MoE's block).
 Because a state is a running summary of every token before it, a request's state cannot be
 taken from the prefix cache: the engine turns prefix caching off for these models (and says
 so). Under speculative decoding a state waits for the verdict on the drafts before it moves
-(worker/spec/verified_spans.py). Tensor and context parallelism are refused. These
-layers run layer by layer."""
+(worker/spec/verified_spans.py). Tensor and context parallelism are refused. A step in which
+every request brings one token runs in the fused decode stack (the linear layers described by
+`DeltaNetSpec`); prompt chunks and verification spans run layer by layer."""
 from __future__ import annotations
 
 from torch import nn
@@ -20,7 +21,7 @@ from torch import nn
 from octavo.arch_config import LINEAR, ArchConfig
 from octavo.distributed import parallel_state
 from octavo.model.decoder_layer import DecoderLayer
-from octavo.model.layer_spec import LayerSpec, NormKind, decoder_spec
+from octavo.model.layer_spec import DeltaNetSpec, LayerSpec, NormKind, decoder_spec
 from octavo.model.layers.gated_delta_net import GatedDeltaNet
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.norm import GemmaRMSNorm
@@ -57,9 +58,16 @@ class Qwen3NextDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def spec(self) -> LayerSpec:
-        mixer = getattr(self, "linear_attn", None) or self.self_attn
-        return decoder_spec(mixer, self.mlp, NormKind.ONE_PLUS, self.input_layernorm,
-                            self.post_attention_layernorm)
+        linear = getattr(self, "linear_attn", None)
+        return decoder_spec(linear or self.self_attn, self.mlp, NormKind.ONE_PLUS,
+                            self.input_layernorm, self.post_attention_layernorm,
+                            delta_net=None if linear is None else _delta_net_spec(linear))
+
+
+def _delta_net_spec(a: GatedDeltaNet) -> DeltaNetSpec:
+    return DeltaNetSpec(a.in_proj_qkvz, a.in_proj_ba, a.out_proj, a.qkvz_split,
+                        a.conv1d.weight.squeeze(1), a.A_log, a.dt_bias, a.norm, a.k_heads,
+                        a.v_heads, a.dk, a.dv, a)
 
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):
