@@ -4,8 +4,10 @@ figures for (12 layers, hidden 512, 32 experts of width 256, top 4) unless given
 (`--family deepseek-v2`: latent attention of V2-Lite's head sizes halved, two shared experts, a
 dense first layer, routing within the best half of the expert groups) or Llama 4 (`--family
 llama4`: chunks of 256 tokens, every fourth layer without RoPE, a shared expert beside the
-routed ones), which docs/performance.md quotes decode figures for. The tokenizer is SmolLM2's, copied from the folder given (its
-vocabulary sets the model's). Usage:
+routed ones) or Qwen3-Next (`--family qwen3-next`: three Gated DeltaNet layers to one gated
+attention layer, a gated shared expert), which docs/performance.md quotes decode figures for.
+The tokenizer is SmolLM2's, copied from the folder given (its vocabulary sets the model's).
+Usage:
 
     python3 -m tools.make_random_moe /tmp/qwen3-moe-random --tokenizer path/to/smollm2-folder
 
@@ -43,6 +45,13 @@ def make(out: Path, tokenizer: Path, layers: int, hidden: int, experts: int, wid
             intermediate_size_mlp=4 * hidden, interleave_moe_layer_step=1,
             attention_chunk_size=256)
         model = transformers.Llama4ForCausalLM(config)
+    elif family == "qwen3-next":  # Qwen3-Next-80B's head shapes, halved in count
+        config = transformers.Qwen3NextConfig(
+            **common, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+            num_experts=experts, shared_expert_intermediate_size=width,
+            linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=128,
+            linear_value_head_dim=128, norm_topk_prob=True)
+        model = transformers.Qwen3NextForCausalLM(config)
     else:
         config = transformers.Qwen3MoeConfig(
             **common, num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8,
@@ -70,7 +79,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--width", type=int, default=256, help="each expert's intermediate size")
     parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--family", choices=["qwen3-moe", "deepseek-v2", "llama4"],
+    parser.add_argument("--family", choices=["qwen3-moe", "deepseek-v2", "llama4", "qwen3-next"],
                         default="qwen3-moe")
     args = parser.parse_args()
     print(make(args.out, args.tokenizer, args.layers, args.hidden, args.experts, args.width,

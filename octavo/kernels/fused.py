@@ -98,6 +98,27 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def delta_rule_step(state: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule's step of one token per request, on the float32 states [N, H, d_k,
+    d_v] at `rows` [R] (distinct), in place: S <- exp(g) S; S <- S + k (beta (v - S^T k))^T;
+    returns o = S^T q [R, H, d_v]. q, k [R, H, d_k], v [R, H, d_v], beta, g [R, H], float32."""
+    if native_active(state):
+        return _native.delta_rule_step(state, rows, q.contiguous(), k.contiguous(),
+                                       v.contiguous(), beta.contiguous(), g.contiguous())
+    return delta_rule_step_reference(state, rows, q, k, v, beta, g)
+
+
+def delta_rule_step_reference(state: torch.Tensor, rows: torch.Tensor, q: torch.Tensor,
+                              k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                              g: torch.Tensor) -> torch.Tensor:
+    s = state[rows] * g.exp()[..., None, None]  # [R, H, dk, dv]
+    delta = (v - torch.einsum("rhkv,rhk->rhv", s, k)) * beta.unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    state[rows] = s
+    return torch.einsum("rhkv,rhk->rhv", s, q)
+
+
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """gelu(gate, approximate="tanh") * up of a packed [T, 2 * W] projection (GeGLU)."""
     if native_active(x) and x.dim() == 2 and x.is_contiguous():

@@ -139,7 +139,7 @@ class Kernels:
             "int4_int16_gemm",
             "int4_dequantize", "int4_tiled_linear", "int4_rows", "int8_dequantize",
             "int8_tiled_linear", "lora_apply", "microscaled_gemv", "microscaled_dequantize",
-            "microscaled_tiled_linear")
+            "microscaled_tiled_linear", "delta_rule_step")
 
     def __init__(self) -> None:
         import torch
@@ -189,6 +189,7 @@ def _register_fakes() -> None:
             x, codes.shape[0] * 16),
         "int8_tiled_linear": lambda x, q, scale: rows_out(x, q.shape[0]),
         "lora_apply": lambda *args: None,
+        "delta_rule_step": lambda state, rows, q, k, v, beta, g: torch.empty_like(v),
         "microscaled_gemv": lambda x, codes, scales, code_lut, scale_lut, block: rows_out(
             x, codes.shape[0]),
         "microscaled_tiled_linear": lambda x, codes, scales, code_lut, scale_lut, block:

@@ -96,6 +96,25 @@ def test_write_kv_scatters_rows(native_kernels, dtype):
     assert torch.equal(cache, want)
 
 
+@pytest.mark.parametrize("heads, dk, dv", [(4, 16, 16), (3, 32, 24), (16, 128, 128)])
+def test_delta_rule_step_moves_the_rows_states_in_place(native_kernels, heads, dk, dv):
+    """The linear attention's recurrent step, three requests at rows 5, 0 and 2 of 6: their
+    states and outputs as the PyTorch form's, the other rows untouched."""
+    torch.manual_seed(0)
+    state = torch.randn(6, heads, dk, dv) * 0.3
+    rows = torch.tensor([5, 0, 2])
+    q, k = (F.normalize(torch.randn(3, heads, dk), dim=-1) for _ in range(2))
+    v, beta, g = torch.randn(3, heads, dv), torch.rand(3, heads), -torch.rand(3, heads)
+    want_state = state.clone()
+    want = fused.delta_rule_step_reference(want_state, rows, q, k, v, beta, g)
+    out = fused.delta_rule_step(state, rows, q, k, v, beta, g)
+    _close(out, want, torch.float32)
+    _close(state, want_state, torch.float32)
+    assert torch.equal(state[[1, 3, 4]], want_state[[1, 3, 4]])
+    with pytest.raises(RuntimeError, match="row out of range"):
+        fused.delta_rule_step(state, torch.tensor([0, 1, 6]), q, k, v, beta, g)
+
+
 def test_kernels_can_be_switched_off(native_kernels):
     assert fused.enable_native(False) is False
     assert not fused.native_active(torch.zeros(1))

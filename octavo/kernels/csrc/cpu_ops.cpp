@@ -149,6 +149,7 @@ at::Tensor gelu_tanh_and_mul(at::Tensor x) {
   return out;
 }
 
+#include "delta_rule.h"
 #include "stack_linear.h"
 #include "decode_stack.h"  // DecodeStack, over these StackLinears (stack_layer.h)
 
@@ -205,6 +206,8 @@ TORCH_LIBRARY(octavo, m) {
         "int block, int first, int count) -> Tensor");
   m.def("microscaled_tiled_linear(Tensor x, Tensor codes, Tensor scales, Tensor code_lut, "
         "Tensor scale_lut, int block) -> Tensor");
+  m.def("delta_rule_step(Tensor(a!) state, Tensor rows, Tensor q, Tensor k, Tensor v, "
+        "Tensor beta, Tensor g) -> Tensor");
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecodeStack::add_layer)
@@ -240,6 +243,7 @@ TORCH_LIBRARY_IMPL(octavo, CPU, m) {
   m.impl("microscaled_gemv", &microscaled_gemv);
   m.impl("microscaled_dequantize", &microscaled_dequantize);
   m.impl("microscaled_tiled_linear", &microscaled_tiled_linear);
+  m.impl("delta_rule_step", &delta_rule_step);
   m.impl("lora_apply", [](at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b,
                           std::vector<int64_t> bounds, at::Tensor used, at::Tensor token_slot) {
     lora_apply(y, x, a, b, bounds, used, token_slot);

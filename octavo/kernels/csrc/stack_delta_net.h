@@ -64,12 +64,9 @@ inline at::Tensor delta_net_step(const StackDeltaNet& d, const at::Tensor& xn,
                .repeat_interleave(per, 1);
   q = q * std::pow(static_cast<double>(d.dk), -0.5);
   auto v = conv.narrow(1, 2 * key, value).view({t, d.v_heads, d.dv});
-  // _recurrent_step
-  auto s = d.ssm_state.index_select(0, rows) * g.exp().unsqueeze(-1).unsqueeze(-1);
-  auto delta = (v - at::einsum("rhkv,rhk->rhv", {s, k})) * beta.unsqueeze(-1);
-  s = s + k.unsqueeze(-1) * delta.unsqueeze(-2);
-  d.ssm_state.index_put_({rows}, s);
-  auto out = at::einsum("rhkv,rhk->rhv", {s, q});
+  // _recurrent_step (fused.delta_rule_step)
+  auto out = delta_rule_step(d.ssm_state, rows, q.contiguous(), k.contiguous(), v.contiguous(),
+                             beta.contiguous(), g.contiguous());
   // GatedRMSNorm of each head's output, times silu(z)
   const auto dtype = xn.scalar_type();
   auto h = out.to(dtype).reshape({-1, d.dv}).to(at::kFloat);

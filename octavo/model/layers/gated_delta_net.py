@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.arch_config import ArchConfig
+from octavo.kernels import fused
 from octavo.model.context import get_forward_context
 from octavo.model.layers.linear import Linear
 
@@ -192,11 +193,7 @@ class GatedDeltaNet(nn.Module):
     def _recurrent_step(self, conv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
                         state_rows: torch.Tensor) -> torch.Tensor:
         q, k, v = self._heads(conv)  # [R, H, d]
-        s = self.ssm_state[state_rows] * g.exp()[..., None, None]  # [R, H, dk, dv]
-        delta = (v - torch.einsum("rhkv,rhk->rhv", s, k)) * beta.unsqueeze(-1)
-        s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
-        self.ssm_state[state_rows] = s
-        return torch.einsum("rhkv,rhk->rhv", s, q)
+        return fused.delta_rule_step(self.ssm_state, state_rows, q, k, v, beta, g)
 
     def _chunked(self, conv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
                  s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
