@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from octavo import LLM, SamplingParams
 from octavo.kernels import fused as fused_kernels
+from octavo.kernels.onednn import bf16_packing_available
 from octavo.model import decode_stack
 from octavo.model.quant.decode_weights import make_decode_weight
 from octavo.model.quant.microscaled import MicroscaledPacked
@@ -158,8 +159,37 @@ def test_moe_layers_run_in_the_stack(tmp_path, smollm_oracle_folder, name, dtype
               enable_prefix_caching=False, quantization=quantization)
     specs = _stack_then_layers(llm, dtype == "bfloat16")
     moe = next(spec.moe for spec in specs if spec.moe is not None)
-    # Quantized experts are Linears of packed weights; dense ones slices of the stacked weights.
-    assert isinstance(moe.experts[0][0], torch.Tensor) == (quantization is None)
+    # Quantized experts are Linears of packed weights; dense float32 ones slices of the stacked
+    # weights; dense bf16 ones Linears of their own where oneDNN packs them.
+    stacked = quantization is None and not (dtype == "bfloat16" and bf16_packing_available())
+    assert isinstance(moe.experts[0][0], torch.Tensor) == stacked
+
+
+def test_bf16_experts_are_packed_with_the_same_outputs(tmp_path, smollm_oracle_folder,
+                                                       monkeypatch):
+    """Dense bf16 experts become a Linear per expert and projection, whose weights oneDNN packs
+    as any dense layer's: the same tokens and log-probabilities as the stacked weights'."""
+    from octavo.model.layers import moe as moe_layers
+
+    if not bf16_packing_available():
+        pytest.skip("this CPU's oneDNN does not pack bf16 weights (no AVX-512)")
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-moe")
+    outs = []
+    for split in (True, False):
+        if not split:
+            monkeypatch.setattr(moe_layers.onednn, "packable", lambda weight: False)
+        llm = LLM(str(folder), dtype="bfloat16", max_model_len=256, kv_cache_memory=16 << 20,
+                  enable_prefix_caching=False)
+        mixtures = [m for m in _model(llm).modules() if isinstance(m, moe_layers.FusedMoE)]
+        outs.append(_generate(llm))
+        held = [lin.weights.weight for m in mixtures if m.expert_linears is not None
+                for pair in m.expert_linears for lin in pair]
+        assert bool(held) == split and all(w.is_mkldnn for w in held)
+        assert split or all(hasattr(m, "w13") for m in mixtures)
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
+        assert [x[t].logprob for x, t in zip(a.logprobs, a.token_ids)] == \
+            [y[t].logprob for y, t in zip(b.logprobs, b.token_ids)]
 
 
 @pytest.mark.parametrize("name, dtype", [("llama-default", "bfloat16"), ("qwen3-moe", "float32"),

@@ -90,7 +90,7 @@ def test_weights_packed_step_by_step_change_no_output(tmp_path, smollm_oracle_fo
     built_plain = stack._stack
     assert built_plain is not None  # its C++ layers hold the plain weights
     worker.packing = packing
-    packing.per_step = 1  # this model has 9 weights: one before each of the next steps
+    packing.per_step_bytes = 1  # this model has 9 weights: one before each of the next steps
     partly = run()
     packed_now = sum(m.weights.weight.is_mkldnn for m in linears)
     assert 0 < packed_now < len(linears) and worker.packing is not None

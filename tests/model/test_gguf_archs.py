@@ -203,7 +203,7 @@ def test_gpt_oss_gguf_keeps_its_mxfp4_experts(tmp_path, smollm_oracle_folder):
     write_gguf(path, "gpt-oss", model, lambda name: mx if "_exps.weight" in name else None)
     llm = _compare(path, model, smollm_oracle_folder)
     experts = llm.engine.client.core.executor.worker.runner.model.model.layers[0].mlp.experts
-    packed = experts.quantized[0][0].weights.packed
+    packed = experts.expert_linears[0][0].weights.packed
     assert isinstance(packed, MicroscaledPacked) and packed.codes.numel() * 2 == \
         packed.out_features * packed.in_features
 

@@ -304,7 +304,7 @@ def test_every_layout_keeps_its_codes_in_place(tmp_path, smollm_oracle_folder, m
     assert any(isinstance(getattr(getattr(m, "weights", None), "packed", None), Int4Packed)
                for m in model.modules())
     moe = [m for m in model.modules() if hasattr(m, "quantize_experts")]
-    assert all(m.quantized is not None for m in moe)  # experts packed too (one Linear each)
+    assert all(m.expert_linears is not None for m in moe)  # experts packed too (one Linear each)
     _same_tokens_and_prompt_logprobs(int4, dense)
 
 

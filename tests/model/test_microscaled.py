@@ -121,7 +121,7 @@ def test_gpt_oss_with_mxfp4_experts_matches_transformers_on_the_dequantized_weig
               max_num_batched_tokens=32)  # prefill chunks past the GEMV's 16 rows: the tiles
     model = llm.engine.client.core.executor.worker.runner.model
     experts = model.model.layers[0].mlp.experts
-    packed = experts.quantized[0][0].weights.packed
+    packed = experts.expert_linears[0][0].weights.packed
     assert isinstance(packed, MicroscaledPacked) and packed.codes.dtype == torch.uint8
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
                                                 prompt_logprobs=0), use_tqdm=False)[0]

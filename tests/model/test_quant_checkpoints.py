@@ -229,8 +229,8 @@ def _assert_packed(llm, arch):
         assert "weight" not in dict(layer.mlp.gate_up_proj.named_parameters())
     else:
         moe = getattr(layer, "block_sparse_moe", None) or layer.mlp
-        assert moe.experts.quantized is not None and not hasattr(moe.experts, "w13")
-        assert isinstance(moe.experts.quantized[0][0].weights, PackedWeights)
+        assert moe.experts.expert_linears is not None and not hasattr(moe.experts, "w13")
+        assert isinstance(moe.experts.expert_linears[0][0].weights, PackedWeights)
 
 
 def test_awq_checkpoint_matches_dequantized_model(tmp_path, smollm_oracle_folder):
@@ -391,7 +391,7 @@ def test_moe_routers_stay_dense_under_quantization_at_load(tmp_path, smollm_orac
               quantization="int8")
     mlp = llm.engine.client.core.executor.worker.runner.model.model.layers[0].mlp
     assert isinstance(mlp.router.weights, DenseWeights)
-    assert isinstance(mlp.experts.quantized[0][0].weights, PackedWeights)
+    assert isinstance(mlp.experts.expert_linears[0][0].weights, PackedWeights)
     from octavo.model.layers.attention import PagedAttention
 
     latent = PagedAttention(0, 4, 1, 48, scale=1.0, shared_kv=True)

@@ -4,7 +4,8 @@ Tokens are sorted by the expert they were routed to, so each expert runs one mat
 its tokens (a loop over experts, never over tokens), then the outputs are weighted and summed back
 per token with one index_add. Quantized experts (a GPTQ/AWQ/FP8 checkpoint's, or --quantization)
 become one `Linear` per expert and projection (gate/up packed, down), each with the quant method
-any other linear layer gets, replacing the stacked dense tensors.
+any other linear layer gets, replacing the stacked dense tensors; so do dense bf16 experts once
+loaded, as views of them, where oneDNN packs bf16 weights (`process_after_load`).
 
 Under tensor parallelism every rank holds every expert's share of the intermediate width (gate and
 up rows, down columns: `even_span`); under expert parallelism (--enable-expert-parallel) a rank
@@ -28,11 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.distributed import parallel_state
+from octavo.kernels import onednn
 from octavo.model.context import step_lora, step_real_rows
 from octavo.model.layers.activation import gated_act
 from octavo.model.layers.linear import Linear, Span, column_parallel, even_span, row_parallel
 from octavo.model.layers.routing import Routing
 from octavo.model.quant.base import QuantMethod
+from octavo.model.quant.weights import DenseWeights
 
 # checkpoint projection name -> (packed parameter, slot): Mixtral's w1/w3/w2 and Qwen's names
 _PROJ = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
@@ -92,7 +95,9 @@ class FusedMoE(nn.Module):
         # expert's width (each computes part of every row), on every rank that holds whole
         # experts (each row is computed by one of them)
         self._adds_down_bias = ranks > 1 or parallel_state.tp_rank() == 0
-        self.quantized: nn.ModuleList | None = None  # per expert: [gate_up, down] Linears
+        # per expert: [gate_up, down] Linears (quantized experts, or dense bf16 ones to be
+        # packed: process_after_load), in place of w13 and w2
+        self.expert_linears: nn.ModuleList | None = None
         # per expert: its gate_up's and down's adapter slots (model/layers/lora.py), where LoRA
         # is on
         self.lora: list | None = None
@@ -119,7 +124,7 @@ class FusedMoE(nn.Module):
         for pair in experts:
             for layer, method in zip(pair, methods):
                 layer.set_quant_method(method)
-        self.quantized = nn.ModuleList(experts)
+        self.expert_linears = nn.ModuleList(experts)
         del self.w13, self.w2
         return 2 * self.num_local
 
@@ -136,8 +141,8 @@ class FusedMoE(nn.Module):
         name, slot = _PROJ[proj]
         if kind == "bias":
             return self._load_bias(expert, name, slot, tensor, proj)
-        if self.quantized is not None:
-            self.quantized[expert][name == "w2"].load_shard(kind, slot, tensor)
+        if self.expert_linears is not None:
+            self.expert_linears[expert][name == "w2"].load_shard(kind, slot, tensor)
             return f"{name}.{expert}.{slot}"
         if kind != "weight":
             raise ValueError(f"expert tensor {expert}.{proj}.{kind} on unquantized experts")
@@ -180,14 +185,33 @@ class FusedMoE(nn.Module):
         self.routed.zero_()
         return per_rank
 
+    def process_after_load(self) -> None:
+        """Dense bf16 experts become one Linear per expert and projection, over views of the
+        stacked weights, so that each takes the dense weights' oneDNN packing as any linear
+        layer does (model/loader/gemm_packing.py: the same products, bit for bit, sooner; a
+        plain weight is reordered at every product). Float32 experts, and CPUs without bf16
+        packing, keep the stacked weights."""
+        if self.expert_linears is not None or not onednn.packable(self.w13[0]):
+            return
+        hidden, inter = self.hidden_size, self.intermediate_size
+        experts = []
+        for e in range(self.num_local):
+            gate_up, down = Linear(hidden, [inter, inter]), Linear(inter, [hidden])
+            gate_up.set_weights(DenseWeights(self.w13[e].detach()))
+            down.set_weights(DenseWeights(self.w2[e].detach()))
+            experts.append(nn.ModuleList([gate_up, down]))
+        self.expert_linears = nn.ModuleList(experts)
+        del self.w13, self.w2
+
     def num_expert_tensors(self) -> int:
         return (3 if self.w13_bias is None else 6) * self.num_local
 
     def expert_weights(self) -> list[tuple[Linear | torch.Tensor, Linear | torch.Tensor]]:
         """This rank's experts' gate_up and down projections, as forward computes them: their
-        Linears (quantized experts), or their slices of the stacked dense weights."""
-        if self.quantized is not None:
-            return [(gate_up, down) for gate_up, down in self.quantized]
+        Linears (quantized or packable experts), or their slices of the stacked dense
+        weights."""
+        if self.expert_linears is not None:
+            return [(gate_up, down) for gate_up, down in self.expert_linears]
         return [(self.w13[e], self.w2[e]) for e in range(self.num_local)]
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -226,8 +250,8 @@ class FusedMoE(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 rows = xs[start:start + n]
-                if self.quantized is not None:
-                    gate_up, down = self.quantized[e]
+                if self.expert_linears is not None:
+                    gate_up, down = self.expert_linears[e]
                     h = gate_up(rows)
                 else:
                     h = rows @ self.w13[e].t()
@@ -236,7 +260,7 @@ class FusedMoE(nn.Module):
                 if lora is not None:  # each row's adapter's delta of this expert's projections
                     h = self.lora[e][0].add_delta(rows, h, row_slot[start:start + n], lora.slots)
                 h = self.act(h)
-                y = down(h) if self.quantized is not None else h @ self.w2[e].t()
+                y = down(h) if self.expert_linears is not None else h @ self.w2[e].t()
                 if self.w2_bias is not None and self._adds_down_bias:
                     y = y + self.w2_bias[e]
                 if lora is not None:

@@ -45,19 +45,25 @@ def pack_now(model: nn.Module, quantization: str | None) -> None:
 
 
 class StepwisePacking:
-    """Packs a loaded model's dense weights `per_step` at a time, called by the worker while
-    the engine is idle and before each step. Each packed weight goes in at once; once the last
-    is in, the model's decode stack is rebuilt (its C++ layers hold the weights they were built
-    with)."""
+    """Packs a loaded model's dense weights about `per_step_bytes` at a time (whole weights, at
+    least one), called by the worker while the engine is idle and before each step: a step's
+    share costs the same whether it is a few large matrices or many experts' small ones. Each
+    packed weight goes in at once; once the last is in, the model's decode stack is rebuilt (its
+    C++ layers hold the weights they were built with)."""
 
-    def __init__(self, model: nn.Module, quantization: str | None, per_step: int = 4) -> None:
+    def __init__(self, model: nn.Module, quantization: str | None,
+                 per_step_bytes: int = 8 << 20) -> None:
         self.model = model
         self.pending = packable_weights(model, quantization)
-        self.per_step = per_step
+        self.per_step_bytes = per_step_bytes
 
     def pack_some(self) -> bool:
         """Pack the next few weights; whether every weight is now packed."""
-        batch, self.pending = self.pending[:self.per_step], self.pending[self.per_step:]
+        count, taken = 0, 0
+        while count < len(self.pending) and (count == 0 or taken < self.per_step_bytes):
+            taken += self.pending[count].weight.nbytes
+            count += 1
+        batch, self.pending = self.pending[:count], self.pending[count:]
         for weights in batch:
             weights.pack_for_onednn()
         if self.pending:
