@@ -5,7 +5,7 @@ its tokens (a loop over experts, never over tokens), then the outputs are weight
 per token with one index_add. Quantized experts (a GPTQ/AWQ/FP8 checkpoint's, or --quantization)
 become one `Linear` per expert and projection (gate/up packed, down), each with the quant method
 any other linear layer gets, replacing the stacked dense tensors; so do dense bf16 experts once
-loaded, as views of them, where oneDNN packs bf16 weights (`process_after_load`).
+loaded, as views of them, where oneDNN packs bf16 weights (`split_for_packing`).
 
 Under tensor parallelism every rank holds every expert's share of the intermediate width (gate and
 up rows, down columns: `even_span`); under expert parallelism (--enable-expert-parallel) a rank
@@ -96,7 +96,7 @@ class FusedMoE(nn.Module):
         # experts (each row is computed by one of them)
         self._adds_down_bias = ranks > 1 or parallel_state.tp_rank() == 0
         # per expert: [gate_up, down] Linears (quantized experts, or dense bf16 ones to be
-        # packed: process_after_load), in place of w13 and w2
+        # packed: split_for_packing), in place of w13 and w2
         self.expert_linears: nn.ModuleList | None = None
         # per expert: its gate_up's and down's adapter slots (model/layers/lora.py), where LoRA
         # is on
@@ -185,7 +185,7 @@ class FusedMoE(nn.Module):
         self.routed.zero_()
         return per_rank
 
-    def process_after_load(self) -> None:
+    def split_for_packing(self) -> None:
         """Dense bf16 experts become one Linear per expert and projection, over views of the
         stacked weights, so that each takes the dense weights' oneDNN packing as any linear
         layer does (model/loader/gemm_packing.py: the same products, bit for bit, sooner; a

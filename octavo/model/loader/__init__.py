@@ -124,14 +124,17 @@ def load_model(source: ModelSource, cfg: ArchConfig, dtype: torch.dtype,
 
 def _finish(model: nn.Module, source: ModelSource, device: torch.device,
             quantization: str | None, pack_gemm: bool, quantized_activations: bool) -> nn.Module:
-    """On the CPU, with `pack_gemm`, dense bf16 weights of linear layers and the LM head are
-    packed for oneDNN's GEMM (gemm_packing). The log states what the weights take."""
+    """On the CPU dense bf16 experts become Linears of their own, and, with `pack_gemm`, dense
+    bf16 weights of linear layers and the LM head are packed for oneDNN's GEMM (gemm_packing).
+    The log states what the weights take."""
     if device.type == "cpu" and quantized_activations:
         from octavo.model.quant.weights import allow_quantized_activations
         allow_quantized_activations(model)
-    if device.type == "cpu" and pack_gemm:
-        from octavo.model.loader.gemm_packing import pack_now
-        pack_now(model, quantization)
+    if device.type == "cpu":
+        from octavo.model.loader.gemm_packing import pack_now, split_experts
+        split_experts(model)
+        if pack_gemm:
+            pack_now(model, quantization)
     from octavo.model.loader.weights_plan import log_weights_plan
     log_weights_plan(model, source.path.stat().st_size if source.is_gguf else None)
     return model.eval()

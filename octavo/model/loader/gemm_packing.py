@@ -23,6 +23,13 @@ from octavo.model.layers.embedding import Embedding
 from octavo.model.quant.weights import DenseWeights
 
 
+def split_experts(model: nn.Module) -> None:
+    """Dense bf16 experts as a Linear each, whose weights the packing then takes like any other
+    (FusedMoE.split_for_packing). After the prepared-weights cache, which keeps them stacked."""
+    for module in [m for m in model.modules() if hasattr(m, "split_for_packing")]:
+        module.split_for_packing()
+
+
 def packable_weights(model: nn.Module, quantization: str | None) -> list[DenseWeights]:
     """The dense weights oneDNN packs. A tied LM head's would be a packed copy of its own (the
     embedding indexes the plain table): included unless --quantization asked for smaller
