@@ -252,8 +252,8 @@ class DecodeStack:
         self.layers = layers
         self.specs: list[LayerSpec] = [layer.spec() for layer in layers]
         self.dtype = self.specs[0].dtype  # the activations it computes in
-        # linear attention layers: their states move by one token a step, so the stack takes
-        # steps in which every request brings one token
+        # linear attention layers: a state moves over its request's tokens at once, so the
+        # stack takes steps without draft tokens (verified spans wait for their verdict)
         self.delta_nets = [spec.delta_net for spec in self.specs if spec.delta_net is not None]
         self._stack: Any = None
         self._caches: list[torch.Tensor] | None = None
@@ -269,8 +269,8 @@ class DecodeStack:
                 and fused.native_active(x) and x.dtype == self.dtype
                 and (not caches or caches[0].dtype in (self.dtype, torch.float8_e4m3fn))
                 and (self.max_tokens is None or x.shape[0] <= self.max_tokens)
-                and (not self.delta_nets or (ctx.batch_rows is not None
-                                             and x.shape[0] == len(ctx.batch_rows))))
+                and (not self.delta_nets or (ctx.batch_rows is not None and (
+                    ctx.num_drafts is None or not ctx.num_drafts.any()))))
 
     def rebuild(self) -> None:
         """Build the C++ stack anew at the next step: its layers hold the weights they were
@@ -284,17 +284,18 @@ class DecodeStack:
             self._build(ctx.kv_caches)
         kernel_plans = [_kernel_plan(p) for p in plans]
         slots = plans[0].slot_mapping  # every plan's: they differ in what they read
-        rows = None
-        if self.delta_nets:  # one token a request (usable): token i is request i
+        rows = lens = None
+        if self.delta_nets:
             fresh = ctx.batch_rows[ctx.num_computed == 0]
             for d in self.delta_nets:
                 d.states.start_fresh(fresh)
             rows = torch.from_numpy(ctx.batch_rows).to(torch.int64)
+            lens = torch.from_numpy(ctx.layout.query_lens).to(torch.int64)
         lora = ctx.lora
         if lora is None:
-            return self._stack.forward(x, positions, slots, kernel_plans, None, [], rows)
+            return self._stack.forward(x, positions, slots, kernel_plans, None, [], rows, lens)
         return self._stack.forward(x, positions, slots, kernel_plans, lora.token_slot,
-                                   lora.slots, rows)
+                                   lora.slots, rows, lens)
 
     def _build(self, kv_caches: list[torch.Tensor]) -> None:
         attns = [spec.attention for spec in self.specs if spec.attention is not None]
@@ -335,7 +336,7 @@ class DecodeStack:
             if spec.delta_net is not None:
                 d = spec.delta_net
                 stack.set_delta_net(d.qkvz_split, d.conv, d.a_log, d.dt_bias, d.norm.weight,
-                                    d.norm.eps, d.k_heads, d.v_heads, d.dk, d.dv,
+                                    d.norm.eps, d.k_heads, d.v_heads, d.dk, d.dv, d.chunk,
                                     d.states.conv_state, d.states.ssm_state)
             if spec.moe is not None:
                 r = spec.moe.routing

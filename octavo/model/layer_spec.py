@@ -120,7 +120,7 @@ class LatentSpec:
 class DeltaNetSpec:
     """Qwen3-Next's Gated DeltaNet (model/layers/gated_delta_net.py GatedDeltaNet, which computes
     it for the Python layers and owns each request's state) as the fused stack computes a step
-    of one token per request: q | k | v and z from qkvz (grouped per key head unless
+    without draft tokens: q | k | v and z from qkvz (grouped per key head unless
     qkvz_split), beta and the decay's input from ba, the causal convolution over the conv
     window, the delta rule on the state, the gated RMS norm, out."""
 
@@ -136,6 +136,7 @@ class DeltaNetSpec:
     v_heads: int
     dk: int
     dv: int
+    chunk: int  # prompt tokens a triangular solve takes at once
     states: nn.Module  # the layer: conv_state, ssm_state (set once the KV cache is), and
     # start_fresh(rows), which empties the states of requests that start at a step
 

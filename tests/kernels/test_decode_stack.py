@@ -500,7 +500,7 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
             torch.ones(1, dtype=torch.long), 0)
     with pytest.raises(RuntimeError, match="a layer is not complete"):
         stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                      [plan], None, [], None)
+                      [plan], None, [], None, None)
     with pytest.raises(RuntimeError, match="a dense MLP has two projections"):
         stack.set_mlp("silu", True, "gated", 0, 0, None, [])
     with pytest.raises(RuntimeError, match="scoring: softmax or sigmoid"):
@@ -511,7 +511,7 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
         stack.set_latent(None, torch.ones(8), 1e-6, 1e-6, torch.zeros(4, 8), 2, 8, 2)
     stack.set_mlp("silu", True, "none", 0, 0, None, [])
     out = stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                        [plan], None, [], None)
+                        [plan], None, [], None, None)
     assert out.shape == (1, 32)
     # A layer without a KV cache is a linear attention's, which needs its description.
     stack.add_layer(None, None, None, 1.0, 0.0, "step", 1.0, 1.0, None)
@@ -519,20 +519,30 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
     linears()
     with pytest.raises(RuntimeError, match="the linear attention's linears come first"):
         stack.set_delta_net(False, torch.zeros(40, 4), torch.zeros(2), torch.zeros(2),
-                            torch.ones(8), 1e-6, 1, 2, 8, 8, torch.zeros(2, 40, 3),
+                            torch.ones(8), 1e-6, 1, 2, 8, 8, 64, torch.zeros(2, 40, 3),
                             torch.zeros(2, 2, 8, 8))
     with pytest.raises(RuntimeError, match="a layer without a KV cache computes a linear"):
         stack.set_mlp("silu", True, "none", 0, 0, None, [])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_qwen3_next_decodes_in_the_stack(tmp_path, smollm_oracle_folder, dtype):
-    """Qwen3-Next's linear attention layers (each request's conv window and state moved by its
-    token) and its attention layers with output gates take the stack in every decode step, with
-    the Python layers' tokens and log-probabilities; prompts run the layers."""
+@pytest.mark.parametrize("dtype, chunked", [("float32", False), ("bfloat16", False),
+                                            ("float32", True)])
+def test_qwen3_next_runs_in_the_stack(tmp_path, smollm_oracle_folder, monkeypatch, dtype,
+                                      chunked):
+    """Qwen3-Next's linear attention layers (each request's conv window and state moved over
+    its tokens: decodes batched, prompts in the chunked form) and its attention layers with
+    output gates take the stack in every step, with the Python layers' tokens and
+    log-probabilities; chunked: prompts in chunks of 16 tokens beside the others' decodes, and
+    triangular solves of 8 tokens."""
+    from octavo.model.layers import gated_delta_net
+    from octavo.model.models import qwen3_next
+
+    if chunked:
+        monkeypatch.setattr(gated_delta_net, "CHUNK", 8)
+        monkeypatch.setattr(qwen3_next, "CHUNK", 8)
     folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-next")
     llm = LLM(str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20,
-              enable_prefix_caching=False)
-    specs = _stack_then_layers(llm, dtype == "bfloat16")
+              enable_prefix_caching=False, **({"max_num_batched_tokens": 16} if chunked else {}))
+    specs = _stack_then_layers(llm, dtype == "bfloat16", min_calls=12)
     assert {spec.delta_net is not None for spec in specs} == {True, False}
     assert any(spec.output_gate for spec in specs)

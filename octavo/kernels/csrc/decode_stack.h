@@ -168,10 +168,11 @@ class DecodeStack : public torch::CustomClassHolder {
   // Qwen3-Next's linear attention (StackDeltaNet) in place of qkv, in a layer added without a
   // KV cache, between set_linears and set_mlp: it takes the first two linears given
   // (in_proj_qkvz, in_proj_ba); out_proj is the layer's o. conv_weight: [conv_dim, K];
-  // conv_state, ssm_state: the layer's state buffers, moved in place.
+  // chunk: the prompt tokens a triangular solve takes at once; conv_state, ssm_state: the
+  // layer's state buffers, moved in place.
   void set_delta_net(bool qkvz_split, at::Tensor conv_weight, at::Tensor a_log,
                      at::Tensor dt_bias, at::Tensor norm_weight, double norm_eps,
-                     int64_t k_heads, int64_t v_heads, int64_t dk, int64_t dv,
+                     int64_t k_heads, int64_t v_heads, int64_t dk, int64_t dv, int64_t chunk,
                      at::Tensor conv_state, at::Tensor ssm_state) {
     StackLayer& l = building();
     TORCH_CHECK(!l.k_cache.defined(), "a linear attention layer has no KV cache");
@@ -184,7 +185,7 @@ class DecodeStack : public torch::CustomClassHolder {
                 ssm_state.size(0) == conv_state.size(0) && ssm_state.size(1) == v_heads &&
                 ssm_state.size(2) == dk && ssm_state.size(3) == dv &&
                 a_log.numel() == v_heads && dt_bias.numel() == v_heads &&
-                norm_weight.numel() == dv,
+                norm_weight.numel() == dv && chunk > 0,
                 "a linear attention's conv weight is [2 k_heads d_k + v_heads d_v, K], its states "
                 "[rows, conv_dim, K - 1] and float32 [rows, v_heads, d_k, d_v], and v_heads a "
                 "multiple of k_heads");
@@ -201,6 +202,7 @@ class DecodeStack : public torch::CustomClassHolder {
     d.v_heads = v_heads;
     d.dk = dk;
     d.dv = dv;
+    d.chunk = chunk;
     d.conv_state = conv_state;
     d.ssm_state = ssm_state;
     l.linears.erase(l.linears.begin(), l.linears.begin() + 2);
@@ -352,13 +354,13 @@ class DecodeStack : public torch::CustomClassHolder {
   // entries to them) -> hidden states before the final norm. plans: the step's plan, then its
   // sliding-window one and its chunked one, each by plan_index (a layer whose plan is past the
   // list reads plan 0). lora_slot: each token's adapter slot (-1: none), and lora_slots the
-  // slots in the step (empty: no adapter). state_rows: int64 [T], each token's request's row in
-  // the linear attention's states, where the stack has such layers (every request then brings
-  // one token).
+  // slots in the step (empty: no adapter). state_rows, query_lens: int64 [R], each request's
+  // row in the linear attention's states and its tokens in x (requests one after another),
+  // where the stack has such layers.
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slot_mapping,
                      std::vector<StackPlan> plans, std::optional<at::Tensor> lora_slot,
-                     std::vector<int64_t> lora_slots,
-                     std::optional<at::Tensor> state_rows) const {
+                     std::vector<int64_t> lora_slots, std::optional<at::Tensor> state_rows,
+                     std::optional<at::Tensor> query_lens) const {
     LoraStep lora;
     if (lora_slot && !lora_slots.empty()) lora = {*lora_slot, std::move(lora_slots)};
     TORCH_CHECK(x.is_contiguous() && positions.is_contiguous() && slot_mapping.is_contiguous(),
@@ -373,11 +375,11 @@ class DecodeStack : public torch::CustomClassHolder {
     for (const StackLayer& l : layers_) {
       auto xn = pending.defined() ? add_norm(l, x, pending, kAttnIn) : norm(l, x, kAttnIn);
       const StackPlan& plan = plans[l.plan < static_cast<int64_t>(plans.size()) ? l.plan : 0];
-      auto o = row_parallel(l.o, l.delta_net ? delta_net_step(*l.delta_net, xn,
-                                                              rows_of(state_rows, xn), lora)
-                                             : attention(l, xn, positions, slot_mapping, plan,
-                                                         lora),
-                            lora);
+      auto o = row_parallel(
+          l.o, l.delta_net ? delta_net_step(*l.delta_net, xn, rows_of(state_rows, query_lens, xn),
+                                            *query_lens, lora)
+                           : attention(l, xn, positions, slot_mapping, plan, lora),
+          lora);
       if (l.norm_w[kAttnOut].defined()) o = norm(l, o, kAttnOut);
       if (l.residual_scale != 1.0) o = o * l.residual_scale;
       at::Tensor mlp_x;
@@ -404,10 +406,14 @@ class DecodeStack : public torch::CustomClassHolder {
 
  private:
   static const at::Tensor& rows_of(const std::optional<at::Tensor>& state_rows,
+                                   const std::optional<at::Tensor>& query_lens,
                                    const at::Tensor& x) {
-    TORCH_CHECK(state_rows && state_rows->scalar_type() == at::kLong &&
-                state_rows->numel() == x.size(0),
-                "a linear attention layer needs each token's state row (int64 [T])");
+    TORCH_CHECK(state_rows && query_lens && state_rows->scalar_type() == at::kLong &&
+                query_lens->scalar_type() == at::kLong && state_rows->is_contiguous() &&
+                query_lens->is_contiguous() && state_rows->numel() == query_lens->numel() &&
+                query_lens->sum().item<int64_t>() == x.size(0),
+                "a linear attention layer needs each request's state row and token count "
+                "(int64 [R], the counts adding up to the step's tokens)");
     return *state_rows;
   }
 

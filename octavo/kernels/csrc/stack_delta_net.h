@@ -1,12 +1,16 @@
 // Qwen3-Next's Gated DeltaNet (linear attention over a recurrent state per request) as a layer of
-// DecodeStack (decode_stack.h), for steps where every request brings one token: the ops of
-// octavo/model/layers/gated_delta_net.py (GatedDeltaNet.forward's single-token path) in its
-// order, up to out_proj's input. The states live in the Python layer's buffers, at each
-// request's batch row; the stack moves them in place as the layer does. Included by cpu_ops.cpp
-// only, after stack_linear.h.
+// DecodeStack (decode_stack.h), for steps without draft tokens: the ops of octavo/model/layers/
+// gated_delta_net.py (GatedDeltaNet.forward: single tokens batched, prompt chunks one request at a
+// time in the chunked form) in its order, up to out_proj's input. The states live in the Python
+// layer's buffers, at each request's batch row; the stack moves them in place as the layer does.
+// Included by cpu_ops.cpp only, after delta_rule.h and stack_linear.h.
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <cmath>
+#include <limits>
+#include <utility>
 
 // The linear attention's weights, sizes and states (octavo/model/layer_spec.py, DeltaNetSpec).
 struct StackDeltaNet {
@@ -18,6 +22,7 @@ struct StackDeltaNet {
   at::Tensor norm_weight;   // [d_v]: GatedRMSNorm's
   double norm_eps = 1e-6;
   int64_t k_heads = 0, v_heads = 0, dk = 0, dv = 0;
+  int64_t chunk = 64;     // tokens a triangular solve takes at once (gated_delta_net.CHUNK)
   at::Tensor conv_state;  // [rows, conv_dim, K - 1] in the activations' dtype
   at::Tensor ssm_state;   // float32 [rows, v_heads, d_k, d_v]
 };
@@ -27,10 +32,58 @@ inline at::Tensor l2_normalized(const at::Tensor& y, double eps) {
   return y / at::linalg_vector_norm(y, 2, at::IntArrayRef{-1}, true).clamp_min(eps);
 }
 
-// xn [T, hidden] (the layer's normed input; token i is the request at state row rows[i]) ->
-// [T, v_heads * d_v], out_proj's input. Moves each row's conv window and state by its token.
+// GatedDeltaNet._heads: the convolution's output [T, conv_dim] -> q, k [T, v_heads, d_k]
+// (L2-normalized, q scaled; key heads repeated over their value heads), v [T, v_heads, d_v].
+inline std::array<at::Tensor, 3> delta_net_heads(const StackDeltaNet& d, const at::Tensor& conv) {
+  const int64_t t = conv.size(0), per = d.v_heads / d.k_heads, key = d.k_heads * d.dk;
+  auto cf = conv.to(at::kFloat);
+  auto q = l2_normalized(cf.narrow(1, 0, key).view({t, d.k_heads, d.dk}), 1e-6)
+               .repeat_interleave(per, 1);
+  auto k = l2_normalized(cf.narrow(1, key, key).view({t, d.k_heads, d.dk}), 1e-6)
+               .repeat_interleave(per, 1);
+  return {q * std::pow(static_cast<double>(d.dk), -0.5), k,
+          cf.narrow(1, 2 * key, d.v_heads * d.dv).view({t, d.v_heads, d.dv})};
+}
+
+// GatedDeltaNet._chunked: a request's prompt tokens from its state s [H, d_k, d_v] -> their
+// outputs [L, H, d_v] and the state after them, `chunk` tokens at a time.
+inline std::pair<at::Tensor, at::Tensor> delta_net_chunked(const StackDeltaNet& d,
+                                                           const at::Tensor& conv,
+                                                           at::Tensor beta, at::Tensor g,
+                                                           at::Tensor s) {
+  auto heads = delta_net_heads(d, conv);
+  auto q = heads[0].transpose(0, 1), k = heads[1].transpose(0, 1), v = heads[2].transpose(0, 1);
+  beta = beta.t();
+  g = g.t();
+  auto out = at::empty_like(v);
+  const int64_t length = q.size(1);
+  for (int64_t c = 0; c < length; c += d.chunk) {
+    const int64_t n = std::min(d.chunk, length - c);
+    auto qc = q.narrow(1, c, n), kc = k.narrow(1, c, n), vc = v.narrow(1, c, n);
+    auto bc = beta.narrow(1, c, n), cum = g.narrow(1, c, n).cumsum(-1);
+    auto ratio = cum.unsqueeze(-1) - cum.unsqueeze(-2);
+    auto below = at::ones({n, n}, q.options().dtype(at::kBool)).tril();
+    auto decay = at::where(below, ratio, -std::numeric_limits<double>::infinity()).exp();
+    auto m = kc.matmul(kc.transpose(-1, -2)) * decay * bc.unsqueeze(-1);
+    m = m.tril(-1) + at::eye(n, q.options());
+    auto rhs = bc.unsqueeze(-1) * (vc - cum.exp().unsqueeze(-1) * kc.matmul(s));
+    auto dd = at::linalg_solve_triangular(m, rhs, /*upper=*/false, /*left=*/true,
+                                          /*unitriangular=*/true);
+    out.narrow(1, c, n).copy_(cum.exp().unsqueeze(-1) * qc.matmul(s) +
+                              (qc.matmul(kc.transpose(-1, -2)) * decay).matmul(dd));
+    auto last = cum.narrow(1, n - 1, 1);
+    s = last.exp().unsqueeze(-1) * s +
+        (kc * (last - cum).exp().unsqueeze(-1)).transpose(-1, -2).matmul(dd);
+  }
+  return {out.transpose(0, 1), s};
+}
+
+// xn [T, hidden] (the layer's normed input: request r's query_lens[r] tokens, one request after
+// another, its state at row rows[r]) -> [T, v_heads * d_v], out_proj's input. Moves each row's
+// conv window and state over its tokens.
 inline at::Tensor delta_net_step(const StackDeltaNet& d, const at::Tensor& xn,
-                                 const at::Tensor& rows, const LoraStep& lora) {
+                                 const at::Tensor& rows, const at::Tensor& query_lens,
+                                 const LoraStep& lora) {
   RECORD_FUNCTION("octavo::delta_net_step", std::vector<c10::IValue>());
   const int64_t t = xn.size(0), per = d.v_heads / d.k_heads, key = d.k_heads * d.dk,
                 value = d.v_heads * d.dv, conv_dim = 2 * key + value;
@@ -53,20 +106,50 @@ inline at::Tensor delta_net_step(const StackDeltaNet& d, const at::Tensor& xn,
   auto g = d.decay_rate *
            at::softplus(ba.narrow(2, per, per).reshape({t, d.v_heads}).to(at::kFloat) +
                         d.dt_bias);
-  // _conv_step: the window moves on by the token
-  auto window = at::cat({d.conv_state.index_select(0, rows), qkv.unsqueeze(-1)}, -1);
-  d.conv_state.index_put_({rows}, window.narrow(-1, 1, window.size(-1) - 1));
-  auto conv = at::silu((window * d.conv_weight).sum(-1)).to(at::kFloat);
-  // _heads
-  auto q = l2_normalized(conv.narrow(1, 0, key).view({t, d.k_heads, d.dk}), 1e-6)
-               .repeat_interleave(per, 1);
-  auto k = l2_normalized(conv.narrow(1, key, key).view({t, d.k_heads, d.dk}), 1e-6)
-               .repeat_interleave(per, 1);
-  q = q * std::pow(static_cast<double>(d.dk), -0.5);
-  auto v = conv.narrow(1, 2 * key, value).view({t, d.v_heads, d.dv});
-  // _recurrent_step (fused.delta_rule_step)
-  auto out = delta_rule_step(d.ssm_state, rows, q.contiguous(), k.contiguous(), v.contiguous(),
-                             beta.contiguous(), g.contiguous());
+  auto out = at::empty({t, d.v_heads, d.dv}, xn.options().dtype(at::kFloat));
+  const int64_t requests = rows.numel();
+  const int64_t* len = query_lens.data_ptr<int64_t>();
+  std::vector<int64_t> starts(requests), singles, single_rows;
+  for (int64_t r = 0, start = 0; r < requests; start += len[r], ++r) {
+    starts[r] = start;
+    if (len[r] == 1) {
+      singles.push_back(start);
+      single_rows.push_back(rows.data_ptr<int64_t>()[r]);
+    }
+  }
+  if (!singles.empty()) {  // decodes: one batched step of every such request's state
+    auto tokens = at::tensor(singles, rows.options());
+    auto state_rows = at::tensor(single_rows, rows.options());
+    // _conv_step: the window moves on by the token
+    auto window = at::cat({d.conv_state.index_select(0, state_rows),
+                           qkv.index_select(0, tokens).unsqueeze(-1)}, -1);
+    d.conv_state.index_put_({state_rows}, window.narrow(-1, 1, window.size(-1) - 1));
+    auto heads = delta_net_heads(d, at::silu((window * d.conv_weight).sum(-1)));
+    // _recurrent_step (fused.delta_rule_step)
+    auto o = delta_rule_step(d.ssm_state, state_rows, heads[0].contiguous(),
+                             heads[1].contiguous(), heads[2].contiguous(),
+                             beta.index_select(0, tokens), g.index_select(0, tokens));
+    if (static_cast<int64_t>(singles.size()) == t)
+      out = o;
+    else
+      out.index_copy_(0, tokens, o);
+  }
+  const int64_t window_len = d.conv_weight.size(1) - 1;
+  for (int64_t r = 0; r < requests; ++r) {  // prompt chunks, one request at a time
+    if (len[r] == 1) continue;
+    const int64_t row = rows.data_ptr<int64_t>()[r];
+    // _conv_chunk: the window, then the tokens, convolved
+    auto seq = at::cat({d.conv_state[row], qkv.narrow(0, starts[r], len[r]).t()}, -1);
+    const std::optional<at::Tensor> no_bias;
+    auto conv = at::silu(at::conv1d(seq.unsqueeze(0), d.conv_weight.unsqueeze(1), no_bias,
+                                    at::IntArrayRef{1}, at::IntArrayRef{0}, at::IntArrayRef{1},
+                                    conv_dim)[0]).t();
+    auto [o, state] = delta_net_chunked(d, conv, beta.narrow(0, starts[r], len[r]),
+                                        g.narrow(0, starts[r], len[r]), d.ssm_state[row]);
+    out.narrow(0, starts[r], len[r]).copy_(o);
+    d.conv_state[row].copy_(seq.narrow(-1, seq.size(-1) - window_len, window_len));
+    d.ssm_state[row].copy_(state);
+  }
   // GatedRMSNorm of each head's output, times silu(z)
   const auto dtype = xn.scalar_type();
   auto h = out.to(dtype).reshape({-1, d.dv}).to(at::kFloat);

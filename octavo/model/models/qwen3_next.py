@@ -11,9 +11,9 @@ sigmoid-gated shared expert (Qwen2-MoE's block).
 Because a state is a running summary of every token before it, a request's state cannot be
 taken from the prefix cache: the engine turns prefix caching off for these models (and says
 so). Under speculative decoding a state waits for the verdict on the drafts before it moves
-(worker/spec/verified_spans.py). Tensor and context parallelism are refused. A step in which
-every request brings one token runs in the fused decode stack (the linear layers described by
-`DeltaNetSpec`); prompt chunks and verification spans run layer by layer."""
+(worker/spec/verified_spans.py). Tensor and context parallelism are refused. A step without
+draft tokens runs in the fused decode stack (the linear layers described by `DeltaNetSpec`);
+verification spans run layer by layer."""
 from __future__ import annotations
 
 from torch import nn
@@ -22,7 +22,7 @@ from octavo.arch_config import LINEAR, ArchConfig
 from octavo.distributed import parallel_state
 from octavo.model.decoder_layer import DecoderLayer
 from octavo.model.layer_spec import DeltaNetSpec, LayerSpec, NormKind, decoder_spec
-from octavo.model.layers.gated_delta_net import GatedDeltaNet
+from octavo.model.layers.gated_delta_net import CHUNK, GatedDeltaNet
 from octavo.model.layers.linear import Linear
 from octavo.model.layers.norm import GemmaRMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
@@ -67,7 +67,7 @@ class Qwen3NextDecoderLayer(DecoderLayer):
 def _delta_net_spec(a: GatedDeltaNet) -> DeltaNetSpec:
     return DeltaNetSpec(a.in_proj_qkvz, a.in_proj_ba, a.out_proj, a.qkvz_split,
                         a.conv1d.weight.squeeze(1), a.A_log, a.dt_bias, a.norm, a.k_heads,
-                        a.v_heads, a.dk, a.dv, a)
+                        a.v_heads, a.dk, a.dv, CHUNK, a)
 
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):
