@@ -17,8 +17,8 @@ or not), q/k norms per head or over all heads (RMS, or Cohere's LayerNorms per h
 attention's scale,
 sliding window, chunk and softcap, its RoPE tables (over the whole head or its first rotary_dim
 features, or none; Llama 4's query temperature in their place), or DeepSeek's latent attention
-(its LatentSpec) or Qwen3-Next's linear attention (its DeltaNetSpec; in steps where every
-request brings one token, its state moved by it), attention with an output gate, and a gated
+(its LatentSpec) or Qwen3-Next's linear attention (its DeltaNetSpec; in steps without draft
+tokens, each request's state moved over its tokens), attention with an output gate, and a gated
 or plain MLP
 or a mixture of experts (router, its Routing: softmax or sigmoid scores, expert groups, a
 correction bias, renormalization and scale, weighing the experts' outputs or inputs; a shared
@@ -31,8 +31,8 @@ activations above, as the Python layers compute them); the KV
 cache is in the activations' dtype or in fp8 (with each layer's k/v scales); attention sinks
 scale each head's output by sigmoid(log-sum-exp - sink). Anything else (steps with padded
 prefills, act-order or asymmetric int8 weights, a layer's own attention
-module not described for the stack, prompt chunks of a model with linear attention, kernels not
-loaded yet)
+module not described for the stack, verification spans of a model with linear attention,
+kernels not loaded yet)
 runs the Python layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a
 rank's heads and slices and calls the ranks' all-reduce after each o and down projection (after
 the experts' sum, and after the shared expert, in a MoE layer), as the Python layers do.
