@@ -54,7 +54,7 @@ def _check(out, prompt, ref_tokens, ref_top, ref_scored, atol=1e-2):
 
 @pytest.mark.parametrize("name", ["llama-default", "qwen3-qk-norm", "gemma3", "qwen3-moe",
                                   "qwen2-moe", "gpt2", "gpt-neox-parallel", "glm4", "gpt-oss",
-                                  "deepseek-v3"])
+                                  "deepseek-v3", "qwen3-next"])
 def test_two_ranks_match_transformers(tmp_path, smollm_oracle_folder, name):
     """Chunked prefill (a 150-token prompt over 64-token steps) and the prefix cache (the same
     prompt again, its blocks cached) on two ranks."""

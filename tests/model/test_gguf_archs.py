@@ -234,3 +234,16 @@ def test_qwen3_next_gguf_whole_projection_and_q8_0(tmp_path, smollm_oracle_folde
     layer = llm.engine.client.core.executor.worker.runner.model.model.layers[0]
     assert not layer.linear_attn.qkvz_split
     assert layer.linear_attn.in_proj_qkvz.weights.packed is not None
+
+
+def test_qwen3_next_split_projection_over_ranks_is_refused(tmp_path, smollm_oracle_folder):
+    """A split linear projection (attn_qkv / attn_gate) has no contiguous rows per rank: two
+    tensor-parallel ranks are refused by name (safetensors and the whole ssm_in layout split
+    by key heads)."""
+    from octavo import LLM
+
+    path = tmp_path / "qwen3-next.gguf"
+    write_gguf(path, "qwen3next", _build("qwen3-next"))
+    with pytest.raises(Exception, match="attn_qkv and attn_gate"):
+        LLM(str(path), tokenizer=str(smollm_oracle_folder), dtype="float32", max_model_len=256,
+            kv_cache_memory=16 << 20, tensor_parallel_size=2)

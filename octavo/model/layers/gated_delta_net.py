@@ -31,7 +31,7 @@ from torch import nn
 from octavo.arch_config import ArchConfig
 from octavo.kernels import fused
 from octavo.model.context import get_forward_context
-from octavo.model.layers.linear import Linear
+from octavo.model.layers.linear import Linear, Span, column_parallel, even_span, row_parallel
 
 CHUNK = 64  # tokens a triangular solve takes at once in a prompt chunk
 
@@ -52,15 +52,22 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    """Under tensor parallelism a rank holds whole key heads with their value heads: its rows
+    of the projections (grouped per key head), its q, k and v conv channels, decay parameters
+    and states, and its columns of out_proj, whose partial outputs the ranks sum."""
+
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
-        self.k_heads = cfg.required("linear_num_key_heads")
-        self.v_heads = cfg.required("linear_num_value_heads")
+        k_heads = cfg.required("linear_num_key_heads")
+        v_heads = cfg.required("linear_num_value_heads")
         self.dk = cfg.required("linear_key_head_dim")
         self.dv = cfg.required("linear_value_head_dim")
-        if self.v_heads % self.k_heads:
-            raise ValueError(f"linear_num_value_heads ({self.v_heads}) is not a multiple of "
-                             f"linear_num_key_heads ({self.k_heads})")
+        if v_heads % k_heads:
+            raise ValueError(f"linear_num_value_heads ({v_heads}) is not a multiple of "
+                             f"linear_num_key_heads ({k_heads})")
+        heads = even_span(k_heads, "linear_num_key_heads")  # this rank's key heads
+        per = v_heads // k_heads
+        self.k_heads, self.v_heads = heads.width, heads.width * per
         self.kernel = cfg.extra.get("linear_conv_kernel_dim") or 4
         key, value = self.k_heads * self.dk, self.v_heads * self.dv
         self.conv_dim = 2 * key + value
@@ -68,16 +75,34 @@ class GatedDeltaNet(nn.Module):
         # its value heads' v and z); llama.cpp's converter writes q | k | v of all heads and z
         # apart, which load as the two slots of the same Linear.
         self.qkvz_split = bool(cfg.extra.get("linear_qkvz_split"))
-        self.in_proj_qkvz = Linear(cfg.hidden_size, [self.conv_dim, value] if self.qkvz_split
-                                   else [2 * key + 2 * value])
-        self.in_proj_ba = Linear(cfg.hidden_size, [2 * self.v_heads])
+        if self.qkvz_split and heads.width < k_heads:
+            raise NotImplementedError(
+                "Qwen3-Next with its linear layers' projection split as attn_qkv and attn_gate "
+                "(newer llama.cpp converters) over tensor-parallel ranks: a rank's q, k and v "
+                "rows are not contiguous there; run it on one rank, or from safetensors")
+        self.in_proj_qkvz = (Linear(cfg.hidden_size, [self.conv_dim, value]) if self.qkvz_split
+                             else column_parallel(cfg.hidden_size, [(2 * self.dk + 2 * per
+                                                                     * self.dv) * k_heads],
+                                                  what="linear_num_key_heads"))
+        self.in_proj_ba = column_parallel(cfg.hidden_size, [2 * v_heads],
+                                          what="linear_num_value_heads")
         self.conv1d = nn.Module()  # the checkpoint's conv1d.weight [conv_dim, 1, K]
         self.conv1d.weight = nn.Parameter(torch.zeros(self.conv_dim, 1, self.kernel),
                                           requires_grad=False)
+        q_span = Span(heads.start * self.dk, key, k_heads * self.dk)
+        v_span = Span(heads.start * per * self.dv, value, v_heads * self.dv)
+        self.conv1d.weight.weight_loader = lambda param, full: param.data.copy_(torch.cat([
+            span.take(part, 0, "conv1d.weight") for span, part in zip(
+                (q_span, q_span, v_span), full.split([q_span.full, q_span.full, v_span.full]))]))
+        v_heads_span = Span(heads.start * per, self.v_heads, v_heads)
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.v_heads), requires_grad=False)
+        for param in (self.dt_bias, self.A_log):
+            param.weight_loader = lambda param, full: param.data.copy_(
+                v_heads_span.take(full, 0, "dt_bias / A_log"))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = Linear(value, [cfg.hidden_size])
+        self.out_proj = row_parallel(v_heads * self.dv, cfg.hidden_size,
+                                     what="linear_num_value_heads x linear_value_head_dim")
         # per batch row: the conv window [conv_dim, K - 1] (activation dtype) and the state
         # [v_heads, d_k, d_v] (float32); set by allocate_state
         self.conv_state: torch.Tensor | None = None

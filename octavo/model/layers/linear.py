@@ -216,10 +216,12 @@ def local_heads(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
 
 
 def qkv_parallel(hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> Linear:
-    """q, k and v packed, split by heads (`head_share`)."""
+                 bias: bool = False, query_parts: int = 1) -> Linear:
+    """q, k and v packed, split by heads (`head_share`); each head's q rows may hold
+    `query_parts` parts of head_dim (Qwen3-Next: its query, then its output gate)."""
     share = head_share(num_heads, num_kv_heads)
-    q = Span(share.q_first * head_dim, share.q_heads * head_dim, num_heads * head_dim)
+    width = query_parts * head_dim
+    q = Span(share.q_first * width, share.q_heads * width, num_heads * width)
     kv = Span(share.kv_first * head_dim, share.kv_heads * head_dim, num_kv_heads * head_dim)
     return Linear(hidden_size, [q.width, kv.width, kv.width], bias, slot_spans=[q, kv, kv])
 

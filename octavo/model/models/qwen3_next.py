@@ -11,7 +11,8 @@ sigmoid-gated shared expert (Qwen2-MoE's block).
 Because a state is a running summary of every token before it, a request's state cannot be
 taken from the prefix cache: the engine turns prefix caching off for these models (and says
 so). Under speculative decoding a state waits for the verdict on the drafts before it moves
-(worker/spec/verified_spans.py). Tensor and context parallelism are refused. A step without
+(worker/spec/verified_spans.py). Tensor parallelism splits the linear layers by key heads (with
+their value heads, conv channels and states); context parallelism is refused. A step without
 draft tokens runs in the fused decode stack (the linear layers described by `DeltaNetSpec`);
 verification spans run layer by layer."""
 from __future__ import annotations
@@ -23,7 +24,7 @@ from octavo.distributed import parallel_state
 from octavo.model.decoder_layer import DecoderLayer
 from octavo.model.layer_spec import DeltaNetSpec, LayerSpec, NormKind, decoder_spec
 from octavo.model.layers.gated_delta_net import CHUNK, GatedDeltaNet
-from octavo.model.layers.linear import Linear
+from octavo.model.layers.linear import qkv_parallel
 from octavo.model.layers.norm import GemmaRMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
 from octavo.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
@@ -38,9 +39,8 @@ class GatedAttention(LlamaAttention):
     def __init__(self, cfg: ArchConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
         super().__init__(cfg, layer_index, rotary)
         hd = cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [2 * cfg.num_heads * hd, cfg.num_kv_heads * hd,
-                                                 cfg.num_kv_heads * hd],
-                               bias=cfg.attention_bias)
+        self.qkv_proj = qkv_parallel(cfg.hidden_size, hd, cfg.num_heads, cfg.num_kv_heads,
+                                     bias=cfg.attention_bias, query_parts=2)
         self.q_norm = GemmaRMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(hd, cfg.rms_norm_eps)
 
@@ -76,10 +76,9 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
                               "in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1)}
 
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
-        where = parallel_state.placement()
-        if max(where.tp_size, where.cp_size) > 1:
-            raise NotImplementedError(f"{cfg.architecture} over tensor or context parallel "
-                                      f"ranks: its linear-attention states are not split yet")
+        if parallel_state.placement().cp_size > 1:
+            raise NotImplementedError(f"{cfg.architecture} over context-parallel ranks: a "
+                                      f"linear-attention state is not split by tokens")
         super().__init__(cfg, max_positions)
 
     def decoder_layer(self, cfg: ArchConfig, layer_index: int,
