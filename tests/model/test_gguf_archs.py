@@ -128,9 +128,9 @@ def test_gguf_architecture_matches_transformers(tmp_path, smollm_oracle_folder, 
     assert llm.engine.arch.architecture == architecture
 
 
-def _compare(path, model, tokenizer_folder):
-    """Load the GGUF at `path` and check its prompt logprobs and greedy tokens against
-    `model`'s; returns the LLM."""
+def _compare(path, model, tokenizer_folder, **options):
+    """Load the GGUF at `path` (with the engine `options`) and check its prompt logprobs and
+    greedy tokens against `model`'s; returns the LLM."""
     from octavo import LLM, SamplingParams
 
     prompt = torch.randint(100, 49000, (100,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -139,13 +139,19 @@ def _compare(path, model, tokenizer_folder):
         ref_tokens = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6,
                                     pad_token_id=0)[0, len(prompt):].tolist()
     llm = LLM(str(path), tokenizer=str(tokenizer_folder), dtype="float32", max_model_len=256,
-              kv_cache_memory=16 << 20, max_num_batched_tokens=48)
-    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                                prompt_logprobs=0), use_tqdm=False)[0]
-    ours = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
-    expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    assert torch.allclose(ours, expected, atol=1e-4), (ours - expected).abs().max()
-    assert out.outputs[0].token_ids == ref_tokens
+              kv_cache_memory=16 << 20, max_num_batched_tokens=48, **options)
+    try:
+        out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0,
+                                                    ignore_eos=True, prompt_logprobs=0),
+                           use_tqdm=False)[0]
+        ours = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob
+                             for p in range(1, len(prompt))])
+        expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        assert torch.allclose(ours, expected, atol=1e-4), (ours - expected).abs().max()
+        assert out.outputs[0].token_ids == ref_tokens
+    except BaseException:
+        llm.engine.shutdown()  # rank processes too
+        raise
     return llm
 
 
@@ -208,10 +214,9 @@ def test_gpt_oss_gguf_keeps_its_mxfp4_experts(tmp_path, smollm_oracle_folder):
         packed.out_features * packed.in_features
 
 
-def test_qwen3_next_gguf_whole_projection_and_q8_0(tmp_path, smollm_oracle_folder):
-    """Qwen3-Next as older converters wrote it (the linear layers' in_proj_qkvz whole, as
-    ssm_in), its matrices in Q8_0 but the routers (llama.cpp's quantizer keeps them float):
-    octavo keeps their codes and equals transformers on the Q8_0-rounded weights."""
+def _qwen3_next_q8_0(path, split_qkvz: bool):
+    """A Qwen3-Next GGUF at `path` with its matrices in Q8_0 but the routers (llama.cpp's
+    quantizer keeps them float), and the transformers model on the Q8_0-rounded weights."""
     import gguf
     import gguf.quants
 
@@ -224,26 +229,28 @@ def test_qwen3_next_gguf_whole_projection_and_q8_0(tmp_path, smollm_oracle_folde
                 t = p.reshape(-1, p.shape[-1]).numpy()
                 back = gguf.quants.dequantize(gguf.quants.quantize(t, q8), q8)
                 p.copy_(torch.from_numpy(back).reshape(p.shape))
-    path = tmp_path / "qwen3-next.gguf"
-    matrices = {n for n, t in _tensors("qwen3next", model, split_qkvz=False).items()
+    matrices = {n for n, t in _tensors("qwen3next", model, split_qkvz=split_qkvz).items()
                 if n.startswith("blk.") and t.ndim >= 2 and t.shape[-1] % 32 == 0
                 and "conv1d" not in n and "ffn_gate_inp." not in n}
-    write_gguf(path, "qwen3next", model, split_qkvz=False,
+    write_gguf(path, "qwen3next", model, split_qkvz=split_qkvz,
                qtypes=lambda n: q8 if n in matrices else None)
+    return model
+
+
+def test_qwen3_next_gguf_whole_projection_and_q8_0(tmp_path, smollm_oracle_folder):
+    """Qwen3-Next as older converters wrote it (the linear layers' in_proj_qkvz whole, as
+    ssm_in), in Q8_0: octavo keeps the codes and equals transformers on the rounded weights."""
+    path = tmp_path / "qwen3-next.gguf"
+    model = _qwen3_next_q8_0(path, split_qkvz=False)
     llm = _compare(path, model, smollm_oracle_folder)
     layer = llm.engine.client.core.executor.worker.runner.model.model.layers[0]
     assert not layer.linear_attn.qkvz_split
     assert layer.linear_attn.in_proj_qkvz.weights.packed is not None
 
 
-def test_qwen3_next_split_projection_over_ranks_is_refused(tmp_path, smollm_oracle_folder):
-    """A split linear projection (attn_qkv / attn_gate) has no contiguous rows per rank: two
-    tensor-parallel ranks are refused by name (safetensors and the whole ssm_in layout split
-    by key heads)."""
-    from octavo import LLM
-
+def test_qwen3_next_split_projection_on_two_ranks(tmp_path, smollm_oracle_folder):
+    """The split linear projection in Q8_0 (attn_qkv: q | k | v of all heads, one tensor over
+    three slots; attn_gate), its codes cut to each tensor-parallel rank's heads slot by slot."""
     path = tmp_path / "qwen3-next.gguf"
-    write_gguf(path, "qwen3next", _build("qwen3-next"))
-    with pytest.raises(Exception, match="attn_qkv and attn_gate"):
-        LLM(str(path), tokenizer=str(smollm_oracle_folder), dtype="float32", max_model_len=256,
-            kv_cache_memory=16 << 20, tensor_parallel_size=2)
+    model = _qwen3_next_q8_0(path, split_qkvz=True)
+    _compare(path, model, smollm_oracle_folder, tensor_parallel_size=2).engine.shutdown()

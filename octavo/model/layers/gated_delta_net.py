@@ -73,24 +73,22 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * key + value
         # Hugging Face's checkpoints group the projection's rows per key head (its q, k, then
         # its value heads' v and z); llama.cpp's converter writes q | k | v of all heads and z
-        # apart, which load as the two slots of the same Linear.
+        # apart, which load as the four slots q, k, v, z of the same Linear (each cut to this
+        # rank's heads).
         self.qkvz_split = bool(cfg.extra.get("linear_qkvz_split"))
-        if self.qkvz_split and heads.width < k_heads:
-            raise NotImplementedError(
-                "Qwen3-Next with its linear layers' projection split as attn_qkv and attn_gate "
-                "(newer llama.cpp converters) over tensor-parallel ranks: a rank's q, k and v "
-                "rows are not contiguous there; run it on one rank, or from safetensors")
-        self.in_proj_qkvz = (Linear(cfg.hidden_size, [self.conv_dim, value]) if self.qkvz_split
-                             else column_parallel(cfg.hidden_size, [(2 * self.dk + 2 * per
-                                                                     * self.dv) * k_heads],
-                                                  what="linear_num_key_heads"))
+        q_span = Span(heads.start * self.dk, key, k_heads * self.dk)
+        v_span = Span(heads.start * per * self.dv, value, v_heads * self.dv)
+        self.in_proj_qkvz = (Linear(cfg.hidden_size, [key, key, value, value],
+                                    slot_spans=[q_span, q_span, v_span, v_span])
+                             if self.qkvz_split else
+                             column_parallel(cfg.hidden_size,
+                                             [(2 * self.dk + 2 * per * self.dv) * k_heads],
+                                             what="linear_num_key_heads"))
         self.in_proj_ba = column_parallel(cfg.hidden_size, [2 * v_heads],
                                           what="linear_num_value_heads")
         self.conv1d = nn.Module()  # the checkpoint's conv1d.weight [conv_dim, 1, K]
         self.conv1d.weight = nn.Parameter(torch.zeros(self.conv_dim, 1, self.kernel),
                                           requires_grad=False)
-        q_span = Span(heads.start * self.dk, key, k_heads * self.dk)
-        v_span = Span(heads.start * per * self.dv, value, v_heads * self.dv)
         self.conv1d.weight.weight_loader = lambda param, full: param.data.copy_(torch.cat([
             span.take(part, 0, "conv1d.weight") for span, part in zip(
                 (q_span, q_span, v_span), full.split([q_span.full, q_span.full, v_span.full]))]))

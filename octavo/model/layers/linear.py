@@ -106,17 +106,21 @@ class Linear(nn.Module):
         self.loading = None
         self.weights = weights
 
-    def load_shard(self, name: str, index: int | None, tensor: torch.Tensor) -> None:
+    def load_shard(self, name: str, index: int | tuple[int, ...] | None,
+                   tensor: torch.Tensor) -> None:
         """Checkpoint tensor `name` (weight, bias, qweight, scales, ...) of packed slot `index`
-        (None: a tensor spanning all slots), whole: this rank's part is cut here."""
+        (None: a tensor spanning all slots; a tuple: one spanning those consecutive slots),
+        whole: this rank's part is cut here."""
         out_dim, in_dim = (0, None) if name == "bias" else self.quant_method.tensor_dims(name)
-        if index is None and self.splits_packed_tensor:
-            full = sum(s.full for s in self.slot_spans)
+        if isinstance(index, tuple) or (index is None and self.splits_packed_tensor):
+            slots = range(len(self.shards)) if index is None else index
+            fulls = [self.slot_spans[i].full if self.slot_spans else self.shards[i]
+                     for i in slots]
             start = 0
-            for slot, span in enumerate(self.slot_spans):
-                self.load_shard(name, slot, Span(start, span.full, full).take(
+            for slot, full in zip(slots, fulls):
+                self.load_shard(name, slot, Span(start, full, sum(fulls)).take(
                     tensor, out_dim, f"{name} of a packed layer"))
-                start += span.full
+                start += full
             return
         if self.slot_spans is not None:
             spans = self.slot_spans if index is None else [self.slot_spans[index]]

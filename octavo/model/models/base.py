@@ -25,8 +25,9 @@ QKV_GATE_UP: dict[str, tuple[str, int]] = {
 
 
 class CheckpointModel(nn.Module):
-    # checkpoint name fragment -> (packed parameter fragment, slot)
-    packed_modules_mapping: dict[str, tuple[str, int]] = {}
+    # checkpoint name fragment -> (packed parameter fragment, slot, or the consecutive slots one
+    # checkpoint tensor spans)
+    packed_modules_mapping: dict[str, tuple[str, int | tuple[int, ...]]] = {}
     # an encoder (bidirectional, no LM head) is only pooled: model/pooler.py
     is_encoder = False
 
@@ -92,7 +93,8 @@ class CheckpointModel(nn.Module):
             if hasattr(modules.get(target), "load_shard"):  # weight, bias, qweight, scales, ...
                 modules[target].load_shard(kind, slot, tensor)
                 filled = slots.setdefault(f"{target}.{kind}", set())
-                filled.update(range(len(modules[target].shards)) if slot is None else [slot])
+                filled.update(range(len(modules[target].shards)) if slot is None
+                              else slot if isinstance(slot, tuple) else [slot])
                 if len(filled) == len(modules[target].shards):
                     loaded.add(f"{target}.{kind}")
                 continue

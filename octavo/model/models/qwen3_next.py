@@ -71,9 +71,10 @@ def _delta_net_spec(a: GatedDeltaNet) -> DeltaNetSpec:
 
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):
-    # a GGUF's linear layers: q | k | v and z apart, the two slots of in_proj_qkvz
+    # a GGUF's linear layers: q | k | v and z apart, the four slots of in_proj_qkvz
     packed_modules_mapping = {**LlamaForCausalLM.packed_modules_mapping,
-                              "in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1)}
+                              "in_proj_qkv": ("in_proj_qkvz", (0, 1, 2)),
+                              "in_proj_z": ("in_proj_qkvz", 3)}
 
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
         if parallel_state.placement().cp_size > 1:

@@ -209,8 +209,10 @@ class GGUFMethod(QuantMethod):
                           else PackedWeights(built))
 
 
-def _slot(model: nn.Module, ckpt_name: str) -> tuple[str, int | None] | None:
-    """(Linear module name, slot) that a checkpoint weight fills, as load_weights routes it."""
+def _slot(model: nn.Module, ckpt_name: str
+          ) -> tuple[str, int | tuple[int, ...] | None] | None:
+    """(Linear module name, slot or slots) that a checkpoint weight fills, as load_weights
+    routes it."""
     name = model.checkpoint_name(ckpt_name)
     if name is None or not name.endswith(".weight"):
         return None
@@ -249,11 +251,15 @@ class GGUFPlan:
                 continue
             where = _slot(model, ckpt)
             if where is not None and hasattr(modules.get(where[0]), "set_quant_method"):
-                slots.setdefault(where[0], {})[where[1]] = (qtype, ckpt)
+                # a tensor over several slots (Qwen3-Next's attn_qkv) types each of them
+                for slot in where[1] if isinstance(where[1], tuple) else [where[1]]:
+                    slots.setdefault(where[0], {})[slot] = (qtype, ckpt)
         wants: dict[str, str] = {}
         logged: set[tuple[Q, str, bool]] = set()
 
-        def method(layer: nn.Module, typed: list[tuple[Q, str]]) -> GGUFMethod | None:
+        def method(layer: nn.Module, typed: list[tuple[Q, str]],
+                   wanted: dict[str, str] = wants) -> GGUFMethod | None:
+            """The layer's method, its checkpoint tensors' code forms put in `wanted`."""
             types = [t for t, _ in typed]
             target = _target(self.mode, types, layer.in_features, self.dtype)
             if target is None:
@@ -265,11 +271,11 @@ class GGUFPlan:
                     logger.info("GGUF %s weights -> %s", t.name, _how(
                         t, target, layer.in_features, exact_int8))
                 if target == "mx":
-                    wants[ckpt] = "mx"
+                    wanted[ckpt] = "mx"
                 elif target in _WIDE_INT4 or target == "int4" and t in INT4_EXACT:
-                    wants[ckpt] = "int4"  # affine codes
+                    wanted[ckpt] = "int4"  # affine codes
                 elif exact_int8:
-                    wants[ckpt] = "int8"
+                    wanted[ckpt] = "int8"
             return GGUFMethod(types, target, self.keep_dense, self.dtype)
 
         count = 0
@@ -295,9 +301,15 @@ class GGUFPlan:
                 down = projs.get("down_proj") or projs.get("w2")
                 if len(gate_up) != 2 or down is None or name not in modules:
                     continue
-                count += modules[name].quantize_experts(
-                    lambda layer, g=gate_up, d=down: method(
-                        layer, g if len(layer.shards) == 2 else [d]))
+                # the codes are wanted only where every projection takes a method (a rank's
+                # share of a narrow expert may be below a kernel's block: all stay dense)
+                pending: dict[str, str] = {}
+                quantized = modules[name].quantize_experts(
+                    lambda layer, g=gate_up, d=down, p=pending: method(
+                        layer, g if len(layer.shards) == 2 else [d], p))
+                if quantized:
+                    wants.update(pending)
+                count += quantized
         logger.info("quantization %s: %d linear layers", self.fmt, count)
         return wants
 
