@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from octavo.arch_config import GGUF_ARCHITECTURES, GGUF_EXPERT_ARCHITECTURES
+from octavo.gguf_arch_config import GGUF_ARCHITECTURES, GGUF_EXPERT_ARCHITECTURES
 from octavo.model.registry import supported_architectures
 
 
