@@ -287,7 +287,7 @@ class DecodeStack:
         rows = lens = None
         if self.delta_nets:
             fresh = ctx.batch_rows[ctx.num_computed == 0]
-            for d in self.delta_nets:
+            for d in self.delta_nets if len(fresh) else ():
                 d.states.start_fresh(fresh)
             rows = torch.from_numpy(ctx.batch_rows).to(torch.int64)
             lens = torch.from_numpy(ctx.layout.query_lens).to(torch.int64)

@@ -372,14 +372,18 @@ class DecodeStack : public torch::CustomClassHolder {
     x = x.clone();  // the residual stream, updated in place
     at::Tensor pending;  // the last MLP output, added with the next layer's norm
     for (const StackLayer& l : layers_) TORCH_CHECK(l.complete, "a layer is not complete");
+    std::optional<DeltaNetRequests> requests;  // laid out once for every linear attention layer
+    if (state_rows && query_lens)
+      requests = delta_net_requests(*state_rows, *query_lens, x.size(0));
     for (const StackLayer& l : layers_) {
       auto xn = pending.defined() ? add_norm(l, x, pending, kAttnIn) : norm(l, x, kAttnIn);
       const StackPlan& plan = plans[l.plan < static_cast<int64_t>(plans.size()) ? l.plan : 0];
-      auto o = row_parallel(
-          l.o, l.delta_net ? delta_net_step(*l.delta_net, xn, rows_of(state_rows, query_lens, xn),
-                                            *query_lens, lora)
-                           : attention(l, xn, positions, slot_mapping, plan, lora),
-          lora);
+      TORCH_CHECK(!l.delta_net || requests,
+                  "a linear attention layer needs each request's state row and token count");
+      auto o = row_parallel(l.o, l.delta_net ? delta_net_step(*l.delta_net, xn, *requests, lora)
+                                             : attention(l, xn, positions, slot_mapping, plan,
+                                                         lora),
+                            lora);
       if (l.norm_w[kAttnOut].defined()) o = norm(l, o, kAttnOut);
       if (l.residual_scale != 1.0) o = o * l.residual_scale;
       at::Tensor mlp_x;
@@ -405,18 +409,6 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
-  static const at::Tensor& rows_of(const std::optional<at::Tensor>& state_rows,
-                                   const std::optional<at::Tensor>& query_lens,
-                                   const at::Tensor& x) {
-    TORCH_CHECK(state_rows && query_lens && state_rows->scalar_type() == at::kLong &&
-                query_lens->scalar_type() == at::kLong && state_rows->is_contiguous() &&
-                query_lens->is_contiguous() && state_rows->numel() == query_lens->numel() &&
-                query_lens->sum().item<int64_t>() == x.size(0),
-                "a linear attention layer needs each request's state row and token count "
-                "(int64 [R], the counts adding up to the step's tokens)");
-    return *state_rows;
-  }
-
   StackLayer& building() {
     TORCH_CHECK(!layers_.empty() && !layers_.back().complete, "add_layer comes first");
     return layers_.back();

@@ -78,12 +78,50 @@ inline std::pair<at::Tensor, at::Tensor> delta_net_chunked(const StackDeltaNet& 
   return {out.transpose(0, 1), s};
 }
 
-// xn [T, hidden] (the layer's normed input: request r's query_lens[r] tokens, one request after
-// another, its state at row rows[r]) -> [T, v_heads * d_v], out_proj's input. Moves each row's
-// conv window and state over its tokens.
+// A step's requests as the linear layers read them, laid out once a step: request r's len[r]
+// tokens from start[r] (one request after another), its state at row[r]; the one-token
+// requests' tokens and rows gathered for one batched update.
+struct DeltaNetRequests {
+  std::vector<int64_t> start, len, row;
+  at::Tensor single_tokens, single_rows;  // int64
+  bool all_single = true;
+};
+
+// state_rows, query_lens: int64 [R]; tokens: the step's (query_lens' sum).
+inline DeltaNetRequests delta_net_requests(const at::Tensor& state_rows,
+                                           const at::Tensor& query_lens, int64_t tokens) {
+  TORCH_CHECK(state_rows.scalar_type() == at::kLong && query_lens.scalar_type() == at::kLong &&
+                  state_rows.is_contiguous() && query_lens.is_contiguous() &&
+                  state_rows.numel() == query_lens.numel(),
+              "a linear attention layer needs each request's state row and token count "
+              "(int64 [R], the counts adding up to the step's tokens)");
+  DeltaNetRequests q;
+  const int64_t* len = query_lens.data_ptr<int64_t>();
+  const int64_t* row = state_rows.data_ptr<int64_t>();
+  std::vector<int64_t> singles, single_rows;
+  int64_t start = 0;
+  for (int64_t r = 0; r < state_rows.numel(); start += len[r], ++r) {
+    q.start.push_back(start);
+    q.len.push_back(len[r]);
+    q.row.push_back(row[r]);
+    if (len[r] == 1) {
+      singles.push_back(start);
+      single_rows.push_back(row[r]);
+    } else {
+      q.all_single = false;
+    }
+  }
+  TORCH_CHECK(start == tokens, "a linear attention layer needs each request's state row and "
+              "token count (int64 [R], the counts adding up to the step's tokens)");
+  q.single_tokens = at::tensor(singles, state_rows.options());
+  q.single_rows = at::tensor(single_rows, state_rows.options());
+  return q;
+}
+
+// xn [T, hidden] (the layer's normed input, laid out as `q`) -> [T, v_heads * d_v], out_proj's
+// input. Moves each request's conv window and state over its tokens.
 inline at::Tensor delta_net_step(const StackDeltaNet& d, const at::Tensor& xn,
-                                 const at::Tensor& rows, const at::Tensor& query_lens,
-                                 const LoraStep& lora) {
+                                 const DeltaNetRequests& q, const LoraStep& lora) {
   RECORD_FUNCTION("octavo::delta_net_step", std::vector<c10::IValue>());
   const int64_t t = xn.size(0), per = d.v_heads / d.k_heads, key = d.k_heads * d.dk,
                 value = d.v_heads * d.dv, conv_dim = 2 * key + value;
@@ -107,19 +145,9 @@ inline at::Tensor delta_net_step(const StackDeltaNet& d, const at::Tensor& xn,
            at::softplus(ba.narrow(2, per, per).reshape({t, d.v_heads}).to(at::kFloat) +
                         d.dt_bias);
   auto out = at::empty({t, d.v_heads, d.dv}, xn.options().dtype(at::kFloat));
-  const int64_t requests = rows.numel();
-  const int64_t* len = query_lens.data_ptr<int64_t>();
-  std::vector<int64_t> starts(requests), singles, single_rows;
-  for (int64_t r = 0, start = 0; r < requests; start += len[r], ++r) {
-    starts[r] = start;
-    if (len[r] == 1) {
-      singles.push_back(start);
-      single_rows.push_back(rows.data_ptr<int64_t>()[r]);
-    }
-  }
-  if (!singles.empty()) {  // decodes: one batched step of every such request's state
-    auto tokens = at::tensor(singles, rows.options());
-    auto state_rows = at::tensor(single_rows, rows.options());
+  if (q.single_tokens.numel()) {  // decodes: one batched step of every such request's state
+    const auto& tokens = q.single_tokens;
+    const auto& state_rows = q.single_rows;
     // _conv_step: the window moves on by the token
     auto window = at::cat({d.conv_state.index_select(0, state_rows),
                            qkv.index_select(0, tokens).unsqueeze(-1)}, -1);
@@ -129,24 +157,24 @@ inline at::Tensor delta_net_step(const StackDeltaNet& d, const at::Tensor& xn,
     auto o = delta_rule_step(d.ssm_state, state_rows, heads[0].contiguous(),
                              heads[1].contiguous(), heads[2].contiguous(),
                              beta.index_select(0, tokens), g.index_select(0, tokens));
-    if (static_cast<int64_t>(singles.size()) == t)
+    if (q.all_single)
       out = o;
     else
       out.index_copy_(0, tokens, o);
   }
   const int64_t window_len = d.conv_weight.size(1) - 1;
-  for (int64_t r = 0; r < requests; ++r) {  // prompt chunks, one request at a time
-    if (len[r] == 1) continue;
-    const int64_t row = rows.data_ptr<int64_t>()[r];
+  for (size_t r = 0; r < q.len.size(); ++r) {  // prompt chunks, one request at a time
+    if (q.len[r] == 1) continue;
+    const int64_t row = q.row[r], start = q.start[r], len = q.len[r];
     // _conv_chunk: the window, then the tokens, convolved
-    auto seq = at::cat({d.conv_state[row], qkv.narrow(0, starts[r], len[r]).t()}, -1);
+    auto seq = at::cat({d.conv_state[row], qkv.narrow(0, start, len).t()}, -1);
     const std::optional<at::Tensor> no_bias;
     auto conv = at::silu(at::conv1d(seq.unsqueeze(0), d.conv_weight.unsqueeze(1), no_bias,
                                     at::IntArrayRef{1}, at::IntArrayRef{0}, at::IntArrayRef{1},
                                     conv_dim)[0]).t();
-    auto [o, state] = delta_net_chunked(d, conv, beta.narrow(0, starts[r], len[r]),
-                                        g.narrow(0, starts[r], len[r]), d.ssm_state[row]);
-    out.narrow(0, starts[r], len[r]).copy_(o);
+    auto [o, state] = delta_net_chunked(d, conv, beta.narrow(0, start, len),
+                                        g.narrow(0, start, len), d.ssm_state[row]);
+    out.narrow(0, start, len).copy_(o);
     d.conv_state[row].copy_(seq.narrow(-1, seq.size(-1) - window_len, window_len));
     d.ssm_state[row].copy_(state);
   }
