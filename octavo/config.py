@@ -103,6 +103,15 @@ class CacheConfig:
         "for it (half of bf16's memory; per-layer scales from the checkpoint's "
         "k_scale/v_scale, else 1)",
         choices=["auto", "bfloat16", "fp8_e4m3", "fp8"]))
+    mamba_block_size: int | None = field(default=None, metadata=_opt(
+        "models with linear-attention layers (Qwen3-Next), with prefix caching: every this many "
+        "tokens (a multiple of --block-size) a request's recurrent states are saved, keyed by "
+        "the prefix's block hash, so that a later request with that prefix resumes from them "
+        "(vLLM's name); default: 256, or --block-size where larger"))
+    state_checkpoints: int | None = field(default=None, metadata=_opt(
+        "models with linear-attention layers, with prefix caching: how many saved states are "
+        "kept (the least recently used is replaced), out of the KV cache's memory; default: "
+        "--max-num-seqs"))
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype == "fp8":  # vLLM's name for e4m3 on every platform but ROCm's
@@ -114,6 +123,12 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be >= 1, got {self.kv_cache_memory}")
+        if self.mamba_block_size is not None and (self.mamba_block_size < 1
+                                                  or self.mamba_block_size % self.block_size):
+            raise ValueError(f"mamba_block_size must be a positive multiple of block_size "
+                             f"({self.block_size}), got {self.mamba_block_size}")
+        if self.state_checkpoints is not None and self.state_checkpoints < 0:
+            raise ValueError(f"state_checkpoints must be >= 0, got {self.state_checkpoints}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], "
                              f"got {self.kv_cache_memory_fraction!r}")
@@ -430,6 +445,27 @@ class EngineConfig:
                                           "with a draft model (speculative_config.model): the "
                                           "replicas step in lockstep one forward pass at a "
                                           "time; method ngram works")
+
+    @property
+    def state_checkpoint_interval(self) -> int:
+        """Tokens between a request's saved recurrent states (--mamba-block-size): whole core
+        blocks, so that a block hash names each."""
+        size = self.cache.mamba_block_size
+        if size is None:
+            return max(256, self.core_block_size)
+        if size % self.core_block_size:
+            raise ValueError(f"mamba_block_size ({size}) must be a multiple of the core's block "
+                             f"({self.core_block_size} tokens)")
+        return size
+
+    @property
+    def state_checkpoint_slots(self) -> int:
+        """Saved recurrent states kept for prefix caching (used by models with linear-attention
+        layers alone): --state-checkpoints, default --max-num-seqs; none without caching."""
+        if not self.cache.enable_prefix_caching:
+            return 0
+        count = self.cache.state_checkpoints
+        return self.scheduler.max_num_seqs if count is None else count
 
     @property
     def core_block_size(self) -> int:

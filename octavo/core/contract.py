@@ -66,6 +66,11 @@ class SchedulerOutput:
     # Speculative decoding: request id -> draft tokens, scheduled right after its last token
     # (num_scheduled_tokens counts them); the worker verifies them and returns 1 + accepted tokens.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Linear-attention layers' saved states (core/state_checkpoints.py): request id -> the slot
+    # a new request's states start from (its cached prefix ends there); request id -> (tokens
+    # into its step, slot) where its states are saved during the step.
+    state_restores: dict[str, int] = field(default_factory=dict)
+    state_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> SchedulerOutput:

@@ -21,6 +21,7 @@ from octavo.core.ngram import NgramProposer
 from octavo.core.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from octavo.core.request import Request
 from octavo.core.scheduler import Scheduler
+from octavo.core.state_checkpoints import StateCheckpoints
 from octavo.core.structured import BackendFactory, StructuredOutputManager
 from octavo.executor.base import Executor, PendingOutput
 from octavo.model_source import ModelSource
@@ -41,9 +42,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int,
                  sliding_window: int | None = None,
                  grammar_backend: BackendFactory | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, linear_attention: bool = False) -> None:
         """sliding_window: the model's window when every layer slides (blocks behind it are
-        freed as requests advance), else None. grammar_backend: builds the structured-output
+        freed as requests advance), else None. linear_attention: the model has such layers
+        (a prefix hit needs their saved states). grammar_backend: builds the structured-output
         backend on the first constrained request (None: such requests are refused).
         vocab_size: the model's, the width of token masks (None: allowed_token_ids and
         bad_words are refused)."""
@@ -85,8 +87,15 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens; max concurrency at %d tokens per request: "
                     "%.2fx", num_blocks, block_size, max_model_len,
                     num_blocks / cdiv(max_model_len, block_size))
+        checkpoints = None
+        if linear_attention and config.cache.enable_prefix_caching:
+            checkpoints = StateCheckpoints(config.state_checkpoint_slots,
+                                           config.state_checkpoint_interval)
+            logger.info("prefix caching over linear-attention layers: their states are saved "
+                        "every %d tokens, %d saved at most", checkpoints.interval,
+                        checkpoints.num_slots)
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
-                            sliding_window)
+                            sliding_window, checkpoints)
         self.structured = StructuredOutputManager(
             grammar_backend, compile_timeout_s=config.scheduler.grammar_compile_timeout,
             vocab_size=vocab_size)
@@ -221,21 +230,9 @@ def create_engine_core(config: EngineConfig, source: ModelSource, arch: ArchConf
                        grammar_backend: BackendFactory | None = None) -> EngineCore:
     """The core's entry point for its hosts: build the executor (loading the model) and the
     core around it."""
-    if arch.linear_layers:
-        config = _without_prefix_caching(config, arch)
     with collector_paused():  # torch's import and the load are a start (see startup_gc)
         executor = Executor.create(config, source, arch, max_model_len, eos_token_ids)
     window = arch.sliding_window if arch.all_layers_sliding else None
     return EngineCore(config, executor, max_model_len, window, grammar_backend,
-                      arch.vocab_size)
+                      arch.vocab_size, bool(arch.linear_layers))
 
-
-def _without_prefix_caching(config: EngineConfig, arch: ArchConfig) -> EngineConfig:
-    """A model with linear-attention layers keeps a running state per request, which a cached
-    prefix's blocks cannot restore: prefix caching is turned off (said in the log). (Rejected
-    drafts are another matter: the state waits for the verdict, worker/spec/verified_spans.py.)"""
-    if not config.cache.enable_prefix_caching:
-        return config
-    logger.info("prefix caching is off: %s's linear-attention layers keep a state per request "
-                "that cached blocks cannot restore", arch.architecture)
-    return config.replace(enable_prefix_caching=False)

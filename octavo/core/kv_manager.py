@@ -8,12 +8,17 @@ map to slots; the worker only reads it under a mask that excludes it). Models th
 sliding and global layers (Gemma 2/3) keep every block: one block id holds a position's K/V for
 all layers, and the global layers still read it. Freeing per layer group would need a block table
 per group; it is not done.
+
+Linear-attention layers (Qwen3-Next): a cached prefix is usable only up to a boundary whose
+recurrent states were saved (core/state_checkpoints.py); the manager plans those saves and finds
+the saved states a hit resumes from.
 """
 from __future__ import annotations
 
 from octavo.core.block_pool import BlockPool
 from octavo.core.hashing import extend_block_hashes
 from octavo.core.request import Request
+from octavo.core.state_checkpoints import StateCheckpoints
 
 
 def cdiv(a: int, b: int) -> int:
@@ -22,12 +27,15 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 checkpoints: StateCheckpoints | None = None) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window  # set only when every layer slides
+        # models with linear-attention layers, with caching: their saved states
+        self.checkpoints = checkpoints if enable_caching else None
         self._num_released: dict[str, int] = {}  # leading blocks of a table already given back
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
@@ -64,7 +72,45 @@ class KVCacheManager:
                 if b is None:
                     break
                 hits.append(b)
+        if self.checkpoints is not None:  # the states must be restorable where the hit ends
+            hits = hits[:self._last_saved_boundary(request, len(hits))]
         return hits, len(hits) * bs
+
+    def _last_saved_boundary(self, request: Request, num_blocks: int) -> int:
+        """The most leading blocks, at most `num_blocks`, that end where states were saved."""
+        step = self.checkpoints.interval // self.block_size
+        for n in range(num_blocks - num_blocks % step, 0, -step):
+            if self.checkpoints.find(request.block_hashes[n - 1]) is not None:
+                return n
+        return 0
+
+    def begin_step(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.begin_step()
+
+    def state_restore(self, request: Request, num_hit: int) -> int | None:
+        """The saved states a request whose first `num_hit` tokens are hits starts from."""
+        if self.checkpoints is None or not num_hit:
+            return None
+        return self.checkpoints.take(request.block_hashes[num_hit // self.block_size - 1])
+
+    def plan_state_saves(self, request: Request, start: int,
+                         count: int) -> list[tuple[int, int]]:
+        """For a step computing tokens start .. start + count of `request`: (tokens into the
+        step, slot) of each boundary it reaches whose states are to be saved."""
+        if self.checkpoints is None:
+            return []
+        self._update_hashes(request)
+        interval, saves = self.checkpoints.interval, []
+        first = (start // interval + 1) * interval
+        for end in range(first, start + count + 1, interval):
+            index = end // self.block_size - 1
+            if index >= len(request.block_hashes):
+                break
+            slot = self.checkpoints.reserve(request.block_hashes[index], request.req_id)
+            if slot is not None:
+                saves.append((end - start, slot))
+        return saves
 
     def record_lookup(self, num_tokens: int, num_hit: int) -> None:
         self.prefix_queries += num_tokens
@@ -149,9 +195,15 @@ class KVCacheManager:
         contents may be half written); they stay in its table."""
         for block in self.blocks_of(req_id):
             self.pool.uncache(block)
+        if self.checkpoints is not None:
+            self.checkpoints.forget_owner(req_id)
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_cache()
+        if not self.pool.reset_cache():
+            return False
+        if self.checkpoints is not None:
+            self.checkpoints.reset()
+        return True
 
     def usage(self) -> float:
         return self.pool.usage()

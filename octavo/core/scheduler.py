@@ -169,6 +169,8 @@ class Scheduler:
         preempted = (self._preempt_for_priority() if self.priority_policy and isolated is None
                      else set())
         spec: dict[str, list[int]] = {}
+        restores: dict[str, int] = {}
+        self.kv.begin_step()
 
         i = 0
         preempted_running = False
@@ -235,6 +237,9 @@ class Scheduler:
             if allocated is None:
                 break
             req.num_computed_tokens = num_hit
+            restore = self.kv.state_restore(req, num_hit)
+            if restore is not None:
+                restores[req.req_id] = restore
             if req.num_cached_tokens is None:  # count a prompt's lookup once, not per resume
                 req.num_cached_tokens = num_hit
                 self.kv.record_lookup(req.num_tokens, num_hit)
@@ -255,8 +260,12 @@ class Scheduler:
             num_scheduled[req.req_id] = num_new
             budget -= num_new
 
+        saves: dict[str, list[tuple[int, int]]] = {}
         for req_id, n in num_scheduled.items():
             req = self.requests[req_id]
+            if req_id not in spec and (planned := self.kv.plan_state_saves(
+                    req, req.num_computed_tokens, n)):
+                saves[req_id] = planned
             req.num_computed_tokens += n
             req.draft_token_ids = []  # used now, or stale: the worker proposes again
         self.in_flight.update(num_scheduled)
@@ -264,7 +273,8 @@ class Scheduler:
         self.num_steps += 1
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                self.max_num_batched_tokens - budget, finished, preempted,
-                               spec_token_ids=spec)
+                               spec_token_ids=spec, state_restores=restores,
+                               state_saves=saves)
 
     def _has_victim(self, scheduled: dict[str, int]) -> bool:
         return any(r.req_id not in self.in_flight and r.req_id not in scheduled

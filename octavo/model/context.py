@@ -40,6 +40,9 @@ class ForwardContext:
     # each request's draft tokens at the end of its span (speculative decoding; None: no
     # request has any): a recurrent state may not move past them before they are accepted
     num_drafts: np.ndarray | None = None
+    # recurrent states saved during the step (prefix caching, core/state_checkpoints.py): [n, 3]
+    # int64 rows of (request's index in the step, tokens into its step, checkpoint slot)
+    state_saves: np.ndarray | None = None
 
 
 _current: list[ForwardContext] = []

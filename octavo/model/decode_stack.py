@@ -284,18 +284,22 @@ class DecodeStack:
             self._build(ctx.kv_caches)
         kernel_plans = [_kernel_plan(p) for p in plans]
         slots = plans[0].slot_mapping  # every plan's: they differ in what they read
-        rows = lens = None
+        rows = lens = saves = None
         if self.delta_nets:
             fresh = ctx.batch_rows[ctx.num_computed == 0]
             for d in self.delta_nets if len(fresh) else ():
                 d.states.start_fresh(fresh)
             rows = torch.from_numpy(ctx.batch_rows).to(torch.int64)
             lens = torch.from_numpy(ctx.layout.query_lens).to(torch.int64)
+            if ctx.state_saves is not None:  # slots as rows of the state buffers
+                saves = torch.from_numpy(ctx.state_saves).clone()
+                saves[:, 2] += self.delta_nets[0].states.first_checkpoint
         lora = ctx.lora
         if lora is None:
-            return self._stack.forward(x, positions, slots, kernel_plans, None, [], rows, lens)
+            return self._stack.forward(x, positions, slots, kernel_plans, None, [], rows, lens,
+                                       saves)
         return self._stack.forward(x, positions, slots, kernel_plans, lora.token_slot,
-                                   lora.slots, rows, lens)
+                                   lora.slots, rows, lens, saves)
 
     def _build(self, kv_caches: list[torch.Tensor]) -> None:
         attns = [spec.attention for spec in self.specs if spec.attention is not None]

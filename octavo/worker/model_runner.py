@@ -69,6 +69,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.drafter: DraftModel | None = None  # draft-model speculative decoding
         self.verified_spans = VerifiedSpans(model)  # recurrent states wait on verdicts
+        self.recurrent_layers = [m for m in model.modules() if hasattr(m, "restore_state")]
         self.lora: LoRAManager | None = None  # with --enable-lora
         self.pooling: dict[str, PoolingParams] = {}  # the pooling requests in the batch
         # a decoder's pooling request whose prompt runs in chunks: the hidden states and input
@@ -91,6 +92,9 @@ class ModelRunner:
                 self.lora.register(new.lora_request)
         self.batch.update(sched.cached_requests)
         self.verified_spans.settle(sched, self.batch)
+        for req_id, slot in sched.state_restores.items():  # resumed from a cached prefix
+            for layer in self.recurrent_layers:
+                layer.restore_state(self.batch.row_of[req_id], slot)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -127,6 +131,11 @@ class ModelRunner:
         # the weights through the caches, and the first numpy calls after it run cold.
         entries = self._entries(sched, req_ids, rows, ends, sample_idx) if len(sample_idx) else None
         context.batch_rows, context.num_computed = rows, computed
+        if sched.state_saves:
+            index = {r: i for i, r in enumerate(req_ids)}
+            context.state_saves = np.array([(index[r], tokens, slot) for r, saves in
+                                            sched.state_saves.items() for tokens, slot in saves],
+                                           np.int64)
         if drafts and self.verified_spans.layers:  # only recurrent states wait on verdicts
             context.num_drafts = np.fromiter((len(drafts.get(r, ())) for r in req_ids), np.int64,
                                              len(req_ids))

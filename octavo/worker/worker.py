@@ -223,9 +223,10 @@ class Worker:
 
     def state_bytes(self) -> int:
         """Bytes of the recurrent states of this rank's linear-attention layers, one per batch
-        row, which come out of the KV cache's budget."""
-        return self.config.scheduler.max_num_seqs * sum(m.state_bytes(self.dtype)
-                                                        for m in self._state_layers())
+        row and one per checkpoint slot (prefix caching), which come out of the KV cache's
+        budget."""
+        rows = self.config.scheduler.max_num_seqs + self.config.state_checkpoint_slots
+        return rows * sum(m.state_bytes(self.dtype) for m in self._state_layers())
 
     def _state_layers(self) -> list[torch.nn.Module]:
         return [m for m in self.runner.model.modules() if hasattr(m, "allocate_state")]
@@ -252,12 +253,14 @@ class Worker:
         it): allocated beside the KV cache, out of its memory. Returns their bytes."""
         layers = self._state_layers()
         rows = self.config.scheduler.max_num_seqs
+        checkpoints = self.config.state_checkpoint_slots
         total = self.state_bytes()
         for m in layers:
-            m.allocate_state(rows, self.dtype, self.device)
+            m.allocate_state(rows, self.dtype, self.device, checkpoints)
         if layers:
-            logger.info("linear-attention states: %d layers x %d requests, %.1f MiB of the KV "
-                        "cache memory", len(layers), rows, total / 2**20)
+            logger.info("linear-attention states: %d layers x (%d requests + %d saved for "
+                        "prefix caching), %.1f MiB of the KV cache memory", len(layers), rows,
+                        checkpoints, total / 2**20)
         return total
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:

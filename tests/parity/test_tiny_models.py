@@ -336,7 +336,7 @@ def test_qwen3_next_states_follow_their_requests(tmp_path, smollm_oracle_folder)
     prompt, one mid-output): every request that finishes gives transformers' tokens (rows
     taken over by later requests, and preempted requests started over, begin from an empty
     state), no row stays held, and the states' memory comes out of the KV cache's. Prefix
-    caching is off."""
+    caching is off (with it, test_hybrid_prefix_cache.py)."""
     folder, ref = _build(tmp_path, smollm_oracle_folder, "qwen3-next")
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(100, 49000, (int(n),), generator=gen).tolist()
@@ -347,7 +347,8 @@ def test_qwen3_next_states_follow_their_requests(tmp_path, smollm_oracle_folder)
     states = 4 * (128 * 3 * 4 + 4 * 16 * 16 * 4)  # rows x (conv window + state), float32
     per_block = 2 * 16 * 2 * 32 * 4  # the attention layer's K and V of 16 tokens
     llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_seqs=4,
-              kv_cache_memory=states + 16 * per_block, max_num_batched_tokens=64)
+              kv_cache_memory=states + 16 * per_block, max_num_batched_tokens=64,
+              enable_prefix_caching=False)
     try:
         core = llm.engine.client.core
         assert core.num_blocks == 16 and not core.scheduler.kv.enable_caching

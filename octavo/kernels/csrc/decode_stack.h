@@ -356,11 +356,13 @@ class DecodeStack : public torch::CustomClassHolder {
   // list reads plan 0). lora_slot: each token's adapter slot (-1: none), and lora_slots the
   // slots in the step (empty: no adapter). state_rows, query_lens: int64 [R], each request's
   // row in the linear attention's states and its tokens in x (requests one after another),
-  // where the stack has such layers.
+  // where the stack has such layers; state_saves: int64 [n, 3], (request, tokens into its step,
+  // state row) where a request's states are copied after that many of its tokens.
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slot_mapping,
                      std::vector<StackPlan> plans, std::optional<at::Tensor> lora_slot,
                      std::vector<int64_t> lora_slots, std::optional<at::Tensor> state_rows,
-                     std::optional<at::Tensor> query_lens) const {
+                     std::optional<at::Tensor> query_lens,
+                     std::optional<at::Tensor> state_saves) const {
     LoraStep lora;
     if (lora_slot && !lora_slots.empty()) lora = {*lora_slot, std::move(lora_slots)};
     TORCH_CHECK(x.is_contiguous() && positions.is_contiguous() && slot_mapping.is_contiguous(),
@@ -374,7 +376,7 @@ class DecodeStack : public torch::CustomClassHolder {
     for (const StackLayer& l : layers_) TORCH_CHECK(l.complete, "a layer is not complete");
     std::optional<DeltaNetRequests> requests;  // laid out once for every linear attention layer
     if (state_rows && query_lens)
-      requests = delta_net_requests(*state_rows, *query_lens, x.size(0));
+      requests = delta_net_requests(*state_rows, *query_lens, x.size(0), state_saves);
     for (const StackLayer& l : layers_) {
       auto xn = pending.defined() ? add_norm(l, x, pending, kAttnIn) : norm(l, x, kAttnIn);
       const StackPlan& plan = plans[l.plan < static_cast<int64_t>(plans.size()) ? l.plan : 0];

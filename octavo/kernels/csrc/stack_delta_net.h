@@ -79,17 +79,21 @@ inline std::pair<at::Tensor, at::Tensor> delta_net_chunked(const StackDeltaNet& 
 }
 
 // A step's requests as the linear layers read them, laid out once a step: request r's len[r]
-// tokens from start[r] (one request after another), its state at row[r]; the one-token
+// tokens from start[r] (one request after another), its state at row[r], and where its states
+// are saved (after that many of its tokens, into that row; prefix caching); the one-token
 // requests' tokens and rows gathered for one batched update.
 struct DeltaNetRequests {
   std::vector<int64_t> start, len, row;
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> saves;
   at::Tensor single_tokens, single_rows;  // int64
   bool all_single = true;
 };
 
-// state_rows, query_lens: int64 [R]; tokens: the step's (query_lens' sum).
+// state_rows, query_lens: int64 [R]; tokens: the step's (query_lens' sum); state_saves: int64
+// [n, 3] (request, tokens into its step, state row), in each request's token order.
 inline DeltaNetRequests delta_net_requests(const at::Tensor& state_rows,
-                                           const at::Tensor& query_lens, int64_t tokens) {
+                                           const at::Tensor& query_lens, int64_t tokens,
+                                           const std::optional<at::Tensor>& state_saves) {
   TORCH_CHECK(state_rows.scalar_type() == at::kLong && query_lens.scalar_type() == at::kLong &&
                   state_rows.is_contiguous() && query_lens.is_contiguous() &&
                   state_rows.numel() == query_lens.numel(),
@@ -115,6 +119,20 @@ inline DeltaNetRequests delta_net_requests(const at::Tensor& state_rows,
               "token count (int64 [R], the counts adding up to the step's tokens)");
   q.single_tokens = at::tensor(singles, state_rows.options());
   q.single_rows = at::tensor(single_rows, state_rows.options());
+  q.saves.resize(q.len.size());
+  if (state_saves && state_saves->numel()) {
+    TORCH_CHECK(state_saves->scalar_type() == at::kLong && state_saves->is_contiguous() &&
+                    state_saves->dim() == 2 && state_saves->size(1) == 3,
+                "state_saves: int64 [n, 3] (request, tokens into its step, state row)");
+    const int64_t* s = state_saves->data_ptr<int64_t>();
+    for (int64_t i = 0; i < state_saves->size(0); ++i, s += 3) {
+      TORCH_CHECK(s[0] >= 0 && s[0] < static_cast<int64_t>(q.len.size()) && s[1] >= 1 &&
+                      s[1] <= q.len[s[0]] && (q.saves[s[0]].empty() ||
+                                              q.saves[s[0]].back().first < s[1]),
+                  "state_saves: a save past its request's tokens, or out of order");
+      q.saves[s[0]].emplace_back(s[1], s[2]);
+    }
+  }
   return q;
 }
 
@@ -161,6 +179,13 @@ inline at::Tensor delta_net_step(const StackDeltaNet& d, const at::Tensor& xn,
       out = o;
     else
       out.index_copy_(0, tokens, o);
+    for (size_t r = 0; r < q.len.size(); ++r) {  // a boundary reached by a single token
+      if (q.len[r] != 1) continue;
+      for (const auto& [count, save_row] : q.saves[r]) {
+        d.conv_state[save_row].copy_(d.conv_state[q.row[r]]);
+        d.ssm_state[save_row].copy_(d.ssm_state[q.row[r]]);
+      }
+    }
   }
   const int64_t window_len = d.conv_weight.size(1) - 1;
   for (size_t r = 0; r < q.len.size(); ++r) {  // prompt chunks, one request at a time
@@ -172,9 +197,25 @@ inline at::Tensor delta_net_step(const StackDeltaNet& d, const at::Tensor& xn,
     auto conv = at::silu(at::conv1d(seq.unsqueeze(0), d.conv_weight.unsqueeze(1), no_bias,
                                     at::IntArrayRef{1}, at::IntArrayRef{0}, at::IntArrayRef{1},
                                     conv_dim)[0]).t();
-    auto [o, state] = delta_net_chunked(d, conv, beta.narrow(0, start, len),
-                                        g.narrow(0, start, len), d.ssm_state[row]);
-    out.narrow(0, start, len).copy_(o);
+    // GatedDeltaNet._chunked_saving: in pieces that end where the states are saved
+    at::Tensor state = d.ssm_state[row];
+    int64_t begin = 0;
+    auto pieces = q.saves[r];
+    pieces.emplace_back(len, -1);
+    for (const auto& [end, save_row] : pieces) {
+      if (end > begin) {
+        auto [o, s] = delta_net_chunked(d, conv.narrow(0, begin, end - begin),
+                                        beta.narrow(0, start + begin, end - begin),
+                                        g.narrow(0, start + begin, end - begin), state);
+        out.narrow(0, start + begin, end - begin).copy_(o);
+        state = s;
+      }
+      if (save_row >= 0) {
+        d.conv_state[save_row].copy_(seq.narrow(-1, end, window_len));
+        d.ssm_state[save_row].copy_(state);
+      }
+      begin = end;
+    }
     d.conv_state[row].copy_(seq.narrow(-1, seq.size(-1) - window_len, window_len));
     d.ssm_state[row].copy_(state);
   }

@@ -20,7 +20,12 @@ same S and outputs as token by token); single-token steps are one batched update
 Speculative decoding: a span that ends in draft tokens is computed from the state before it,
 which stays as it was; the span's inputs are kept until the engine says how many of its tokens
 were accepted (`accept_span`, from worker/spec/verified_spans.py), and the state then moves
-over those alone (a short chunk), or they are dropped with the request (`drop_span`)."""
+over those alone (a short chunk), or they are dropped with the request (`drop_span`).
+
+Prefix caching (core/state_checkpoints.py): the state buffers hold checkpoint slots after the
+batch rows. A step may save a request's state after some of its tokens into a slot (a prompt
+chunk is then computed in pieces that end there), and a request that resumes from a cached
+prefix starts from a slot's copy (`restore_state`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -101,10 +106,11 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = row_parallel(v_heads * self.dv, cfg.hidden_size,
                                      what="linear_num_value_heads x linear_value_head_dim")
-        # per batch row: the conv window [conv_dim, K - 1] (activation dtype) and the state
-        # [v_heads, d_k, d_v] (float32); set by allocate_state
+        # per batch row, then per checkpoint slot: the conv window [conv_dim, K - 1]
+        # (activation dtype) and the state [v_heads, d_k, d_v] (float32); set by allocate_state
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        self.first_checkpoint = 0  # the row of checkpoint slot 0
         # batch row -> a verified span not yet accepted: its conv sequence (the window before
         # it, then its inputs) and its convolved inputs, beta and g
         self.spans: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -114,11 +120,20 @@ class GatedDeltaNet(nn.Module):
         return (self.conv_dim * (self.kernel - 1) * torch.empty((), dtype=dtype).element_size()
                 + self.v_heads * self.dk * self.dv * 4)
 
-    def allocate_state(self, rows: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.conv_state = torch.zeros(rows, self.conv_dim, self.kernel - 1, dtype=dtype,
+    def allocate_state(self, rows: int, dtype: torch.dtype, device: torch.device,
+                       checkpoints: int = 0) -> None:
+        total = rows + checkpoints
+        self.conv_state = torch.zeros(total, self.conv_dim, self.kernel - 1, dtype=dtype,
                                       device=device)
-        self.ssm_state = torch.zeros(rows, self.v_heads, self.dk, self.dv, dtype=torch.float32,
+        self.ssm_state = torch.zeros(total, self.v_heads, self.dk, self.dv, dtype=torch.float32,
                                      device=device)
+        self.first_checkpoint = rows
+
+    def restore_state(self, row: int, slot: int) -> None:
+        """`row`'s request resumes from the states saved in checkpoint `slot`."""
+        self.conv_state[row] = self.conv_state[self.first_checkpoint + slot]
+        self.ssm_state[row] = self.ssm_state[self.first_checkpoint + slot]
+        self.spans.pop(row, None)
 
     def start_fresh(self, rows: np.ndarray) -> None:
         """Empty the states at `rows`, whose requests start at this step."""
@@ -139,17 +154,23 @@ class GatedDeltaNet(nn.Module):
         qkv, z, beta, g = self._project(x)
         out = torch.empty(t, self.v_heads, self.dv, dtype=torch.float32, device=x.device)
         single = np.flatnonzero(layout.query_lens == 1)
+        saves = self._saves(ctx.state_saves)
         if len(single):  # decodes: one batched step of every such request's state
             tokens = torch.from_numpy(layout.starts[single]).to(x.device)
             state_rows = torch.from_numpy(rows[single]).to(x.device)
             conv = self._conv_step(qkv.index_select(0, tokens), state_rows)
             out[tokens] = self._recurrent_step(conv, beta[tokens], g[tokens], state_rows)
+            for r in single.tolist():  # a boundary reached by this token
+                for _, slot_row in saves.get(r, ()):
+                    self.conv_state[slot_row] = self.conv_state[rows[r]]
+                    self.ssm_state[slot_row] = self.ssm_state[rows[r]]
         drafts = ctx.num_drafts
         for r in np.flatnonzero(layout.query_lens > 1):  # prompt chunks, one request at a time
             span = slice(int(layout.starts[r]), int(layout.ends[r]))
             row = int(rows[r])
             conv, seq = self._conv_chunk(qkv[span], row)
-            out[span], state = self._chunked(conv, beta[span], g[span], self.ssm_state[row])
+            out[span], state = self._chunked_saving(conv, beta[span], g[span],
+                                                    self.ssm_state[row], seq, saves.get(r, ()))
             if drafts is not None and drafts[r]:  # the state moves once the drafts are judged
                 self.spans[row] = (seq, conv, beta[span], g[span])
             else:
@@ -157,6 +178,32 @@ class GatedDeltaNet(nn.Module):
                 self.ssm_state[row] = state
         h = self.norm(out.to(x.dtype).reshape(-1, self.dv), z.reshape(-1, self.dv))
         return self.out_proj(h.reshape(t, -1))
+
+    def _saves(self, saves: np.ndarray | None) -> dict[int, list[tuple[int, int]]]:
+        """The step's state saves ([n, 3]: request, tokens into its step, slot) per request:
+        (tokens, the slot's row)."""
+        by_request: dict[int, list[tuple[int, int]]] = {}
+        for r, tokens, slot in ([] if saves is None else saves.tolist()):
+            by_request.setdefault(r, []).append((tokens, self.first_checkpoint + slot))
+        return by_request
+
+    def _chunked_saving(self, conv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+                        s: torch.Tensor, seq: torch.Tensor, saves: list[tuple[int, int]]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """_chunked, in pieces that end where the states are saved (after `tokens` of them:
+        the window is seq's K - 1 columns from there)."""
+        if not saves:
+            return self._chunked(conv, beta, g, s)
+        outs, begin = [], 0
+        for end, slot_row in [*saves, (conv.shape[0], None)]:
+            if end > begin:
+                out, s = self._chunked(conv[begin:end], beta[begin:end], g[begin:end], s)
+                outs.append(out)
+            if slot_row is not None:
+                self.conv_state[slot_row] = seq[:, end:end + self.kernel - 1]
+                self.ssm_state[slot_row] = s
+            begin = end
+        return torch.cat(outs), s
 
     def _project(self, x: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
