@@ -57,15 +57,21 @@ def _check(out, prompt, ref_tokens, ref_top, ref_scored, atol=1e-2):
                                   "deepseek-v3", "qwen3-next"])
 def test_two_ranks_match_transformers(tmp_path, smollm_oracle_folder, name):
     """Chunked prefill (a 150-token prompt over 64-token steps) and the prefix cache (the same
-    prompt again, its blocks cached) on two ranks."""
+    prompt again, its blocks cached; Qwen3-Next's from the states each rank saved after 128
+    tokens) on two ranks."""
     folder, ref = _build(tmp_path, smollm_oracle_folder, name)
     prompt = _prompt()
     expected = _reference(ref, prompt)
     llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
-              max_num_batched_tokens=64, tensor_parallel_size=2)
+              max_num_batched_tokens=64, tensor_parallel_size=2, mamba_block_size=64)
     try:
-        for out in _run(llm, [prompt]) + _run(llm, [prompt]):
-            _check(out, prompt, *expected)
+        _check(_run(llm, [prompt])[0], prompt, *expected)
+        again = llm.generate([prompt], SamplingParams(max_tokens=NEW, temperature=0,
+                                                      ignore_eos=True, logprobs=5),
+                             use_tqdm=False)[0]  # without prompt logprobs, which need no hits
+        assert again.num_cached_tokens == (128 if name == "qwen3-next" else 144)
+        _agree(again.outputs[0].token_ids, [set(d) for d in again.outputs[0].logprobs],
+               *expected[:2])
     finally:
         llm.engine.shutdown()
 
