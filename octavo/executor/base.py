@@ -93,8 +93,8 @@ def blocks_in_budget(kv_cache_memory: int, ranks: list[tuple[int, int]]) -> int:
     for block, states in ranks:
         if states > kv_cache_memory:
             raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than the "
-                             f"linear-attention states ({states} bytes; fewer max_num_seqs "
-                             f"need less)")
+                             f"linear-attention states ({states} bytes, one per max_num_seqs "
+                             f"and per state_checkpoints: fewer need less)")
         if block:
             counts.append((kv_cache_memory - states) // block)
     if counts and min(counts) < 1:

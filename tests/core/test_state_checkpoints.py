@@ -106,3 +106,11 @@ def test_no_caching_plans_nothing_and_settings_are_checked():
         EngineConfig.from_kwargs(block_size=16, mamba_block_size=40)
     with pytest.raises(ValueError, match="state_checkpoints must be >= 0"):
         EngineConfig.from_kwargs(state_checkpoints=-1)
+
+
+def test_states_larger_than_the_kv_budget_name_both_settings():
+    from octavo.executor.base import blocks_in_budget
+
+    assert blocks_in_budget(1000, [(100, 300)]) == 7  # the states come out of the budget
+    with pytest.raises(ValueError, match="max_num_seqs and per state_checkpoints"):
+        blocks_in_budget(1000, [(100, 1200)])
