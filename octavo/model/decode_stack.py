@@ -17,8 +17,8 @@ or not), q/k norms per head or over all heads (RMS, or Cohere's LayerNorms per h
 attention's scale,
 sliding window, chunk and softcap, its RoPE tables (over the whole head or its first rotary_dim
 features, or none; Llama 4's query temperature in their place), or DeepSeek's latent attention
-(its LatentSpec) or Qwen3-Next's linear attention (its DeltaNetSpec; in steps without draft
-tokens, each request's state moved over its tokens), attention with an output gate, and a gated
+(its LatentSpec) or Qwen3-Next's linear attention (its DeltaNetSpec: each request's state moved
+over its tokens, or left for the verdict where they end in draft tokens), attention with an output gate, and a gated
 or plain MLP
 or a mixture of experts (router, its Routing: softmax or sigmoid scores, expert groups, a
 correction bias, renormalization and scale, weighing the experts' outputs or inputs; a shared
@@ -31,8 +31,7 @@ activations above, as the Python layers compute them); the KV
 cache is in the activations' dtype or in fp8 (with each layer's k/v scales); attention sinks
 scale each head's output by sigmoid(log-sum-exp - sink). Anything else (steps with padded
 prefills, act-order or asymmetric int8 weights, a layer's own attention
-module not described for the stack, verification spans of a model with linear attention,
-kernels not loaded yet)
+module not described for the stack, kernels not loaded yet)
 runs the Python layers. `--enforce-eager` turns it off. Under tensor parallelism it computes a
 rank's heads and slices and calls the ranks' all-reduce after each o and down projection (after
 the experts' sum, and after the shared expert, in a MoE layer), as the Python layers do.
@@ -252,8 +251,8 @@ class DecodeStack:
         self.layers = layers
         self.specs: list[LayerSpec] = [layer.spec() for layer in layers]
         self.dtype = self.specs[0].dtype  # the activations it computes in
-        # linear attention layers: a state moves over its request's tokens at once, so the
-        # stack takes steps without draft tokens (verified spans wait for their verdict)
+        # linear attention layers: a state moves over its request's tokens at once, or waits
+        # in the layer's span buffers where they end in drafts
         self.delta_nets = [spec.delta_net for spec in self.specs if spec.delta_net is not None]
         self._stack: Any = None
         self._caches: list[torch.Tensor] | None = None
@@ -269,8 +268,7 @@ class DecodeStack:
                 and fused.native_active(x) and x.dtype == self.dtype
                 and (not caches or caches[0].dtype in (self.dtype, torch.float8_e4m3fn))
                 and (self.max_tokens is None or x.shape[0] <= self.max_tokens)
-                and (not self.delta_nets or (ctx.batch_rows is not None and (
-                    ctx.num_drafts is None or not ctx.num_drafts.any()))))
+                and (not self.delta_nets or ctx.batch_rows is not None))
 
     def rebuild(self) -> None:
         """Build the C++ stack anew at the next step: its layers hold the weights they were
@@ -284,7 +282,7 @@ class DecodeStack:
             self._build(ctx.kv_caches)
         kernel_plans = [_kernel_plan(p) for p in plans]
         slots = plans[0].slot_mapping  # every plan's: they differ in what they read
-        rows = lens = saves = None
+        rows = lens = saves = drafts = None
         if self.delta_nets:
             fresh = ctx.batch_rows[ctx.num_computed == 0]
             for d in self.delta_nets if len(fresh) else ():
@@ -294,12 +292,14 @@ class DecodeStack:
             if ctx.state_saves is not None:  # slots as rows of the state buffers
                 saves = torch.from_numpy(ctx.state_saves).clone()
                 saves[:, 2] += self.delta_nets[0].states.first_checkpoint
+            if ctx.num_drafts is not None:
+                drafts = torch.from_numpy(ctx.num_drafts).to(torch.int64)
         lora = ctx.lora
         if lora is None:
             return self._stack.forward(x, positions, slots, kernel_plans, None, [], rows, lens,
-                                       saves)
+                                       saves, drafts)
         return self._stack.forward(x, positions, slots, kernel_plans, lora.token_slot,
-                                   lora.slots, rows, lens, saves)
+                                   lora.slots, rows, lens, saves, drafts)
 
     def _build(self, kv_caches: list[torch.Tensor]) -> None:
         attns = [spec.attention for spec in self.specs if spec.attention is not None]
@@ -342,6 +342,9 @@ class DecodeStack:
                 stack.set_delta_net(d.qkvz_split, d.conv, d.a_log, d.dt_bias, d.norm.weight,
                                     d.norm.eps, d.k_heads, d.v_heads, d.dk, d.dv, d.chunk,
                                     d.states.conv_state, d.states.ssm_state)
+                if d.states.span_seq is not None:
+                    stack.set_delta_net_spans(d.states.span_seq, d.states.span_conv,
+                                              d.states.span_beta, d.states.span_g)
             if spec.moe is not None:
                 r = spec.moe.routing
                 stack.set_routing(r.top_k, r.renormalize, spec.moe.fused.weigh_inputs,

@@ -119,10 +119,10 @@ class LatentSpec:
 @dataclass(frozen=True, eq=False)
 class DeltaNetSpec:
     """Qwen3-Next's Gated DeltaNet (model/layers/gated_delta_net.py GatedDeltaNet, which computes
-    it for the Python layers and owns each request's state) as the fused stack computes a step
-    without draft tokens: q | k | v and z from qkvz (grouped per key head unless
-    qkvz_split), beta and the decay's input from ba, the causal convolution over the conv
-    window, the delta rule on the state, the gated RMS norm, out."""
+    it for the Python layers and owns each request's state and span buffers) as the fused
+    stack computes it: q | k | v and z from qkvz (grouped per key head unless qkvz_split), beta
+    and the decay's input from ba, the causal convolution over the conv window, the delta rule
+    on the state, the gated RMS norm, out."""
 
     qkvz: Linear
     ba: Linear

@@ -225,8 +225,15 @@ class Worker:
         """Bytes of the recurrent states of this rank's linear-attention layers, one per batch
         row and one per checkpoint slot (prefix caching), which come out of the KV cache's
         budget."""
-        rows = self.config.scheduler.max_num_seqs + self.config.state_checkpoint_slots
-        return rows * sum(m.state_bytes(self.dtype) for m in self._state_layers())
+        return sum(m.state_bytes(self.dtype, self.config.scheduler.max_num_seqs,
+                                 self.config.state_checkpoint_slots, self._max_span())
+                   for m in self._state_layers())
+
+    def _max_span(self) -> int:
+        """The most tokens a verified span has (the last token and the drafts), 0 without
+        speculative decoding."""
+        spec = self.config.speculative
+        return 0 if spec is None else 1 + spec.num_speculative_tokens
 
     def _state_layers(self) -> list[torch.nn.Module]:
         return [m for m in self.runner.model.modules() if hasattr(m, "allocate_state")]
@@ -256,7 +263,7 @@ class Worker:
         checkpoints = self.config.state_checkpoint_slots
         total = self.state_bytes()
         for m in layers:
-            m.allocate_state(rows, self.dtype, self.device, checkpoints)
+            m.allocate_state(rows, self.dtype, self.device, checkpoints, self._max_span())
         if layers:
             logger.info("linear-attention states: %d layers x (%d requests + %d saved for "
                         "prefix caching), %.1f MiB of the KV cache memory", len(layers), rows,

@@ -500,7 +500,7 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
             torch.ones(1, dtype=torch.long), 0)
     with pytest.raises(RuntimeError, match="a layer is not complete"):
         stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                      [plan], None, [], None, None, None)
+                      [plan], None, [], None, None, None, None)
     with pytest.raises(RuntimeError, match="a dense MLP has two projections"):
         stack.set_mlp("silu", True, "gated", 0, 0, None, [])
     with pytest.raises(RuntimeError, match="scoring: softmax or sigmoid"):
@@ -511,7 +511,7 @@ def test_the_stack_names_its_kinds_and_refuses_unknown_ones():
         stack.set_latent(None, torch.ones(8), 1e-6, 1e-6, torch.zeros(4, 8), 2, 8, 2)
     stack.set_mlp("silu", True, "none", 0, 0, None, [])
     out = stack.forward(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                        [plan], None, [], None, None, None)
+                        [plan], None, [], None, None, None, None)
     assert out.shape == (1, 32)
     # A layer without a KV cache is a linear attention's, which needs its description.
     stack.add_layer(None, None, None, 1.0, 0.0, "step", 1.0, 1.0, None)

@@ -366,14 +366,27 @@ def test_qwen3_next_states_follow_their_requests(tmp_path, smollm_oracle_folder)
         llm.engine.shutdown()
 
 
-def test_qwen3_next_states_move_over_accepted_drafts_only(tmp_path, smollm_oracle_folder):
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["stack", "layers"])
+def test_qwen3_next_states_move_over_accepted_drafts_only(tmp_path, smollm_oracle_folder,
+                                                         monkeypatch, enforce_eager):
     """Speculation over linear-attention layers: each verified span is computed from the state
     before it, and the state moves over the tokens the core keeps. A random model's greedy
     tokens never repeat, so the n-gram proposer is replaced by one that proposes transformers'
     next tokens with the first or second of them made wrong at some steps: drafts are then
     accepted whole, in part and not at all, and every request gives transformers' greedy
-    tokens, batched, rows reused, one aborted while its span waits on the verdict. A draft
-    model with linear-attention layers is refused by name."""
+    tokens, batched, rows reused, one aborted while its span waits on the verdict; in the fused
+    stack every step (the Python layers never run), or layer by layer. A draft model with
+    linear-attention layers is refused by name."""
+    from octavo.model.layers.gated_delta_net import GatedDeltaNet
+
+    layered = [0]
+    forward = GatedDeltaNet.forward
+
+    def counted(self, *args):
+        layered[0] += 1
+        return forward(self, *args)
+
+    monkeypatch.setattr(GatedDeltaNet, "forward", counted)
     folder, ref = _build(tmp_path, smollm_oracle_folder, "qwen3-next")
     gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(100, 49000, (int(n),), generator=gen).tolist()
@@ -393,7 +406,7 @@ def test_qwen3_next_states_move_over_accepted_drafts_only(tmp_path, smollm_oracl
         return drafts
 
     llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_seqs=3,
-              kv_cache_memory=16 << 20,
+              kv_cache_memory=16 << 20, enforce_eager=enforce_eager,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     try:
         scheduler = llm.engine.client.core.scheduler
@@ -404,6 +417,7 @@ def test_qwen3_next_states_move_over_accepted_drafts_only(tmp_path, smollm_oracl
         assert len(finished) >= 5
         drafted, accepted, _ = scheduler.spec_counts
         assert 0 < accepted < drafted, (accepted, drafted)
+        assert (layered[0] > 0) == enforce_eager, layered[0]
     finally:
         llm.engine.shutdown()
     with pytest.raises(NotImplementedError, match="linear-attention layers"):

@@ -217,6 +217,7 @@ TORCH_LIBRARY(octavo, m) {
       .def("set_latent", &DecodeStack::set_latent)
       .def("set_output_gate", &DecodeStack::set_output_gate)
       .def("set_delta_net", &DecodeStack::set_delta_net)
+      .def("set_delta_net_spans", &DecodeStack::set_delta_net_spans)
       .def("set_routing", &DecodeStack::set_routing)
       .def("set_mlp", &DecodeStack::set_mlp)
       .def("set_all_reduce", &DecodeStack::set_all_reduce)

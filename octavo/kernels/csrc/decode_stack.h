@@ -209,6 +209,26 @@ class DecodeStack : public torch::CustomClassHolder {
     l.delta_net = std::move(d);
   }
 
+  // After set_delta_net, under speculative decoding: where a verified span's inputs wait for
+  // the verdict (GatedDeltaNet's span buffers, per batch row).
+  void set_delta_net_spans(at::Tensor seq, at::Tensor conv, at::Tensor beta, at::Tensor g) {
+    StackLayer& l = building();
+    TORCH_CHECK(l.delta_net, "span buffers follow set_delta_net");
+    const StackDeltaNet& d = *l.delta_net;
+    const int64_t span = conv.size(1);
+    TORCH_CHECK(seq.dim() == 3 && seq.size(1) == d.conv_state.size(1) &&
+                    seq.size(2) == d.conv_state.size(2) + span && conv.dim() == 3 &&
+                    conv.size(2) == seq.size(1) && beta.scalar_type() == at::kFloat &&
+                    g.scalar_type() == at::kFloat && beta.sizes() == g.sizes() &&
+                    beta.dim() == 3 && beta.size(1) == span && beta.size(2) == d.v_heads,
+                "span buffers: seq [rows, conv_dim, K - 1 + span], conv [rows, span, conv_dim], "
+                "float32 beta and g [rows, span, v_heads]");
+    l.delta_net->span_seq = seq;
+    l.delta_net->span_conv = conv;
+    l.delta_net->span_beta = beta;
+    l.delta_net->span_g = g;
+  }
+
   // DeepSeek's latent attention (StackLatent) in place of qkv, between set_linears and set_mlp:
   // it takes the first linears given (q_a, q_b, kv_a where q_a_norm is given, else q, kv_a).
   // kv_b: [heads * (nope + v_dim), rank], each head's W_UK rows then its W_UV rows.
@@ -357,12 +377,14 @@ class DecodeStack : public torch::CustomClassHolder {
   // slots in the step (empty: no adapter). state_rows, query_lens: int64 [R], each request's
   // row in the linear attention's states and its tokens in x (requests one after another),
   // where the stack has such layers; state_saves: int64 [n, 3], (request, tokens into its step,
-  // state row) where a request's states are copied after that many of its tokens.
+  // state row) where a request's states are copied after that many of its tokens; num_drafts:
+  // int64 [R], each request's draft tokens (a span ending in drafts leaves its state and waits
+  // in the span buffers).
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slot_mapping,
                      std::vector<StackPlan> plans, std::optional<at::Tensor> lora_slot,
                      std::vector<int64_t> lora_slots, std::optional<at::Tensor> state_rows,
-                     std::optional<at::Tensor> query_lens,
-                     std::optional<at::Tensor> state_saves) const {
+                     std::optional<at::Tensor> query_lens, std::optional<at::Tensor> state_saves,
+                     std::optional<at::Tensor> num_drafts) const {
     LoraStep lora;
     if (lora_slot && !lora_slots.empty()) lora = {*lora_slot, std::move(lora_slots)};
     TORCH_CHECK(x.is_contiguous() && positions.is_contiguous() && slot_mapping.is_contiguous(),
@@ -376,7 +398,8 @@ class DecodeStack : public torch::CustomClassHolder {
     for (const StackLayer& l : layers_) TORCH_CHECK(l.complete, "a layer is not complete");
     std::optional<DeltaNetRequests> requests;  // laid out once for every linear attention layer
     if (state_rows && query_lens)
-      requests = delta_net_requests(*state_rows, *query_lens, x.size(0), state_saves);
+      requests = delta_net_requests(*state_rows, *query_lens, x.size(0), state_saves,
+                                    num_drafts);
     for (const StackLayer& l : layers_) {
       auto xn = pending.defined() ? add_norm(l, x, pending, kAttnIn) : norm(l, x, kAttnIn);
       const StackPlan& plan = plans[l.plan < static_cast<int64_t>(plans.size()) ? l.plan : 0];

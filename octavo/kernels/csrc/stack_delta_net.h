@@ -1,8 +1,9 @@
 // Qwen3-Next's Gated DeltaNet (linear attention over a recurrent state per request) as a layer of
 // DecodeStack (decode_stack.h), for steps without draft tokens: the ops of octavo/model/layers/
-// gated_delta_net.py (GatedDeltaNet.forward: single tokens batched, prompt chunks one request at a
-// time in the chunked form) in its order, up to out_proj's input. The states live in the Python
-// layer's buffers, at each request's batch row; the stack moves them in place as the layer does.
+// gated_delta_net.py (GatedDeltaNet.forward: single tokens batched, prompt chunks and verified
+// spans one request at a time in the chunked form) in its order, up to out_proj's input. The
+// states, saved states and span buffers live in the Python layer's buffers, at each request's
+// batch row; the stack moves and fills them in place as the layer does.
 // Included by cpu_ops.cpp only, after delta_rule.h and stack_linear.h.
 #pragma once
 
@@ -25,6 +26,10 @@ struct StackDeltaNet {
   int64_t chunk = 64;     // tokens a triangular solve takes at once (gated_delta_net.CHUNK)
   at::Tensor conv_state;  // [rows, conv_dim, K - 1] in the activations' dtype
   at::Tensor ssm_state;   // float32 [rows, v_heads, d_k, d_v]
+  // a verified span's inputs until its verdict (undefined without speculative decoding): the
+  // window then the inputs [rows, conv_dim, K - 1 + span], the convolved inputs [rows, span,
+  // conv_dim], beta and g float32 [rows, span, v_heads]
+  at::Tensor span_seq, span_conv, span_beta, span_g;
 };
 
 // F.normalize's ops over the last dimension.
@@ -84,6 +89,7 @@ inline std::pair<at::Tensor, at::Tensor> delta_net_chunked(const StackDeltaNet& 
 // requests' tokens and rows gathered for one batched update.
 struct DeltaNetRequests {
   std::vector<int64_t> start, len, row;
+  std::vector<bool> holds_span;  // its tokens end in drafts: its state waits for the verdict
   std::vector<std::vector<std::pair<int64_t, int64_t>>> saves;
   at::Tensor single_tokens, single_rows;  // int64
   bool all_single = true;
@@ -93,7 +99,8 @@ struct DeltaNetRequests {
 // [n, 3] (request, tokens into its step, state row), in each request's token order.
 inline DeltaNetRequests delta_net_requests(const at::Tensor& state_rows,
                                            const at::Tensor& query_lens, int64_t tokens,
-                                           const std::optional<at::Tensor>& state_saves) {
+                                           const std::optional<at::Tensor>& state_saves,
+                                           const std::optional<at::Tensor>& num_drafts) {
   TORCH_CHECK(state_rows.scalar_type() == at::kLong && query_lens.scalar_type() == at::kLong &&
                   state_rows.is_contiguous() && query_lens.is_contiguous() &&
                   state_rows.numel() == query_lens.numel(),
@@ -120,6 +127,17 @@ inline DeltaNetRequests delta_net_requests(const at::Tensor& state_rows,
   q.single_tokens = at::tensor(singles, state_rows.options());
   q.single_rows = at::tensor(single_rows, state_rows.options());
   q.saves.resize(q.len.size());
+  q.holds_span.assign(q.len.size(), false);
+  if (num_drafts) {
+    TORCH_CHECK(num_drafts->scalar_type() == at::kLong && num_drafts->is_contiguous() &&
+                    num_drafts->numel() == static_cast<int64_t>(q.len.size()),
+                "num_drafts: int64 [R], each request's draft tokens");
+    const int64_t* drafts = num_drafts->data_ptr<int64_t>();
+    for (size_t r = 0; r < q.len.size(); ++r) {
+      TORCH_CHECK(drafts[r] == 0 || (drafts[r] < q.len[r]), "a span's drafts follow a token");
+      q.holds_span[r] = drafts[r] > 0;
+    }
+  }
   if (state_saves && state_saves->numel()) {
     TORCH_CHECK(state_saves->scalar_type() == at::kLong && state_saves->is_contiguous() &&
                     state_saves->dim() == 2 && state_saves->size(1) == 3,
@@ -127,9 +145,10 @@ inline DeltaNetRequests delta_net_requests(const at::Tensor& state_rows,
     const int64_t* s = state_saves->data_ptr<int64_t>();
     for (int64_t i = 0; i < state_saves->size(0); ++i, s += 3) {
       TORCH_CHECK(s[0] >= 0 && s[0] < static_cast<int64_t>(q.len.size()) && s[1] >= 1 &&
-                      s[1] <= q.len[s[0]] && (q.saves[s[0]].empty() ||
-                                              q.saves[s[0]].back().first < s[1]),
-                  "state_saves: a save past its request's tokens, or out of order");
+                      s[1] <= q.len[s[0]] && !q.holds_span[s[0]] &&
+                      (q.saves[s[0]].empty() || q.saves[s[0]].back().first < s[1]),
+                  "state_saves: a save past its request's tokens, in a span ending in drafts, "
+                  "or out of order");
       q.saves[s[0]].emplace_back(s[1], s[2]);
     }
   }
@@ -197,6 +216,18 @@ inline at::Tensor delta_net_step(const StackDeltaNet& d, const at::Tensor& xn,
     auto conv = at::silu(at::conv1d(seq.unsqueeze(0), d.conv_weight.unsqueeze(1), no_bias,
                                     at::IntArrayRef{1}, at::IntArrayRef{0}, at::IntArrayRef{1},
                                     conv_dim)[0]).t();
+    if (q.holds_span[r]) {  // computed from the state before it, which waits for the verdict
+      TORCH_CHECK(d.span_seq.defined() && len <= d.span_conv.size(1),
+                  "a verified span longer than the span buffers (set_delta_net_spans)");
+      auto [o, s] = delta_net_chunked(d, conv, beta.narrow(0, start, len),
+                                      g.narrow(0, start, len), d.ssm_state[row]);
+      out.narrow(0, start, len).copy_(o);
+      d.span_seq[row].narrow(-1, 0, seq.size(-1)).copy_(seq);
+      d.span_conv[row].narrow(0, 0, len).copy_(conv);
+      d.span_beta[row].narrow(0, 0, len).copy_(beta.narrow(0, start, len));
+      d.span_g[row].narrow(0, 0, len).copy_(g.narrow(0, start, len));
+      continue;
+    }
     // GatedDeltaNet._chunked_saving: in pieces that end where the states are saved
     at::Tensor state = d.ssm_state[row];
     int64_t begin = 0;

@@ -18,9 +18,10 @@ chunks run the chunked form of the recurrence (a triangular solve per chunk of 6
 same S and outputs as token by token); single-token steps are one batched update.
 
 Speculative decoding: a span that ends in draft tokens is computed from the state before it,
-which stays as it was; the span's inputs are kept until the engine says how many of its tokens
-were accepted (`accept_span`, from worker/spec/verified_spans.py), and the state then moves
-over those alone (a short chunk), or they are dropped with the request (`drop_span`).
+which stays as it was; the span's inputs are kept in the span buffers at the request's row (its
+conv sequence, convolved inputs, beta and g; both executions write them) until the engine says
+how many of its tokens were accepted (`accept_span`, from worker/spec/verified_spans.py), and
+the state then moves over those alone (a short chunk).
 
 Prefix caching (core/state_checkpoints.py): the state buffers hold checkpoint slots after the
 batch rows. A step may save a request's state after some of its tokens into a slot (a prompt
@@ -111,37 +112,50 @@ class GatedDeltaNet(nn.Module):
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
         self.first_checkpoint = 0  # the row of checkpoint slot 0
-        # batch row -> a verified span not yet accepted: its conv sequence (the window before
-        # it, then its inputs) and its convolved inputs, beta and g
-        self.spans: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # per batch row, a verified span not yet accepted (speculative decoding; allocate_state
+        # sizes them for the longest span): its conv sequence [conv_dim, K - 1 + span] (the
+        # window before it, then its inputs), its convolved inputs [span, conv_dim] and its
+        # beta and g [span, v_heads]
+        self.span_seq: torch.Tensor | None = None
+        self.span_conv: torch.Tensor | None = None
+        self.span_beta: torch.Tensor | None = None
+        self.span_g: torch.Tensor | None = None
 
-    def state_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one request's state in this layer."""
-        return (self.conv_dim * (self.kernel - 1) * torch.empty((), dtype=dtype).element_size()
-                + self.v_heads * self.dk * self.dv * 4)
+    def state_bytes(self, dtype: torch.dtype, rows: int, checkpoints: int = 0,
+                    max_span: int = 0) -> int:
+        """Bytes of this layer's states for `rows` requests, `checkpoints` saved ones, and span
+        buffers for spans of up to `max_span` tokens."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        state = self.conv_dim * (self.kernel - 1) * elem + self.v_heads * self.dk * self.dv * 4
+        span = max_span * (2 * self.conv_dim * elem + 2 * self.v_heads * 4)
+        return (rows + checkpoints) * state + rows * span
 
     def allocate_state(self, rows: int, dtype: torch.dtype, device: torch.device,
-                       checkpoints: int = 0) -> None:
+                       checkpoints: int = 0, max_span: int = 0) -> None:
         total = rows + checkpoints
         self.conv_state = torch.zeros(total, self.conv_dim, self.kernel - 1, dtype=dtype,
                                       device=device)
         self.ssm_state = torch.zeros(total, self.v_heads, self.dk, self.dv, dtype=torch.float32,
                                      device=device)
         self.first_checkpoint = rows
+        if max_span:
+            self.span_seq = torch.zeros(rows, self.conv_dim, self.kernel - 1 + max_span,
+                                        dtype=dtype, device=device)
+            self.span_conv = torch.zeros(rows, max_span, self.conv_dim, dtype=dtype,
+                                         device=device)
+            self.span_beta = torch.zeros(rows, max_span, self.v_heads, device=device)
+            self.span_g = torch.zeros(rows, max_span, self.v_heads, device=device)
 
     def restore_state(self, row: int, slot: int) -> None:
         """`row`'s request resumes from the states saved in checkpoint `slot`."""
         self.conv_state[row] = self.conv_state[self.first_checkpoint + slot]
         self.ssm_state[row] = self.ssm_state[self.first_checkpoint + slot]
-        self.spans.pop(row, None)
 
     def start_fresh(self, rows: np.ndarray) -> None:
         """Empty the states at `rows`, whose requests start at this step."""
         if len(rows):
             self.conv_state[rows] = 0
             self.ssm_state[rows] = 0
-            for row in rows.tolist():
-                self.spans.pop(row, None)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
@@ -172,7 +186,11 @@ class GatedDeltaNet(nn.Module):
             out[span], state = self._chunked_saving(conv, beta[span], g[span],
                                                     self.ssm_state[row], seq, saves.get(r, ()))
             if drafts is not None and drafts[r]:  # the state moves once the drafts are judged
-                self.spans[row] = (seq, conv, beta[span], g[span])
+                n = conv.shape[0]
+                self.span_seq[row, :, :seq.shape[1]] = seq
+                self.span_conv[row, :n] = conv
+                self.span_beta[row, :n] = beta[span]
+                self.span_g[row, :n] = g[span]
             else:
                 self.conv_state[row] = seq[:, -(self.kernel - 1):]
                 self.ssm_state[row] = state
@@ -232,13 +250,10 @@ class GatedDeltaNet(nn.Module):
     def accept_span(self, row: int, kept: int) -> None:
         """Move `row`'s state over the first `kept` tokens of its verified span (the last
         token before the drafts and the drafts accepted)."""
-        seq, conv, beta, g = self.spans.pop(row)
-        self.conv_state[row] = seq[:, kept:kept + self.kernel - 1]
-        _, self.ssm_state[row] = self._chunked(conv[:kept], beta[:kept], g[:kept],
-                                               self.ssm_state[row])
-
-    def drop_span(self, row: int) -> None:
-        self.spans.pop(row, None)
+        self.conv_state[row] = self.span_seq[row, :, kept:kept + self.kernel - 1]
+        _, self.ssm_state[row] = self._chunked(self.span_conv[row, :kept],
+                                               self.span_beta[row, :kept],
+                                               self.span_g[row, :kept], self.ssm_state[row])
 
     def _conv_chunk(self, x: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A request's tokens x [L, conv_dim] after its window -> the output [L, conv_dim], and

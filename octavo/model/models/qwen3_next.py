@@ -12,9 +12,9 @@ Because a state is a running summary of every token before it, a cached prefix r
 states saved at its last boundary (core/state_checkpoints.py); a prefix reaching none is
 computed again. Under speculative decoding a state waits for the verdict on the drafts before
 it moves (worker/spec/verified_spans.py). Tensor parallelism splits the linear layers by key
-heads (with their value heads, conv channels and states); context parallelism is refused. A step
-without draft tokens runs in the fused decode stack (the linear layers described by
-`DeltaNetSpec`); verification spans run layer by layer."""
+heads (with their value heads, conv channels and states); context parallelism is refused. Every
+step runs in the fused decode stack, verification spans included (the linear layers described
+by `DeltaNetSpec`)."""
 from __future__ import annotations
 
 from torch import nn

@@ -2,10 +2,11 @@
 
 A verification step computes every drafted position from the state before the span, but a state
 may only move past the tokens that are accepted: each such layer leaves it where it was and keeps
-the span's inputs (`accept_span` / `drop_span`, model/layers/gated_delta_net.py). How many tokens
-stay is what the core says next: the request's computed count when it is next scheduled (the
-same on every rank, so no rank needs another's sampling). A request that leaves the batch first
-(finished, aborted, preempted) drops its span.
+the span's inputs at the request's row (`accept_span`, model/layers/gated_delta_net.py; the fused
+stack keeps them there too). How many tokens stay is what the core says next: the request's
+computed count when it is next scheduled (the same on every rank, so no rank needs another's
+sampling). A request that leaves the batch first (finished, aborted, preempted) is forgotten:
+its row's span is overwritten by the next one.
 """
 from __future__ import annotations
 
@@ -22,10 +23,7 @@ class VerifiedSpans:
         self.waiting: dict[str, tuple[int, int]] = {}  # request -> (row, computed before)
 
     def forget(self, req_id: str) -> None:
-        span = self.waiting.pop(req_id, None)
-        if span is not None:
-            for layer in self.layers:
-                layer.drop_span(span[0])
+        self.waiting.pop(req_id, None)
 
     def settle(self, sched: SchedulerOutput, batch: InputBatch) -> None:
         """Before a step: move the states of its requests that wait on a verified span over
