@@ -191,7 +191,7 @@ class ModelRunner:
             # The draft runs over this step's real tokens: the whole chunk of a request that
             # did not sample, else up to and including the tokens it just emitted.
             ends = np.where(sampling, b.num_tokens[rows] + num_emitted, seq_lens)
-            proposed = self.drafter.propose(b, req_ids, rows, computed, ends, sampling)
+            proposed = self.drafter.propose(b, req_ids, rows, computed, ends, sampling, sched)
         return ModelOutput(req_ids, sampled_lists, logprobs, prompt_logprobs, proposed,
                            pooled=pooled)
 

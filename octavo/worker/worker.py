@@ -164,11 +164,6 @@ class Worker:
             raise ValueError(f"speculative_config.model {name!r} has a vocabulary of "
                              f"{arch.vocab_size} tokens, the target {self.arch.vocab_size}: a "
                              f"draft model must share the target's tokenizer")
-        if arch.linear_layers:
-            raise NotImplementedError(f"speculative_config.model {name!r} ({arch.architecture}) "
-                                      f"has linear-attention layers: a draft model's states "
-                                      f"are not kept yet; an n-gram drafter or a draft model "
-                                      f"without them works")
         if self.arch.all_layers_sliding:
             raise ValueError("speculative_config.model: a draft model with a target whose every "
                              "layer slides (blocks behind the window are freed) is not supported")
@@ -222,21 +217,25 @@ class Worker:
         return None if free is None else free[0]
 
     def state_bytes(self) -> int:
-        """Bytes of the recurrent states of this rank's linear-attention layers, one per batch
-        row and one per checkpoint slot (prefix caching), which come out of the KV cache's
-        budget."""
-        return sum(m.state_bytes(self.dtype, self.config.scheduler.max_num_seqs,
-                                 self.config.state_checkpoint_slots, self._max_span())
-                   for m in self._state_layers())
+        """Bytes of the recurrent states of this rank's linear-attention layers, which come out
+        of the KV cache's budget (`_state_plan`)."""
+        return sum(layer.state_bytes(self.dtype, *shape) for layer, shape in self._state_plan())
 
-    def _max_span(self) -> int:
-        """The most tokens a verified span has (the last token and the drafts), 0 without
-        speculative decoding."""
+    def _state_plan(self) -> list[tuple[torch.nn.Module, tuple[int, int, int]]]:
+        """Each linear-attention layer with its (batch rows, checkpoint slots, longest verified
+        span): the target's layers hold a state per batch row, a slot per saved state of prefix
+        caching and span buffers under speculative decoding; a draft model's hold those slots
+        too, and one more per batch row, where its request resumes at the next step
+        (worker/spec/draft.py)."""
+        rows, saved = self.config.scheduler.max_num_seqs, self.config.state_checkpoint_slots
         spec = self.config.speculative
-        return 0 if spec is None else 1 + spec.num_speculative_tokens
-
-    def _state_layers(self) -> list[torch.nn.Module]:
-        return [m for m in self.runner.model.modules() if hasattr(m, "allocate_state")]
+        span = 0 if spec is None else 1 + spec.num_speculative_tokens
+        plan = [(m, (rows, saved, span)) for m in self.runner.model.modules()
+                if hasattr(m, "allocate_state")]
+        if self.runner.drafter is not None:
+            plan += [(m, (rows, saved + rows, 0)) for m in self.runner.drafter.model.modules()
+                     if hasattr(m, "allocate_state")]
+        return plan
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocate `num_blocks` KV blocks (executor/base.py's blocks_in_budget fitted them
@@ -257,17 +256,19 @@ class Worker:
 
     def _allocate_states(self) -> int:
         """The recurrent states of linear-attention layers, one per batch row (the request in
-        it): allocated beside the KV cache, out of its memory. Returns their bytes."""
-        layers = self._state_layers()
-        rows = self.config.scheduler.max_num_seqs
-        checkpoints = self.config.state_checkpoint_slots
+        it) and their slots: allocated beside the KV cache, out of its memory. Returns their
+        bytes."""
+        plan = self._state_plan()
+        for layer, shape in plan:
+            layer.allocate_state(shape[0], self.dtype, self.device, *shape[1:])
+        if self.runner.drafter is not None:
+            self.runner.drafter.resume_slots = self.config.state_checkpoint_slots
         total = self.state_bytes()
-        for m in layers:
-            m.allocate_state(rows, self.dtype, self.device, checkpoints, self._max_span())
-        if layers:
+        if plan:
             logger.info("linear-attention states: %d layers x (%d requests + %d saved for "
-                        "prefix caching), %.1f MiB of the KV cache memory", len(layers), rows,
-                        checkpoints, total / 2**20)
+                        "prefix caching), %.1f MiB of the KV cache memory", len(plan),
+                        self.config.scheduler.max_num_seqs, self.config.state_checkpoint_slots,
+                        total / 2**20)
         return total
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:

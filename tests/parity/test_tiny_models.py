@@ -375,8 +375,8 @@ def test_qwen3_next_states_move_over_accepted_drafts_only(tmp_path, smollm_oracl
     next tokens with the first or second of them made wrong at some steps: drafts are then
     accepted whole, in part and not at all, and every request gives transformers' greedy
     tokens, batched, rows reused, one aborted while its span waits on the verdict; in the fused
-    stack every step (the Python layers never run), or layer by layer. A draft model with
-    linear-attention layers is refused by name."""
+    stack every step (the Python layers never run), or layer by layer (a draft model with
+    linear-attention layers: test_hybrid_draft.py)."""
     from octavo.model.layers.gated_delta_net import GatedDeltaNet
 
     layered = [0]
@@ -420,10 +420,6 @@ def test_qwen3_next_states_move_over_accepted_drafts_only(tmp_path, smollm_oracl
         assert (layered[0] > 0) == enforce_eager, layered[0]
     finally:
         llm.engine.shutdown()
-    with pytest.raises(NotImplementedError, match="linear-attention layers"):
-        LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
-            speculative_config={"method": "draft_model", "model": str(folder),
-                                "num_speculative_tokens": 2})
 
 
 def _drive(llm, prompts, max_tokens, aborts):

@@ -146,7 +146,7 @@ inline DeltaNetRequests delta_net_requests(const at::Tensor& state_rows,
     for (int64_t i = 0; i < state_saves->size(0); ++i, s += 3) {
       TORCH_CHECK(s[0] >= 0 && s[0] < static_cast<int64_t>(q.len.size()) && s[1] >= 1 &&
                       s[1] <= q.len[s[0]] && !q.holds_span[s[0]] &&
-                      (q.saves[s[0]].empty() || q.saves[s[0]].back().first < s[1]),
+                      (q.saves[s[0]].empty() || q.saves[s[0]].back().first <= s[1]),
                   "state_saves: a save past its request's tokens, in a span ending in drafts, "
                   "or out of order");
       q.saves[s[0]].emplace_back(s[1], s[2]);

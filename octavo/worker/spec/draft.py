@@ -10,6 +10,14 @@ token just sampled, in one pass over the batch (its last position's logits give 
 k - 1 single-token passes, each writing the previous draft's KV into the lookahead slots. A
 rejected draft's KV is rewritten by the next step's first pass, as the target's is.
 
+A draft model with linear-attention layers (Qwen3-Next) keeps a state per request, which a pass
+moves for good, so the invariant is kept by a copy: each first pass saves the request's states
+where its next step will start (after every token of the pass but the one just sampled) into the
+request's resume slot, and the next first pass starts from there (or, at a request's first step
+after a prefix hit, from the prefix-caching slot the target resumes from; the draft saves those
+boundaries too). The k - 1 single-token passes move the states past that point; the copy makes
+them harmless.
+
 A request samples its drafts from the draft model's distribution q with its own temperature and
 top-k / top-p / min-p (greedy: the argmax); q is kept for the verification, which needs q(d).
 """
@@ -20,6 +28,7 @@ import torch
 from torch import nn
 
 from octavo.kernels.paged_attention import StepLayout, check_chunk, step_layout
+from octavo.core.contract import SchedulerOutput
 from octavo.model.context import forward_context, step_context
 from octavo.worker.input_batch import InputBatch
 from octavo.worker.sampler import Sampler, SamplingBatch
@@ -41,6 +50,10 @@ class DraftModel:
         self.sampler = Sampler(seed ^ _DRAFT_SALT, device)
         # request id -> (its drafts, q of each [num_drafts, V]); q only for random rows
         self.proposed: dict[str, tuple[list[int], torch.Tensor | None]] = {}
+        # linear-attention layers: their checkpoint slots are prefix caching's, then one per
+        # batch row from resume_slots (the worker sets it when it allocates them)
+        self.state_layers = [m for m in model.modules() if hasattr(m, "restore_state")]
+        self.resume_slots = 0
 
     def forget(self, req_id: str) -> None:
         self.proposed.pop(req_id, None)
@@ -53,39 +66,47 @@ class DraftModel:
             return None
         return q[:len(drafts)]
 
-    def _forward(self, input_ids: np.ndarray, layout: StepLayout,
-                 tables: np.ndarray) -> torch.Tensor:
-        with forward_context(step_context(layout, tables, self.block_size, self.kv_caches,
-                                          self.sliding_window, self.device,
-                                          attention_chunk=self.attention_chunk)):
+    def _forward(self, input_ids: np.ndarray, layout: StepLayout, tables: np.ndarray,
+                 rows: np.ndarray, computed: np.ndarray,
+                 state_saves: np.ndarray | None = None) -> torch.Tensor:
+        context = step_context(layout, tables, self.block_size, self.kv_caches,
+                               self.sliding_window, self.device,
+                               attention_chunk=self.attention_chunk)
+        context.batch_rows, context.num_computed = rows, computed
+        context.state_saves = state_saves
+        with forward_context(context):
             return self.model(torch.from_numpy(input_ids).to(self.device),
                               torch.from_numpy(layout.positions).to(self.device))
 
     @torch.inference_mode()
     def propose(self, b: InputBatch, req_ids: list[str], rows: np.ndarray, computed: np.ndarray,
-                ends: np.ndarray, sampled: np.ndarray) -> dict[str, list[int]]:
+                ends: np.ndarray, sampled: np.ndarray,
+                sched: SchedulerOutput) -> dict[str, list[int]]:
         """Run the draft over positions [computed, ends) of each scheduled request (its real
         tokens of this step, including those just sampled: the runner writes them past the
         batch's counted tokens, and the next step's delta appends them) and propose up to k
         drafts for the requests that sampled (`sampled`: bool per request), within their
-        allocated slots. rows: the requests' batch rows. Returns request id -> drafts."""
+        allocated slots. rows: the requests' batch rows; sched: the step (its saved states).
+        Returns request id -> drafts."""
         for req_id in req_ids:
             self.forget(req_id)
         slots = b.num_blocks[rows] * self.block_size
+        resume = ends - sampled  # where each request's next step starts
         ends = np.minimum(ends, slots)  # the core allocates enough; never write past a table
         query_lens = ends - computed
         live = query_lens > 0
         if not live.any():
             return {}
-        rows, computed, ends, sampled, slots = (
-            rows[live], computed[live], ends[live], sampled[live], slots[live])
+        rows, computed, ends, sampled, slots, resume = (
+            rows[live], computed[live], ends[live], sampled[live], slots[live], resume[live])
         ids = [r for r, keep in zip(req_ids, live) if keep]
         query_lens = query_lens[live]
+        saves = self._resume_states(ids, rows, computed, resume - computed, query_lens, sched)
         # Draft 1 only where the pass reached the request's last token.
         sampled &= ends >= b.num_tokens[rows]
         layout = step_layout(query_lens, ends)
         hidden = self._forward(b.token_ids[rows[layout.req_of_token], layout.positions], layout,
-                               b.block_table[rows])
+                               b.block_table[rows], rows, computed, saves)
         starts = layout.starts
         sel = np.flatnonzero(sampled)
         if not len(sel):
@@ -107,7 +128,7 @@ class DraftModel:
                 pos = ends[active] - 1 + s
                 hidden = self._forward(tokens[active, s - 1],
                                        step_layout(np.ones(len(active), np.int64), pos + 1),
-                                       b.block_table[rows[active]])
+                                       b.block_table[rows[active]], rows[active], pos)
                 logits = self.model.compute_logits(hidden)
                 batch = b.random_sampling(rows[active], self.device)
             out, q = self._sample(logits, batch, b, rows[active], ends[active] + s, keep_q)
@@ -125,6 +146,31 @@ class DraftModel:
             self.proposed[req_id] = (drafts, None if greedy or q_all is None
                                      else q_all[i, :counts[i]].clone())
         return result
+
+    def _resume_states(self, ids: list[str], rows: np.ndarray, computed: np.ndarray,
+                       keep: np.ndarray, query_lens: np.ndarray,
+                       sched: SchedulerOutput) -> np.ndarray | None:
+        """Before the first pass, with linear-attention layers: each request's states after its
+        computed tokens put back in its row; the pass's state saves ([n, 3], as ForwardContext
+        has them): the boundaries the core planned and, after the first `keep` tokens, the
+        request's resume slot."""
+        if not self.state_layers:
+            return None
+        saves = []
+        for i, req_id in enumerate(ids):
+            row = int(rows[i])
+            if computed[i]:  # 0: the layers start it empty
+                slot = sched.state_restores.get(req_id, self.resume_slots + row)
+                for layer in self.state_layers:
+                    layer.restore_state(row, slot)
+            if not 0 < keep[i] <= query_lens[i]:
+                raise RuntimeError(f"the draft model's pass over {req_id!r} does not reach "
+                                   f"where its next step starts")
+            planned = [(t, slot) for t, slot in sched.state_saves.get(req_id, ())
+                       if t <= query_lens[i]]
+            saves += [(i, t, slot) for t, slot in
+                      sorted([*planned, (int(keep[i]), self.resume_slots + row)])]
+        return np.array(saves, np.int64)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, b: InputBatch,
                 rows: np.ndarray, positions: np.ndarray, keep_q: bool
