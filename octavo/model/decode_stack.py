@@ -18,8 +18,8 @@ attention's scale,
 sliding window, chunk and softcap, its RoPE tables (over the whole head or its first rotary_dim
 features, or none; Llama 4's query temperature in their place), or DeepSeek's latent attention
 (its LatentSpec) or Qwen3-Next's linear attention (its DeltaNetSpec: each request's state moved
-over its tokens, or left for the verdict where they end in draft tokens), attention with an output gate, and a gated
-or plain MLP
+over its tokens, or left for the verdict where they end in draft tokens), attention with an
+output gate, and a gated or plain MLP
 or a mixture of experts (router, its Routing: softmax or sigmoid scores, expert groups, a
 correction bias, renormalization and scale, weighing the experts' outputs or inputs; a shared
 expert, gated or not; tokens grouped by expert, as FusedMoE groups them). The
