@@ -1,9 +1,9 @@
 """Context parallelism on local processes against the single-process engine, float32: a 4,000-token
 prompt (chunked over 512-token steps, beside a shorter one) with each context-parallel mode of two
 ranks, prompt logprobs within 1e-3 and the same greedy continuation, again from the prefix
-cache; sliding windows, softcaps and a mixture of experts; context parallelism beside tensor
-and pipeline parallelism; and the decode mode holding a request twice as long as one rank's
-cache."""
+cache; sliding windows, softcaps, a mixture of experts and linear attention; context
+parallelism beside tensor and pipeline parallelism; and the decode mode holding a request twice
+as long as one rank's cache."""
 from __future__ import annotations
 
 import pytest
@@ -76,14 +76,16 @@ def test_long_prompt_in_every_mode_matches_one_process(tmp_path, smollm_oracle_f
             assert capacity >= LONG + 64 > capacity // 2, mode
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma2", "qwen3-moe"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma2", "qwen3-moe", "qwen3-next"])
 def test_families_match_one_process(tmp_path, smollm_oracle_folder, monkeypatch, name):
-    """Interleaved sliding windows (Gemma 3), attention softcaps (Gemma 2), a mixture of experts;
-    five requests, so that steps mix decodes with prompt chunks."""
+    """Interleaved sliding windows (Gemma 3), attention softcaps (Gemma 2), a mixture of experts,
+    linear attention over a state (Qwen3-Next: every rank computes its layers over all of a
+    step's tokens; states saved every 32 tokens for the prefix cache); five requests, so that
+    steps mix decodes with prompt chunks."""
     folder = _model(tmp_path, smollm_oracle_folder, name, monkeypatch)
     prompts = _prompts(700, 90, 33, 250, 5)
-    expected, _ = _run(folder, prompts)
-    _same(_run(folder, prompts, **MODES["both"])[0], expected)
+    expected, _ = _run(folder, prompts, mamba_block_size=32)
+    _same(_run(folder, prompts, mamba_block_size=32, **MODES["both"])[0], expected)
 
 
 @pytest.mark.parametrize("kwargs", [

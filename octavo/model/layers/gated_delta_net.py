@@ -23,6 +23,10 @@ conv sequence, convolved inputs, beta and g; both executions write them) until t
 how many of its tokens were accepted (`accept_span`, from worker/spec/verified_spans.py), and
 the state then moves over those alone (a short chunk).
 
+Context parallelism with split tokens: a state runs through the step's tokens in order, so every
+rank of the group computes the layer over all of them (their inputs gathered) and keeps its own
+rows' outputs; each rank holds the whole states, alike.
+
 Prefix caching (core/state_checkpoints.py): the state buffers hold checkpoint slots after the
 batch rows. A step may save a request's state after some of its tokens into a slot (a prompt
 chunk is then computed in pieces that end there), and a request that resumes from a cached
@@ -36,7 +40,8 @@ from torch import nn
 
 from octavo.arch_config import ArchConfig
 from octavo.kernels import fused
-from octavo.model.context import get_forward_context
+from octavo.model import context_parallel
+from octavo.model.context import ForwardContext, get_forward_context
 from octavo.model.layers.linear import Linear, Span, column_parallel, even_span, row_parallel
 
 CHUNK = 64  # tokens a triangular solve takes at once in a prompt chunk
@@ -159,11 +164,20 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
-        layout, rows = ctx.layout, ctx.batch_rows
+        rows = ctx.batch_rows
         if self.ssm_state is None or rows is None:
             raise RuntimeError("linear attention ran without its state (allocate_state, and the "
                                "step's batch rows)")
         self.start_fresh(rows[ctx.num_computed == 0])
+        split = ctx.context_parallel
+        if split is not None and split.split:  # the layer runs over every rank's rows
+            every = self._mix(context_parallel.gather_rows(split, x), ctx)
+            return context_parallel.own_rows(split, every)
+        return self._mix(x, ctx)
+
+    def _mix(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The step's tokens x [T, hidden] -> the layer's output, the states moved."""
+        layout, rows = ctx.layout, ctx.batch_rows
         t = x.shape[0]
         qkv, z, beta, g = self._project(x)
         out = torch.empty(t, self.v_heads, self.dv, dtype=torch.float32, device=x.device)

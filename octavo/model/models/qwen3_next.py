@@ -12,15 +12,15 @@ Because a state is a running summary of every token before it, a cached prefix r
 states saved at its last boundary (core/state_checkpoints.py); a prefix reaching none is
 computed again. Under speculative decoding a state waits for the verdict on the drafts before
 it moves (worker/spec/verified_spans.py). Tensor parallelism splits the linear layers by key
-heads (with their value heads, conv channels and states); context parallelism is refused. Every
-step runs in the fused decode stack, verification spans included (the linear layers described
-by `DeltaNetSpec`)."""
+heads (with their value heads, conv channels and states); under context parallelism with split
+tokens every rank computes the linear layers over all of the step's tokens. Every step runs in
+the fused decode stack, verification spans included (the linear layers described by
+`DeltaNetSpec`)."""
 from __future__ import annotations
 
 from torch import nn
 
 from octavo.arch_config import LINEAR, ArchConfig
-from octavo.distributed import parallel_state
 from octavo.model.decoder_layer import DecoderLayer
 from octavo.model.layer_spec import DeltaNetSpec, LayerSpec, NormKind, decoder_spec
 from octavo.model.layers.gated_delta_net import CHUNK, GatedDeltaNet
@@ -75,12 +75,6 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     packed_modules_mapping = {**LlamaForCausalLM.packed_modules_mapping,
                               "in_proj_qkv": ("in_proj_qkvz", (0, 1, 2)),
                               "in_proj_z": ("in_proj_qkvz", 3)}
-
-    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
-        if parallel_state.placement().cp_size > 1:
-            raise NotImplementedError(f"{cfg.architecture} over context-parallel ranks: a "
-                                      f"linear-attention state is not split by tokens")
-        super().__init__(cfg, max_positions)
 
     def decoder_layer(self, cfg: ArchConfig, layer_index: int,
                       rotary: RotaryEmbedding) -> nn.Module:
