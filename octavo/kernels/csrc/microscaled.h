@@ -27,6 +27,7 @@ struct MicroscaledLayout {
   const float* scale_lut;  // 256 entries
   bool e2m1 = false;  // the codes are e2m1's 16 values (MXFP4, NVFP4): decoded with shuffles
   bool e4m3 = false;  // the codes are float8_e4m3fn bytes: decoded with integer ops
+  bool bf16_table = false;  // 4-bit codes whose every value is a bfloat16 (e2m1's are)
 
   float scale(int64_t n, int64_t b) const {
     const int64_t i = n * (k / block) + b;
@@ -173,6 +174,11 @@ MicroscaledLayout microscaled_layout(const at::Tensor& codes, const at::Tensor& 
     return (a == b && std::signbit(a) == std::signbit(b)) || (std::isnan(a) && std::isnan(b));
   };
   w.e2m1 = bits == 4 && std::equal(kE2m1, kE2m1 + 16, w.code_lut, same);
+  w.bf16_table = bits == 4 && std::all_of(w.code_lut, w.code_lut + 16, [](float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    return (u & 0xFFFF) == 0;
+  });
   if (bits == 8) {
     static const std::vector<float> kE4m3 = [] {
       const auto t = at::arange(256, at::kByte).view(at::kFloat8_e4m3fn).to(at::kFloat);
@@ -190,8 +196,18 @@ at::Tensor microscaled_gemv(at::Tensor x, at::Tensor codes, at::Tensor scales,
   const MicroscaledLayout w = microscaled_layout(codes, scales, code_lut, scale_lut, block);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.k, "microscaled_gemv: x must be [M, ", w.k, "]");
   const int64_t m = x.size(0);
-  auto xf = x.to(at::kFloat).contiguous();
   auto out = at::empty({m, w.n}, x.options().dtype(at::kFloat));
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (x.scalar_type() == at::kBFloat16 && w.bf16_table && w.block % 32 == 0) {
+    const auto xb = x.contiguous();
+    const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+    at::parallel_for(0, w.n, 16, [&](int64_t begin, int64_t end) {
+      bf16_gemv_rows(w, xp, m, out.data_ptr<float>(), begin, end);
+    });
+    return out.to(x.scalar_type());
+  }
+#endif
+  auto xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t blocks = w.k / w.block;
