@@ -148,38 +148,56 @@ inline void simd16_gemv_rows(const MicroscaledLayout& w, const Decode& decode, c
 }
 
 #if defined(__AVX512BF16__)
-// 4-bit codes whose table is bfloat16 (MXFP4's e2m1) times bf16 activations: each 32 codes
-// decoded once into bf16 (vpermw on their nibbles, in input order) and dotted with each row's
-// 32 inputs by one vdpbf16ps (the products exact in float32, their sums in float32), each
-// block's sum then scaled into the row's accumulator: half the instructions of the float32
-// path a row of x. Blocks of a multiple of 32 inputs.
-template <int R>
+// 4-bit codes whose table is bfloat16 (MXFP4's and NVFP4's e2m1) times bf16 activations: each
+// 32 codes decoded once into bf16 (vpermw on their nibbles, in input order) and dotted with
+// each row's 32 inputs by one vdpbf16ps (the products exact in float32, their sums in float32):
+// output lanes 0-7 hold inputs 0-15's sums, lanes 8-15 inputs 16-31's, so blocks of 16 (NVFP4)
+// take a scale for each half, blocks of 32 or more one scale. Half the instructions of the
+// float32 path a row of x. K a multiple of 32.
+template <int R, bool kBlocksOf16>
 inline void bf16_gemv_chunk(const MicroscaledLayout& w, __m512i table, const uint16_t* x0,
                             float* o0, int64_t begin, int64_t end) {
-  const int64_t blocks = w.k / w.block;
   const __m512i low = _mm512_set1_epi32(0x0F), high = _mm512_set1_epi32(0xF0);
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* row = w.codes + n * (w.k / 2);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512 part[R];
-      for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
-      for (int64_t j = b * w.block; j < (b + 1) * w.block; j += 32) {
-        // a byte's low nibble is input 2i, its high one 2i + 1: 16-bit lanes 2i and 2i + 1
-        const __m512i bytes = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j / 2)));
-        const __m512i index = _mm512_or_si512(_mm512_and_si512(bytes, low),
-                                              _mm512_slli_epi32(_mm512_and_si512(bytes, high), 12));
-        const __m512bh v = (__m512bh)_mm512_permutexvar_epi16(index, table);
-        for (int r = 0; r < R; ++r)
-          part[r] = _mm512_dpbf16_ps(part[r], v,
-                                     (__m512bh)_mm512_loadu_si512(x0 + r * w.k + j));
+    for (int64_t j = 0; j < w.k; j += 32) {
+      // a byte's low nibble is input 2i, its high one 2i + 1: 16-bit lanes 2i and 2i + 1
+      const __m512i bytes = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j / 2)));
+      const __m512i index = _mm512_or_si512(_mm512_and_si512(bytes, low),
+                                            _mm512_slli_epi32(_mm512_and_si512(bytes, high), 12));
+      const __m512bh v = (__m512bh)_mm512_permutexvar_epi16(index, table);
+      __m512 s = _mm512_set1_ps(w.scale(n, j / w.block));
+      if constexpr (kBlocksOf16)
+        s = _mm512_mask_blend_ps(0xFF00, s, _mm512_set1_ps(w.scale(n, j / w.block + 1)));
+      for (int r = 0; r < R; ++r) {
+        const __m512 sums = _mm512_dpbf16_ps(
+            _mm512_setzero_ps(), v, (__m512bh)_mm512_loadu_si512(x0 + r * w.k + j));
+        acc[r] = _mm512_fmadd_ps(sums, s, acc[r]);
       }
-      const __m512 s = _mm512_set1_ps(w.scale(n, b));
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(part[r], s, acc[r]);
     }
     for (int r = 0; r < R; ++r) o0[r * w.n + n] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+template <bool kBlocksOf16>
+inline void bf16_gemv_rows_of(const MicroscaledLayout& w, __m512i table, const uint16_t* xp,
+                              int64_t m, float* op, int64_t begin, int64_t end) {
+  for (int64_t r0 = 0; r0 < m; r0 += 8) {
+    const uint16_t* x = xp + r0 * w.k;
+    float* o = op + r0 * w.n;
+    switch (std::min<int64_t>(8, m - r0)) {
+      case 1: bf16_gemv_chunk<1, kBlocksOf16>(w, table, x, o, begin, end); break;
+      case 2: bf16_gemv_chunk<2, kBlocksOf16>(w, table, x, o, begin, end); break;
+      case 3: bf16_gemv_chunk<3, kBlocksOf16>(w, table, x, o, begin, end); break;
+      case 4: bf16_gemv_chunk<4, kBlocksOf16>(w, table, x, o, begin, end); break;
+      case 5: bf16_gemv_chunk<5, kBlocksOf16>(w, table, x, o, begin, end); break;
+      case 6: bf16_gemv_chunk<6, kBlocksOf16>(w, table, x, o, begin, end); break;
+      case 7: bf16_gemv_chunk<7, kBlocksOf16>(w, table, x, o, begin, end); break;
+      default: bf16_gemv_chunk<8, kBlocksOf16>(w, table, x, o, begin, end); break;
+    }
   }
 }
 
@@ -192,20 +210,10 @@ inline void bf16_gemv_rows(const MicroscaledLayout& w, const uint16_t* xp, int64
     entries[i] = static_cast<uint16_t>(u >> 16);
   }
   const __m512i table = _mm512_load_si512(entries);
-  for (int64_t r0 = 0; r0 < m; r0 += 8) {
-    const uint16_t* x = xp + r0 * w.k;
-    float* o = op + r0 * w.n;
-    switch (std::min<int64_t>(8, m - r0)) {
-      case 1: bf16_gemv_chunk<1>(w, table, x, o, begin, end); break;
-      case 2: bf16_gemv_chunk<2>(w, table, x, o, begin, end); break;
-      case 3: bf16_gemv_chunk<3>(w, table, x, o, begin, end); break;
-      case 4: bf16_gemv_chunk<4>(w, table, x, o, begin, end); break;
-      case 5: bf16_gemv_chunk<5>(w, table, x, o, begin, end); break;
-      case 6: bf16_gemv_chunk<6>(w, table, x, o, begin, end); break;
-      case 7: bf16_gemv_chunk<7>(w, table, x, o, begin, end); break;
-      default: bf16_gemv_chunk<8>(w, table, x, o, begin, end); break;
-    }
-  }
+  if (w.block == 16)
+    bf16_gemv_rows_of<true>(w, table, xp, m, op, begin, end);
+  else
+    bf16_gemv_rows_of<false>(w, table, xp, m, op, begin, end);
 }
 #endif
 
