@@ -23,7 +23,7 @@ from octavo.model.pipeline import stage_layers
 
 # <layer>.experts.<gate_up_proj|down_proj>[_bias | _blocks | _scales]: one tensor per projection
 # holding every expert of the layer
-_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales|_scale)?$")
 
 
 class SparseMoeBlock(nn.Module):
@@ -104,8 +104,9 @@ class Qwen3MoeForCausalLM(_MoeForCausalLM):
 class StackedExperts:
     """For a causal LM whose checkpoint stacks each layer's experts, [experts, in, out] as
     `x @ W` multiplies (`<layer>.experts.gate_up_proj`, `down_proj`, with `_bias`, or MXFP4's
-    `_blocks` and `_scales` [experts, out, ...]): they are split per expert as they are read,
-    dense weights transposed to octavo's [out, in]. `interleaved_gate_up`: gate and up
+    `_blocks` and `_scales` [experts, out, ...], or FBGEMM FP8's `_scale`, a scale per output
+    column): they are split per expert as they are read, dense weights transposed to octavo's
+    [out, in], FP8 scales to [out, 1]. `interleaved_gate_up`: gate and up
     columns alternate (gpt-oss), else gate's come first, then up's (Llama 4)."""
 
     interleaved_gate_up = False
@@ -129,12 +130,13 @@ class StackedExperts:
                 yield name, tensor
                 continue
             prefix, proj, suffix = m.groups()
-            kind = {"_bias": "bias", "_blocks": "mx_blocks",
-                    "_scales": "mx_scales"}.get(suffix, "weight")
+            kind = {"_bias": "bias", "_blocks": "mx_blocks", "_scales": "mx_scales",
+                    "_scale": "weight_scale"}.get(suffix, "weight")
             for e in range(tensor.shape[0]):
                 # [out, ...]: a dense weight is stored [in, out], MXFP4's blocks and scales
-                # [out, ...]
-                w = tensor[e].t() if kind == "weight" else tensor[e]
+                # [out, ...], FP8 scales [1, out] or [out, 1]
+                w = (tensor[e].t() if kind == "weight" else
+                     tensor[e].reshape(-1, 1) if kind == "weight_scale" else tensor[e])
                 if proj == "down_proj":
                     yield f"{prefix}.{e}.down_proj.{kind}", w
                     continue

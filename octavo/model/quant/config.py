@@ -36,7 +36,9 @@ ON_THE_FLY = ("int8", "int4", "fp8")
 INT4_GROUP = 32  # on-the-fly int4: min/max per 32 inputs (SmolLM2 perplexity: docs/usage.md)
 _MARKERS = {"gptq": (".qweight",), "awq": (".qweight",), "fp8": (".weight_scale",
             ".weight_scale_inv"), "compressed-tensors": (".weight_scale",),
-            "mxfp4": ("_blocks",), "modelopt": (".weight_scale",)}
+            "mxfp4": ("_blocks",), "modelopt": (".weight_scale",),
+            # FBGEMM's: a linear layer's weight_scale, stacked experts' <projection>_scale
+            "fbgemm_fp8": (".weight_scale", "_scale")}
 
 
 def checkpoint_quantization(source: ModelSource) -> dict[str, Any] | None:
@@ -145,14 +147,15 @@ def plan_quantization(source: ModelSource, requested: str | None, dtype: torch.d
         return QuantPlan(fmt, dtype, spec=GPTQSpec(fmt, qc))
     if fmt == "compressed-tensors" and nvfp4_groups(qc):
         return QuantPlan(fmt, dtype, spec=NVFP4Spec(qc))
-    if fmt in ("fp8", "compressed-tensors"):
+    if fmt in ("fp8", "compressed-tensors", "fbgemm_fp8"):
         return QuantPlan(fmt, dtype, spec=FP8Spec(fmt, qc))
     if fmt == "mxfp4":
         return QuantPlan(fmt, dtype, spec=MXSpec(qc, "mxfp4"))
     if fmt == "modelopt":
         return QuantPlan(fmt, dtype, spec=_modelopt_spec(qc))
     raise NotImplementedError(f"quantization_config.quant_method={fmt!r} is not supported; "
-                              "supported: gptq, awq, fp8, compressed-tensors, mxfp4, modelopt")
+                              "supported: gptq, awq, fp8, compressed-tensors, fbgemm_fp8, mxfp4, "
+                              "modelopt")
 
 
 def _modelopt_spec(qc: dict[str, Any]) -> FP8Spec | NVFP4Spec | MXSpec:

@@ -1,10 +1,13 @@
-"""FP8 (e4m3) weights: `quant_method: fp8` and compressed-tensors' float-quantized checkpoints,
-and --quantization fp8.
+"""FP8 (e4m3) weights: `quant_method: fp8`, compressed-tensors' float-quantized checkpoints and
+FBGEMM's (`fbgemm_fp8`: a scale per output row; Llama 4 Maverick's FP8 release, whose stacked
+experts' `<projection>_scale` models/moe.py's StackedExperts splits per expert), and
+--quantization fp8.
 
 A layer holds `weight` float8_e4m3fn [N, K] and `weight_scale`: one value (per tensor), [N] or
 [N, 1] (per channel), or `weight_scale_inv` [N / b, K / b] for block-wise checkpoints
-(`weight_block_size`); w = fp8 * scale. An `input_scale` (activation quantization) is ignored:
-activations stay in bf16/fp32, which is at least as accurate.
+(`weight_block_size`); w = fp8 * scale. An `input_scale` or FBGEMM's `activation_scale_ub`
+(activation quantization) is ignored: activations stay in bf16/fp32, which is at least as
+accurate.
 
 The weights stay FP8: their bytes and a float32 scale per row and block
 (quant/microscaled.py), a byte a weight, half of bf16. CPUs have no FP8 math: the kernel turns
