@@ -188,8 +188,8 @@ class GatedDeltaNet(nn.Module):
             state_rows = torch.from_numpy(rows[single]).to(x.device)
             conv = self._conv_step(qkv.index_select(0, tokens), state_rows)
             out[tokens] = self._recurrent_step(conv, beta[tokens], g[tokens], state_rows)
-            for r in single.tolist():  # a boundary reached by this token
-                for _, slot_row in saves.get(r, ()):
+            for r, pairs in saves.items():  # a boundary reached by a single token
+                for _, slot_row in pairs if layout.query_lens[r] == 1 else ():
                     self.conv_state[slot_row] = self.conv_state[rows[r]]
                     self.ssm_state[slot_row] = self.ssm_state[rows[r]]
         drafts = ctx.num_drafts
