@@ -198,8 +198,7 @@ at::Tensor microscaled_gemv(at::Tensor x, at::Tensor codes, at::Tensor scales,
   const int64_t m = x.size(0);
   auto out = at::empty({m, w.n}, x.options().dtype(at::kFloat));
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if (x.scalar_type() == at::kBFloat16 && w.bf16_table && w.k % 32 == 0 &&
-      (w.block == 16 || w.block % 32 == 0)) {
+  if (x.scalar_type() == at::kBFloat16 && bf16_gemv_takes(w)) {
     const auto xb = x.contiguous();
     const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
     at::parallel_for(0, w.n, 16, [&](int64_t begin, int64_t end) {

@@ -148,72 +148,111 @@ inline void simd16_gemv_rows(const MicroscaledLayout& w, const Decode& decode, c
 }
 
 #if defined(__AVX512BF16__)
-// 4-bit codes whose table is bfloat16 (MXFP4's and NVFP4's e2m1) times bf16 activations: each
-// 32 codes decoded once into bf16 (vpermw on their nibbles, in input order) and dotted with
-// each row's 32 inputs by one vdpbf16ps (the products exact in float32, their sums in float32):
-// output lanes 0-7 hold inputs 0-15's sums, lanes 8-15 inputs 16-31's, so blocks of 16 (NVFP4)
-// take a scale for each half, blocks of 32 or more one scale. Half the instructions of the
-// float32 path a row of x. K a multiple of 32.
-template <int R, bool kBlocksOf16>
-inline void bf16_gemv_chunk(const MicroscaledLayout& w, __m512i table, const uint16_t* x0,
+// 32 4-bit codes of a bfloat16 table (MXFP4's and NVFP4's e2m1) as bf16, in input order: a
+// byte's low nibble is input 2i, its high one 2i + 1, 16-bit lanes 2i and 2i + 1 (vpermw).
+struct NibbleBf16 {
+  const uint8_t* codes;
+  int64_t k;
+  __m512i table;  // the 16 values' bf16 bits in the low 16 lanes
+  static constexpr float rescale = 1.f;
+  __m512bh operator()(int64_t n, int64_t j) const {
+    const __m512i bytes = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + n * (k / 2) + j / 2)));
+    const __m512i index = _mm512_or_si512(
+        _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)),
+        _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF0)), 12));
+    return (__m512bh)_mm512_permutexvar_epi16(index, table);
+  }
+};
+
+// 32 float8_e4m3fn bytes (MXFP8, FP8 checkpoints) as bf16 times 2^-8: decode16_e4m3's floats,
+// exact in bf16 (three mantissa bits).
+struct E4m3Bf16 {
+  const uint8_t* codes;
+  int64_t k;
+  static constexpr float rescale = kE4m3Rescale;
+  __m512bh operator()(int64_t n, int64_t j) const {
+    const uint8_t* c = codes + n * k + j;
+    return _mm512_cvtne2ps_pbh(decode16_e4m3(c + 16), decode16_e4m3(c));
+  }
+};
+
+// Codes exact in bf16 times bf16 activations: each 32 codes decoded once into bf16 and dotted
+// with each row's 32 inputs by one vdpbf16ps (the products exact in float32, their sums in
+// float32): half the instructions of the float32 path a row of x, or fewer. Output lanes 0-7
+// hold inputs 0-15's sums, lanes 8-15 inputs 16-31's, so blocks of 16 (NVFP4) take a scale per
+// half; larger blocks (32 and up, FP8's whole rows) sum their runs first, then scale once. K a
+// multiple of 32.
+template <int R, bool kBlocksOf16, typename Decode>
+inline void bf16_gemv_chunk(const MicroscaledLayout& w, const Decode& decode, const uint16_t* x0,
                             float* o0, int64_t begin, int64_t end) {
-  const __m512i low = _mm512_set1_epi32(0x0F), high = _mm512_set1_epi32(0xF0);
+  const int64_t run = kBlocksOf16 ? 32 : w.block;  // inputs between scalings
   for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = w.codes + n * (w.k / 2);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < w.k; j += 32) {
-      // a byte's low nibble is input 2i, its high one 2i + 1: 16-bit lanes 2i and 2i + 1
-      const __m512i bytes = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j / 2)));
-      const __m512i index = _mm512_or_si512(_mm512_and_si512(bytes, low),
-                                            _mm512_slli_epi32(_mm512_and_si512(bytes, high), 12));
-      const __m512bh v = (__m512bh)_mm512_permutexvar_epi16(index, table);
-      __m512 s = _mm512_set1_ps(w.scale(n, j / w.block));
-      if constexpr (kBlocksOf16)
-        s = _mm512_mask_blend_ps(0xFF00, s, _mm512_set1_ps(w.scale(n, j / w.block + 1)));
-      for (int r = 0; r < R; ++r) {
-        const __m512 sums = _mm512_dpbf16_ps(
-            _mm512_setzero_ps(), v, (__m512bh)_mm512_loadu_si512(x0 + r * w.k + j));
-        acc[r] = _mm512_fmadd_ps(sums, s, acc[r]);
+    for (int64_t first = 0; first < w.k; first += run) {
+      __m512 part[R];
+      for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+      for (int64_t j = first; j < first + run; j += 32) {
+        const __m512bh v = decode(n, j);
+        for (int r = 0; r < R; ++r)
+          part[r] = _mm512_dpbf16_ps(part[r], v, (__m512bh)_mm512_loadu_si512(x0 + r * w.k + j));
       }
+      __m512 s = _mm512_set1_ps(Decode::rescale * w.scale(n, first / w.block));
+      if constexpr (kBlocksOf16)
+        s = _mm512_mask_blend_ps(
+            0xFF00, s, _mm512_set1_ps(Decode::rescale * w.scale(n, first / w.block + 1)));
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(part[r], s, acc[r]);
     }
     for (int r = 0; r < R; ++r) o0[r * w.n + n] = _mm512_reduce_add_ps(acc[r]);
   }
 }
 
-template <bool kBlocksOf16>
-inline void bf16_gemv_rows_of(const MicroscaledLayout& w, __m512i table, const uint16_t* xp,
-                              int64_t m, float* op, int64_t begin, int64_t end) {
+template <bool kBlocksOf16, typename Decode>
+inline void bf16_gemv_rows_of(const MicroscaledLayout& w, const Decode& decode,
+                              const uint16_t* xp, int64_t m, float* op, int64_t begin,
+                              int64_t end) {
   for (int64_t r0 = 0; r0 < m; r0 += 8) {
     const uint16_t* x = xp + r0 * w.k;
     float* o = op + r0 * w.n;
     switch (std::min<int64_t>(8, m - r0)) {
-      case 1: bf16_gemv_chunk<1, kBlocksOf16>(w, table, x, o, begin, end); break;
-      case 2: bf16_gemv_chunk<2, kBlocksOf16>(w, table, x, o, begin, end); break;
-      case 3: bf16_gemv_chunk<3, kBlocksOf16>(w, table, x, o, begin, end); break;
-      case 4: bf16_gemv_chunk<4, kBlocksOf16>(w, table, x, o, begin, end); break;
-      case 5: bf16_gemv_chunk<5, kBlocksOf16>(w, table, x, o, begin, end); break;
-      case 6: bf16_gemv_chunk<6, kBlocksOf16>(w, table, x, o, begin, end); break;
-      case 7: bf16_gemv_chunk<7, kBlocksOf16>(w, table, x, o, begin, end); break;
-      default: bf16_gemv_chunk<8, kBlocksOf16>(w, table, x, o, begin, end); break;
+      case 1: bf16_gemv_chunk<1, kBlocksOf16>(w, decode, x, o, begin, end); break;
+      case 2: bf16_gemv_chunk<2, kBlocksOf16>(w, decode, x, o, begin, end); break;
+      case 3: bf16_gemv_chunk<3, kBlocksOf16>(w, decode, x, o, begin, end); break;
+      case 4: bf16_gemv_chunk<4, kBlocksOf16>(w, decode, x, o, begin, end); break;
+      case 5: bf16_gemv_chunk<5, kBlocksOf16>(w, decode, x, o, begin, end); break;
+      case 6: bf16_gemv_chunk<6, kBlocksOf16>(w, decode, x, o, begin, end); break;
+      case 7: bf16_gemv_chunk<7, kBlocksOf16>(w, decode, x, o, begin, end); break;
+      default: bf16_gemv_chunk<8, kBlocksOf16>(w, decode, x, o, begin, end); break;
     }
   }
 }
 
+// Whether bf16_gemv_rows takes w: codes exact in bf16 (a bf16 4-bit table, or e4m3), K a
+// multiple of 32, blocks of 16 or of a multiple of 32.
+inline bool bf16_gemv_takes(const MicroscaledLayout& w) {
+  return (w.bf16_table || w.e4m3) && w.k % 32 == 0 && (w.block == 16 || w.block % 32 == 0);
+}
+
 inline void bf16_gemv_rows(const MicroscaledLayout& w, const uint16_t* xp, int64_t m, float* op,
                            int64_t begin, int64_t end) {
+  const auto run = [&](const auto& decode) {
+    if (w.block == 16)
+      bf16_gemv_rows_of<true>(w, decode, xp, m, op, begin, end);
+    else
+      bf16_gemv_rows_of<false>(w, decode, xp, m, op, begin, end);
+  };
+  if (w.e4m3) {
+    run(E4m3Bf16{w.codes, w.k});
+    return;
+  }
   alignas(64) uint16_t entries[32] = {};
   for (int i = 0; i < 16; ++i) {
     uint32_t u;
     std::memcpy(&u, &w.code_lut[i], 4);
     entries[i] = static_cast<uint16_t>(u >> 16);
   }
-  const __m512i table = _mm512_load_si512(entries);
-  if (w.block == 16)
-    bf16_gemv_rows_of<true>(w, table, xp, m, op, begin, end);
-  else
-    bf16_gemv_rows_of<false>(w, table, xp, m, op, begin, end);
+  run(NibbleBf16{w.codes, w.k, _mm512_load_si512(entries)});
 }
 #endif
 
