@@ -235,4 +235,3 @@ def create_engine_core(config: EngineConfig, source: ModelSource, arch: ArchConf
     window = arch.sliding_window if arch.all_layers_sliding else None
     return EngineCore(config, executor, max_model_len, window, grammar_backend,
                       arch.vocab_size, bool(arch.linear_layers))
-

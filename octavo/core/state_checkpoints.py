@@ -11,7 +11,8 @@ reaches no saved boundary gives no hit.
 
 The slots are a fixed pool (allocated by the worker beside the running states), replaced least
 recently used first. The core only decides: which slot is saved at which token of which step
-(`plan_saves`), and which slot a new request starts from (`find`). Slots of the current step are
+(`reserve`, from KVCacheManager.plan_state_saves), and which slot a new request starts from
+(`take`). Slots of the current step are
 never handed out twice in it. A step that fails forgets the slots its requests were saving
 (`forget_owner`), as the KV manager forgets their blocks.
 

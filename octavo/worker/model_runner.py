@@ -68,8 +68,9 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         self.kv_caches: list[torch.Tensor] = []
         self.drafter: DraftModel | None = None  # draft-model speculative decoding
-        self.verified_spans = VerifiedSpans(model)  # recurrent states wait on verdicts
-        self.recurrent_layers = [m for m in model.modules() if hasattr(m, "restore_state")]
+        # linear-attention layers: their states wait on verdicts, and resume from saved ones
+        self.recurrent_layers = [m for m in model.modules() if hasattr(m, "restore_states")]
+        self.verified_spans = VerifiedSpans(self.recurrent_layers)
         self.lora: LoRAManager | None = None  # with --enable-lora
         self.pooling: dict[str, PoolingParams] = {}  # the pooling requests in the batch
         # a decoder's pooling request whose prompt runs in chunks: the hidden states and input
@@ -92,9 +93,11 @@ class ModelRunner:
                 self.lora.register(new.lora_request)
         self.batch.update(sched.cached_requests)
         self.verified_spans.settle(sched, self.batch)
-        for req_id, slot in sched.state_restores.items():  # resumed from a cached prefix
+        if sched.state_restores:  # requests resumed from a cached prefix
+            rows = np.fromiter((self.batch.row_of[r] for r in sched.state_restores), np.int64)
+            slots = np.fromiter(sched.state_restores.values(), np.int64)
             for layer in self.recurrent_layers:
-                layer.restore_state(self.batch.row_of[req_id], slot)
+                layer.restore_states(rows, slots)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:

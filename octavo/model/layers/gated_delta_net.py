@@ -30,7 +30,7 @@ rows' outputs; each rank holds the whole states, alike.
 Prefix caching (core/state_checkpoints.py): the state buffers hold checkpoint slots after the
 batch rows. A step may save a request's state after some of its tokens into a slot (a prompt
 chunk is then computed in pieces that end there), and a request that resumes from a cached
-prefix starts from a slot's copy (`restore_state`)."""
+prefix starts from a slot's copy (`restore_states`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -151,10 +151,11 @@ class GatedDeltaNet(nn.Module):
             self.span_beta = torch.zeros(rows, max_span, self.v_heads, device=device)
             self.span_g = torch.zeros(rows, max_span, self.v_heads, device=device)
 
-    def restore_state(self, row: int, slot: int) -> None:
-        """`row`'s request resumes from the states saved in checkpoint `slot`."""
-        self.conv_state[row] = self.conv_state[self.first_checkpoint + slot]
-        self.ssm_state[row] = self.ssm_state[self.first_checkpoint + slot]
+    def restore_states(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """The requests at `rows` resume from the states saved in checkpoint `slots`."""
+        saved = torch.from_numpy(self.first_checkpoint + slots)
+        self.conv_state[rows] = self.conv_state[saved]
+        self.ssm_state[rows] = self.ssm_state[saved]
 
     def start_fresh(self, rows: np.ndarray) -> None:
         """Empty the states at `rows`, whose requests start at this step."""

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from octavo.kernels.paged_attention import StepLayout, check_chunk, step_layout
 from octavo.core.contract import SchedulerOutput
+from octavo.kernels.paged_attention import StepLayout, check_chunk, step_layout
 from octavo.model.context import forward_context, step_context
 from octavo.worker.input_batch import InputBatch
 from octavo.worker.sampler import Sampler, SamplingBatch
@@ -52,7 +52,7 @@ class DraftModel:
         self.proposed: dict[str, tuple[list[int], torch.Tensor | None]] = {}
         # linear-attention layers: their checkpoint slots are prefix caching's, then one per
         # batch row from resume_slots (the worker sets it when it allocates them)
-        self.state_layers = [m for m in model.modules() if hasattr(m, "restore_state")]
+        self.state_layers = [m for m in model.modules() if hasattr(m, "restore_states")]
         self.resume_slots = 0
 
     def forget(self, req_id: str) -> None:
@@ -156,13 +156,13 @@ class DraftModel:
         request's resume slot."""
         if not self.state_layers:
             return None
-        saves = []
+        saves, resumed = [], np.flatnonzero(computed)  # 0 computed: the layers start it empty
+        slots = np.fromiter((sched.state_restores.get(ids[i], self.resume_slots + int(rows[i]))
+                             for i in resumed), np.int64, len(resumed))
+        for layer in self.state_layers if len(resumed) else ():
+            layer.restore_states(rows[resumed], slots)
         for i, req_id in enumerate(ids):
             row = int(rows[i])
-            if computed[i]:  # 0: the layers start it empty
-                slot = sched.state_restores.get(req_id, self.resume_slots + row)
-                for layer in self.state_layers:
-                    layer.restore_state(row, slot)
             if not 0 < keep[i] <= query_lens[i]:
                 raise RuntimeError(f"the draft model's pass over {req_id!r} does not reach "
                                    f"where its next step starts")
