@@ -17,14 +17,6 @@ inline __m512 decode16_nibbles(const uint8_t* c, __m512 table) {
   return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table);
 }
 
-// 16 float8_e4m3fn bytes as floats times 2^-8, as decode8_e4m3 (microscaled.h) makes them.
-inline __m512 decode16_e4m3(const uint8_t* c) {
-  const __m256i high = _mm256_slli_epi16(
-      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))), 8);
-  return _mm512_cvtph_ps(
-      _mm256_and_si256(_mm256_srai_epi16(high, 1), _mm256_set1_epi16(static_cast<short>(0xBFFF))));
-}
-
 // Row n's inputs j .. j + 16 decoded: 4-bit codes through their table, e4m3 bytes times 2^-8
 // (`rescale` brings them back, with each block's scale).
 // `pair` decodes inputs j .. j + 32 as two vectors in the order the GEMV's x is laid out in.

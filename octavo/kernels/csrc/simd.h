@@ -92,14 +92,20 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-// fp8 e4m3fn (the fp8 KV cache): exponent and mantissa moved under float32's (bits 20-26) read
-// as a float are the value times 2^-120, subnormals included; the sign bit goes to bit 31.
-inline __m512 load16(const c10::Float8_e4m3fn* p) {
-  const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(raw, _mm512_set1_epi32(0x7F)), 20);
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(raw, _mm512_set1_epi32(0x80)), 24);
-  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, sign)),
-                       _mm512_set1_ps(1.329228e36f));  // 2^120
+// 16 float8_e4m3fn bytes as floats times 2^-8: each byte becomes a float16 (the sign kept, the
+// exponent and mantissa shifted one bit down: float16's exponent bias is 8 more than e4m3's),
+// which widens exactly, subnormals included. The one e4m3 decode: the fp8 KV cache's rows
+// (load16) and the microscaled GEMVs' codes (microscaled_avx512.h; decode8_e4m3 is its 8-lane
+// AVX2 form) both take it.
+inline __m512 decode16_e4m3(const uint8_t* c) {
+  const __m256i high = _mm256_slli_epi16(
+      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))), 8);
+  return _mm512_cvtph_ps(
+      _mm256_and_si256(_mm256_srai_epi16(high, 1), _mm256_set1_epi16(static_cast<short>(0xBFFF))));
+}
+inline __m512 load16(const c10::Float8_e4m3fn* p) {  // the fp8 KV cache
+  return _mm512_mul_ps(decode16_e4m3(reinterpret_cast<const uint8_t*>(p)),
+                       _mm512_set1_ps(256.f));
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
