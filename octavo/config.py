@@ -181,6 +181,11 @@ class DeviceConfig:
         "run every step layer by layer from Python; by default a decode step of a Llama-family "
         "model runs its whole decoder stack in one C++ call (the CPU analogue of a captured "
         "graph)"))
+    compilation_level: int = field(default=0, metadata=_opt(
+        "torch.compile the decoder layers' Python steps (prefill, mixed steps, every step under "
+        "--enforce-eager) into inductor graphs, cached on disk: 1-3 (alike: attention and "
+        "linear attention stay opaque ops), 0 runs them eagerly; vLLM's -O / "
+        "compilation_config", choices=[0, 1, 2, 3], aliases=("-O",)))
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -189,6 +194,9 @@ class DeviceConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if self.compilation_level not in (0, 1, 2, 3) or isinstance(self.compilation_level, bool):
+            raise ValueError(f"compilation_level must be 0, 1, 2 or 3, got "
+                             f"{self.compilation_level!r}")
         if self.native_kernels not in ("on", "background", "off"):
             raise ValueError(f"native_kernels must be on, background or off, "
                              f"got {self.native_kernels!r}")

@@ -5,7 +5,6 @@ Every decision that depends on the CPU asks `cpu_platform()`, so that they canno
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 
@@ -53,6 +52,12 @@ class CpuPlatform:
         return " ".join(sorted(self.flags))
 
 
-@functools.cache
+_platform: list[CpuPlatform] = []
+
+
 def cpu_platform() -> CpuPlatform:
-    return CpuPlatform(read_cpu_flags())
+    # Read once, then a plain lookup: torch.compile traces the kernels' choices through this
+    # call, and would stop at the file read behind a functools.cache.
+    if not _platform:
+        _platform.append(CpuPlatform(read_cpu_flags()))
+    return _platform[0]

@@ -4,6 +4,7 @@ names pass through; vLLM's names for the same things are translated; vLLM option
 honour yet are refused by name, never ignored."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from octavo.config import DEFAULT_MODEL, EngineConfig
@@ -29,8 +30,31 @@ def engine_config(model: str = DEFAULT_MODEL, **options: Any) -> EngineConfig:
             continue
         if name in _NO_EFFECT:
             continue
+        if name == "compilation_config":
+            translated["compilation_level"] = compilation_level(value)
+            continue
         translated[_RENAMED.get(name, name)] = value
     return EngineConfig.from_kwargs(model=model, **translated)
+
+
+def compilation_level(config: Any) -> int:
+    """vLLM's `compilation_config` (a level, a dict or its JSON, or an object with `level` or
+    `mode`) as octavo's compilation_level; its other settings are refused by name."""
+    if isinstance(config, str):
+        config = json.loads(config) if config.strip().startswith("{") else int(config)
+    if isinstance(config, int) and not isinstance(config, bool):
+        return config
+    if not isinstance(config, dict):
+        config = {k: v for k, v in vars(config).items() if v is not None}
+    settings = dict(config)
+    level = settings.pop("mode", settings.pop("level", 0))
+    if settings.get("backend") in ("inductor", ""):
+        settings.pop("backend")
+    if settings:
+        raise NotImplementedError(
+            f"compilation_config: {', '.join(sorted(settings))} not supported (octavo takes "
+            "its level or mode: inductor over the decoder layers; no CUDA graphs yet)")
+    return int(level.value if hasattr(level, "value") else level)
 
 
 class EngineArgs:

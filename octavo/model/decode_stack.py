@@ -39,6 +39,7 @@ the experts' sum, and after the shared expert, in a MoE layer), as the Python la
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -419,13 +420,16 @@ def step_plans(ctx: ForwardContext) -> list[AttentionPlan]:
 
 
 def run_layers(layers: nn.ModuleList, stack: DecodeStack | None, x: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
-    """The decoder layers over x: as one C++ stack where the step allows it, else one by one."""
+               positions: torch.Tensor, compiled: Callable | None = None) -> torch.Tensor:
+    """The decoder layers over x: as one C++ stack where the step allows it, else as their
+    compiled graph (model/compiled.py) where there is one, else one by one."""
     ctx = get_forward_context()
     if stack is not None and ctx.context_parallel is None:
         plans = step_plans(ctx)
         if stack.usable(x, plans, ctx):
             return stack(x, positions, plans, ctx)
+    if compiled is not None:
+        return compiled(layers, positions, x)
     for layer in layers:
         x = layer(positions, x)
     return x

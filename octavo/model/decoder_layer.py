@@ -20,11 +20,14 @@ class DecoderLayer(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} does not describe its layer")
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # Described on first use, after loading: the spec holds the modules, which keep their
-        # identity while their weights are set, quantized or packed.
+        return run_layer(self.described(), positions, x)
+
+    def described(self) -> LayerSpec:
+        """The layer's description, made once, after loading: the spec holds the modules, which
+        keep their identity while their weights are set, quantized or packed."""
         if self._spec is None:
             self._spec = self.spec()
-        return run_layer(self._spec, positions, x)
+        return self._spec
 
 
 def run_layer(spec: LayerSpec, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

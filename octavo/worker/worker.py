@@ -17,14 +17,14 @@ from octavo.distributed.parallel_state import RankPlacement
 from octavo.distributed.placement import bind_rank_cpus
 from octavo.kernels import fused
 from octavo.kernels.context_parallel import ContextParallel
-from octavo.model import decode_stack
+from octavo.model import compiled, decode_stack
 from octavo.model.kv_spec import KVCacheSpec
 from octavo.model.layers.moe import FusedMoE, exchange_without_rows, tokens_per_rank
 from octavo.model.loader import load_model
-from octavo.model.loader.gemm_packing import StepwisePacking
+from octavo.model.loader.gemm_packing import StepwisePacking, pack_now
 from octavo.model.pipeline import stage_range
 from octavo.model.registry import model_class
-from octavo.model_source import ModelSource, resolve_model
+from octavo.model_source import ModelSource, cache_dir, resolve_model
 from octavo.platform import cpu_platform
 from octavo.worker.lora import LoRAManager
 from octavo.worker.model_runner import ModelRunner
@@ -120,11 +120,17 @@ class Worker:
                         "of its %d MoE layers", parallel_state.ep_rank(), parallel_state.ep_size(),
                         moe.first_expert, moe.first_expert + moe.num_local - 1, moe.num_experts,
                         len(mixtures))
+        level = self.config.device.compilation_level
+        if self.device.type == "cpu":
+            if level:  # the graphs are traced over the weights as they are: all packed first
+                pack_now(model, quantization)
+            else:
+                self.packing = StepwisePacking(model, quantization)
         if self.device.type == "cpu" and not self.config.device.enforce_eager \
                 and not model.is_encoder:
             decode_stack.attach(model)
-        if self.device.type == "cpu":
-            self.packing = StepwisePacking(model, quantization)
+        if level and not model.is_encoder:
+            compiled.compile_layers(model, level, str(cache_dir() / "compile"))
         sched = self.config.scheduler
         self.runner = ModelRunner(
             model, self.device, sched.max_num_seqs, self.max_model_len,

@@ -78,6 +78,22 @@ def test_engine_args_translate_vllm_names_and_refuse_what_octavo_cannot_do():
         EngineArgs(swap_space_gb=4)
 
 
+@pytest.mark.parametrize("config, level", [(3, 3), ({"level": 2}, 2), ({"mode": 1}, 1),
+                                           ('{"level": 3, "backend": "inductor"}', 3), (0, 0)])
+def test_compilation_config_sets_the_level(config, level):
+    assert EngineArgs(compilation_config=config).create_engine_config() \
+        .device.compilation_level == level
+
+
+def test_compilation_config_refuses_what_it_cannot_do():
+    with pytest.raises(NotImplementedError, match="cudagraph_capture_sizes"):
+        EngineArgs(compilation_config={"level": 3, "cudagraph_capture_sizes": [1, 2, 4]})
+    with pytest.raises(ValueError, match="compilation_level must be 0, 1, 2 or 3"):
+        EngineArgs(compilation_config=4)
+    with pytest.raises(ValueError, match="compilation_level must be 0, 1, 2 or 3"):
+        EngineArgs(compilation_level=True)
+
+
 def test_output_kinds_delta_and_final_only(engine):
     from octavo.sampling_params import RequestOutputKind  # vllm.sampling_params
 

@@ -191,3 +191,18 @@ def test_serve_warns_beyond_loopback_and_the_host_allow_list_rule():
     assert default_allowed_hosts("0.0.0.0", "key", ["api.example"]) == \
         LOOPBACK_HOSTS | {"api.example"}
     assert default_allowed_hosts("127.0.0.1", None, ["*"]) is None
+
+
+def test_serve_takes_vllms_optimization_level_flag():
+    import argparse
+
+    from octavo.config import EngineConfig
+    from octavo.entrypoints.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    level = lambda *a: EngineConfig.from_cli(  # noqa: E731
+        parser.parse_args(["serve", *a])).device.compilation_level
+    assert level() == 0
+    assert level("-O3") == 3
+    assert level("--compilation-level", "1") == 1

@@ -317,3 +317,14 @@ def test_architectures_without_an_adapter_layout_refuse_lora(tmp_path, smollm_or
     with pytest.raises(ValueError, match="not supported on GPT2LMHeadModel"):
         LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=8 << 20,
             enable_lora=True)
+
+
+def test_compiled_layers_take_adapters(llama):
+    """compilation_level 3 with every step through the graphs: each adapter's and the base
+    model's outputs equal peft's, as the eager layers' do."""
+    folder, adapters, prompts, expected = llama
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              max_num_batched_tokens=64, enable_lora=True, max_loras=2, max_lora_rank=16,
+              enforce_eager=True, compilation_level=3)
+    cases = [(lora, j) for j in range(len(prompts)) for lora in [None, *adapters]]
+    _check(_generate(llm, cases, prompts), cases, expected)

@@ -9,6 +9,7 @@ from octavo.kernels.paged_attention import paged_attention
 from octavo.model import context_parallel
 from octavo.model.context import get_forward_context
 from octavo.model.layers.linear import Span
+from octavo.model.layers.opaque import call_opaque
 
 
 class PagedAttention(nn.Module):
@@ -48,6 +49,12 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] -> [T, H * D]"""
+        return call_opaque(self, q, k, v)  # compiled graphs call it whole
+
+    def output_shape(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+        return q.shape[0], q.shape[1] * q.shape[2]
+
+    def eager_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         cache = ctx.kv_caches[self.layer_index]
         ks, vs = ((self.k_scale, self.v_scale) if cache.dtype == torch.float8_e4m3fn

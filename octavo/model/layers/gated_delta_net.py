@@ -42,7 +42,14 @@ from octavo.arch_config import ArchConfig
 from octavo.kernels import fused
 from octavo.model import context_parallel
 from octavo.model.context import ForwardContext, get_forward_context
-from octavo.model.layers.linear import Linear, Span, column_parallel, even_span, row_parallel
+from octavo.model.layers.linear import (
+    Linear,
+    Span,
+    column_parallel,
+    even_span,
+    row_parallel,
+)
+from octavo.model.layers.opaque import call_opaque
 
 CHUNK = 64  # tokens a triangular solve takes at once in a prompt chunk
 
@@ -164,6 +171,12 @@ class GatedDeltaNet(nn.Module):
             self.ssm_state[rows] = 0
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return call_opaque(self, positions, x)  # compiled graphs call it whole: it keeps states
+
+    def output_shape(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[int, ...]:
+        return tuple(x.shape)
+
+    def eager_forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         rows = ctx.batch_rows
         if self.ssm_state is None or rows is None:

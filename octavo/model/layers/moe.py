@@ -32,7 +32,14 @@ from octavo.distributed import parallel_state
 from octavo.kernels import onednn
 from octavo.model.context import step_lora, step_real_rows
 from octavo.model.layers.activation import gated_act
-from octavo.model.layers.linear import Linear, Span, column_parallel, even_span, row_parallel
+from octavo.model.layers.linear import (
+    Linear,
+    Span,
+    column_parallel,
+    even_span,
+    row_parallel,
+)
+from octavo.model.layers.opaque import call_opaque
 from octavo.model.layers.routing import Routing
 from octavo.model.quant.base import QuantMethod
 from octavo.model.quant.weights import DenseWeights
@@ -217,6 +224,12 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x: [T, H], router_logits: [T, E] -> [T, H]. The C++ decode stack
         (csrc/decode_stack.h, moe) runs these same ops in this order."""
+        return call_opaque(self, x, router_logits)  # compiled graphs: its rows depend on data
+
+    def output_shape(self, x: torch.Tensor, router_logits: torch.Tensor) -> tuple[int, ...]:
+        return tuple(x.shape)
+
+    def eager_forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, experts = self.routing(router_logits)  # [T, k]
         if parallel_state.ep_dispatches():
             return self._dispatched(x, weights, experts)

@@ -40,6 +40,8 @@ class GemmaRMSNorm(nn.Module):
     def plus_one(self) -> torch.Tensor:
         """1 + w in float32, as it is applied (here and in the decode stack); made once per
         loaded weight."""
+        if torch.compiler.is_compiling():  # a graph computes it in place and keeps no state
+            return 1.0 + self.weight.float()
         key = (self.weight.data_ptr(), self.weight._version)
         if self._plus_one is None or self._plus_one[0] != key:
             self._plus_one = key, 1.0 + self.weight.float()

@@ -123,12 +123,16 @@ class RotaryEmbedding(nn.Module):
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, KVH, D], rotated at `positions` [T] (in place where the kernel
         runs)."""
+        if torch.compiler.is_compiling():  # a graph keeps no state from step to step
+            return rotary(positions, q, k, self.cos, self.sin, self._angles(positions))
         # One instance serves every layer: look the step's angles up once, not once per layer.
         if self._positions is not positions:
             self._positions = positions
-            self._step_angles = (self.cos[positions].unsqueeze(1),
-                                 self.sin[positions].unsqueeze(1))
+            self._step_angles = self._angles(positions)
         return rotary(positions, q, k, self.cos, self.sin, self._step_angles)
+
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 class PartialRotaryEmbedding(RotaryEmbedding):

@@ -89,6 +89,7 @@ class GemmaModel(nn.Module):
             cfg, i, local if cfg.layer_window(i) else glob, qk_norm))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.decode_stack = None  # octavo/model/decode_stack.py attaches one where it fits
+        self.compiled_layers = None  # octavo/model/compiled.py, at compilation levels 1-3
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,7 +99,7 @@ class GemmaModel(nn.Module):
             x = x * torch.tensor(self.hidden_size ** 0.5, dtype=x.dtype)
         else:
             x = hidden
-        x = run_layers(self.layers, self.decode_stack, x, positions)
+        x = run_layers(self.layers, self.decode_stack, x, positions, self.compiled_layers)
         return self.norm(x) if is_last_stage() else x
 
 

@@ -81,6 +81,7 @@ class GPT2Model(nn.Module):
         self.h = stage_layers(cfg.num_layers, lambda i: GPT2Block(cfg, i))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.decode_stack = None  # octavo/model/decode_stack.py attaches one where it fits
+        self.compiled_layers = None  # octavo/model/compiled.py, at compilation levels 1-3
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -90,7 +91,7 @@ class GPT2Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         x = self.wte(input_ids) + self.wpe(positions) if hidden is None else hidden
-        x = run_layers(self.h, self.decode_stack, x, positions)
+        x = run_layers(self.h, self.decode_stack, x, positions, self.compiled_layers)
         return self.ln_f(x) if is_last_stage() else x
 
 

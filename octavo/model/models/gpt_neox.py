@@ -76,11 +76,12 @@ class NeoXModel(nn.Module):
         self.layers = stage_layers(cfg.num_layers, lambda i: NeoXLayer(cfg, i, rotary))
         self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.decode_stack = None  # octavo/model/decode_stack.py attaches one where it fits
+        self.compiled_layers = None  # octavo/model/compiled.py, at compilation levels 1-3
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_in(input_ids) if hidden is None else hidden
-        x = run_layers(self.layers, self.decode_stack, x, positions)
+        x = run_layers(self.layers, self.decode_stack, x, positions, self.compiled_layers)
         return self.final_layer_norm(x) if is_last_stage() else x
 
 

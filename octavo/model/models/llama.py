@@ -111,6 +111,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if norm is None else norm
         self.embedding_scale = embedding_scale
         self.decode_stack = None  # octavo/model/decode_stack.py attaches one where it fits
+        self.compiled_layers = None  # octavo/model/compiled.py, at compilation levels 1-3
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,7 +121,7 @@ class LlamaModel(nn.Module):
                 x = x * self.embedding_scale
         else:
             x = hidden
-        x = run_layers(self.layers, self.decode_stack, x, positions)
+        x = run_layers(self.layers, self.decode_stack, x, positions, self.compiled_layers)
         return self.norm(x) if is_last_stage() else x
 
 

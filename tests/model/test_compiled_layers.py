@@ -1,0 +1,90 @@
+"""torch.compile of the decoder layers (compilation_level 1-3): the compiled graphs give the
+tokens and logprobs of the eager layers, on every step kind, and a second start takes its
+graphs from inductor's cache on disk instead of compiling them again."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo import LLM, SamplingParams
+from tests.parity.test_tiny_models import _build
+
+# A family of each kind of opaque module the graph calls beside attention (routed experts,
+# linear attention) and of the Python state it must not keep (Gemma's (1 + w) norms, beside
+# sliding windows and softcaps); a Llama-family model is the cache test's. Every tiny family
+# passes (docs/performance.md); these keep the suite's time.
+FAMILIES = ["gemma2", "qwen3-moe", "qwen3-next"]
+
+
+def _outputs(folder, prompts, **options):
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              max_num_batched_tokens=64, **options)  # the long prompt spans chunks
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                logprobs=2), use_tqdm=False)
+    return llm, [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(
+        o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outs]
+
+
+def _same(got, expected):
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(got, expected):
+        assert tokens == ref_tokens
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
+
+
+def _prompts():
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(100, 49000, (n,), generator=gen).tolist() for n in (150, 7, 30)]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compiled_layers_give_the_eager_outputs(tmp_path, smollm_oracle_folder, name,
+                                                monkeypatch):
+    """Every step through the graphs (enforce_eager: no decode stack): chunked prefill, mixed
+    steps, single-token and several-token decodes."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    folder, _ = _build(tmp_path, smollm_oracle_folder, name)
+    prompts = _prompts()
+    _, eager = _outputs(folder, prompts, enforce_eager=True)
+    counters.clear()
+    _, compiled = _outputs(folder, prompts, enforce_eager=True, compilation_level=3)
+    _same(compiled, eager)
+    # Each layer is one graph (two per kind of layer: steps of several tokens, and of one;
+    # these models have at most two kinds): none runs in pieces or falls back to the eager
+    # layers after too many recompilations (which torch counts as a graph break).
+    assert counters["stats"]["unique_graphs"] <= 4
+    assert not counters["graph_break"]
+
+
+def test_a_second_start_takes_its_graphs_from_the_cache(tmp_path, smollm_oracle_folder,
+                                                        monkeypatch):
+    """The second engine's graphs are inductor's cached ones, and its outputs the first's."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-qk-norm")
+    prompts = _prompts()
+    _, eager = _outputs(folder, prompts, enforce_eager=True)
+    counters.clear()
+    _, first = _outputs(folder, prompts, enforce_eager=True, compilation_level=1)
+    assert counters["inductor"]["fxgraph_cache_miss"] > 0
+    counters.clear()
+    _, second = _outputs(folder, prompts, enforce_eager=True, compilation_level=1)
+    assert counters["inductor"]["fxgraph_cache_hit"] > 0
+    assert counters["inductor"]["fxgraph_cache_miss"] == 0
+    _same(first, eager)
+    _same(second, eager)
+
+
+def test_compiled_layers_over_two_tensor_parallel_ranks(tmp_path, smollm_oracle_folder,
+                                                        monkeypatch):
+    """Each rank's graphs hold the all-reduces of its row-parallel layers and experts as one
+    op: the outputs are the single process's eager ones."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-moe")
+    prompts = _prompts()
+    _, eager = _outputs(folder, prompts, enforce_eager=True)
+    _, compiled = _outputs(folder, prompts, enforce_eager=True, compilation_level=3,
+                           tensor_parallel_size=2)
+    _same(compiled, eager)
