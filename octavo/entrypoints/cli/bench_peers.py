@@ -40,13 +40,14 @@ def load_transformers(llm):
     from octavo.worker.worker import resolve_dtype
 
     source = llm.engine.source
-    dtype, _ = resolve_dtype(llm.engine.config.model.dtype, torch.device("cpu"))
+    device = torch.device(llm.engine.config.device.device)  # octavo's: the same GPU, or CPU
+    dtype, _ = resolve_dtype(llm.engine.config.model.dtype, device)
     if source.is_gguf:
         model = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.path.name,
                                                      dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def time_transformers(model, work: Workload, batch_size: int) -> Run:
@@ -65,6 +66,7 @@ def time_transformers(model, work: Workload, batch_size: int) -> Run:
                 ids[row, width - len(p):] = torch.tensor(p)
                 mask[row, width - len(p):] = 1
             longest = max(n for _, n in chunk)
+            ids, mask = ids.to(model.device), mask.to(model.device)
             model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
                            min_new_tokens=longest, pad_token_id=0)
             produced += sum(n for _, n in chunk)
