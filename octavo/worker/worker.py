@@ -131,6 +131,9 @@ class Worker:
             decode_stack.attach(model)
         if level and not model.is_encoder:
             compiled.compile_layers(model, level, str(cache_dir() / "compile"))
+        elif level:
+            logger.info("compilation level %d: %s is an encoder, whose forward runs eagerly "
+                        "(only decoder layers are compiled)", level, self.arch.architecture)
         sched = self.config.scheduler
         self.runner = ModelRunner(
             model, self.device, sched.max_num_seqs, self.max_model_len,
