@@ -25,7 +25,6 @@ from octavo.model.layers import opaque
 
 logger = logging.getLogger(__name__)
 
-LEVELS = (0, 1, 2, 3)
 _model_numbers = itertools.count()
 
 
@@ -36,9 +35,7 @@ def _run_layer(layer: nn.Module, positions: torch.Tensor, x: torch.Tensor) -> to
 def compile_layers(model: nn.Module, level: int, cache_dir: str) -> None:
     """Compile `model`'s decoder layers (a causal LM whose inner model has `layers` and a
     `compiled_layers` slot, which run_layers then calls); graphs are made at the first steps."""
-    inner = getattr(model, "model", None)
-    if level not in LEVELS[1:]:
-        raise ValueError(f"compilation_level must be one of {LEVELS}, got {level!r}")
+    inner = getattr(model, "model", None)  # level: 1-3, as DeviceConfig checked
     if inner is None or not hasattr(inner, "compiled_layers"):
         raise NotImplementedError(f"compilation_level {level}: {type(model).__name__} has no "
                                   "decoder layers octavo compiles")

@@ -42,13 +42,7 @@ from octavo.arch_config import ArchConfig
 from octavo.kernels import fused
 from octavo.model import context_parallel
 from octavo.model.context import ForwardContext, get_forward_context
-from octavo.model.layers.linear import (
-    Linear,
-    Span,
-    column_parallel,
-    even_span,
-    row_parallel,
-)
+from octavo.model.layers.linear import Linear, Span, column_parallel, even_span, row_parallel
 from octavo.model.layers.opaque import call_opaque
 
 CHUNK = 64  # tokens a triangular solve takes at once in a prompt chunk

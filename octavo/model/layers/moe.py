@@ -32,13 +32,7 @@ from octavo.distributed import parallel_state
 from octavo.kernels import onednn
 from octavo.model.context import step_lora, step_real_rows
 from octavo.model.layers.activation import gated_act
-from octavo.model.layers.linear import (
-    Linear,
-    Span,
-    column_parallel,
-    even_span,
-    row_parallel,
-)
+from octavo.model.layers.linear import Linear, Span, column_parallel, even_span, row_parallel
 from octavo.model.layers.opaque import call_opaque
 from octavo.model.layers.routing import Routing
 from octavo.model.quant.base import QuantMethod
