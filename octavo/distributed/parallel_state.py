@@ -232,9 +232,6 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of `x` over the tensor-parallel group, in place."""
     if _placement.tp_size == 1:
         return x
-    if torch.compiler.is_compiling():  # a graph (model/compiled.py) calls it as one op
-        torch.ops.octavo_parallel.tp_all_reduce(x)
-        return x
     if _tp_shm is not None and _tp_shm.fits(x):
         return _tp_shm.all_reduce(x)
     import torch.distributed as dist
@@ -247,13 +244,11 @@ def _tp_all_reduce_op(x: torch.Tensor) -> None:
 
 
 # tp_all_reduce as an op of torch's dispatcher, for the callers outside Python: the C++ decode
-# stack (model/decode_stack.py) calls it by this name after each row-parallel projection, and
-# compiled layers hold it as one op.
+# stack (model/decode_stack.py) calls it by this name after each row-parallel projection.
 TP_ALL_REDUCE_OP = "octavo_parallel::tp_all_reduce"
 _ops = torch.library.Library("octavo_parallel", "DEF")
 _ops.define("tp_all_reduce(Tensor(a!) x) -> ()")
 _ops.impl("tp_all_reduce", _tp_all_reduce_op, "CompositeExplicitAutograd")
-torch.library.register_fake(TP_ALL_REDUCE_OP, lambda x: None)
 
 
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

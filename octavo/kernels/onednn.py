@@ -58,29 +58,11 @@ def dense(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_dense() if weight.is_mkldnn else weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: bool | None = None) -> torch.Tensor:
-    """F.linear for a packed or plain weight; x [..., K] -> [..., N]. `packed`: whether the
-    weight is packed, where the caller knows it (torch.compile traces a packed weight as a
-    plain-looking fake tensor, whose is_mkldnn is False)."""
-    if not (weight.is_mkldnn if packed is None else packed):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a packed or plain weight; x [..., K] -> [..., N]."""
+    if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     if x.dtype != weight.dtype:
         raise TypeError(f"a packed {weight.dtype} weight needs {weight.dtype} activations, "
                         f"got {x.dtype}")
-    if torch.compiler.is_compiling():
-        # inductor would lower the pointwise op into a strided mm of a tensor that has no
-        # storage: the product stays one op the compiler does not look into.
-        return torch.ops.octavo.onednn_linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-@torch.library.custom_op("octavo::onednn_linear", mutates_args=())
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-@_packed_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -3,22 +3,26 @@
 under `--enforce-eager`; otherwise the few the decode stack does not take) run each layer as an
 inductor graph, one per kind of layer.
 
-What the compiler sees: everything in a layer but its attention, linear attention and routed
-experts, which run as opaque ops (model/layers/opaque.py), named by their path in the layer.
+What the compiler sees: everything in a layer but its attention, linear attention, routed
+experts and linear layers, which run as opaque ops (model/layers/opaque.py), named by their path
+in the layer: the norms, rotary embeddings, activations and residual sums between them.
 
-Graphs are cached on disk by inductor under `$OCTAVO_CACHE/compile` (its FX-graph and
-AOT-autograd caches), so a second start reuses the first one's compiled code; tracing the
-layer again is what a start still pays.
+Graphs are cached on disk by inductor under `$OCTAVO_CACHE/compile/<hash of octavo's model and
+kernel code>` (its FX-graph and AOT-autograd caches), so a second start reuses the first one's
+compiled code; tracing the layer again is what a start still pays.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
 import types
+from pathlib import Path
 
 import torch
 from torch import nn
+from torch.fx.experimental import _config as fx_config
 
 from octavo.model.decoder_layer import DecoderLayer
 from octavo.model.layers import opaque
@@ -26,10 +30,39 @@ from octavo.model.layers import opaque
 logger = logging.getLogger(__name__)
 
 _model_numbers = itertools.count()
+# The layers' code and the kernels' fakes (octavo/model, octavo/kernels).
+_TRACED_CODE = [Path(__file__).resolve().parent, Path(__file__).resolve().parents[1] / "kernels"]
 
 
 def _run_layer(layer: nn.Module, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return layer(positions, x)
+
+
+def _code_key() -> str:
+    """A hash of the Python the graphs are traced from. Inductor's cache keys a graph by its
+    own code, not by what its opaque ops' fakes said their outputs are: a graph cached before
+    such a change would be reused after it (a wrong output dtype there corrupted memory)."""
+    digest = hashlib.sha256()
+    for package in _TRACED_CODE:
+        for path in sorted(package.rglob("*.py")):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _start_compiler() -> None:
+    """What inductor does once a process before its first graph, made cheaper: on a warm cache
+    these were 2 s of a start's 4.6 s in the first step (SmolLM2, AMD EPYC Zen 4)."""
+    from torch._inductor import codecache
+    from torch._inductor import config as inductor_config
+
+    # Inductor builds a test library for each vector ISA the CPU's flags name and loads it in a
+    # child process (1.5 s a start); octavo's own kernels were built for this CPU by the same
+    # compiler, so the flags are taken as they stand.
+    inductor_config.cpp.vec_isa_ok = True
+    # The cache keys hash torch's and triton's sources (0.6 s): hashed in the background while
+    # the rest of the engine starts.
+    codecache.torch_key.prefetch()
+    codecache.triton_key.prefetch()
 
 
 def compile_layers(model: nn.Module, level: int, cache_dir: str) -> None:
@@ -39,7 +72,8 @@ def compile_layers(model: nn.Module, level: int, cache_dir: str) -> None:
     if inner is None or not hasattr(inner, "compiled_layers"):
         raise NotImplementedError(f"compilation_level {level}: {type(model).__name__} has no "
                                   "decoder layers octavo compiles")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, _code_key()))
+    _start_compiler()
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     opaque_modules = {id(layer): opaque.named(layer) for layer in layers}
     # One graph per kind of layer, not one of the whole stack: a model's layers are few kinds
@@ -59,9 +93,13 @@ def compile_layers(model: nn.Module, level: int, cache_dir: str) -> None:
                                                2 * len(layers))
 
     def run(stack: nn.ModuleList, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        for layer in stack:
-            with opaque.modules_of(opaque_modules[id(layer)]):
-                x = graph(layer, positions, x)
+        # Sizes that happen to be equal are not one symbol ("duck shapes"): a first step of as
+        # many tokens as the hidden size would tie the token count to it, and every other
+        # count would then need a graph of its own.
+        with fx_config.patch(use_duck_shape=False):
+            for layer in stack:
+                with opaque.modules_of(opaque_modules[id(layer)]):
+                    x = graph(layer, positions, x)
         return x
 
     inner.compiled_layers = run

@@ -21,7 +21,7 @@ from octavo.model import compiled, decode_stack
 from octavo.model.kv_spec import KVCacheSpec
 from octavo.model.layers.moe import FusedMoE, exchange_without_rows, tokens_per_rank
 from octavo.model.loader import load_model
-from octavo.model.loader.gemm_packing import StepwisePacking, pack_now
+from octavo.model.loader.gemm_packing import StepwisePacking
 from octavo.model.pipeline import stage_range
 from octavo.model.registry import model_class
 from octavo.model_source import ModelSource, cache_dir, resolve_model
@@ -122,10 +122,7 @@ class Worker:
                         len(mixtures))
         level = self.config.device.compilation_level
         if self.device.type == "cpu":
-            if level:  # the graphs are traced over the weights as they are: all packed first
-                pack_now(model, quantization)
-            else:
-                self.packing = StepwisePacking(model, quantization)
+            self.packing = StepwisePacking(model, quantization)
         if self.device.type == "cpu" and not self.config.device.enforce_eager \
                 and not model.is_encoder:
             decode_stack.attach(model)

@@ -17,8 +17,9 @@ FAMILIES = ["qwen3-next"]
 
 
 def _outputs(folder, prompts, **options):
+    options = {"max_num_batched_tokens": 64, **options}  # the long prompt spans chunks
     llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
-              max_num_batched_tokens=64, **options)  # the long prompt spans chunks
+              **options)
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
                                                 logprobs=2), use_tqdm=False)
     return llm, [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(
@@ -59,18 +60,21 @@ def test_compiled_layers_give_the_eager_outputs(tmp_path, smollm_oracle_folder, 
 
 def test_a_second_start_takes_its_graphs_from_the_cache(tmp_path, smollm_oracle_folder,
                                                         monkeypatch):
-    """The second engine's graphs are inductor's cached ones, and its outputs the first's."""
+    """The second engine's graphs are inductor's cached ones, and its outputs the first's
+    (packed int4 weights; a step of 187 tokens, then steps of 3 tokens: one graph)."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-qk-norm")
     prompts = _prompts()
-    _, eager = _outputs(folder, prompts, enforce_eager=True)
+    options = dict(enforce_eager=True, quantization="int4", max_num_batched_tokens=256)
+    _, eager = _outputs(folder, prompts, **options)
     counters.clear()
-    _, first = _outputs(folder, prompts, enforce_eager=True, compilation_level=1)
+    _, first = _outputs(folder, prompts, compilation_level=1, **options)
     assert counters["inductor"]["fxgraph_cache_miss"] > 0
+    assert counters["stats"]["unique_graphs"] == 1
     counters.clear()
-    _, second = _outputs(folder, prompts, enforce_eager=True, compilation_level=1)
+    _, second = _outputs(folder, prompts, compilation_level=1, **options)
     assert counters["inductor"]["fxgraph_cache_hit"] > 0
     assert counters["inductor"]["fxgraph_cache_miss"] == 0
     _same(first, eager)
@@ -79,8 +83,8 @@ def test_a_second_start_takes_its_graphs_from_the_cache(tmp_path, smollm_oracle_
 
 def test_compiled_layers_over_two_tensor_parallel_ranks(tmp_path, smollm_oracle_folder,
                                                         monkeypatch):
-    """Each rank's graphs hold the all-reduces of its row-parallel layers and experts as one
-    op: the outputs are the single process's eager ones."""
+    """Each rank's row-parallel layers and experts sum their outputs inside their opaque ops:
+    the outputs are the single process's eager ones."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-moe")
     prompts = _prompts()
@@ -88,3 +92,31 @@ def test_compiled_layers_over_two_tensor_parallel_ranks(tmp_path, smollm_oracle_
     _, compiled = _outputs(folder, prompts, enforce_eager=True, compilation_level=3,
                            tensor_parallel_size=2)
     _same(compiled, eager)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-next"])
+def test_opaque_modules_fakes_match_their_outputs(tmp_path, smollm_oracle_folder, name,
+                                                  monkeypatch):
+    """What a graph is traced with for each opaque module's output (`empty_output`) has the
+    shape and dtype its eager forward returns, in bfloat16 (DeepSeek's experts take float32
+    router logits: a fake of their dtype made inductor write twice the bytes of the output)."""
+    from octavo.model.layers.attention import PagedAttention
+    from octavo.model.layers.gated_delta_net import GatedDeltaNet
+    from octavo.model.layers.linear import Linear
+    from octavo.model.layers.moe import FusedMoE
+
+    seen = []
+    for cls in (Linear, PagedAttention, FusedMoE, GatedDeltaNet):
+        def recording(self, *inputs, _eager=cls.eager_forward):
+            out = _eager(self, *inputs)
+            fake = self.empty_output(*inputs)
+            seen.append((type(self).__name__, fake.dtype, fake.shape, out.dtype, out.shape))
+            return out
+        monkeypatch.setattr(cls, "eager_forward", recording)
+    folder, _ = _build(tmp_path, smollm_oracle_folder, name)
+    LLM(str(folder), dtype="bfloat16", max_model_len=256, kv_cache_memory=16 << 20,
+        enforce_eager=True).generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))
+    kinds = {kind for kind, *_ in seen}
+    assert kinds >= {"Linear", "PagedAttention" if name == "qwen3-next" else "FusedMoE"}
+    wrong = [s for s in seen if s[1:3] != s[3:5]]
+    assert not wrong, wrong[:3]

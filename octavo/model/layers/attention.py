@@ -51,8 +51,8 @@ class PagedAttention(nn.Module):
         """q: [T, H, D], k/v: [T, KVH, D] -> [T, H * D]"""
         return call_opaque(self, q, k, v)  # compiled graphs call it whole
 
-    def output_shape(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
-        return q.shape[0], q.shape[1] * q.shape[2]
+    def empty_output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
     def eager_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()

@@ -23,6 +23,7 @@ from torch import nn
 
 from octavo.distributed import parallel_state
 from octavo.model.context import step_lora
+from octavo.model.layers.opaque import call_opaque
 from octavo.model.quant.base import UNQUANTIZED, Loading, QuantMethod
 from octavo.model.quant.weights import LinearWeights
 
@@ -148,6 +149,14 @@ class Linear(nn.Module):
             self.quant_method.process_after_load(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Compiled graphs call it whole: a product's kernel is chosen by its rows and its weights'
+        # kind, and the adapters by the step, which traced would make a graph (and guards) each.
+        return call_opaque(self, x)
+
+    def empty_output(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], sum(self.shards))
+
+    def eager_forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weights.matmul(x)
         if self.lora is not None and (lora := step_lora()) is not None:
             y = self.lora.add_delta(x, y, lora.token_slot, lora.slots)  # partial sums, as y's

@@ -220,8 +220,8 @@ class FusedMoE(nn.Module):
         (csrc/decode_stack.h, moe) runs these same ops in this order."""
         return call_opaque(self, x, router_logits)  # compiled graphs: its rows depend on data
 
-    def output_shape(self, x: torch.Tensor, router_logits: torch.Tensor) -> tuple[int, ...]:
-        return tuple(x.shape)
+    def empty_output(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)  # x's dtype, not the logits' (a float32 router's)
 
     def eager_forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, experts = self.routing(router_logits)  # [T, k]

@@ -1,9 +1,11 @@
 """Modules a compiled graph calls whole: attention and linear attention read the step from the
-forward context (plans, block tables, batch rows, saved states), which changes every step.
-Traced, each step would make a new graph, and inductor's handling of their in-place cache
-writes gave wrong tokens (stop 41). They run instead as one opaque op, `octavo::opaque_module`,
-which looks the module up by name and calls its eager forward: the graph holds a call and
-nothing of the step (vLLM's attention is opaque the same way)."""
+forward context (plans, block tables, batch rows, saved states), which changes every step;
+routed experts route rows by data; a linear layer picks its kernel by the step's rows and its
+weights' kind, and its adapters by the step. Traced, each would make graphs (and guards) per
+case, and inductor's handling of attention's in-place cache writes gave wrong tokens (stop 41).
+They run instead as one opaque op, `octavo::opaque_module`, which looks the module up by name
+and calls its eager forward: the graph holds a call and nothing of the step (vLLM's attention
+and quantized products are opaque the same way)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,7 +22,7 @@ class OpaqueModule(Protocol):
 
     def eager_forward(self, *inputs: torch.Tensor) -> torch.Tensor: ...
 
-    def output_shape(self, *inputs: torch.Tensor) -> tuple[int, ...]: ...
+    def empty_output(self, *inputs: torch.Tensor) -> torch.Tensor: ...
 
 
 # The opaque modules of the layer whose graph is running (compiled.py enters them around each
@@ -39,14 +41,20 @@ def modules_of(modules: Mapping[str, nn.Module]) -> Iterator[None]:
         _running.pop()
 
 
-@torch.library.custom_op("octavo::opaque_module", mutates_args=())
-def opaque_module(inputs: list[torch.Tensor], name: str) -> torch.Tensor:
+def _opaque_module(inputs: list[torch.Tensor], name: str) -> torch.Tensor:
     return _running[-1][name].eager_forward(*inputs)
 
 
-@opaque_module.register_fake
-def _(inputs: list[torch.Tensor], name: str) -> torch.Tensor:
-    return inputs[-1].new_empty(_running[-1][name].output_shape(*inputs))
+def _opaque_module_shape(inputs: list[torch.Tensor], name: str) -> torch.Tensor:
+    return _running[-1][name].empty_output(*inputs)
+
+
+# Defined on torch's library directly rather than by torch.library.custom_op, whose Python
+# wrapper costs about 8 us a call more (a compiled layer makes five or more such calls).
+_ops = torch.library.Library("octavo", "FRAGMENT")
+_ops.define("opaque_module(Tensor[] inputs, str name) -> Tensor")
+_ops.impl("opaque_module", _opaque_module, "CompositeExplicitAutograd")
+torch.library.register_fake("octavo::opaque_module", _opaque_module_shape)
 
 
 def call_opaque(module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,6 @@ class DenseWeights(LinearWeights):
 
     def __init__(self, weight: torch.Tensor, small_batch: PackedWeight | None = None) -> None:
         self.weight = weight  # plain, or packed for oneDNN (opaque; onednn.dense gives it back)
-        self.packed = weight.is_mkldnn
         self.small_batch = small_batch
 
     @property
@@ -97,7 +96,7 @@ class DenseWeights(LinearWeights):
         if (small is not None and x.dim() == 2 and x.dtype == small.dtype
                 and x.shape[0] <= max_rows(small)):
             return small.matmul(x)
-        return onednn.linear(x, self.weight, packed=self.packed)
+        return onednn.linear(x, self.weight)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)  # an embedding's table is never packed for oneDNN
@@ -108,7 +107,6 @@ class DenseWeights(LinearWeights):
     def pack_for_onednn(self) -> None:
         """The weight in oneDNN's GEMM layout from here on: the same products, sooner."""
         self.weight = onednn.pack(self.weight.data)
-        self.packed = True
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"weight": self.weight}
