@@ -65,9 +65,26 @@ def _start_compiler() -> None:
     codecache.triton_key.prefetch()
 
 
-def compile_layers(model: nn.Module, level: int, cache_dir: str) -> None:
+class _Zeros:
+    """Stands in for an opaque module while the graphs are traced at load: the output it would
+    make, zeroed, without a step to read (there is none) or caches and states to touch."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def empty_output(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.module.empty_output(*inputs)
+
+    def eager_forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.module.empty_output(*inputs).zero_()
+
+
+def compile_layers(model: nn.Module, level: int, cache_dir: str, hidden_size: int,
+                   dtype: torch.dtype, device: torch.device) -> None:
     """Compile `model`'s decoder layers (a causal LM whose inner model has `layers` and a
-    `compiled_layers` slot, which run_layers then calls); graphs are made at the first steps."""
+    `compiled_layers` slot, which run_layers then calls). The graphs are made now, over
+    activations of `hidden_size` and `dtype` on `device`, so that the first requests do not
+    wait for them."""
     inner = getattr(model, "model", None)  # level: 1-3, as DeviceConfig checked
     if inner is None or not hasattr(inner, "compiled_layers"):
         raise NotImplementedError(f"compilation_level {level}: {type(model).__name__} has no "
@@ -92,16 +109,25 @@ def compile_layers(model: nn.Module, level: int, cache_dir: str) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                2 * len(layers))
 
-    def run(stack: nn.ModuleList, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def run(stack: nn.ModuleList, positions: torch.Tensor, x: torch.Tensor,
+            modules: dict[int, dict[str, nn.Module]] = opaque_modules) -> torch.Tensor:
         # Sizes that happen to be equal are not one symbol ("duck shapes"): a first step of as
         # many tokens as the hidden size would tie the token count to it, and every other
         # count would then need a graph of its own.
         with fx_config.patch(use_duck_shape=False):
             for layer in stack:
-                with opaque.modules_of(opaque_modules[id(layer)]):
+                with opaque.modules_of(modules[id(layer)]):
                     x = graph(layer, positions, x)
         return x
 
+    # Every layer over steps of two tokens and of one, its opaque modules giving zeros: the
+    # graphs real steps take (the same guards: grad mode, dtypes, layouts), made before any.
+    stand_ins = {key: {name: _Zeros(m) for name, m in named.items()}
+                 for key, named in opaque_modules.items()}
+    with torch.inference_mode():
+        for tokens in (2, 1):
+            run(layers, torch.zeros(tokens, dtype=torch.long, device=device),
+                torch.zeros(tokens, hidden_size, dtype=dtype, device=device), stand_ins)
     inner.compiled_layers = run
     logger.info("compilation level %d: the decoder layers' Python steps run as inductor graphs "
                 "(cached in %s)", level, os.environ["TORCHINDUCTOR_CACHE_DIR"])

@@ -127,7 +127,8 @@ class Worker:
                 and not model.is_encoder:
             decode_stack.attach(model)
         if level and not model.is_encoder:
-            compiled.compile_layers(model, level, str(cache_dir() / "compile"))
+            compiled.compile_layers(model, level, str(cache_dir() / "compile"),
+                                    self.arch.hidden_size, self.dtype, self.device)
         elif level:
             logger.info("compilation level %d: %s is an encoder, whose forward runs eagerly "
                         "(only decoder layers are compiled)", level, self.arch.architecture)

@@ -52,16 +52,17 @@ def test_compiled_layers_give_the_eager_outputs(tmp_path, smollm_oracle_folder, 
     _, compiled = _outputs(folder, prompts, enforce_eager=True, compilation_level=3)
     _same(compiled, eager)
     # Each layer is one graph (two per kind of layer: steps of several tokens, and of one;
-    # these models have at most two kinds): none runs in pieces or falls back to the eager
-    # layers after too many recompilations (which torch counts as a graph break).
-    assert counters["stats"]["unique_graphs"] <= 4
+    # this model has two kinds), all made at load: none runs in pieces or falls back to the
+    # eager layers after too many recompilations (which torch counts as a graph break), and
+    # no step needed one of its own.
+    assert counters["stats"]["unique_graphs"] == 4
     assert not counters["graph_break"]
 
 
 def test_a_second_start_takes_its_graphs_from_the_cache(tmp_path, smollm_oracle_folder,
                                                         monkeypatch):
     """The second engine's graphs are inductor's cached ones, and its outputs the first's
-    (packed int4 weights; a step of 187 tokens, then steps of 3 tokens: one graph)."""
+    (packed int4 weights)."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
@@ -72,7 +73,6 @@ def test_a_second_start_takes_its_graphs_from_the_cache(tmp_path, smollm_oracle_
     counters.clear()
     _, first = _outputs(folder, prompts, compilation_level=1, **options)
     assert counters["inductor"]["fxgraph_cache_miss"] > 0
-    assert counters["stats"]["unique_graphs"] == 1
     counters.clear()
     _, second = _outputs(folder, prompts, compilation_level=1, **options)
     assert counters["inductor"]["fxgraph_cache_hit"] > 0

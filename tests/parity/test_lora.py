@@ -325,13 +325,14 @@ def test_compiled_layers_take_adapters(llama):
     from torch._dynamo.utils import counters
 
     folder, adapters, prompts, expected = llama
+    counters.clear()
     llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
               max_num_batched_tokens=64, enable_lora=True, max_loras=2, max_lora_rank=16,
               enforce_eager=True, compilation_level=3)
+    # Two graphs (steps of several tokens, of one), made at load; the steps make none:
+    # adapters and the products' kernels are chosen inside opaque ops.
+    assert counters["stats"]["unique_graphs"] == 2
     cases = [(lora, j) for j in range(len(prompts)) for lora in [None, *adapters]]
-    counters.clear()
     _check(_generate(llm, cases, prompts), cases, expected)
-    # Two graphs (steps of several tokens, of one): adapters and the products' kernels are
-    # chosen inside opaque ops, not by graphs of their own.
     assert counters["stats"]["unique_graphs"] == 2
     assert not counters["graph_break"]
