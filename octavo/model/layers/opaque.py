@@ -17,8 +17,8 @@ from torch import nn
 
 
 class OpaqueModule(Protocol):
-    """A module the compiled graph calls as a whole: its eager forward over tensors, and the
-    shape of what that returns (for tracing, without running it)."""
+    """A module the compiled graph calls as a whole: its eager forward over tensors, and an
+    empty tensor of the shape and dtype that returns (for tracing, without running it)."""
 
     def eager_forward(self, *inputs: torch.Tensor) -> torch.Tensor: ...
 
@@ -45,7 +45,7 @@ def _opaque_module(inputs: list[torch.Tensor], name: str) -> torch.Tensor:
     return _running[-1][name].eager_forward(*inputs)
 
 
-def _opaque_module_shape(inputs: list[torch.Tensor], name: str) -> torch.Tensor:
+def _opaque_module_fake(inputs: list[torch.Tensor], name: str) -> torch.Tensor:
     return _running[-1][name].empty_output(*inputs)
 
 
@@ -54,7 +54,7 @@ def _opaque_module_shape(inputs: list[torch.Tensor], name: str) -> torch.Tensor:
 _ops = torch.library.Library("octavo", "FRAGMENT")
 _ops.define("opaque_module(Tensor[] inputs, str name) -> Tensor")
 _ops.impl("opaque_module", _opaque_module, "CompositeExplicitAutograd")
-torch.library.register_fake("octavo::opaque_module", _opaque_module_shape)
+torch.library.register_fake("octavo::opaque_module", _opaque_module_fake)
 
 
 def call_opaque(module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
