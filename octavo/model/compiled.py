@@ -113,8 +113,11 @@ def compile_layers(model: nn.Module, level: int, cache_dir: str, hidden_size: in
             modules: dict[int, dict[str, nn.Module]] = opaque_modules) -> torch.Tensor:
         # Sizes that happen to be equal are not one symbol ("duck shapes"): a first step of as
         # many tokens as the hidden size would tie the token count to it, and every other
-        # count would then need a graph of its own.
-        with fx_config.patch(use_duck_shape=False):
+        # count would then need a graph of its own. A layer's floats (norms' epsilons, scales)
+        # are constants of its graph: left to torch, the first model of a process took them as
+        # inputs and the next ones as constants, two graphs where the cache should give one.
+        with fx_config.patch(use_duck_shape=False), \
+                torch._dynamo.config.patch(specialize_float=True):
             for layer in stack:
                 with opaque.modules_of(modules[id(layer)]):
                     x = graph(layer, positions, x)
