@@ -91,6 +91,8 @@ def compile_layers(model: nn.Module, level: int, cache_dir: str, hidden_size: in
                                   "decoder layers octavo compiles")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, _code_key()))
     _start_compiler()
+    from torch._inductor import config as inductor_config  # not imported by an eager start
+
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     opaque_modules = {id(layer): opaque.named(layer) for layer in layers}
     # One graph per kind of layer, not one of the whole stack: a model's layers are few kinds
@@ -116,8 +118,11 @@ def compile_layers(model: nn.Module, level: int, cache_dir: str, hidden_size: in
         # count would then need a graph of its own. A layer's floats (norms' epsilons, scales)
         # are constants of its graph: left to torch, the first model of a process took them as
         # inputs and the next ones as constants, two graphs where the cache should give one.
+        # Fused kernels round where the eager ops round (bf16 after each op): the graphs give
+        # the eager layers' outputs exactly, in every dtype.
         with fx_config.patch(use_duck_shape=False), \
-                torch._dynamo.config.patch(specialize_float=True):
+                torch._dynamo.config.patch(specialize_float=True), \
+                inductor_config.patch(emulate_precision_casts=True):
             for layer in stack:
                 with opaque.modules_of(modules[id(layer)]):
                     x = graph(layer, positions, x)
