@@ -183,8 +183,8 @@ class DeviceConfig:
         "graph)"))
     compilation_level: int = field(default=0, metadata=_opt(
         "torch.compile the decoder layers' Python steps (prefill, mixed steps, every step under "
-        "--enforce-eager) into inductor graphs, cached on disk: 1-3 (alike: attention and "
-        "linear attention stay opaque ops), 0 runs them eagerly; vLLM's -O / "
+        "--enforce-eager) into inductor graphs, made at start and cached on disk: 1-3 (alike), 0 "
+        "runs them eagerly; vLLM's -O / "
         "compilation_config", choices=[0, 1, 2, 3], aliases=("-O",)))
 
     def __post_init__(self) -> None:

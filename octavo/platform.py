@@ -5,6 +5,7 @@ Every decision that depends on the CPU asks `cpu_platform()`, so that they canno
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -52,12 +53,6 @@ class CpuPlatform:
         return " ".join(sorted(self.flags))
 
 
-_platform: list[CpuPlatform] = []
-
-
+@functools.cache
 def cpu_platform() -> CpuPlatform:
-    # Read once, then a plain lookup: torch.compile traces the kernels' choices through this
-    # call, and would stop at the file read behind a functools.cache.
-    if not _platform:
-        _platform.append(CpuPlatform(read_cpu_flags()))
-    return _platform[0]
+    return CpuPlatform(read_cpu_flags())

@@ -120,12 +120,12 @@ class Worker:
                         "of its %d MoE layers", parallel_state.ep_rank(), parallel_state.ep_size(),
                         moe.first_expert, moe.first_expert + moe.num_local - 1, moe.num_experts,
                         len(mixtures))
-        level = self.config.device.compilation_level
-        if self.device.type == "cpu":
-            self.packing = StepwisePacking(model, quantization)
         if self.device.type == "cpu" and not self.config.device.enforce_eager \
                 and not model.is_encoder:
             decode_stack.attach(model)
+        if self.device.type == "cpu":
+            self.packing = StepwisePacking(model, quantization)
+        level = self.config.device.compilation_level
         if level and not model.is_encoder:
             compiled.compile_layers(model, level, str(cache_dir() / "compile"),
                                     self.arch.hidden_size, self.dtype, self.device)
