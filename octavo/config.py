@@ -182,10 +182,10 @@ class DeviceConfig:
         "model runs its whole decoder stack in one C++ call (the CPU analogue of a captured "
         "graph)"))
     compilation_level: int = field(default=0, metadata=_opt(
-        "torch.compile the decoder layers' Python steps (prefill, mixed steps, every step under "
-        "--enforce-eager) into inductor graphs, made at start and cached on disk: 1-3 (alike), 0 "
-        "runs them eagerly; vLLM's -O / "
-        "compilation_config", choices=[0, 1, 2, 3], aliases=("-O",)))
+        "run the decoder layers' Python steps (prefill, mixed steps, every step under "
+        "--enforce-eager) as compiled graphs (torch.export + AOTInductor, one per kind of layer, "
+        "made once and loaded from disk at later starts): 1-3 (alike), 0 runs them eagerly; "
+        "vLLM's -O / compilation_config", choices=[0, 1, 2, 3], aliases=("-O",)))
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):

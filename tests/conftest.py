@@ -1,7 +1,15 @@
 """Shared fixtures: the real catalog model and its transformers oracle, fetched once and cached."""
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from octavo.model_source import cache_dir
+
+# Inductor's own caches (its precompiled headers above all, half a minute to make) shared by every
+# test that compiles layers, including those that move $OCTAVO_CACHE to a folder of their own.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "compile" / "inductor"))
 
 
 @pytest.fixture(scope="session")

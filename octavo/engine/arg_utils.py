@@ -53,7 +53,7 @@ def compilation_level(config: Any) -> int:
     if settings:
         raise NotImplementedError(
             f"compilation_config: {', '.join(sorted(settings))} not supported (octavo takes "
-            "its level or mode: inductor over the decoder layers; no CUDA graphs yet)")
+            "its level or mode: AOTInductor graphs of the decoder layers; no CUDA graphs yet)")
     return int(level.value if hasattr(level, "value") else level)
 
 

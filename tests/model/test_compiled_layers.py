@@ -1,12 +1,14 @@
-"""torch.compile of the decoder layers (compilation_level 1-3): the compiled graphs give the
-tokens and logprobs of the eager layers, on every step kind, and a second start takes its
-graphs from inductor's cache on disk instead of compiling them again."""
+"""Compiled decoder layers (compilation_level 1-3): the AOTInductor graphs give the tokens and
+logprobs of the eager layers, on every step kind, a second start loads its graphs from the disk
+instead of making them again, and a layer its kind's graph does not reproduce is refused."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from octavo import LLM, SamplingParams
+from octavo.model import compiled
+from octavo.worker import worker as worker_module
 from tests.parity.test_tiny_models import _build
 
 # Qwen3-Next's layers hold every kind of opaque module (attention, linear attention, routed
@@ -26,6 +28,10 @@ def _outputs(folder, prompts, **options):
         o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outs]
 
 
+def _compiled_layers(llm):
+    return llm.engine.client.core.executor.worker.runner.model.model.compiled_layers
+
+
 def _same(got, expected):
     for (tokens, lps), (ref_tokens, ref_lps) in zip(got, expected):
         assert tokens == ref_tokens
@@ -38,32 +44,22 @@ def _prompts():
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_compiled_layers_give_the_eager_outputs(tmp_path, smollm_oracle_folder, name,
-                                                monkeypatch):
+def test_compiled_layers_give_the_eager_outputs(tmp_path, smollm_oracle_folder, name):
     """Every step through the graphs (enforce_eager: no decode stack): chunked prefill, mixed
     steps, single-token and several-token decodes."""
-    from torch._dynamo.utils import counters
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     folder, _ = _build(tmp_path, smollm_oracle_folder, name)
     prompts = _prompts()
     _, eager = _outputs(folder, prompts, enforce_eager=True)
-    counters.clear()
-    _, compiled = _outputs(folder, prompts, enforce_eager=True, compilation_level=3)
-    _same(compiled, eager)
-    # Each layer is one graph (two per kind of layer: steps of several tokens, and of one;
-    # this model has two kinds), all made at load: none runs in pieces or falls back to the
-    # eager layers after too many recompilations (which torch counts as a graph break), and
-    # no step needed one of its own.
-    assert counters["stats"]["unique_graphs"] == 4
-    assert not counters["graph_break"]
+    llm, got = _outputs(folder, prompts, enforce_eager=True, compilation_level=3)
+    _same(got, eager)
+    # One graph per kind of layer, for every token count (this model has two kinds: linear
+    # attention and full attention layers).
+    assert _compiled_layers(llm).kinds == 2
 
 
-def test_compiled_bfloat16_layers_give_the_eager_outputs_exactly(tmp_path, smollm_oracle_folder,
-                                                                monkeypatch):
+def test_compiled_bfloat16_layers_give_the_eager_outputs_exactly(tmp_path, smollm_oracle_folder):
     """In bfloat16 the graphs round where the eager ops do: the same tokens and logprobs (a
     fused kernel rounding once had moved this model's logprobs by 0.016 and one token)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-moe")
     prompts = _prompts()
     _, eager = _outputs(folder, prompts, enforce_eager=True, dtype="bfloat16")
@@ -72,33 +68,47 @@ def test_compiled_bfloat16_layers_give_the_eager_outputs_exactly(tmp_path, smoll
     assert compiled == eager
 
 
-def test_a_second_start_takes_its_graphs_from_the_cache(tmp_path, smollm_oracle_folder,
-                                                        monkeypatch):
-    """The second engine's graphs are inductor's cached ones, and its outputs the first's
-    (packed int4 weights)."""
-    from torch._dynamo.utils import counters
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+def test_a_second_start_loads_its_graphs_from_the_disk(tmp_path, smollm_oracle_folder,
+                                                       monkeypatch):
+    """The first engine makes its graph and packages it under $OCTAVO_CACHE/compile (here a
+    folder of the test's own); the second loads it, and its outputs are the first's (packed
+    int4 weights)."""
+    monkeypatch.setattr(worker_module, "cache_dir", lambda: tmp_path / "cache")
     folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-qk-norm")
     prompts = _prompts()
     options = dict(enforce_eager=True, quantization="int4", max_num_batched_tokens=256)
     _, eager = _outputs(folder, prompts, **options)
-    counters.clear()
-    _, first = _outputs(folder, prompts, compilation_level=1, **options)
-    assert counters["inductor"]["fxgraph_cache_miss"] > 0
-    counters.clear()
-    _, second = _outputs(folder, prompts, compilation_level=1, **options)
-    assert counters["inductor"]["fxgraph_cache_hit"] > 0
-    assert counters["inductor"]["fxgraph_cache_miss"] == 0
+    llm, first = _outputs(folder, prompts, compilation_level=1, **options)
+    assert _compiled_layers(llm).made == 1
+    packages = list((tmp_path / "cache" / "compile").glob("*/*.pt2"))
+    assert len(packages) == 1  # whole: no partial file left beside it
+    llm, second = _outputs(folder, prompts, compilation_level=1, **options)
+    assert _compiled_layers(llm).made == 0
     _same(first, eager)
     _same(second, eager)
 
 
-def test_compiled_layers_over_two_tensor_parallel_ranks(tmp_path, smollm_oracle_folder,
-                                                        monkeypatch):
+def test_a_layer_its_kinds_graph_does_not_reproduce_is_refused(tmp_path, smollm_oracle_folder,
+                                                              monkeypatch):
+    """Each layer is checked against its kind's graph at load: were a setting missing from the
+    kind's key (here every layer is made one kind while layer 1 scales its residuals), the
+    start fails naming the layer instead of running it wrongly."""
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "llama-default")
+    llm = LLM(str(folder), dtype="float32", max_model_len=64, kv_cache_memory=8 << 20,
+              enforce_eager=True)
+    worker = llm.engine.client.core.executor.worker
+    model = worker.runner.model
+    layer = model.model.layers[1]
+    layer.residual_scale, layer._spec = 0.5, None
+    monkeypatch.setattr(compiled, "_kind", lambda *args: "one-kind")
+    with pytest.raises(RuntimeError, match="decoder layer 1 .* differs from its kind's graph"):
+        compiled.compile_layers(model, 3, str(tmp_path / "cache" / "compile"),
+                                worker.arch.hidden_size, torch.float32, torch.device("cpu"))
+
+
+def test_compiled_layers_over_two_tensor_parallel_ranks(tmp_path, smollm_oracle_folder):
     """Each rank's row-parallel layers and experts sum their outputs inside their opaque ops:
-    the outputs are the single process's eager ones."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    the outputs are the single process's eager ones (the ranks make their graph once)."""
     folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-moe")
     prompts = _prompts()
     _, eager = _outputs(folder, prompts, enforce_eager=True)

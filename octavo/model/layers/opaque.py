@@ -27,7 +27,7 @@ class OpaqueModule(Protocol):
 
 # The opaque modules of the layer whose graph is running (compiled.py enters them around each
 # call), by the name the graph calls them by: their path in the layer, the same in every layer
-# of a kind and every instance of the model, so one graph (and inductor's cache of it) serves
+# of a kind and every instance of the model, so one graph (and its package on disk) serves
 # them all.
 _running: list[Mapping[str, nn.Module]] = []
 
@@ -58,7 +58,7 @@ torch.library.register_fake("octavo::opaque_module", _opaque_module_fake)
 
 
 def call_opaque(module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
-    """module's forward: itself where nothing is being compiled, else the opaque op's call."""
+    """module's forward: itself where nothing is being traced, else the opaque op's call."""
     if not torch.compiler.is_compiling():
         return module.eager_forward(*inputs)
     name = getattr(module, "opaque_name", None)
