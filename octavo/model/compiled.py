@@ -12,9 +12,9 @@ layer of its kind.
 How a graph is made (once per kind of layer and machine): `torch.export` traces the layer with
 a dynamic token count, AOTInductor compiles it to a shared library packaged under
 `$OCTAVO_CACHE/compile/<hash of octavo's model and kernel code>/<kind>.pt2`. A start loads the
-packages through torch's C++ loader, without importing dynamo or inductor (2.5 s of a start
-when graphs came from torch.compile's caches, tracing included) and without tracing anything;
-a graph's call runs no Python guards.
+packages through torch's C++ loader, without importing dynamo or inductor and without tracing
+anything (torch.compile's caches keep only compiled code: a start still imported the compiler
+and traced each kind of layer again); a graph's call runs no Python guards.
 
 A kind of layer is what decides its graph: its modules' types and settings, its tensors'
 shapes, and what its opaque modules take and return. Every layer is checked against its graph
@@ -179,9 +179,14 @@ def _compile(layer: nn.Module, modules: dict[str, nn.Module], tensors: dict[str,
     os.close(handle)
     try:
         # Fused kernels round where the eager ops round (bf16 after each op): the graphs give
-        # the eager layers' outputs exactly, in every dtype.
-        with opaque.modules_of(modules), inductor_config.patch(emulate_precision_casts=True):
+        # the eager layers' outputs exactly, in every dtype. Their kernels run on one thread:
+        # the layer's heavy work is in octavo's kernels and torch's ops, threaded by torch's
+        # OpenMP pool, and inductor's code would start a second pool (the system's libgomp)
+        # spinning beside it.
+        with opaque.modules_of(modules), inductor_config.patch(
+                {"emulate_precision_casts": True, "cpp.threads": 1}):
             torch._inductor.aoti_compile_and_package(program, package_path=partial)
+        os.chmod(partial, 0o644)
         os.replace(partial, package)
     finally:
         if os.path.exists(partial):
@@ -194,7 +199,7 @@ class _Graph:
     def __init__(self, package: Path, device: torch.device) -> None:
         index = device.index if device.type == "cuda" and device.index is not None else -1
         # torch's C++ loader (what torch._inductor.aoti_load_package wraps): importing
-        # torch._inductor would import dynamo, 1.2 s of a start.
+        # torch._inductor would import dynamo, most of a compiled start's cost.
         self.loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", True, 1,
                                                             index)
 
