@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 _TRACED_CODE = [Path(__file__).resolve().parent, Path(__file__).resolve().parents[1] / "kernels"]
 _PROBE_TOKENS = (3, 1)  # the check's steps: several tokens, and the single token of decodes
 _MAX_TOKENS = 1 << 20  # the graphs' bound on a step's token count
+_PARTIAL = ".partial.pt2"  # a package being written (inductor wants the .pt2 suffix)
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
@@ -174,8 +175,8 @@ def _compile(layer: nn.Module, modules: dict[str, nn.Module], tensors: dict[str,
             f"compilation_level: {type(layer).__name__} holds tensors that are neither "
             f"parameters nor buffers ({sorted(program.constants)}); a graph would keep one "
             "layer's values for all")
-    package.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(dir=package.parent, suffix=".partial.pt2")
+    handle, partial = tempfile.mkstemp(dir=package.parent, prefix=f"{package.stem}.",
+                                       suffix=_PARTIAL)
     os.close(handle)
     try:
         # Fused kernels round where the eager ops round (bf16 after each op): the graphs give
@@ -221,6 +222,11 @@ def _graph(key: str, folder: Path, layer: nn.Module, modules: dict[str, nn.Modul
     with FileLock(str(folder / f"{key}.lock")):
         made = not package.exists()
         if made:
+            # What a process killed while making this kind's graph left (the lock is ours).
+            for stale in folder.glob(f"{key}.*{_PARTIAL}"):
+                stale.unlink()
+            logger.info("compilation level: making the graph of %s's kind of layer (once: "
+                        "later starts load it)", type(layer).__name__)
             _compile(layer, modules, tensors, probe, package)
     return _Graph(package, device), made
 

@@ -71,21 +71,51 @@ def test_compiled_bfloat16_layers_give_the_eager_outputs_exactly(tmp_path, smoll
 def test_a_second_start_loads_its_graphs_from_the_disk(tmp_path, smollm_oracle_folder,
                                                        monkeypatch):
     """The first engine makes its graph and packages it under $OCTAVO_CACHE/compile (here a
-    folder of the test's own); the second loads it, and its outputs are the first's (packed
-    int4 weights)."""
+    folder of the test's own), clearing what a killed process left half-written there; the
+    second loads it, and its outputs are the first's (packed int4 weights)."""
     monkeypatch.setattr(worker_module, "cache_dir", lambda: tmp_path / "cache")
+    packages = tmp_path / "cache" / "compile" / compiled._code_key()
+    kind = compiled._kind
+
+    def kind_a_killed_process_was_making(*args):
+        key = kind(*args)
+        if not (packages / f"{key}.pt2").exists():
+            packages.mkdir(parents=True, exist_ok=True)
+            (packages / f"{key}.killed{compiled._PARTIAL}").touch()
+        return key
+
     folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-qk-norm")
     prompts = _prompts()
     options = dict(enforce_eager=True, quantization="int4", max_num_batched_tokens=256)
     _, eager = _outputs(folder, prompts, **options)
+    monkeypatch.setattr(compiled, "_kind", kind_a_killed_process_was_making)
     llm, first = _outputs(folder, prompts, compilation_level=1, **options)
     assert _compiled_layers(llm).made == 1
-    packages = list((tmp_path / "cache" / "compile").glob("*/*.pt2"))
-    assert len(packages) == 1  # whole: no partial file left beside it
+    files = sorted(f.name for f in packages.iterdir() if f.suffix != ".lock")
+    assert len(files) == 1 and files[0].endswith(".pt2") and "partial" not in files[0]
     llm, second = _outputs(folder, prompts, compilation_level=1, **options)
     assert _compiled_layers(llm).made == 0
     _same(first, eager)
     _same(second, eager)
+
+
+def test_a_failed_compilation_leaves_no_file(tmp_path, smollm_oracle_folder, monkeypatch):
+    """The compiler failing halfway through its package: the start fails with its error, and
+    nothing is left that a later start could load."""
+    monkeypatch.setattr(worker_module, "cache_dir", lambda: tmp_path / "cache")
+
+    def failing(program, package_path):
+        with open(package_path, "wb") as f:
+            f.write(b"half a package")
+        raise RuntimeError("the C++ compiler was killed")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", failing)
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "llama-default")
+    with pytest.raises(RuntimeError, match="the C\\+\\+ compiler was killed"):
+        LLM(str(folder), dtype="float32", max_model_len=64, kv_cache_memory=8 << 20,
+            enforce_eager=True, compilation_level=3)
+    packages = tmp_path / "cache" / "compile" / compiled._code_key()
+    assert [f.name for f in packages.iterdir() if f.suffix != ".lock"] == []
 
 
 def test_a_layer_its_kinds_graph_does_not_reproduce_is_refused(tmp_path, smollm_oracle_folder,
