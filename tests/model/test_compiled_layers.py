@@ -70,18 +70,19 @@ def test_compiled_bfloat16_layers_give_the_eager_outputs_exactly(tmp_path, smoll
 
 def test_a_second_start_loads_its_graphs_from_the_disk(tmp_path, smollm_oracle_folder,
                                                        monkeypatch):
-    """The first engine makes its graph and packages it under $OCTAVO_CACHE/compile (here a
-    folder of the test's own), clearing what a killed process left half-written there; the
-    second loads it, and its outputs are the first's (packed int4 weights)."""
+    """The first engine makes its graph (a library and its table of opaque calls) under
+    $OCTAVO_CACHE/compile (here a folder of the test's own), clearing what a killed process
+    left half-made there; the second loads it, and its outputs are the first's (packed int4
+    weights)."""
     monkeypatch.setattr(worker_module, "cache_dir", lambda: tmp_path / "cache")
     packages = tmp_path / "cache" / "compile" / compiled._code_key()
     kind = compiled._kind
 
     def kind_a_killed_process_was_making(*args):
         key = kind(*args)
-        if not (packages / f"{key}.pt2").exists():
-            packages.mkdir(parents=True, exist_ok=True)
-            (packages / f"{key}.killed{compiled._PARTIAL}").touch()
+        if not (packages / f"{key}.so").exists():
+            (packages / f"{key}.killed{compiled._PARTIAL}").mkdir(parents=True, exist_ok=True)
+            (packages / f"{key}.killed{compiled._PARTIAL}" / "graph.pt2").touch()
         return key
 
     folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-qk-norm")
@@ -91,8 +92,8 @@ def test_a_second_start_loads_its_graphs_from_the_disk(tmp_path, smollm_oracle_f
     monkeypatch.setattr(compiled, "_kind", kind_a_killed_process_was_making)
     llm, first = _outputs(folder, prompts, compilation_level=1, **options)
     assert _compiled_layers(llm).made == 1
-    files = sorted(f.name for f in packages.iterdir() if f.suffix != ".lock")
-    assert len(files) == 1 and files[0].endswith(".pt2") and "partial" not in files[0]
+    files = [f.name for f in packages.iterdir() if f.suffix != ".lock"]
+    assert sorted(f.rpartition(".")[2] for f in files) == ["json", "so"]  # nothing else
     llm, second = _outputs(folder, prompts, compilation_level=1, **options)
     assert _compiled_layers(llm).made == 0
     _same(first, eager)
@@ -136,14 +137,19 @@ def test_a_layer_its_kinds_graph_does_not_reproduce_is_refused(tmp_path, smollm_
                                 worker.arch.hidden_size, torch.float32, torch.device("cpu"))
 
 
-def test_compiled_layers_over_two_tensor_parallel_ranks(tmp_path, smollm_oracle_folder):
-    """Each rank's row-parallel layers and experts sum their outputs inside their opaque ops:
-    the outputs are the single process's eager ones (the ranks make their graph once)."""
+@pytest.mark.parametrize("parallel", [
+    {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
+    {"prefill_context_parallel_size": 2, "decode_context_parallel_size": 2}],
+    ids=["tensor", "pipeline", "context"])
+def test_compiled_layers_over_two_ranks(tmp_path, smollm_oracle_folder, parallel):
+    """Each rank runs its layers' graphs: tensor-parallel layers and experts sum their outputs
+    inside their opaque ops, a pipeline stage compiles its own layers, context-parallel
+    attention exchanges its keys inside its op. The outputs are the single process's eager
+    ones."""
     folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-moe")
     prompts = _prompts()
     _, eager = _outputs(folder, prompts, enforce_eager=True)
-    _, compiled = _outputs(folder, prompts, enforce_eager=True, compilation_level=3,
-                           tensor_parallel_size=2)
+    _, compiled = _outputs(folder, prompts, enforce_eager=True, compilation_level=3, **parallel)
     _same(compiled, eager)
 
 
