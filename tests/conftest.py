@@ -7,8 +7,8 @@ import pytest
 
 from octavo.model_source import cache_dir
 
-# Inductor's own caches (its precompiled headers above all, half a minute to make) shared by every
-# test that compiles layers, including those that move $OCTAVO_CACHE to a folder of their own.
+# Inductor's own caches (its precompiled headers above all, slow to make) shared by every
+# test that compiles layers, including those that keep their graphs in a folder of their own.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "compile" / "inductor"))
 
 

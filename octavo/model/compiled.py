@@ -13,17 +13,18 @@ How a graph is made (once per kind of layer and machine): `torch.export` traces 
 a dynamic token count, AOTInductor compiles it to a shared library kept as
 `$OCTAVO_CACHE/compile/<hash of octavo's model and kernel code>/<kind>.so`. A start loads the
 libraries through torch's C++ runner, without importing dynamo or inductor and without tracing
-anything (torch.compile's caches keep only compiled code: a start still imported the compiler
-and traced each kind of layer again); a graph's call runs no Python guards.
+anything; a graph's call runs no Python guards.
 
-A kind of layer is what decides its graph: its modules' types and settings, its tensors'
-shapes, and what its opaque modules take and return. Every layer is checked against its graph
-at load (opaque modules answering with a function of their inputs): a layer its kind's graph
-does not reproduce is an error, never a silently wrong step.
+A kind of layer is what decides its graph: its modules' types and settings, its description
+(model/layer_spec.py), its tensors' shapes, what its opaque modules take and return, and
+whether octavo's C++ kernels are loaded. Every layer is also checked against its graph at load
+(opaque modules answering with a function of their inputs): a layer its kind's graph does not
+reproduce there is an error naming it.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import hashlib
@@ -32,8 +33,8 @@ import logging
 import os
 import shutil
 import tempfile
-import zipfile
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from octavo.kernels import fused
 from octavo.model.decoder_layer import DecoderLayer
 from octavo.model.layers import opaque
 from octavo.platform import cpu_platform
@@ -66,27 +68,42 @@ def _code_key() -> str:
 
 
 def _machine_key(device: torch.device) -> str:
-    """What a compiled library depends on beyond the layer: torch, and the CPU's instructions
-    (inductor compiles for this CPU's vector ISA) or the GPU."""
+    """What a compiled library depends on beyond the layer: torch, the CPU's instructions
+    (inductor compiles for this CPU's vector ISA) or the GPU, and whether octavo's C++ kernels
+    are loaded (the layers' norms and rotary call them where they are, torch's ops where not:
+    two different graphs)."""
     if device.type == "cuda":
         target = torch.cuda.get_device_name(device)
     else:
         target = cpu_platform().key()
-    return f"{torch.__version__} {device.type} {target}"
+    return f"{torch.__version__} {device.type} {target} native={fused.native_ready()}"
 
 
-def _setting(value: Any) -> Any:
-    """A module attribute as it enters the key of its layer's kind (None where it is state a
-    graph does not see: tensors and caches made while running)."""
+def _setting(value: Any, depth: int = 0) -> Any:
+    """A setting (a module's attribute, a field of the layer's description) as it enters the key
+    of its layer's kind: plain values as they are, functions by name and captured values,
+    other objects by type and attributes. Tensors and modules by type: the layer's tensors
+    enter the key by shape, its modules by their own settings."""
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, enum.Enum):
         return str(value)
+    if isinstance(value, (torch.Tensor, nn.Module)) or depth > 3:
+        return type(value).__qualname__
     if isinstance(value, (tuple, list)):
-        return tuple(_setting(v) for v in value)
+        return tuple(_setting(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _setting(v, depth + 1)) for k, v in value.items()))
+    if isinstance(value, functools.partial):
+        return _setting((value.func, value.args, value.keywords), depth + 1)
+    name = f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+    if hasattr(value, "__code__"):  # a function: what it closes over decides what it does
+        return name, _setting([c.cell_contents for c in value.__closure__ or ()], depth + 1)
     if callable(value) and hasattr(value, "__qualname__"):
-        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
-    return None
+        return name
+    attributes = {k: v for k, v in getattr(value, "__dict__", {}).items()
+                  if not k.startswith("_")}
+    return type(value).__qualname__, _setting(attributes, depth + 1)
 
 
 def _own_tensors(layer: nn.Module, modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
@@ -108,6 +125,9 @@ def _kind(layer: nn.Module, modules: dict[str, nn.Module], tensors: dict[str, to
         settings = () if path in modules else tuple(sorted(
             (k, _setting(v)) for k, v in vars(module).items() if not k.startswith("_")))
         parts.append((path, type(module).__module__, type(module).__qualname__, settings))
+    description = layer.described()
+    parts.append(tuple((field.name, _setting(getattr(description, field.name)))
+                       for field in dataclasses.fields(description)))
     parts.extend((name, tuple(t.shape), t.stride(), t.dtype) for name, t in tensors.items())
     parts.extend(calls)
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
@@ -168,7 +188,8 @@ def _compile(layer: nn.Module, modules: dict[str, nn.Module], tensors: dict[str,
 
     tokens = Dim("tokens", min=1, max=_MAX_TOKENS)
     names = list(tensors)
-    # The opaque ops' outputs, while the layer is traced and while inductor compiles it.
+    # The opaque op's fake looks its module up among the running ones, while export traces the
+    # layer and again while inductor compiles it. Export refuses inference mode (the load's).
     with opaque.modules_of(modules), torch.inference_mode(False), torch.no_grad():
         program = torch.export.export(
             _Flat(layer, names), (list(tensors.values()), *probe),
@@ -184,8 +205,8 @@ def _compile(layer: nn.Module, modules: dict[str, nn.Module], tensors: dict[str,
     # temporary folder at every start, and leave it there where a process exits without
     # running its destructors (engine processes do).
     with tempfile.TemporaryDirectory(dir=folder, prefix=f"{key}.", suffix=_PARTIAL) as work:
-        # Fused kernels round where the eager ops round (bf16 after each op): the graphs give
-        # the eager layers' outputs exactly, in every dtype. Their kernels run on one thread:
+        # Fused kernels round where the eager ops round (bf16 after each op): in bf16 the graphs
+        # give the eager layers' outputs exactly (tested). Their kernels run on one thread:
         # the layer's heavy work is in octavo's kernels and torch's ops, threaded by torch's
         # OpenMP pool, and inductor's code would start a second pool (the system's libgomp)
         # spinning beside it. On a GPU the kernels' binaries go inside the library.
@@ -200,6 +221,7 @@ def _compile(layer: nn.Module, modules: dict[str, nn.Module], tensors: dict[str,
                 with package.open(member) as source, \
                         open(os.path.join(work, key + suffix), "wb") as target:
                     shutil.copyfileobj(source, target)
+                    os.fsync(target.fileno())  # whole on disk before it is named
                 os.chmod(os.path.join(work, key + suffix), 0o644)
                 os.replace(os.path.join(work, key + suffix), folder / (key + suffix))
 
@@ -209,6 +231,7 @@ class _Graph:
     the opaque calls for torch's runner)."""
 
     def __init__(self, library: Path, device: torch.device) -> None:
+        self.library = library
         # torch's C++ runners (what torch._export.aot_load uses): importing torch._inductor
         # would import dynamo, most of a compiled start's cost.
         if device.type == "cuda":
@@ -229,11 +252,11 @@ def _graph(key: str, folder: Path, layer: nn.Module, modules: dict[str, nn.Modul
     from torch.utils._filelock import FileLock
 
     library = folder / f"{key}.so"
-    if library.exists():
+    if library.exists() and library.with_suffix(".json").exists():
         return _Graph(library, device), False
     folder.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder / f"{key}.lock")):
-        made = not library.exists()
+        made = not (library.exists() and library.with_suffix(".json").exists())
         if made:
             # What a process killed while making this kind's graph left (the lock is ours).
             for stale in folder.glob(f"{key}.*{_PARTIAL}"):
@@ -291,7 +314,7 @@ def compile_layers(model: nn.Module, level: int, cache_dir: str, hidden_size: in
             _check(number, layer, graphs[key], inputs, modules, probes, expected)
             runs[id(layer)] = graphs[key], inputs, modules
 
-    inner.compiled_layers = CompiledLayers(runs, len(graphs), made)
+    inner.compiled_layers = CompiledLayers(runs, len(graphs), made, dtype)
     logger.info("compilation level %d: %d decoder layers run as %d AOTInductor graphs (%d made, "
                 "the rest loaded from %s) in %.2f s", level, len(layers), len(graphs), made,
                 folder, time.perf_counter() - start)
@@ -301,13 +324,20 @@ class CompiledLayers:
     """A model's decoder layers as their graphs (what run_layers calls)."""
 
     def __init__(self, runs: dict[int, tuple[_Graph, list[torch.Tensor], dict[str, nn.Module]]],
-                 kinds: int, made: int) -> None:
+                 kinds: int, made: int, dtype: torch.dtype) -> None:
+        self.dtype = dtype  # the activations' (the graphs were made for it)
         self.runs = runs  # by the layer's id: its graph, own tensors and opaque modules
         self.kinds = kinds  # graphs, one per kind of layer
         self.made = made  # of which made at this start (the rest loaded)
 
     def __call__(self, stack: nn.ModuleList, positions: torch.Tensor,
                  x: torch.Tensor) -> torch.Tensor:
+        # The libraries do not check their inputs (torch's runner leaves that to a debug build)
+        if x.dtype != self.dtype or not x.is_contiguous() or positions.dtype != torch.int64 \
+                or not x.shape[0]:
+            raise RuntimeError(f"compiled layers take contiguous {self.dtype} activations of at "
+                               f"least one token at int64 positions, got {x.dtype} "
+                               f"{tuple(x.shape)} at {positions.dtype}")
         for layer in stack:
             graph, inputs, modules = self.runs[id(layer)]
             with opaque.modules_of(modules):
@@ -328,8 +358,8 @@ def _check(number: int, layer: nn.Module, graph: _Graph, inputs: list[torch.Tens
             with _echoing(modules, []):
                 got = graph([*inputs, *probe])
         except RuntimeError as error:
-            raise RuntimeError(f"{where}: its kind's graph fails ({error}); the key of its "
-                               "kind misses a setting") from error
+            raise RuntimeError(f"{where}: its kind's graph ({graph.library}) fails: "
+                               f"{error}") from error
         error = (got.float() - want.float()).abs().max().item() if got.shape == want.shape \
             else float("inf")
         if not error <= tolerance * (1 + want.abs().max().item()):

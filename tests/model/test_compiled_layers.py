@@ -13,7 +13,7 @@ from tests.parity.test_tiny_models import _build
 
 # Qwen3-Next's layers hold every kind of opaque module (attention, linear attention, routed
 # experts) and the Python state a graph must not keep (its (1 + w) norms, the rotary angles);
-# the cache test's model is a Llama-family one and the tensor-parallel test's a Qwen3-MoE.
+# the cache test's model is a Llama-family one and the parallel tests' a Qwen3-MoE.
 # Every tiny family passes (docs/performance.md); these three keep the suite's time.
 FAMILIES = ["qwen3-next"]
 
@@ -98,6 +98,23 @@ def test_a_second_start_loads_its_graphs_from_the_disk(tmp_path, smollm_oracle_f
     assert _compiled_layers(llm).made == 0
     _same(first, eager)
     _same(second, eager)
+
+
+def test_a_start_without_the_cpp_kernels_makes_graphs_of_its_own(tmp_path, smollm_oracle_folder,
+                                                                 monkeypatch):
+    """Whether octavo's C++ kernels are loaded decides what a layer's norms and rotary call
+    (their ops, or torch's): a start without them does not load the graphs made with them,
+    and its own give its eager layers' outputs."""
+    monkeypatch.setattr(worker_module, "cache_dir", lambda: tmp_path / "cache")
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "llama-default")
+    prompts = _prompts()
+    llm, _ = _outputs(folder, prompts, enforce_eager=True, compilation_level=3)
+    assert _compiled_layers(llm).made == 1
+    _, eager = _outputs(folder, prompts, enforce_eager=True, native_kernels="off")
+    llm, got = _outputs(folder, prompts, enforce_eager=True, compilation_level=3,
+                        native_kernels="off")
+    assert _compiled_layers(llm).made == 1
+    _same(got, eager)
 
 
 def test_a_failed_compilation_leaves_no_file(tmp_path, smollm_oracle_folder, monkeypatch):

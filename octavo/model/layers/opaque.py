@@ -63,8 +63,8 @@ def call_opaque(module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
         return module.eager_forward(*inputs)
     name = getattr(module, "opaque_name", None)
     if name is None:
-        raise RuntimeError(f"{type(module).__name__} is traced by torch.compile without having "
-                           "been named by octavo.model.compiled.compile_layers")
+        raise RuntimeError(f"{type(module).__name__} is traced (torch.export, torch.compile) "
+                           "without having been named by octavo.model.compiled.compile_layers")
     return torch.ops.octavo.opaque_module(list(inputs), name)
 
 
