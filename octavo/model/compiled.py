@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import fcntl
 import functools
 import hashlib
 import itertools
@@ -106,13 +107,16 @@ def _setting(value: Any, depth: int = 0) -> Any:
     return type(value).__qualname__, _setting(attributes, depth + 1)
 
 
+def _inside(name: str, modules: dict[str, nn.Module]) -> bool:
+    """Whether `name` (a path in the layer) lies within one of its opaque modules."""
+    return any(name.startswith(path + ".") for path in modules)
+
+
 def _own_tensors(layer: nn.Module, modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
     """The layer's parameters and buffers outside its opaque modules (which use their own): the
     graph's inputs, by their names in the layer."""
-    def outside(name: str) -> bool:
-        return not any(name.startswith(path + ".") for path in modules)
     named = itertools.chain(layer.named_parameters(), layer.named_buffers())
-    return {name: t.detach() for name, t in named if outside(name)}
+    return {name: t.detach() for name, t in named if not _inside(name, modules)}
 
 
 def _kind(layer: nn.Module, modules: dict[str, nn.Module], tensors: dict[str, torch.Tensor],
@@ -120,7 +124,7 @@ def _kind(layer: nn.Module, modules: dict[str, nn.Module], tensors: dict[str, to
     """The key of `layer`'s kind: what decides its graph."""
     parts: list[Any] = [machine, str(dtype)]
     for path, module in layer.named_modules():
-        if any(path.startswith(p + ".") for p in modules):
+        if _inside(path, modules):
             continue
         settings = () if path in modules else tuple(sorted(
             (k, _setting(v)) for k, v in vars(module).items() if not k.startswith("_")))
@@ -249,13 +253,12 @@ def _graph(key: str, folder: Path, layer: nn.Module, modules: dict[str, nn.Modul
            device: torch.device) -> tuple[_Graph, bool]:
     """The graph of `key`'s kind, loaded from its library, made first where there is none (by
     one process at a time: tensor-parallel ranks make the same graphs)."""
-    from torch.utils._filelock import FileLock
-
     library = folder / f"{key}.so"
     if library.exists() and library.with_suffix(".json").exists():
         return _Graph(library, device), False
     folder.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder / f"{key}.lock")):
+    with open(folder / f"{key}.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # as the kernels' build: dropped if its holder dies
         made = not (library.exists() and library.with_suffix(".json").exists())
         if made:
             # What a process killed while making this kind's graph left (the lock is ours).

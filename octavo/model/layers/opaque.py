@@ -27,7 +27,7 @@ class OpaqueModule(Protocol):
 
 # The opaque modules of the layer whose graph is running (compiled.py enters them around each
 # call), by the name the graph calls them by: their path in the layer, the same in every layer
-# of a kind and every instance of the model, so one graph (and its package on disk) serves
+# of a kind and every instance of the model, so one graph (and its library on disk) serves
 # them all.
 _running: list[Mapping[str, nn.Module]] = []
 
