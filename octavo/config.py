@@ -178,9 +178,12 @@ class DeviceConfig:
         "background (serve with PyTorch ops until the build is done), off",
         choices=["on", "background", "off"]))
     enforce_eager: bool = field(default=False, metadata=_opt(
-        "run every step layer by layer from Python; by default a decode step of a Llama-family "
-        "model runs its whole decoder stack in one C++ call (the CPU analogue of a captured "
-        "graph)"))
+        "run every step layer by layer from Python; by default a decode step runs its whole "
+        "decoder stack in one C++ call on the CPU, and replays a captured CUDA graph on a GPU"))
+    cudagraph_capture_sizes: tuple[int, ...] | None = field(default=None, metadata=_opt(
+        "on a GPU, the batch sizes whose decode steps are captured as CUDA graphs (a step is "
+        "padded to the next; larger ones run eagerly), each captured when a step first needs it; "
+        "default: 1 2 4 8 16 ... 512 up to --max-num-seqs", nargs="+", metavar="N"))
     compilation_level: int = field(default=0, metadata=_opt(
         "run the decoder layers' Python steps (prefill, mixed steps, every step under "
         "--enforce-eager) as compiled graphs (torch.export + AOTInductor, one per kind of layer, "
@@ -197,6 +200,14 @@ class DeviceConfig:
         if self.compilation_level not in (0, 1, 2, 3) or isinstance(self.compilation_level, bool):
             raise ValueError(f"compilation_level must be 0, 1, 2 or 3, got "
                              f"{self.compilation_level!r}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None:
+            if (isinstance(sizes, (str, bytes)) or not sizes
+                    or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                               for n in sizes)):
+                raise ValueError(f"cudagraph_capture_sizes must be batch sizes >= 1, "
+                                 f"got {sizes!r}")
+            object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
         if self.native_kernels not in ("on", "background", "off"):
             raise ValueError(f"native_kernels must be on, background or off, "
                              f"got {self.native_kernels!r}")
@@ -542,7 +553,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
                 group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default,
                                    help=meta["help"])
             else:
-                kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
+                kind = {"int": int, "int | None": int, "float": float,
+                        "tuple[int, ...] | None": int}.get(f.type, str)
                 group.add_argument(*flags, type=kind, default=default, **meta)
     if "speculative_config" not in skip:
         parser.add_argument_group("SpeculativeConfig").add_argument(

@@ -10,7 +10,8 @@ from typing import Any
 from octavo.config import DEFAULT_MODEL, EngineConfig
 
 # vLLM's name -> octavo's. gpu_memory_utilization is the share of memory the KV cache may take.
-_RENAMED = {"gpu_memory_utilization": "kv_cache_memory_fraction"}
+_RENAMED = {"gpu_memory_utilization": "kv_cache_memory_fraction",
+            "cuda_graph_sizes": "cudagraph_capture_sizes"}
 # vLLM options accepted only at the value that means "as octavo does anyway".
 # (tensor_parallel_size, pipeline_parallel_size, data_parallel_size, enable_expert_parallel,
 # the two context-parallel sizes and distributed_executor_backend are octavo's own names too:
@@ -31,30 +32,35 @@ def engine_config(model: str = DEFAULT_MODEL, **options: Any) -> EngineConfig:
         if name in _NO_EFFECT:
             continue
         if name == "compilation_config":
-            translated["compilation_level"] = compilation_level(value)
+            translated.update(compilation_settings(value))
             continue
         translated[_RENAMED.get(name, name)] = value
     return EngineConfig.from_kwargs(model=model, **translated)
 
 
-def compilation_level(config: Any) -> int:
+def compilation_settings(config: Any) -> dict[str, Any]:
     """vLLM's `compilation_config` (a level, a dict or its JSON, or an object with `level` or
-    `mode`) as octavo's compilation_level; its other settings are refused by name."""
+    `mode`) as octavo's compilation_level and cudagraph_capture_sizes; its other settings are
+    refused by name."""
     if isinstance(config, str):
         config = json.loads(config) if config.strip().startswith("{") else int(config)
     if isinstance(config, int) and not isinstance(config, bool):
-        return config
+        return {"compilation_level": config}
     if not isinstance(config, dict):
         config = {k: v for k, v in vars(config).items() if v is not None}
     settings = dict(config)
     level = settings.pop("mode", settings.pop("level", 0))
+    out = {"compilation_level": int(level.value if hasattr(level, "value") else level)}
+    if "cudagraph_capture_sizes" in settings:
+        out["cudagraph_capture_sizes"] = settings.pop("cudagraph_capture_sizes")
     if settings.get("backend") in ("inductor", ""):
         settings.pop("backend")
     if settings:
         raise NotImplementedError(
             f"compilation_config: {', '.join(sorted(settings))} not supported (octavo takes "
-            "its level or mode: AOTInductor graphs of the decoder layers; no CUDA graphs yet)")
-    return int(level.value if hasattr(level, "value") else level)
+            "its level or mode (AOTInductor graphs of the decoder layers) and "
+            "cudagraph_capture_sizes)")
+    return out
 
 
 class EngineArgs:

@@ -42,7 +42,8 @@ PADDING_SLACK = 1.5
 @dataclass
 class AttentionGroup:
     token_index: torch.Tensor  # [R, Qmax] index into the flat query tokens; T = padding
-    token_valid: torch.Tensor  # [R, Qmax] bool
+    token_valid: torch.Tensor | None  # [R, Qmax] bool; None: every entry is a token (a
+    # captured decode step's fixed shapes, worker/decode_graphs.py)
     key_slots: torch.Tensor  # [R, Lmax] cache slot of each context position (0 for padding)
     mask: torch.Tensor | None  # [R, 1, Qmax, Lmax] bool, True = attend; None: one request
     # whose queries are its whole context (a fresh prompt), causal from the top left
@@ -279,7 +280,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
                                   device=q.device).tril()[None, None]
             og = _matmul_attention(qg, kg, vg, mask, scale, softcap, sinks)
         og = og.transpose(1, 2)  # [R, Qmax, H, D]
-        out[g.token_index[g.token_valid]] = og[g.token_valid]
+        if g.token_valid is None:  # (a boolean index would read its count on the host)
+            out.index_copy_(0, g.token_index.reshape(-1), og.reshape(-1, num_heads, head_dim))
+        else:
+            out[g.token_index[g.token_valid]] = og[g.token_valid]
     return out
 
 

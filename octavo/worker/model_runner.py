@@ -22,12 +22,13 @@ from torch import nn
 
 from octavo.core.contract import GrammarBitmask, ModelOutput, SchedulerOutput, TopLogprobs
 from octavo.kernels.context_parallel import ContextParallel
-from octavo.kernels.paged_attention import check_chunk, step_layout
+from octavo.kernels.paged_attention import StepLayout, check_chunk, step_layout
 from octavo.model.context import ForwardContext, forward_context, step_context
 from octavo.model.context_parallel import gather_rows, own_rows
 from octavo.model.pipeline import is_last_stage
 from octavo.model.pooler import pool_requests
 from octavo.pooling_params import PoolingParams
+from octavo.worker.decode_graphs import DecodeGraphs
 from octavo.worker.input_batch import InputBatch
 from octavo.worker.lora import LoRAManager, slots_of
 from octavo.worker.sampler import Sampler, SamplingBatch, gather_logprobs
@@ -72,6 +73,7 @@ class ModelRunner:
         self.recurrent_layers = [m for m in model.modules() if hasattr(m, "restore_states")]
         self.verified_spans = VerifiedSpans(self.recurrent_layers)
         self.lora: LoRAManager | None = None  # with --enable-lora
+        self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps
         self.pooling: dict[str, PoolingParams] = {}  # the pooling requests in the batch
         # a decoder's pooling request whose prompt runs in chunks: the hidden states and input
         # ids of its chunks so far, pooled with its last one
@@ -117,8 +119,9 @@ class ModelRunner:
         input_ids = b.token_ids[rows[layout.req_of_token], layout.positions]
 
         positions_t = torch.from_numpy(layout.positions).to(self.device)
-        if self.model.is_encoder:  # no cache, no paged attention: its sequences are whole
-            context = ForwardContext(None, [], layout=layout)
+        graph = self._decode_graph(sched, layout)
+        if self.model.is_encoder or graph is not None:  # no plan: whole sequences; the graph's
+            context = ForwardContext(None, [] if graph is None else self.kv_caches, layout=layout)
         else:
             context = step_context(layout, b.block_table[rows], self.block_size, self.kv_caches,
                                    self.sliding_window, self.device, self.context_parallel,
@@ -150,8 +153,11 @@ class ModelRunner:
         if cp_step is not None:  # with split tokens, this rank runs its share of them
             input_ids_t, positions_t = own_rows(cp_step, input_ids_t), own_rows(cp_step,
                                                                                 positions_t)
-        with forward_context(context):
-            hidden = self.model(input_ids_t, positions_t)
+        if graph is not None:
+            hidden = self.graphs.run(graph, input_ids, layout.positions, b.block_table[rows])
+        else:
+            with forward_context(context):
+                hidden = self.model(input_ids_t, positions_t)
         if not last_stage:
             return ModelOutput(req_ids, [[] for _ in req_ids])
         if cp_step is not None:
@@ -197,6 +203,17 @@ class ModelRunner:
             proposed = self.drafter.propose(b, req_ids, rows, computed, ends, sampling, sched)
         return ModelOutput(req_ids, sampled_lists, logprobs, prompt_logprobs, proposed,
                            pooled=pooled)
+
+    def _decode_graph(self, sched: SchedulerOutput, layout: StepLayout) -> tuple[int, int] | None:
+        """The CUDA graph bucket that runs this step (worker/decode_graphs.py): a step of one
+        new token per request, none of them with drafts, an adapter or a state to save, whose
+        graph is captured (else it is asked for, and the step runs eagerly)."""
+        g = self.graphs
+        if (g is None or layout.num_tokens != len(layout.query_lens) or sched.spec_token_ids
+                or self.batch.rows_with_lora or sched.state_saves):
+            return None
+        key = g.bucket(len(layout.query_lens), int(layout.seq_lens.max()))
+        return key if key is not None and g.ready(key) else None
 
     def _pool(self, hidden: torch.Tensor, req_ids: list[str], which: np.ndarray,
               starts: np.ndarray, ends: np.ndarray, token_ids: np.ndarray,

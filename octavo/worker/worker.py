@@ -26,6 +26,8 @@ from octavo.model.pipeline import stage_range
 from octavo.model.registry import model_class
 from octavo.model_source import ModelSource, cache_dir, resolve_model
 from octavo.platform import cpu_platform
+from octavo.worker import decode_graphs
+from octavo.worker.decode_graphs import DecodeGraphs
 from octavo.worker.lora import LoRAManager
 from octavo.worker.model_runner import ModelRunner
 from octavo.worker.spec.draft import DraftModel
@@ -143,6 +145,26 @@ class Worker:
         spec = self.config.speculative
         if spec is not None and spec.method == "draft_model":
             self.runner.drafter = self._load_draft(spec.model, spec.num_speculative_tokens)
+        self.runner.graphs = self._decode_graphs(model)
+
+    def _decode_graphs(self, model: torch.nn.Module) -> DecodeGraphs | None:
+        """CUDA graphs of the decode steps, where the device captures graphs and the model's
+        step can be one (the start says why not)."""
+        capture = decode_graphs.capturer(self.device)
+        if capture is None or self.config.device.enforce_eager or model.is_encoder:
+            return None
+        p = self.placement
+        why = decode_graphs.refusal(model, p.tp_size, p.pp_size, p.cp_size,
+                                    self.arch.attention_chunk_size)
+        if why is not None:
+            if p.rank == 0:
+                logger.info("decode steps run eagerly, without CUDA graphs: %s", why)
+            return None
+        sizes = (self.config.device.cudagraph_capture_sizes
+                 or decode_graphs.default_capture_sizes(self.config.scheduler.max_num_seqs))
+        block_size = self.config.core_block_size
+        return DecodeGraphs(model, self.device, capture, sizes, block_size,
+                            -(-self.max_model_len // block_size), self.arch.sliding_window)
 
     def _context_parallel(self) -> ContextParallel | None:
         parallel = self.config.parallel
@@ -250,13 +272,17 @@ class Worker:
         With no rank caching anything (0 blocks), an encoder's blocks are only a count."""
         if not num_blocks and not self._kv_layers():
             return self.config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
-        _check_kv_fits(num_blocks * self.kv_bytes_per_block(block_size) + self.state_bytes(),
-                       self.device)
+        graphs = self.runner.graphs
+        scratch = int(graphs is not None)  # a block past the core's for the graphs' padding
+        _check_kv_fits((num_blocks + scratch) * self.kv_bytes_per_block(block_size)
+                       + self.state_bytes(), self.device)
         self._allocate_states()
         rank_block = self._rank_block(block_size)
-        caches = [spec.as_kv(_zeros(spec.shape(num_blocks, rank_block), self.kv_dtype,
+        caches = [spec.as_kv(_zeros(spec.shape(num_blocks + scratch, rank_block), self.kv_dtype,
                                     self.device)) for spec in self._kv_layers()]
         self.runner.kv_caches = caches[:len(stage_range(self.arch.num_layers))]
+        if graphs is not None:
+            graphs.bind(self.runner.kv_caches, scratch_block=num_blocks)
         if self.runner.drafter is not None:
             self.runner.drafter.kv_caches = caches[self.arch.num_layers:]
         return num_blocks
@@ -289,10 +315,13 @@ class Worker:
         return out
 
     def do_idle_work(self) -> bool:
-        """Pack the next few dense weights (about 5 ms); whether any are left."""
+        """Pack the next few dense weights (about 5 ms), or capture a CUDA graph that a step
+        needed; whether any work is left."""
         if self.packing is not None and self.packing.pack_some():
             self.packing = None
-        return self.packing is not None
+        graphs = self.runner.graphs if self.runner is not None else None
+        more_graphs = graphs is not None and graphs.capture_wanted()
+        return self.packing is not None or more_graphs
 
 
 def available_memory(device: torch.device) -> tuple[int, str] | None:

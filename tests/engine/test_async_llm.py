@@ -85,9 +85,19 @@ def test_compilation_config_sets_the_level(config, level):
         .device.compilation_level == level
 
 
+def test_cuda_graph_sizes_by_vllm_names():
+    for options in ({"compilation_config": {"level": 3, "cudagraph_capture_sizes": [4, 1, 2]}},
+                    {"cuda_graph_sizes": [2, 4, 1, 4]}, {"cudagraph_capture_sizes": (1, 2, 4)}):
+        device = EngineArgs(**options).create_engine_config().device
+        assert device.cudagraph_capture_sizes == (1, 2, 4)
+    for bad in ([], [0, 1], [1.5], "8"):
+        with pytest.raises(ValueError, match="cudagraph_capture_sizes must be batch sizes"):
+            EngineArgs(cuda_graph_sizes=bad)
+
+
 def test_compilation_config_refuses_what_it_cannot_do():
-    with pytest.raises(NotImplementedError, match="cudagraph_capture_sizes"):
-        EngineArgs(compilation_config={"level": 3, "cudagraph_capture_sizes": [1, 2, 4]})
+    with pytest.raises(NotImplementedError, match="cudagraph_mode"):
+        EngineArgs(compilation_config={"level": 3, "cudagraph_mode": "FULL"})
     with pytest.raises(ValueError, match="compilation_level must be 0, 1, 2 or 3"):
         EngineArgs(compilation_config=4)
     with pytest.raises(ValueError, match="compilation_level must be 0, 1, 2 or 3"):

@@ -43,9 +43,11 @@ def _prompts():
     return [torch.randint(100, 49000, (n,), generator=gen).tolist() for n in (90, 7)]
 
 
-def _ours(folder, prompts, **options):
+def _ours(folder, prompts, llm_out=None, **options):
     llm = LLM(str(folder), device=DEVICE, dtype="float32", max_model_len=256,
               kv_cache_memory=16 << 20, max_num_batched_tokens=64, **options)
+    if llm_out is not None:
+        llm_out.append(llm)
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
                                                 logprobs=1), use_tqdm=False)
     return [(o.outputs[0].token_ids, torch.tensor([lp[t].logprob for lp, t in zip(
@@ -76,6 +78,23 @@ def test_compiled_layers_equal_eager_ones_on_the_device(tmp_path, tokenizer_fold
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(compiled, eager):
         assert tokens == ref_tokens
         assert torch.allclose(logprobs, ref_logprobs, atol=1e-4)
+
+
+def test_cuda_graphs_give_the_eager_outputs_on_the_device(tmp_path, tokenizer_folder):
+    """Decode steps replayed from CUDA graphs (captured before the second decode step) give the
+    eager steps' tokens and logprobs. The CPU has no graphs: tests/worker/test_decode_graphs.py
+    checks everything but the capture there."""
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs need CUDA")
+    folder, _ = _build(tmp_path, tokenizer_folder, "gemma2")
+    prompts = _prompts()
+    eager = _ours(folder, prompts, enforce_eager=True)
+    graphs = []
+    got = _ours(folder, prompts, cudagraph_capture_sizes=[1, 2], llm_out=graphs)
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, eager):
+        assert tokens == ref_tokens
+        assert torch.allclose(logprobs, ref_logprobs, atol=1e-4)
+    assert graphs[0].engine.client.core.executor.worker.runner.graphs.replays > 0
 
 
 def test_a_server_on_the_device_answers(tmp_path, tokenizer_folder):

@@ -1,0 +1,191 @@
+"""CUDA graphs of decode steps: the model's forward over a step in which every request brings
+one token, captured once per (batch size, context length) bucket and replayed with the step's
+inputs copied into the graph's static buffers.
+
+A small model's decode step on a GPU is a few hundred kernel launches of a few microseconds of
+work each: launched from Python, the launches are the step. A replayed graph launches them all
+at once. What a graph replays must have fixed shapes and no host synchronization, so a graph's
+step takes its requests padded to a bucket of `cudagraph_capture_sizes` (the padding rows: token
+0 at position 0, every block the scratch block past the core's, so their keys and values land
+where no request reads) and its attention over a context bucket (a power of two of blocks, at
+least 16): each row's keys gathered through its block table up to the bucket, the ones past its
+position masked. The masks, the cache slots and the keys' slots are computed in the graph from
+the step's token ids, positions and block tables, which are the only inputs copied in.
+
+Graphs are captured in the engine's idle work (Worker.do_idle_work, also run before each step of
+a busy engine), one a call, for the buckets that steps have needed: start-up never waits on a
+capture, and a step whose bucket has no graph yet runs eagerly. `--enforce-eager` turns them off.
+Models whose decode step reads the device's data on the host (mixtures of experts group their
+tokens by counts read back, linear attention finds each request's state by its batch row), or
+whose step spans ranks (tensor, pipeline and context parallelism, whose collectives inside a
+captured graph are unchecked), run eagerly, and the start says why.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from octavo.kernels.paged_attention import AttentionGroup, AttentionPlan
+from octavo.model.context import ForwardContext, forward_context
+from octavo.model.layers.moe import FusedMoE
+
+logger = logging.getLogger(__name__)
+
+# A step's forward as a function of the graph's static buffers -> a callable that replays it and
+# returns its (static) output.
+Capture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
+MIN_CONTEXT_BLOCKS = 16  # the smallest context bucket: 256 tokens at the default block size
+
+
+class CudaCapture:
+    """Captures into torch.cuda.CUDAGraphs sharing one memory pool. Sharing is safe here: the
+    graphs never run concurrently, each graph's output stays allocated (so no later capture
+    reuses it), and a step reads its output before the next replay."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # lazy initializations (cuBLAS handles) outside it
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = forward()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+        return replay
+
+
+def capturer(device: torch.device) -> Capture | None:
+    """How decode graphs are captured on `device`; None where it has no graphs (the CPU's
+    analogue is the C++ decode stack, model/decode_stack.py)."""
+    return CudaCapture() if device.type == "cuda" else None
+
+
+def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """vLLM's default buckets (1, 2, 4, then every 8 up to 512), up to the batch's rows."""
+    largest = min(max_num_seqs, 512)
+    return tuple(s for s in (1, 2, 4, *range(8, 513, 8)) if s < largest) + (largest,)
+
+
+def refusal(model: nn.Module, tp_size: int, pp_size: int, cp_size: int,
+            attention_chunk: int | None) -> str | None:
+    """Why this model's decode steps cannot be captured, or None."""
+    if tp_size > 1 or pp_size > 1 or cp_size > 1:
+        return "a step over several ranks (its collectives inside a captured graph are unchecked)"
+    if any(isinstance(m, FusedMoE) for m in model.modules()):
+        return "its mixture-of-experts layers group tokens by counts read back on the host"
+    if any(hasattr(m, "restore_states") for m in model.modules()):
+        return "its linear-attention layers find each request's state on the host"
+    if attention_chunk is not None:
+        return "chunked local attention"
+    return None
+
+
+class DecodeGraphs:
+    def __init__(self, model: nn.Module, device: torch.device, capture: Capture,
+                 sizes: tuple[int, ...], block_size: int, max_blocks: int,
+                 sliding_window: int | None) -> None:
+        """sizes: the batch buckets (sorted); max_blocks: a request's blocks at full length."""
+        self.model, self.device, self.capture = model, device, capture
+        self.sizes = sizes
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self.sliding_window = sliding_window
+        self.kv_caches: list[torch.Tensor] = []
+        self.scratch_block = -1  # set by bind()
+        # (rows, blocks) -> (static inputs [rows, 2 + blocks] int64, replay)
+        self.graphs: dict[tuple[int, int], tuple[torch.Tensor, Callable[[], torch.Tensor]]] = {}
+        self.wanted: dict[tuple[int, int], None] = {}  # buckets steps needed, not yet captured
+        self.replays = 0
+
+    def bind(self, kv_caches: list[torch.Tensor], scratch_block: int) -> None:
+        """The KV caches the graphs read and write, and the block past the core's that takes
+        the padding rows' keys and values."""
+        self.kv_caches, self.scratch_block = kv_caches, scratch_block
+
+    def bucket(self, num_rows: int, longest: int) -> tuple[int, int] | None:
+        """The graph of `num_rows` one-token requests of at most `longest` tokens of context;
+        None past the largest batch bucket."""
+        if num_rows > self.sizes[-1]:
+            return None
+        rows = next(s for s in self.sizes if s >= num_rows)
+        needed = -(-longest // self.block_size)
+        blocks = MIN_CONTEXT_BLOCKS
+        while blocks < needed:
+            blocks *= 2
+        return rows, min(blocks, self.max_blocks)
+
+    def ready(self, key: tuple[int, int]) -> bool:
+        """Whether `key` has a graph; if not, it is captured at the next idle work."""
+        if key in self.graphs:
+            return True
+        self.wanted[key] = None
+        return False
+
+    def run(self, key: tuple[int, int], token_ids: np.ndarray, positions: np.ndarray,
+            tables: np.ndarray) -> torch.Tensor:
+        """The hidden states of a decode step of len(token_ids) requests through `key`'s
+        graph; tables: their block tables (at least key's blocks wide)."""
+        static, replay = self.graphs[key]
+        rows, blocks = key
+        n = len(token_ids)
+        host = np.empty((rows, 2 + blocks), np.int64)
+        host[:n, 0], host[:n, 1], host[:n, 2:] = token_ids, positions, tables[:, :blocks]
+        host[n:, :2], host[n:, 2:] = 0, self.scratch_block
+        static.copy_(torch.from_numpy(host))
+        self.replays += 1
+        return replay()[:n]
+
+    def capture_wanted(self) -> bool:
+        """Capture one bucket that a step needed; whether more wait."""
+        if not self.wanted:
+            return False
+        key = next(iter(self.wanted))
+        del self.wanted[key]
+        rows, blocks = key
+        static = torch.full((rows, 2 + blocks), self.scratch_block, dtype=torch.int64,
+                            device=self.device)
+        static[:, :2] = 0  # every row padding while it is captured: writes go to scratch
+        start = time.perf_counter()
+        with torch.inference_mode():
+            replay = self.capture(lambda: self._forward(static))
+        self.graphs[key] = (static, replay)
+        logger.info("CUDA graph of decode steps of up to %d requests over up to %d tokens "
+                    "captured in %.2f s (%d graphs)", rows, blocks * self.block_size,
+                    time.perf_counter() - start, len(self.graphs))
+        return bool(self.wanted)
+
+    def _forward(self, static: torch.Tensor) -> torch.Tensor:
+        """The step over the static inputs, in fixed shapes and without reading the device's
+        data on the host: what a graph captures."""
+        rows, blocks = static.shape[0], static.shape[1] - 2
+        bs = self.block_size
+        token_ids, positions, tables = static[:, 0], static[:, 1], static[:, 2:]
+        slots = tables.gather(1, (positions // bs)[:, None]).squeeze(1) * bs + positions % bs
+        offsets = torch.arange(bs, device=static.device)
+        key_slots = (tables[:, :, None] * bs + offsets).reshape(rows, blocks * bs)
+        context = torch.arange(blocks * bs, device=static.device)
+        visible = context[None, :] <= positions[:, None]
+        token_index = torch.arange(rows, device=static.device)[:, None]
+
+        def plan(mask: torch.Tensor) -> AttentionPlan:
+            return AttentionPlan(rows, slots, [AttentionGroup(token_index, None, key_slots,
+                                                              mask[:, None, None, :])])
+
+        sliding = None
+        if self.sliding_window is not None:
+            sliding = plan(visible & (context[None, :] > positions[:, None]
+                                      - self.sliding_window))
+        with forward_context(ForwardContext(plan(visible), self.kv_caches, sliding)):
+            return self.model(token_ids, positions)

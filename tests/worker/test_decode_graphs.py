@@ -1,0 +1,127 @@
+"""CUDA graphs of decode steps (worker/decode_graphs.py), checked on the CPU.
+
+The CPU has no graphs, so `capturer` is replaced by a stand-in for torch.cuda.CUDAGraph: it
+runs the step's function once when "capturing" and again at each replay, over the same static
+buffers, each time under a guard that fails on what a CUDA graph cannot hold: reading the
+device's data on the host (.item(), .tolist(), .numpy(), nonzero, a boolean index, bincount).
+Everything else is the engine's own path: buckets, padding rows, the scratch block, the masks
+computed in the graph, capture in the idle work. The real capture runs in tests/gpu.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from octavo import LLM, SamplingParams
+from octavo.worker import decode_graphs
+from octavo.worker.decode_graphs import DecodeGraphs, default_capture_sizes
+from tests.parity.test_tiny_models import _build
+
+aten = torch.ops.aten
+_HOST_READS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.bincount,
+               aten.unique_consecutive, aten._unique2}
+
+
+class HostReadGuard(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func.overloadpacket
+        if packet in _HOST_READS:
+            raise AssertionError(f"a captured step read the device's data on the host: {func}")
+        if packet in (aten.index, aten.index_put, aten.index_put_) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+                if i is not None):
+            raise AssertionError(f"a captured step indexed by a boolean mask: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def _refused(*_args, **_kwargs):
+    raise AssertionError("a captured step read a tensor on the host")
+
+
+@pytest.fixture
+def rerun_capture(monkeypatch):
+    """The stand-in capture; returns the number of replays it ran."""
+    calls = []
+
+    def guarded(forward):
+        with pytest.MonkeyPatch.context() as mp, HostReadGuard():
+            for name in ("tolist", "numpy", "__array__"):
+                mp.setattr(torch.Tensor, name, _refused)
+            calls.append(1)
+            return forward()
+
+    def capture(forward):
+        guarded(forward)
+        return lambda: guarded(forward)
+
+    monkeypatch.setattr(decode_graphs, "capturer", lambda device: capture)
+    return calls
+
+
+def _run(folder, **options):
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, block_size=8,
+              kv_cache_memory=16 << 20, max_num_batched_tokens=64, native_kernels="off",
+              **options)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(100, 49000, (n,), generator=gen).tolist() for n in (150, 7, 30, 50)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2)
+              for n in (16, 6, 10, 12)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return llm, [(o.outputs[0].token_ids, torch.tensor([lp[t].logprob for lp, t in zip(
+        o.outputs[0].logprobs, o.outputs[0].token_ids)])) for o in outs]
+
+
+def _graphs(llm) -> DecodeGraphs | None:
+    return llm.engine.client.core.executor.worker.runner.graphs
+
+
+@pytest.mark.parametrize("name", ["llama-default", "gemma2"])
+def test_decode_graphs_give_the_eager_outputs(tmp_path, smollm_oracle_folder, rerun_capture,
+                                              name):
+    """Four requests of different lengths and output counts, buckets of 1 and 3 requests:
+    steps of 4 run eagerly, steps of 3 and 2 through the 3-request graph (2 with a padding
+    row), the last through the 1-request one, over 32-block contexts (the 150-token prompt;
+    Gemma 2: 32-token windows and softcaps)."""
+    folder, _ = _build(tmp_path, smollm_oracle_folder, name)
+    _, eager = _run(folder, enforce_eager=True)
+    llm, got = _run(folder, cudagraph_capture_sizes=[3, 1])
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, eager):
+        assert tokens == ref_tokens
+        assert torch.allclose(logprobs, ref_logprobs, atol=1e-5)
+    graphs = _graphs(llm)
+    assert sorted(graphs.graphs) == [(1, 32), (3, 32)]
+    assert graphs.replays >= 5 and len(rerun_capture) == graphs.replays + len(graphs.graphs)
+    assert graphs.scratch_block == llm.engine.client.core.num_blocks
+
+
+def test_models_whose_step_reads_the_device_on_the_host_run_eagerly(
+        tmp_path, smollm_oracle_folder, rerun_capture, caplog):
+    """A mixture of experts counts its tokens per expert on the host: no graphs, and the start
+    says why. Forced through the graph's function anyway, the guard stops it: what the guard
+    checks is real."""
+    folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-moe")
+    with caplog.at_level(logging.INFO, logger="octavo.worker.worker"):
+        llm, _ = _run(folder)
+    assert _graphs(llm) is None
+    assert "without CUDA graphs: its mixture-of-experts layers" in caplog.text
+    runner = llm.engine.client.core.executor.worker.runner
+    forced = DecodeGraphs(runner.model, torch.device("cpu"), decode_graphs.capturer(None),
+                          (2,), 8, 32, None)
+    forced.bind(runner.kv_caches, scratch_block=0)
+    with pytest.raises(AssertionError, match="on the host"):
+        forced.ready((2, 16))
+        forced.capture_wanted()
+
+
+def test_buckets():
+    graphs = DecodeGraphs(None, torch.device("cpu"), None, (1, 2, 4, 8), 16, 100, None)
+    assert graphs.bucket(3, 10) == (4, 16)
+    assert graphs.bucket(8, 257) == (8, 32)
+    assert graphs.bucket(1, 1600) == (1, 100)  # at most a full-length request's blocks
+    assert graphs.bucket(9, 10) is None  # past the largest: eager
+    assert default_capture_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert default_capture_sizes(3) == (1, 2, 3)
+    assert default_capture_sizes(1000)[-3:] == (496, 504, 512)
