@@ -90,12 +90,15 @@ class CacheConfig:
     block_size: int = field(default=16, metadata=_opt("tokens per KV-cache block"))
     kv_cache_memory: int | None = field(default=None, metadata=_opt(
         "bytes of memory for the KV cache (all layers), allocated once at start-up; default: "
-        "enough for one request of the full context (at least 1 GiB), within "
-        "--kv-cache-memory-fraction of the memory left after the weights (the context is cut "
-        "to fit, with a warning, where that share is too small)"))
-    kv_cache_memory_fraction: float = field(default=0.5, metadata=_opt(
-        "with no --kv-cache-memory: the largest share of the memory available after the "
-        "weights that the KV cache takes"))
+        "on the CPU enough for one request of the full context (at least 1 GiB), within "
+        "--kv-cache-memory-fraction of the memory left after the weights; on a GPU all that "
+        "the fraction leaves (the context is cut to fit, with a warning, where that is too "
+        "small)"))
+    kv_cache_memory_fraction: float | None = field(default=None, metadata=_opt(
+        "with no --kv-cache-memory: on the CPU the largest share of the memory available after "
+        "the weights that the KV cache takes (default 0.5); on a GPU, as vLLM's "
+        "--gpu-memory-utilization, the share of the GPU's whole memory this engine holds, "
+        "weights, activations, CUDA graphs and KV cache together (default 0.9)"))
     enable_prefix_caching: bool = field(default=True, metadata=_opt(
         "reuse the KV blocks of prompt prefixes computed before"))
     kv_cache_dtype: str = field(default="auto", metadata=_opt(
@@ -129,7 +132,8 @@ class CacheConfig:
                              f"({self.block_size}), got {self.mamba_block_size}")
         if self.state_checkpoints is not None and self.state_checkpoints < 0:
             raise ValueError(f"state_checkpoints must be >= 0, got {self.state_checkpoints}")
-        if not 0 < self.kv_cache_memory_fraction <= 1:
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and not 0 < fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], "
                              f"got {self.kv_cache_memory_fraction!r}")
 
@@ -487,6 +491,12 @@ class EngineConfig:
         return self.scheduler.max_num_seqs if count is None else count
 
     @property
+    def kv_memory_fraction(self) -> float:
+        """kv_cache_memory_fraction, or its default on this device."""
+        given = self.cache.kv_cache_memory_fraction
+        return given if given is not None else 0.9 if self.device.device == "cuda" else 0.5
+
+    @property
     def core_block_size(self) -> int:
         """Tokens per KV block as the core counts them: under decode context parallelism one
         core block is a block on each rank of the group (its j-th block_size tokens on rank
@@ -553,7 +563,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
                 group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default,
                                    help=meta["help"])
             else:
-                kind = {"int": int, "int | None": int, "float": float,
+                kind = {"int": int, "int | None": int, "float": float, "float | None": float,
                         "tuple[int, ...] | None": int}.get(f.type, str)
                 group.add_argument(*flags, type=kind, default=default, **meta)
     if "speculative_config" not in skip:

@@ -64,9 +64,10 @@ class EngineCore:
             chunk = config.scheduler.max_num_batched_tokens
             return min(max_len, sliding_window + chunk + 2 * block_size)
 
-        plan = plan_kv(config.cache.kv_cache_memory, config.cache.kv_cache_memory_fraction,
+        on_gpu = config.device.device == "cuda"
+        plan = plan_kv(config.cache.kv_cache_memory, config.kv_memory_fraction,
                        executor.kv_bytes_per_block(block_size), block_size, max_model_len,
-                       tokens_needed, executor.available_memory())
+                       tokens_needed, executor.available_memory(), fill=on_gpu)
         max_model_len = self.max_model_len = plan.max_model_len
         started = time.perf_counter()
         num_blocks = executor.init_kv_cache(plan.kv_cache_memory, block_size)
@@ -78,11 +79,13 @@ class EngineCore:
                 f"= {num_blocks * block_size} tokens, fewer than the {need} one request may need "
                 f"(max_model_len {max_model_len}); raise kv_cache_memory or lower max_model_len")
         if plan.available is not None:
-            logger.info("memory plan: KV cache %.2f GiB of the %.2f GiB available after the "
-                        "weights (%s)", plan.kv_cache_memory / 2**30, plan.available / 2**30,
+            logger.info("memory plan: KV cache %.2f GiB of the %.2f GiB %s (%s)",
+                        plan.kv_cache_memory / 2**30, plan.available / 2**30,
+                        "the GPU's plan leaves it" if on_gpu else "available after the weights",
                         "as given" if config.cache.kv_cache_memory is not None else
+                        "automatic: all of it" if on_gpu else
                         f"automatic: one full-length request, at least 1 GiB, at most "
-                        f"{config.cache.kv_cache_memory_fraction:.0%} of what is available")
+                        f"{config.kv_memory_fraction:.0%} of what is available")
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens; max concurrency at %d tokens per request: "
                     "%.2fx", num_blocks, block_size, max_model_len,

@@ -9,7 +9,8 @@ from typing import Any
 
 from octavo.config import DEFAULT_MODEL, EngineConfig
 
-# vLLM's name -> octavo's. gpu_memory_utilization is the share of memory the KV cache may take.
+# vLLM's name -> octavo's. gpu_memory_utilization: on a GPU the share of its memory the engine
+# holds, as in vLLM; on the CPU the share of the memory left after the weights the KV cache takes.
 _RENAMED = {"gpu_memory_utilization": "kv_cache_memory_fraction",
             "cuda_graph_sizes": "cudagraph_capture_sizes"}
 # vLLM options accepted only at the value that means "as octavo does anyway".

@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 # returns its (static) output.
 Capture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
 MIN_CONTEXT_BLOCKS = 16  # the smallest context bucket: 256 tokens at the default block size
+# Longer contexts run eagerly (vLLM's max_seq_len_to_capture): a graph's attention gathers each
+# row's keys up to its bucket, so the largest graph's memory grows with it.
+MAX_CAPTURED_CONTEXT = 8192
 
 
 class CudaCapture:
@@ -116,8 +119,8 @@ class DecodeGraphs:
 
     def bucket(self, num_rows: int, longest: int) -> tuple[int, int] | None:
         """The graph of `num_rows` one-token requests of at most `longest` tokens of context;
-        None past the largest batch bucket."""
-        if num_rows > self.sizes[-1]:
+        None past the largest batch bucket or MAX_CAPTURED_CONTEXT."""
+        if num_rows > self.sizes[-1] or longest > MAX_CAPTURED_CONTEXT:
             return None
         rows = next(s for s in self.sizes if s >= num_rows)
         needed = -(-longest // self.block_size)
@@ -125,6 +128,25 @@ class DecodeGraphs:
         while blocks < needed:
             blocks *= 2
         return rows, min(blocks, self.max_blocks)
+
+    def largest_bucket(self) -> tuple[int, int]:
+        """The bucket whose graph holds the most memory."""
+        return self.bucket(self.sizes[-1], min(MAX_CAPTURED_CONTEXT,
+                                               self.max_blocks * self.block_size))
+
+    def padding_step(self, key: tuple[int, int]) -> torch.Tensor:
+        """`key`'s step over padding rows only, run eagerly: what its graph holds
+        (worker/gpu_memory.py profiles it)."""
+        return self._forward(self._padding(key))
+
+    def _padding(self, key: tuple[int, int]) -> torch.Tensor:
+        """Static inputs of padding rows only (token 0 at position 0, every block the scratch
+        block): a graph is captured over these, so its writes go where no request reads."""
+        rows, blocks = key
+        static = torch.full((rows, 2 + blocks), self.scratch_block, dtype=torch.int64,
+                            device=self.device)
+        static[:, :2] = 0
+        return static
 
     def ready(self, key: tuple[int, int]) -> bool:
         """Whether `key` has a graph; if not, it is captured at the next idle work."""
@@ -154,9 +176,7 @@ class DecodeGraphs:
         key = next(iter(self.wanted))
         del self.wanted[key]
         rows, blocks = key
-        static = torch.full((rows, 2 + blocks), self.scratch_block, dtype=torch.int64,
-                            device=self.device)
-        static[:, :2] = 0  # every row padding while it is captured: writes go to scratch
+        static = self._padding(key)
         start = time.perf_counter()
         with torch.inference_mode():
             replay = self.capture(lambda: self._forward(static))

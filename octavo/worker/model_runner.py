@@ -204,6 +204,28 @@ class ModelRunner:
         return ModelOutput(req_ids, sampled_lists, logprobs, prompt_logprobs, proposed,
                            pooled=pooled)
 
+    @torch.inference_mode()
+    def largest_step(self, kv_caches: list[torch.Tensor], num_tokens: int,
+                     sample_rows: int) -> None:
+        """The forward of one fresh request of `num_tokens` tokens over `kv_caches` (its blocks
+        from 0), then the LM head and a log-softmax over `sample_rows` rows: the memory of the
+        largest step (worker/gpu_memory.py profiles it). Recurrent states: batch row 0's."""
+        layout = step_layout(np.array([num_tokens]), np.array([num_tokens]))
+        tables = np.arange(-(-num_tokens // self.block_size), dtype=np.int64)[None]
+        context = step_context(layout, tables, self.block_size, kv_caches, self.sliding_window,
+                               self.device, self.context_parallel, self.attention_chunk)
+        context.batch_rows = context.num_computed = np.zeros(1, np.int64)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        if context.context_parallel is not None:
+            input_ids = own_rows(context.context_parallel, input_ids)
+            positions = own_rows(context.context_parallel, positions)
+        with forward_context(context):
+            hidden = self.model(input_ids, positions)
+        if is_last_stage():
+            logits = self.model.compute_logits(hidden[-sample_rows:])
+            torch.log_softmax(logits.float(), -1)
+
     def _decode_graph(self, sched: SchedulerOutput, layout: StepLayout) -> tuple[int, int] | None:
         """The CUDA graph bucket that runs this step (worker/decode_graphs.py): a step of one
         new token per request, none of them with drafts, an adapter or a state to save, whose

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 import os
 import time
 
@@ -26,7 +24,7 @@ from octavo.model.pipeline import stage_range
 from octavo.model.registry import model_class
 from octavo.model_source import ModelSource, cache_dir, resolve_model
 from octavo.platform import cpu_platform
-from octavo.worker import decode_graphs
+from octavo.worker import decode_graphs, memory
 from octavo.worker.decode_graphs import DecodeGraphs
 from octavo.worker.lora import LoRAManager
 from octavo.worker.model_runner import ModelRunner
@@ -72,6 +70,10 @@ class Worker:
         if self.device.type == "cuda" and placement.world_size > 1:  # one device per local rank
             self.device = torch.device("cuda", local_rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
+        # the GPU's free memory before anything is loaded (memory.py)
+        self.free_at_start = (torch.cuda.mem_get_info(self.device)[0]
+                              if self.device.type == "cuda" else 0)
+        self.gpu_plan: memory.GpuPlan | None = None
         # Ranks on this machine each get their own cores and as many threads (distributed/
         # placement.py); one process takes them all.
         if self.device.type != "cpu" or bind_rank_cpus(
@@ -242,8 +244,42 @@ class Worker:
         return sum(spec.bytes_per_block(block_size, elem) for spec in self._kv_layers())
 
     def available_memory(self) -> int | None:
-        free = available_memory(self.device)
+        """Bytes the KV cache could take: on a GPU, what gpu_memory_utilization leaves for it
+        (the plan of memory.py, made at the first call); elsewhere the memory available."""
+        if self.device.type == "cuda":
+            if self.gpu_plan is None:
+                self.gpu_plan = self._plan_gpu_memory()
+            return self.gpu_plan.kv_cache
+        free = memory.available_memory(self.device)
         return None if free is None else free[0]
+
+    def _plan_gpu_memory(self) -> memory.GpuPlan:
+        """Profile the largest step and decode graph into a temporary KV cache of their blocks
+        (and the graphs' scratch block), then plan."""
+        sched, block_size = self.config.scheduler, self.config.core_block_size
+        tokens = min(sched.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-tokens // block_size)
+        if self._state_plan():  # recurrent states at batch row 0
+            self._allocate_states()
+        caches = [spec.as_kv(torch.zeros(spec.shape(blocks + 1, self._rank_block(block_size)),
+                                         dtype=self.kv_dtype, device=self.device))
+                  for spec in self._kv_layers()][:len(stage_range(self.arch.num_layers))]
+        activations = memory.peak_of(self.device, lambda: self.runner.largest_step(
+            caches, tokens, sched.max_num_seqs))
+        graphs, graph_bytes = self.runner.graphs, 0
+        if graphs is not None:
+            bound = graphs.kv_caches, graphs.scratch_block
+            graphs.bind(caches, scratch_block=blocks)
+            with torch.inference_mode():
+                graph_bytes = memory.peak_of(
+                    self.device, lambda: graphs.padding_step(graphs.largest_bucket()))
+            graphs.bind(*bound)
+        caches.clear()  # freed before the plan reads the GPU's free memory
+        plan = memory.plan(self.device, self.config.kv_memory_fraction, self.free_at_start,
+                               activations, graph_bytes)
+        if self.placement.rank == 0:
+            logger.info("%s", plan.describe(self.device, tokens))
+        return plan
 
     def state_bytes(self) -> int:
         """Bytes of the recurrent states of this rank's linear-attention layers, which come out
@@ -274,12 +310,13 @@ class Worker:
             return self.config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
         graphs = self.runner.graphs
         scratch = int(graphs is not None)  # a block past the core's for the graphs' padding
-        _check_kv_fits((num_blocks + scratch) * self.kv_bytes_per_block(block_size)
-                       + self.state_bytes(), self.device)
+        memory.check_kv_fits((num_blocks + scratch) * self.kv_bytes_per_block(block_size)
+                             + self.state_bytes(), self.device)
         self._allocate_states()
         rank_block = self._rank_block(block_size)
-        caches = [spec.as_kv(_zeros(spec.shape(num_blocks + scratch, rank_block), self.kv_dtype,
-                                    self.device)) for spec in self._kv_layers()]
+        caches = [spec.as_kv(memory.zeros(spec.shape(num_blocks + scratch, rank_block),
+                                          self.kv_dtype, self.device))
+                  for spec in self._kv_layers()]
         self.runner.kv_caches = caches[:len(stage_range(self.arch.num_layers))]
         if graphs is not None:
             graphs.bind(self.runner.kv_caches, scratch_block=num_blocks)
@@ -322,51 +359,3 @@ class Worker:
         graphs = self.runner.graphs if self.runner is not None else None
         more_graphs = graphs is not None and graphs.capture_wanted()
         return self.packing is not None or more_graphs
-
-
-def available_memory(device: torch.device) -> tuple[int, str] | None:
-    """Bytes the KV cache could still take on `device`, and where that figure comes from; None
-    where the system does not say."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0], "free on the GPU"
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):  # "MemAvailable:   12345678 kB"
-                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _check_kv_fits(kv_cache_memory: int, device: torch.device) -> None:
-    """Refuse a KV cache larger than the memory left, before anything is allocated: on the CPU
-    the cache is mapped lazily (_zeros), so a 10 TB one would not fail here but be OOM-killed
-    once written, and the core's block pool for it alone takes minutes and gigabytes. The check
-    runs after the weights are loaded, so the figure is already net of them; it allows up to
-    all of it (an allocation close to free memory is legitimate, and page cache counts as
-    available because the OS reclaims it). A cgroup limit below MemAvailable is not seen."""
-    free = available_memory(device)
-    if free is None or kv_cache_memory <= free[0]:
-        return
-    raise ValueError(
-        f"kv_cache_memory: {_gib(kv_cache_memory)} asked for the KV cache, but only "
-        f"{_gib(free[0])} is available ({free[1]}, after loading the weights); lower "
-        f"--kv-cache-memory (kv_cache_memory= in Python)")
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):,.2f} GiB ({n} bytes)"
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros; on the CPU an anonymous mapping, whose zero pages the OS maps lazily, so a large KV
-    cache costs no start-up time and no resident memory until it is written (torch.zeros
-    memsets). Not numpy's calloc: numpy marks allocations of 4 MB and more for transparent huge
-    pages, so each first write into a 2 MB stretch of the cache zeroed 2 MB, compacting memory
-    first when none was free. A first one-token request wrote 30 of them, one per layer: 25-270
-    ms instead of about 12, most of it in the kernel."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or not nbytes:  # (an empty mapping is refused)
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)

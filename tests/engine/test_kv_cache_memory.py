@@ -1,4 +1,4 @@
-"""The CPU KV cache is allocated lazily and in small pages (octavo/worker/worker.py `_zeros`)."""
+"""The CPU KV cache is allocated lazily and in small pages (octavo/worker/memory.py `zeros`)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from octavo.worker.worker import _zeros
+from octavo.worker.memory import zeros
 
 
 def _mapping_flags(address: int) -> list[str]:
@@ -32,7 +32,7 @@ def test_the_kv_cache_is_zeros_mapped_lazily_without_huge_pages():
     for transparent huge pages (numpy's calloc marked it: each first write into a 2 MB stretch
     then zeroed 2 MB, and a first one-token request took 140 ms instead of 14)."""
     before = _rss()
-    cache = _zeros((2, 8192, 16, 4, 64), torch.bfloat16, torch.device("cpu"))
+    cache = zeros((2, 8192, 16, 4, 64), torch.bfloat16, torch.device("cpu"))
     assert cache.shape == (2, 8192, 16, 4, 64) and cache.dtype == torch.bfloat16
     assert _rss() - before < 16 << 20
     assert "hg" not in _mapping_flags(cache.data_ptr() + cache.nbytes // 2)
@@ -47,9 +47,9 @@ def test_a_kv_budget_beyond_free_memory_is_refused_at_start(smollm_gguf, monkeyp
     before any of it is mapped (a lazy mapping would only be OOM-killed once written, and the
     core's block pool for it takes minutes)."""
     from octavo import LLM
-    from octavo.worker import worker
+    from octavo.worker import memory
 
-    monkeypatch.setattr(worker, "_zeros", lambda *a: pytest.fail("the cache was allocated"))
+    monkeypatch.setattr(memory, "zeros", lambda *a: pytest.fail("the cache was allocated"))
     with pytest.raises(ValueError) as err:
         LLM(str(smollm_gguf), kv_cache_memory=10 << 40, dtype="float32", max_model_len=256)
     message = str(err.value)
@@ -58,17 +58,17 @@ def test_a_kv_budget_beyond_free_memory_is_refused_at_start(smollm_gguf, monkeyp
 
 
 def test_a_kv_budget_up_to_all_free_memory_is_allowed(monkeypatch):
-    from octavo.worker import worker
+    from octavo.worker import memory
 
     cpu = torch.device("cpu")
-    free = worker.available_memory(cpu)
+    free = memory.available_memory(cpu)
     assert free is not None and 0 < free[0] <= os.sysconf("SC_PHYS_PAGES") * os.sysconf(
         "SC_PAGE_SIZE")
-    monkeypatch.setattr(worker, "available_memory", lambda device: (1 << 30, "test"))
-    worker._check_kv_fits(1 << 30, cpu)  # all of it: fine
+    monkeypatch.setattr(memory, "available_memory", lambda device: (1 << 30, "test"))
+    memory.check_kv_fits(1 << 30, cpu)  # all of it: fine
     with pytest.raises(ValueError, match=r"1\.00 GiB \(1073741825 bytes\) asked .* only 1\.00 "
                                          r"GiB \(1073741824 bytes\) is available \(test"):
-        worker._check_kv_fits((1 << 30) + 1, cpu)
+        memory.check_kv_fits((1 << 30) + 1, cpu)
 
 
 def test_gemma3_starts_with_its_whole_context_and_no_kv_argument(caplog):
