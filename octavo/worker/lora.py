@@ -53,7 +53,7 @@ class LoRAManager:
         self.model = model
         self.config = config
         self.arch = arch
-        self.dtype = dtype
+        self.dtype, self.device = dtype, device
         self.slot_adapter = [0] * config.max_loras  # adapter id in each slot, 0: empty
         self.loaded: OrderedDict[int, LoadedAdapter] = OrderedDict()  # LRU, oldest first
         self.requests: dict[int, LoRARequest] = {}  # every adapter a request has named
@@ -99,7 +99,8 @@ class LoRAManager:
         if not len(ids):
             return None
         slot_of = self._place([int(i) for i in ids])
-        return LoRAStep(slots_of(token_lora, slot_of), slot_of, sorted(slot_of.values()))
+        return LoRAStep(slots_of(token_lora, slot_of).to(self.device), slot_of,
+                        sorted(slot_of.values()))
 
     def _place(self, ids: list[int]) -> dict[int, int]:
         needed = set(ids)

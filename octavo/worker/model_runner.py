@@ -169,8 +169,10 @@ class ModelRunner:
         if entries is not None:
             n = len(sample_idx)
             # Plain decoding samples every token of the step: hidden is already the rows.
-            rows_hidden = (hidden if len(entries.token_idx) == len(hidden)
-                           else hidden.index_select(0, torch.from_numpy(entries.token_idx)))
+            rows_hidden = hidden
+            if len(entries.token_idx) != len(hidden):
+                rows_hidden = hidden.index_select(
+                    0, torch.from_numpy(entries.token_idx).to(self.device))
             logits = self._logits(context, rows_hidden, b.lora_id[entries.rows])
             tokens, top = self.sampler(logits, entries.batch)
             tokens_np = tokens.cpu().numpy()
@@ -268,7 +270,7 @@ class ModelRunner:
         """The LM head over these rows, each with its adapter (lora_of: their ids)."""
         if context.lora is None:
             return self.model.compute_logits(hidden)
-        context.lora.sample_slot = slots_of(lora_of, context.lora.slot_of)
+        context.lora.sample_slot = slots_of(lora_of, context.lora.slot_of).to(self.device)
         with forward_context(context):
             return self.model.compute_logits(hidden)
 

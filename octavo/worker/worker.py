@@ -246,7 +246,7 @@ class Worker:
     def available_memory(self) -> int | None:
         """Bytes the KV cache could take: on a GPU, what gpu_memory_utilization leaves for it
         (the plan of memory.py, made at the first call); elsewhere the memory available."""
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self._kv_layers():  # (an encoder caches nothing)
             if self.gpu_plan is None:
                 self.gpu_plan = self._plan_gpu_memory()
             return self.gpu_plan.kv_cache
