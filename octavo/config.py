@@ -171,6 +171,12 @@ class SchedulerConfig:
                 f"priority_aging_steps must be >= 0, got {self.priority_aging_steps}")
 
 
+# --attention-backend's names (vLLM's): kernels/attention_backend.py; the others vLLM has are
+# refused by name
+ATTENTION_BACKENDS = ("CPU_ATTN", "TORCH_SDPA")
+ATTENTION_BACKENDS_NOT_BUILT = ("FLASH_ATTN", "FLASHINFER", "FLEX_ATTENTION", "TRITON_ATTN")
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = field(default="cpu", metadata=_opt("device to run on", choices=["cpu", "cuda"]))
@@ -184,6 +190,10 @@ class DeviceConfig:
     enforce_eager: bool = field(default=False, metadata=_opt(
         "run every step layer by layer from Python; by default a decode step runs its whole "
         "decoder stack in one C++ call on the CPU, and replays a captured CUDA graph on a GPU"))
+    attention_backend: str = field(default="auto", metadata=_opt(
+        "attention over the paged KV cache (vLLM's names, any case): CPU_ATTN (octavo's C++ "
+        "kernel; auto on the CPU), TORCH_SDPA (torch ops over keys gathered through the block "
+        "tables; auto on a GPU)"))
     cudagraph_capture_sizes: tuple[int, ...] | None = field(default=None, metadata=_opt(
         "on a GPU, the batch sizes whose decode steps are captured as CUDA graphs (a step is "
         "padded to the next; larger ones run eagerly), each captured when a step first needs it; "
@@ -204,6 +214,17 @@ class DeviceConfig:
         if self.compilation_level not in (0, 1, 2, 3) or isinstance(self.compilation_level, bool):
             raise ValueError(f"compilation_level must be 0, 1, 2 or 3, got "
                              f"{self.compilation_level!r}")
+        backend = str(self.attention_backend).upper()
+        if backend in ATTENTION_BACKENDS_NOT_BUILT:
+            raise NotImplementedError(f"attention_backend {self.attention_backend}: octavo has "
+                                      f"no such backend yet (it has "
+                                      f"{', '.join(ATTENTION_BACKENDS)})")
+        if backend != "AUTO" and backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be auto or one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if backend == "CPU_ATTN" and self.device != "cpu":
+            raise ValueError(f"attention_backend CPU_ATTN runs on the CPU, not on {self.device}")
+        object.__setattr__(self, "attention_backend", backend)
         sizes = self.cudagraph_capture_sizes
         if sizes is not None:
             if (isinstance(sizes, (str, bytes)) or not sizes

@@ -14,9 +14,19 @@ import numpy as np
 import torch
 
 from octavo.kernels import fused
-from octavo.kernels.context_parallel import ContextParallel, ContextParallelStep, build_step
-from octavo.kernels.paged_attention import (AttentionPlan, StepLayout, build_plan, chunked_plan,
-                                            windowed_plan)
+from octavo.kernels.attention_backend import CPU_ATTN, AttentionBackend
+from octavo.kernels.context_parallel import (
+    ContextParallel,
+    ContextParallelStep,
+    build_step,
+)
+from octavo.kernels.paged_attention import (
+    AttentionPlan,
+    StepLayout,
+    build_plan,
+    chunked_plan,
+    windowed_plan,
+)
 
 if TYPE_CHECKING:
     from octavo.model.layers.lora import LoRAStep
@@ -78,16 +88,17 @@ def step_lora() -> LoRAStep | None:
 def step_context(layout: StepLayout, tables: np.ndarray, block_size: int,
                  kv_caches: list[torch.Tensor], sliding_window: int | None,
                  device: torch.device, cp: ContextParallel | None = None,
-                 attention_chunk: int | None = None) -> ForwardContext:
+                 attention_chunk: int | None = None,
+                 backend: AttentionBackend = CPU_ATTN) -> ForwardContext:
     """The context of one forward pass over the requests whose block tables are `tables`:
     the attention plan, and the sliding-window plan of a model with windowed layers (the same
     slots and kernel entries, the window applied), or the chunked plan of one with chunked
-    local attention (`attention_chunk`). Whether the C++ kernels take the short
-    queries is decided per step: kernels built in the background take over once they are
-    ready. Under context parallelism (`cp`), this rank's share of the step instead, whose
-    attention applies each layer's own window; a step it does not split on a rank holding the
-    whole cache is the single process's."""
-    native = device.type == "cpu" and fused.native_ready()
+    local attention (`attention_chunk`). Whether the C++ kernel takes the short queries is
+    the `backend`'s (kernels/attention_backend.py), asked per step: kernels built in the
+    background take over once they are ready. Under context parallelism (`cp`), this rank's
+    share of the step instead, whose attention applies each layer's own window; a step it does
+    not split on a rank holding the whole cache is the single process's."""
+    native = device.type == "cpu" and backend.kernel_takes_queries()
     if cp is not None and (cp.shard_kv or cp.splits(layout)):
         kernel = native and (cp.kv_ranks == 1 or sliding_window is None)
         return ForwardContext(None, kv_caches, context_parallel=build_step(

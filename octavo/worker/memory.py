@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 def available_memory(device: torch.device) -> tuple[int, str] | None:
     """Bytes the KV cache could still take on `device`, and where that figure comes from; None
     where the system does not say."""

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from octavo.core.contract import GrammarBitmask, ModelOutput, SchedulerOutput, TopLogprobs
+from octavo.kernels.attention_backend import CPU_ATTN
 from octavo.kernels.context_parallel import ContextParallel
 from octavo.kernels.paged_attention import StepLayout, check_chunk, step_layout
 from octavo.model.context import ForwardContext, forward_context, step_context
@@ -74,6 +75,7 @@ class ModelRunner:
         self.verified_spans = VerifiedSpans(self.recurrent_layers)
         self.lora: LoRAManager | None = None  # with --enable-lora
         self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps
+        self.attention_backend = CPU_ATTN  # the worker's choice (kernels/attention_backend.py)
         self.pooling: dict[str, PoolingParams] = {}  # the pooling requests in the batch
         # a decoder's pooling request whose prompt runs in chunks: the hidden states and input
         # ids of its chunks so far, pooled with its last one
@@ -125,7 +127,7 @@ class ModelRunner:
         else:
             context = step_context(layout, b.block_table[rows], self.block_size, self.kv_caches,
                                    self.sliding_window, self.device, self.context_parallel,
-                                   self.attention_chunk)
+                                   self.attention_chunk, self.attention_backend)
         last_stage = is_last_stage()  # else its hidden states go on to the next stage
         sampling = seq_lens >= b.num_tokens[rows]
         pools = np.zeros(len(req_ids), bool)
@@ -215,7 +217,8 @@ class ModelRunner:
         layout = step_layout(np.array([num_tokens]), np.array([num_tokens]))
         tables = np.arange(-(-num_tokens // self.block_size), dtype=np.int64)[None]
         context = step_context(layout, tables, self.block_size, kv_caches, self.sliding_window,
-                               self.device, self.context_parallel, self.attention_chunk)
+                               self.device, self.context_parallel, self.attention_chunk,
+                               self.attention_backend)
         context.batch_rows = context.num_computed = np.zeros(1, np.int64)
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)

@@ -14,6 +14,7 @@ from octavo.distributed import parallel_state
 from octavo.distributed.parallel_state import RankPlacement
 from octavo.distributed.placement import bind_rank_cpus
 from octavo.kernels import fused
+from octavo.kernels.attention_backend import AttentionBackend
 from octavo.kernels.context_parallel import ContextParallel
 from octavo.model import compiled, decode_stack
 from octavo.model.kv_spec import KVCacheSpec
@@ -148,6 +149,12 @@ class Worker:
         if spec is not None and spec.method == "draft_model":
             self.runner.drafter = self._load_draft(spec.model, spec.num_speculative_tokens)
         self.runner.graphs = self._decode_graphs(model)
+        backend = AttentionBackend.select(self.config.device.attention_backend, self.device)
+        self.runner.attention_backend = backend
+        if self.runner.drafter is not None:
+            self.runner.drafter.attention_backend = backend
+        if self.placement.rank == 0 and not model.is_encoder:
+            logger.info("attention: %s (%s)", backend.name, backend.describe())
 
     def _decode_graphs(self, model: torch.nn.Module) -> DecodeGraphs | None:
         """CUDA graphs of the decode steps, where the device captures graphs and the model's

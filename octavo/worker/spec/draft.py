@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from octavo.core.contract import SchedulerOutput
+from octavo.kernels.attention_backend import CPU_ATTN
 from octavo.kernels.paged_attention import StepLayout, check_chunk, step_layout
 from octavo.model.context import forward_context, step_context
 from octavo.worker.input_batch import InputBatch
@@ -47,6 +48,7 @@ class DraftModel:
         self.sliding_window, self.attention_chunk = sliding_window, attention_chunk
         check_chunk(attention_chunk, block_size)
         self.kv_caches: list[torch.Tensor] = []  # one per draft layer, on the target's blocks
+        self.attention_backend = CPU_ATTN  # the target's (the worker sets it)
         self.sampler = Sampler(seed ^ _DRAFT_SALT, device)
         # request id -> (its drafts, q of each [num_drafts, V]); q only for random rows
         self.proposed: dict[str, tuple[list[int], torch.Tensor | None]] = {}
@@ -71,7 +73,8 @@ class DraftModel:
                  state_saves: np.ndarray | None = None) -> torch.Tensor:
         context = step_context(layout, tables, self.block_size, self.kv_caches,
                                self.sliding_window, self.device,
-                               attention_chunk=self.attention_chunk)
+                               attention_chunk=self.attention_chunk,
+                               backend=self.attention_backend)
         context.batch_rows, context.num_computed = rows, computed
         context.state_saves = state_saves
         with forward_context(context):
