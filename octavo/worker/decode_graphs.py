@@ -14,7 +14,8 @@ the step's token ids, positions and block tables, which are the only inputs copi
 
 Graphs are captured in the engine's idle work (Worker.do_idle_work, also run before each step of
 a busy engine), one a call, for the buckets that steps have needed: start-up never waits on a
-capture, and a step whose bucket has no graph yet runs eagerly. `--enforce-eager` turns them off.
+capture, and a step whose bucket has no graph yet runs eagerly. A capture that fails turns the
+graphs off with a warning (the engine goes on eagerly). `--enforce-eager` turns them off.
 Models whose decode step reads the device's data on the host (mixtures of experts group their
 tokens by counts read back, linear attention finds each request's state by its batch row), or
 whose step spans ranks (tensor, pipeline and context parallelism, whose collectives inside a
@@ -111,6 +112,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.Tensor, Callable[[], torch.Tensor]]] = {}
         self.wanted: dict[tuple[int, int], None] = {}  # buckets steps needed, not yet captured
         self.replays = 0
+        self.failed: str | None = None  # why a capture failed: no graphs from then on
 
     def bind(self, kv_caches: list[torch.Tensor], scratch_block: int) -> None:
         """The KV caches the graphs read and write, and the block past the core's that takes
@@ -120,7 +122,7 @@ class DecodeGraphs:
     def bucket(self, num_rows: int, longest: int) -> tuple[int, int] | None:
         """The graph of `num_rows` one-token requests of at most `longest` tokens of context;
         None past the largest batch bucket or MAX_CAPTURED_CONTEXT."""
-        if num_rows > self.sizes[-1] or longest > MAX_CAPTURED_CONTEXT:
+        if num_rows > self.sizes[-1] or longest > MAX_CAPTURED_CONTEXT or self.failed:
             return None
         rows = next(s for s in self.sizes if s >= num_rows)
         needed = -(-longest // self.block_size)
@@ -136,7 +138,7 @@ class DecodeGraphs:
 
     def padding_step(self, key: tuple[int, int]) -> torch.Tensor:
         """`key`'s step over padding rows only, run eagerly: what its graph holds
-        (worker/gpu_memory.py profiles it)."""
+        (worker/memory.py profiles it)."""
         return self._forward(self._padding(key))
 
     def _padding(self, key: tuple[int, int]) -> torch.Tensor:
@@ -178,8 +180,15 @@ class DecodeGraphs:
         rows, blocks = key
         static = self._padding(key)
         start = time.perf_counter()
-        with torch.inference_mode():
-            replay = self.capture(lambda: self._forward(static))
+        try:
+            with torch.inference_mode():
+                replay = self.capture(lambda: self._forward(static))
+        except Exception as exc:  # (a step the refusals missed): the engine goes on eagerly
+            self.failed = f"{type(exc).__name__}: {exc}"
+            self.wanted.clear()
+            logger.warning("CUDA graphs turned off: capturing the decode step of %d requests "
+                           "failed (%s); decode steps run eagerly", rows, self.failed)
+            return False
         self.graphs[key] = (static, replay)
         logger.info("CUDA graph of decode steps of up to %d requests over up to %d tokens "
                     "captured in %.2f s (%d graphs)", rows, blocks * self.block_size,

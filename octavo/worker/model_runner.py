@@ -213,7 +213,7 @@ class ModelRunner:
                      sample_rows: int) -> None:
         """The forward of one fresh request of `num_tokens` tokens over `kv_caches` (its blocks
         from 0), then the LM head and a log-softmax over `sample_rows` rows: the memory of the
-        largest step (worker/gpu_memory.py profiles it). Recurrent states: batch row 0's."""
+        largest step (worker/memory.py profiles it). Recurrent states: batch row 0's."""
         layout = step_layout(np.array([num_tokens]), np.array([num_tokens]))
         tables = np.arange(-(-num_tokens // self.block_size), dtype=np.int64)[None]
         context = step_context(layout, tables, self.block_size, kv_caches, self.sliding_window,
