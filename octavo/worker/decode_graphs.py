@@ -16,8 +16,9 @@ Graphs are captured in the engine's idle work (Worker.do_idle_work, also run bef
 a busy engine), one a call, for the buckets that steps have needed: start-up never waits on a
 capture, and a step whose bucket has no graph yet runs eagerly. A capture that fails turns the
 graphs off with a warning (the engine goes on eagerly). `--enforce-eager` turns them off.
-Models whose decode step reads the device's data on the host (mixtures of experts group their
-tokens by counts read back, linear attention finds each request's state by its batch row), or
+Models whose decode step reads the device's data on the host (mixtures of experts, but for bf16
+stacked experts on an sm90/sm100 GPU, where their grouped GEMMs count on the device; linear
+attention finds each request's state by its batch row), or
 whose step spans ranks (tensor, pipeline and context parallelism, whose collectives inside a
 captured graph are unchecked), run eagerly, and the start says why.
 """
@@ -83,13 +84,14 @@ def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(s for s in (1, 2, 4, *range(8, 513, 8)) if s < largest) + (largest,)
 
 
-def refusal(model: nn.Module, tp_size: int, pp_size: int, cp_size: int,
+def refusal(model: nn.Module, device: torch.device, tp_size: int, pp_size: int, cp_size: int,
             attention_chunk: int | None) -> str | None:
-    """Why this model's decode steps cannot be captured, or None."""
+    """Why this model's decode steps cannot be captured on `device`, or None."""
     if tp_size > 1 or pp_size > 1 or cp_size > 1:
         return "a step over several ranks (its collectives inside a captured graph are unchecked)"
-    if any(isinstance(m, FusedMoE) for m in model.modules()):
-        return "its mixture-of-experts layers group tokens by counts read back on the host"
+    if any(isinstance(m, FusedMoE) and not m.capturable(device) for m in model.modules()):
+        return ("its mixture-of-experts layers read their experts' row counts on the host (a "
+                "graph holds them as grouped GEMMs: bf16 stacked experts on an sm90/sm100 GPU)")
     if any(hasattr(m, "restore_states") for m in model.modules()):
         return "its linear-attention layers find each request's state on the host"
     if attention_chunk is not None:

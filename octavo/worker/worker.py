@@ -163,7 +163,7 @@ class Worker:
         if capture is None or self.config.device.enforce_eager or model.is_encoder:
             return None
         p = self.placement
-        why = decode_graphs.refusal(model, p.tp_size, p.pp_size, p.cp_size,
+        why = decode_graphs.refusal(model, self.device, p.tp_size, p.pp_size, p.cp_size,
                                     self.arch.attention_chunk_size)
         if why is not None:
             if p.rank == 0:

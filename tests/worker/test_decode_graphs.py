@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from octavo import LLM, SamplingParams
+from octavo.model.layers import moe
 from octavo.worker import decode_graphs
 from octavo.worker.decode_graphs import DecodeGraphs, default_capture_sizes
 from tests.parity.test_tiny_models import _build
@@ -57,16 +58,35 @@ def test_decode_graphs_give_the_eager_outputs(tmp_path, smollm_oracle_folder, re
     assert graphs.scratch_block == llm.engine.client.core.num_blocks
 
 
+@pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])
+def test_moe_decode_graphs_hold_grouped_gemms(tmp_path, smollm_oracle_folder, rerun_capture,
+                                              monkeypatch, name):
+    """Where MoE layers run their experts as grouped GEMMs counted on the device (bf16 on an
+    sm90/sm100 GPU; here the CPU is made one), their decode steps are graphs too: the guard
+    finds no host read, and the outputs are the loop's over the experts (gpt-oss: biases,
+    sinks, windows)."""
+    folder, _ = _build(tmp_path, smollm_oracle_folder, name)
+    _, loop = _run(folder, enforce_eager=True)
+    monkeypatch.setattr(moe, "GROUPED_DEVICES", ("cpu",))
+    monkeypatch.setattr(moe, "grouped_gemm_on_device", lambda device, dtype: True)
+    llm, got = _run(folder, cudagraph_capture_sizes=[3, 1])
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, loop):
+        assert tokens == ref_tokens
+        assert torch.allclose(logprobs, ref_logprobs, atol=1e-4)
+    assert sorted(_graphs(llm).graphs) == [(1, 32), (3, 32)]
+
+
 def test_models_whose_step_reads_the_device_on_the_host_run_eagerly(
         tmp_path, smollm_oracle_folder, rerun_capture, caplog):
-    """A mixture of experts counts its tokens per expert on the host: no graphs, and the start
-    says why. Forced through the graph's function anyway, the guard stops it: what the guard
-    checks is real."""
+    """A mixture of experts looping over its experts counts their rows on the host (the CPU's
+    way; a GPU's without grouped GEMMs): no graphs, and the start says why. Forced through the
+    graph's function anyway, the guard stops it: what the guard checks is real."""
     folder, _ = _build(tmp_path, smollm_oracle_folder, "qwen3-moe")
     with caplog.at_level(logging.INFO, logger="octavo.worker.worker"):
         llm, _ = _run(folder)
     assert _graphs(llm) is None
-    assert "without CUDA graphs: its mixture-of-experts layers" in caplog.text
+    assert "without CUDA graphs: its mixture-of-experts layers read their experts' row counts" \
+        in caplog.text
     runner = llm.engine.client.core.executor.worker.runner
     forced = DecodeGraphs(runner.model, torch.device("cpu"), decode_graphs.capturer(None),
                           (2,), 8, 32, None)

@@ -1,11 +1,12 @@
 """Mixture of experts: top-k routing and the experts' gated MLPs computed grouped by expert.
 
 Tokens are sorted by the expert they were routed to, so each expert runs one matmul over all of
-its tokens (a loop over experts, never over tokens), then the outputs are weighted and summed back
-per token with one index_add. Quantized experts (a GPTQ/AWQ/FP8 checkpoint's, or --quantization)
-become one `Linear` per expert and projection (gate/up packed, down), each with the quant method
-any other linear layer gets, replacing the stacked dense tensors; so do dense bf16 experts once
-loaded, as views of them, where oneDNN packs bf16 weights (`split_for_packing`).
+its tokens (a loop over experts, never over tokens; on a GPU two grouped GEMMs), then the
+outputs are weighted and summed back per token with one index_add. Quantized experts (a
+GPTQ/AWQ/FP8 checkpoint's, or --quantization) become one `Linear` per expert and projection
+(gate/up packed, down), each with the quant method any other linear layer gets, replacing the
+stacked dense tensors; so do dense bf16 experts once loaded, as views of them, where oneDNN
+packs bf16 weights (`split_for_packing`).
 
 Under tensor parallelism every rank holds every expert's share of the intermediate width (gate and
 up rows, down columns: `even_span`); under expert parallelism (--enable-expert-parallel) a rank
@@ -43,6 +44,16 @@ _PROJ = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj":
          "w2": ("w2", 0), "down_proj": ("w2", 0)}
 # <block>.experts.<index>.<projection>.<kind: weight, or a quantized format's qweight, scales...>
 EXPERT_TENSOR = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(\w+)$")
+# Devices whose MoE layers compute their stacked experts as two grouped GEMMs (`_grouped`); the
+# CPU keeps its loop over the experts and its C++ decode stack.
+GROUPED_DEVICES = ("cuda",)
+
+
+def grouped_gemm_on_device(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm reads no offset on the host there (CUTLASS's bf16 kernels on
+    sm90/sm100; elsewhere it loops over the groups from the host): a CUDA graph can hold it."""
+    return (device.type == "cuda" and dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device)[0] in (9, 10))
 
 
 class FusedMoE(nn.Module):
@@ -227,6 +238,8 @@ class FusedMoE(nn.Module):
         weights, experts = self.routing(router_logits)  # [T, k]
         if parallel_state.ep_dispatches():
             return self._dispatched(x, weights, experts)
+        if self.grouped(x.device):
+            return self._grouped(x, weights, experts)
         flat = experts.reshape(-1)  # [T * k]
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
@@ -245,6 +258,39 @@ class FusedMoE(nn.Module):
         else:
             ys = self._experts(xs, counts, token) * weight
         return parallel_state.tp_all_reduce(torch.zeros_like(x).index_add_(0, token, ys))
+
+    def grouped(self, device: torch.device) -> bool:
+        """Whether the experts run as grouped GEMMs on `device` (stacked, local, no LoRA)."""
+        return (device.type in GROUPED_DEVICES and self.expert_linears is None
+                and self.lora is None and self.num_local == self.num_experts)
+
+    def capturable(self, device: torch.device) -> bool:
+        """Whether a CUDA graph can hold this layer's forward on `device`."""
+        return self.grouped(device) and grouped_gemm_on_device(device, self.w13.dtype)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor,
+                 experts: torch.Tensor) -> torch.Tensor:
+        """The loop's products as two grouped GEMMs over the rows sorted by expert, each
+        expert's run ending at its offset, counted on the device (no host read)."""
+        flat = experts.reshape(-1)  # [T * k]
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        offsets = counts.cumsum(0).to(torch.int32)
+        token, expert = order // self.top_k, flat[order]
+        weight = weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
+        xs = x.index_select(0, token)
+        if self.weigh_inputs:
+            xs = xs * weight
+        h = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offsets)
+        if self.w13_bias is not None:
+            h = h + self.w13_bias[expert]
+        y = torch._grouped_mm(self.act(h), self.w2.transpose(1, 2), offs=offsets)
+        if self.w2_bias is not None and self._adds_down_bias:
+            y = y + self.w2_bias[expert]
+        if not self.weigh_inputs:
+            y = y * weight
+        return parallel_state.tp_all_reduce(torch.zeros_like(x).index_add_(0, token, y))
 
     def _experts(self, xs: torch.Tensor, counts: list[int],
                  token: torch.Tensor | None) -> torch.Tensor:
