@@ -70,11 +70,15 @@ def test_greedy_outputs_equal_transformers_on_the_device(tmp_path, tokenizer_fol
                               atol=1e-3)
 
 
-def test_compiled_layers_equal_eager_ones_on_the_device(tmp_path, tokenizer_folder):
-    folder, _ = _build(tmp_path, tokenizer_folder, "qwen3-moe")
+@pytest.mark.parametrize("name, graphs", [("qwen3-moe", False), ("llama-default", True)])
+def test_compiled_layers_equal_eager_ones_on_the_device(tmp_path, tokenizer_folder, name,
+                                                        graphs):
+    """The compiled layers' graphs, every step through them (`enforce_eager`), or their decode
+    steps inside CUDA graphs (the CPU: the decode stack's)."""
+    folder, _ = _build(tmp_path, tokenizer_folder, name)
     prompts = _prompts()
     eager = _ours(folder, prompts, enforce_eager=True)
-    compiled = _ours(folder, prompts, enforce_eager=True, compilation_level=3)
+    compiled = _ours(folder, prompts, enforce_eager=not graphs, compilation_level=3)
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(compiled, eager):
         assert tokens == ref_tokens
         assert torch.allclose(logprobs, ref_logprobs, atol=1e-4)
