@@ -12,6 +12,9 @@ least 16): each row's keys gathered through its block table up to the bucket, th
 position masked. The masks, the cache slots and the keys' slots are computed in the graph from
 the step's token ids, positions and block tables, which are the only inputs copied in.
 
+With LoRA on, each row's adapter slot is an input too, and the layers add every slot's delta
+masked to its rows (LoRAStep with no slot list): one graph serves every mix of adapters.
+
 Graphs are captured in the engine's idle work (Worker.do_idle_work, also run before each step of
 a busy engine), one a call, for the buckets that steps have needed: start-up never waits on a
 capture, and a step whose bucket has no graph yet runs eagerly. A capture that fails turns the
@@ -34,6 +37,7 @@ from torch import nn
 
 from octavo.kernels.paged_attention import AttentionGroup, AttentionPlan
 from octavo.model.context import ForwardContext, forward_context
+from octavo.model.layers.lora import LoRAStep
 from octavo.model.layers.moe import FusedMoE
 
 logger = logging.getLogger(__name__)
@@ -102,15 +106,17 @@ def refusal(model: nn.Module, device: torch.device, tp_size: int, pp_size: int, 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, device: torch.device, capture: Capture,
                  sizes: tuple[int, ...], block_size: int, max_blocks: int,
-                 sliding_window: int | None) -> None:
-        """sizes: the batch buckets (sorted); max_blocks: a request's blocks at full length."""
-        self.model, self.device, self.capture = model, device, capture
+                 sliding_window: int | None, lora: bool = False) -> None:
+        """sizes: the batch buckets (sorted); max_blocks: a request's blocks at full length;
+        lora: the model's layers hold adapter slots (each row's slot is an input too)."""
+        self.model, self.device, self.capture, self.lora = model, device, capture, lora
         self.sizes = sizes
         self.block_size, self.max_blocks = block_size, max_blocks
         self.sliding_window = sliding_window
         self.kv_caches: list[torch.Tensor] = []
         self.scratch_block = -1  # set by bind()
-        # (rows, blocks) -> (static inputs [rows, 2 + blocks] int64, replay)
+        # (rows, blocks) -> (static inputs [rows, 3 + blocks] int64: token id, position,
+        # adapter slot, block table; replay)
         self.graphs: dict[tuple[int, int], tuple[torch.Tensor, Callable[[], torch.Tensor]]] = {}
         self.wanted: dict[tuple[int, int], None] = {}  # buckets steps needed, not yet captured
         self.replays = 0
@@ -147,9 +153,9 @@ class DecodeGraphs:
         """Static inputs of padding rows only (token 0 at position 0, every block the scratch
         block): a graph is captured over these, so its writes go where no request reads."""
         rows, blocks = key
-        static = torch.full((rows, 2 + blocks), self.scratch_block, dtype=torch.int64,
+        static = torch.full((rows, 3 + blocks), self.scratch_block, dtype=torch.int64,
                             device=self.device)
-        static[:, :2] = 0
+        static[:, :3] = torch.tensor([0, 0, -1])
         return static
 
     def ready(self, key: tuple[int, int]) -> bool:
@@ -160,16 +166,20 @@ class DecodeGraphs:
         return False
 
     def run(self, key: tuple[int, int], token_ids: np.ndarray, positions: np.ndarray,
-            tables: np.ndarray) -> torch.Tensor:
+            tables: np.ndarray, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden states of a decode step of len(token_ids) requests through `key`'s
-        graph; tables: their block tables (at least key's blocks wide)."""
+        graph; tables: their block tables (at least key's blocks wide); lora_slots: each
+        request's adapter slot (-1: none), None where none has one."""
         static, replay = self.graphs[key]
         rows, blocks = key
         n = len(token_ids)
-        host = np.empty((rows, 2 + blocks), np.int64)
-        host[:n, 0], host[:n, 1], host[:n, 2:] = token_ids, positions, tables[:, :blocks]
-        host[n:, :2], host[n:, 2:] = 0, self.scratch_block
+        host = np.empty((rows, 3 + blocks), np.int64)
+        host[:n, 0], host[:n, 1], host[:n, 2], host[:n, 3:] = (token_ids, positions, -1,
+                                                               tables[:, :blocks])
+        host[n:, :3], host[n:, 3:] = (0, 0, -1), self.scratch_block
         static.copy_(torch.from_numpy(host))
+        if lora_slots is not None:
+            static[:n, 2].copy_(lora_slots)
         self.replays += 1
         return replay()[:n]
 
@@ -200,9 +210,9 @@ class DecodeGraphs:
     def _forward(self, static: torch.Tensor) -> torch.Tensor:
         """The step over the static inputs, in fixed shapes and without reading the device's
         data on the host: what a graph captures."""
-        rows, blocks = static.shape[0], static.shape[1] - 2
+        rows, blocks = static.shape[0], static.shape[1] - 3
         bs = self.block_size
-        token_ids, positions, tables = static[:, 0], static[:, 1], static[:, 2:]
+        token_ids, positions, tables = static[:, 0], static[:, 1], static[:, 3:]
         slots = tables.gather(1, (positions // bs)[:, None]).squeeze(1) * bs + positions % bs
         offsets = torch.arange(bs, device=static.device)
         key_slots = (tables[:, :, None] * bs + offsets).reshape(rows, blocks * bs)
@@ -218,5 +228,6 @@ class DecodeGraphs:
         if self.sliding_window is not None:
             sliding = plan(visible & (context[None, :] > positions[:, None]
                                       - self.sliding_window))
-        with forward_context(ForwardContext(plan(visible), self.kv_caches, sliding)):
+        lora = LoRAStep(static[:, 2], {}, None) if self.lora else None
+        with forward_context(ForwardContext(plan(visible), self.kv_caches, sliding, lora)):
             return self.model(token_ids, positions)

@@ -156,7 +156,8 @@ class ModelRunner:
             input_ids_t, positions_t = own_rows(cp_step, input_ids_t), own_rows(cp_step,
                                                                                 positions_t)
         if graph is not None:
-            hidden = self.graphs.run(graph, input_ids, layout.positions, b.block_table[rows])
+            hidden = self.graphs.run(graph, input_ids, layout.positions, b.block_table[rows],
+                                     None if context.lora is None else context.lora.token_slot)
         else:
             with forward_context(context):
                 hidden = self.model(input_ids_t, positions_t)
@@ -233,11 +234,11 @@ class ModelRunner:
 
     def _decode_graph(self, sched: SchedulerOutput, layout: StepLayout) -> tuple[int, int] | None:
         """The CUDA graph bucket that runs this step (worker/decode_graphs.py): a step of one
-        new token per request, none of them with drafts, an adapter or a state to save, whose
-        graph is captured (else it is asked for, and the step runs eagerly)."""
+        new token per request, none of them with drafts or a state to save, whose graph is
+        captured (else it is asked for, and the step runs eagerly)."""
         g = self.graphs
         if (g is None or layout.num_tokens != len(layout.query_lens) or sched.spec_token_ids
-                or self.batch.rows_with_lora or sched.state_saves):
+                or sched.state_saves):
             return None
         key = g.bucket(len(layout.query_lens), int(layout.seq_lens.max()))
         return key if key is not None and g.ready(key) else None

@@ -173,7 +173,8 @@ class Worker:
                  or decode_graphs.default_capture_sizes(self.config.scheduler.max_num_seqs))
         block_size = self.config.core_block_size
         return DecodeGraphs(model, self.device, capture, sizes, block_size,
-                            -(-self.max_model_len // block_size), self.arch.sliding_window)
+                            -(-self.max_model_len // block_size), self.arch.sliding_window,
+                            lora=self.config.lora.enable_lora)
 
     def _context_parallel(self) -> ContextParallel | None:
         parallel = self.config.parallel

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from octavo import LLM, LoRARequest, SamplingParams
+from tests.capture_guard import rerun_capture  # noqa: F401 (a fixture)
 from tests.parity.test_tiny_models import _build
 
 peft = pytest.importorskip("peft")
@@ -330,3 +331,21 @@ def test_compiled_layers_take_adapters(llama):
     assert llm.engine.client.core.executor.worker.runner.model.model.compiled_layers.kinds == 1
     cases = [(lora, j) for j in range(len(prompts)) for lora in [None, *adapters]]
     _check(_generate(llm, cases, prompts), cases, expected)
+
+
+def test_decode_graphs_take_adapters(llama, rerun_capture):  # noqa: F811
+    """CUDA graphs' decode steps (checked on the CPU with conftest's stand-in capture, which
+    fails on any host read) with every adapter and the base model in one batch and more
+    adapters than slots: each output equals peft's, every adapter through the same graphs."""
+    folder, adapters, prompts, expected = llama
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20,
+              max_num_batched_tokens=64, enable_lora=True, max_loras=2, max_lora_rank=16,
+              native_kernels="off", cudagraph_capture_sizes=[1, 2, 4, 8])
+    graphs = llm.engine.client.core.executor.worker.runner.graphs
+    adapted, run = [], graphs.run
+    graphs.run = lambda *args: adapted.append(args[4] is not None and bool(
+        (args[4] >= 0).any())) or run(*args)
+    cases = [(lora, j) for j in range(len(prompts)) for lora in [None, *adapters]]
+    _check(_generate(llm, cases, prompts), cases, expected)
+    assert sum(adapted) >= 3 and graphs.replays == len(adapted)  # steps with adapters in them
+

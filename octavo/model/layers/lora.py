@@ -38,7 +38,9 @@ class LoRAStep:
 
     token_slot: torch.Tensor  # [T] int64
     slot_of: dict[int, int]  # adapter id -> its slot
-    slots: list[int]  # the step's slots, sorted: every adapted layer reads them
+    # the step's slots, sorted: every adapted layer reads them; None: every slot, over every
+    # row in fixed shapes, nothing read on the host (a CUDA graph's step: worker/decode_graphs)
+    slots: list[int] | None
     sample_slot: torch.Tensor | None = None
 
 
@@ -83,7 +85,9 @@ class LoRASlots:
     def add_delta(self, x: torch.Tensor, y: torch.Tensor, token_slot: torch.Tensor,
                   slots: list[int]) -> torch.Tensor:
         """y plus each row's adapter delta of x (token ids for the embedding); token_slot: each
-        row's slot (-1: none), slots: those in the step."""
+        row's slot (-1: none), slots: those in the step (None: see LoRAStep)."""
+        if slots is None:
+            return self._masked_delta(x, y, token_slot)
         if not any(self.used[s] for s in slots):
             return y
         if not self.embedding and fused.native_active(x) and x.dtype == self.a.dtype \
@@ -102,6 +106,19 @@ class LoRASlots:
                 delta = t[:, j * self.max_rank:(j + 1) * self.max_rank] @ self.b[slot][
                     :, first:end]
                 y[:, first:end].index_add_(0, rows, delta)
+        return y
+
+    def _masked_delta(self, x: torch.Tensor, y: torch.Tensor,
+                      token_slot: torch.Tensor) -> torch.Tensor:
+        """add_delta over every slot and row, each row's product zeroed but in its own slot
+        (an empty slot holds zeros): no row count or slot list read on the host."""
+        for slot in range(self.a.shape[0]):
+            t = F.embedding(x, self.a[slot]) if self.embedding else x @ self.a[slot].t()
+            t = t * (token_slot == slot).unsqueeze(1).to(t.dtype)
+            for j in range(len(self.bounds) - 1):
+                first, end = self.bounds[j], self.bounds[j + 1]
+                y[:, first:end] += t[:, j * self.max_rank:(j + 1) * self.max_rank] @ self.b[
+                    slot][:, first:end]
         return y
 
 
