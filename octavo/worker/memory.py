@@ -72,7 +72,6 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
-
 def peak_of(device: torch.device, step: Callable[[], object]) -> int:
     """Bytes `step` allocates on the GPU at its peak, beyond what was allocated before it."""
     torch.cuda.synchronize(device)

@@ -284,7 +284,7 @@ class Worker:
             graphs.bind(*bound)
         caches.clear()  # freed before the plan reads the GPU's free memory
         plan = memory.plan(self.device, self.config.kv_memory_fraction, self.free_at_start,
-                               activations, graph_bytes)
+                           activations, graph_bytes)
         if self.placement.rank == 0:
             logger.info("%s", plan.describe(self.device, tokens))
         return plan
