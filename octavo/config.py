@@ -98,7 +98,8 @@ class CacheConfig:
         "with no --kv-cache-memory: on the CPU the largest share of the memory available after "
         "the weights that the KV cache takes (default 0.5); on a GPU, as vLLM's "
         "--gpu-memory-utilization, the share of the GPU's whole memory this engine holds, "
-        "weights, activations, CUDA graphs and KV cache together (default 0.9)"))
+        "weights, activations, CUDA graphs and KV cache together (default 0.9)",
+        aliases=("--gpu-memory-utilization",)))
     enable_prefix_caching: bool = field(default=True, metadata=_opt(
         "reuse the KV blocks of prompt prefixes computed before"))
     kv_cache_dtype: str = field(default="auto", metadata=_opt(
@@ -197,7 +198,8 @@ class DeviceConfig:
     cudagraph_capture_sizes: tuple[int, ...] | None = field(default=None, metadata=_opt(
         "on a GPU, the batch sizes whose decode steps are captured as CUDA graphs (a step is "
         "padded to the next; larger ones run eagerly), each captured when a step first needs it; "
-        "default: 1 2 4 8 16 ... 512 up to --max-num-seqs", nargs="+", metavar="N"))
+        "default: 1 2 4 8 16 ... 512 up to --max-num-seqs", nargs="+", metavar="N",
+        aliases=("--cuda-graph-sizes",)))
     compilation_level: int = field(default=0, metadata=_opt(
         "run the decoder layers' Python steps (prefill, mixed steps, every step under "
         "--enforce-eager) as compiled graphs (torch.export + AOTInductor, one per kind of layer, "

@@ -95,6 +95,19 @@ def test_cuda_graph_sizes_by_vllm_names():
             EngineArgs(cuda_graph_sizes=bad)
 
 
+def test_vllm_cli_flags_for_gpu_memory_and_graphs():
+    import argparse
+
+    from octavo.config import EngineConfig, add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = EngineConfig.from_cli(parser.parse_args(
+        ["--gpu-memory-utilization", "0.8", "--cuda-graph-sizes", "8", "1", "2"]))
+    assert config.kv_memory_fraction == 0.8
+    assert config.device.cudagraph_capture_sizes == (1, 2, 8)
+
+
 def test_compilation_config_refuses_what_it_cannot_do():
     with pytest.raises(NotImplementedError, match="cudagraph_mode"):
         EngineArgs(compilation_config={"level": 3, "cudagraph_mode": "FULL"})
