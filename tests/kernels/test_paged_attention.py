@@ -109,6 +109,10 @@ def test_prefills_are_bucketed_by_length():
     plan = build_plan(step_layout(query_lens, seq_lens), table, 16)
     sizes = sorted(tuple(sorted(g.token_valid.sum(1).tolist())) for g in plan.groups)
     assert sizes == [(1, 1), (32, 40), (480, 500)]
+    # decodes too: one of 480 tokens of context is not the others' length
+    decodes = build_plan(step_layout(np.ones(4, np.int64), np.array([70, 480, 90, 60])), table,
+                         16)
+    assert sorted(g.key_slots.shape[1] for g in decodes.groups) == [90, 480]
     alone = build_plan(step_layout(np.array([100]), np.array([100])), table[:1], 16)
     assert len(alone.groups) == 1 and alone.groups[0].mask is None
     # With the kernel, prompts up to KERNEL_CONTEXT_LEN tokens of context go to it; longer
