@@ -11,7 +11,7 @@ from octavo.worker import decode_graphs
 
 aten = torch.ops.aten
 _HOST_READS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.bincount,
-               aten.unique_consecutive, aten._unique2}
+               aten.unique_consecutive, aten._unique2, aten.equal}
 
 
 class HostReadGuard(TorchDispatchMode):
@@ -19,6 +19,8 @@ class HostReadGuard(TorchDispatchMode):
         packet = func.overloadpacket
         if packet in _HOST_READS:
             raise AssertionError(f"a captured step read the device's data on the host: {func}")
+        if func is aten.repeat_interleave.Tensor and (kwargs or {}).get("output_size") is None:
+            raise AssertionError(f"a captured step sized a tensor by its data: {func}")
         if packet in (aten.index, aten.index_put, aten.index_put_) and any(
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
                 if i is not None):

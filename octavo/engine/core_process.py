@@ -65,7 +65,7 @@ class EngineCoreProcess:
             return
         poller = zmq.Poller()
         poller.register(self.inputs, zmq.POLLIN)
-        idle_work = True  # until the executor says it has none left
+        idle_work = True  # until the executor says it has none left (steps may make more)
         while self.running:
             if self._parent_gone():
                 return
@@ -81,6 +81,7 @@ class EngineCoreProcess:
                 return
             if self.core.has_unfinished_requests():
                 self._send(CoreOutputs(self.core.step(), self.core.stats()))
+                idle_work = True  # a step may have asked for a CUDA graph
             elif changed:
                 self._send(CoreOutputs([], self.core.stats()))  # e.g. usage after an abort
 

@@ -15,8 +15,9 @@ the step's token ids, positions and block tables, which are the only inputs copi
 With LoRA on, each row's adapter slot is an input too, and the layers add every slot's delta
 masked to its rows (LoRAStep with no slot list): one graph serves every mix of adapters.
 
-Graphs are captured in the engine's idle work (Worker.do_idle_work, also run before each step of
-a busy engine), one a call, for the buckets that steps have needed: start-up never waits on a
+Graphs are captured in the engine's idle work (Worker.do_idle_work: when the engine next idles,
+or before the next step of one that stays busy), one a call, for the buckets that steps have
+needed: start-up never waits on a
 capture, and a step whose bucket has no graph yet runs eagerly. A capture that fails turns the
 graphs off with a warning (the engine goes on eagerly). `--enforce-eager` turns them off.
 Models whose decode step reads the device's data on the host (mixtures of experts, but for bf16
@@ -82,6 +83,13 @@ def capturer(device: torch.device) -> Capture | None:
     return CudaCapture() if device.type == "cuda" else None
 
 
+def usable_sizes(sizes: tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:
+    """`sizes` without those a step never needs: past the first that holds max_num_seqs rows
+    (the memory plan reserves the largest graph's memory)."""
+    holds = [s for s in sizes if s >= max_num_seqs]
+    return tuple(s for s in sizes if s < max_num_seqs) + tuple(holds[:1])
+
+
 def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """vLLM's default buckets (1, 2, 4, then every 8 up to 512), up to the batch's rows."""
     largest = min(max_num_seqs, 512)
@@ -93,7 +101,7 @@ def refusal(model: nn.Module, device: torch.device, tp_size: int, pp_size: int, 
     """Why this model's decode steps cannot be captured on `device`, or None."""
     if tp_size > 1 or pp_size > 1 or cp_size > 1:
         return "a step over several ranks (its collectives inside a captured graph are unchecked)"
-    if any(isinstance(m, FusedMoE) and not m.capturable(device) for m in model.modules()):
+    if any(isinstance(m, FusedMoE) and not m.grouped(device) for m in model.modules()):
         return ("its mixture-of-experts layers read their experts' row counts on the host (a "
                 "graph holds them as grouped GEMMs: bf16 stacked experts on an sm90/sm100 GPU)")
     if any(hasattr(m, "restore_states") for m in model.modules()):
@@ -107,7 +115,8 @@ class DecodeGraphs:
     def __init__(self, model: nn.Module, device: torch.device, capture: Capture,
                  sizes: tuple[int, ...], block_size: int, max_blocks: int,
                  sliding_window: int | None, lora: bool = False) -> None:
-        """sizes: the batch buckets (sorted); max_blocks: a request's blocks at full length;
+        """sizes: the batch buckets (sorted; none past the first that holds max_num_seqs, the
+        worker's clamp); max_blocks: a request's blocks at full length;
         lora: the model's layers hold adapter slots (each row's slot is an input too)."""
         self.model, self.device, self.capture, self.lora = model, device, capture, lora
         self.sizes = sizes

@@ -169,8 +169,9 @@ class Worker:
             if p.rank == 0:
                 logger.info("decode steps run eagerly, without CUDA graphs: %s", why)
             return None
-        sizes = (self.config.device.cudagraph_capture_sizes
-                 or decode_graphs.default_capture_sizes(self.config.scheduler.max_num_seqs))
+        rows = self.config.scheduler.max_num_seqs
+        sizes = decode_graphs.usable_sizes(self.config.device.cudagraph_capture_sizes
+                                           or decode_graphs.default_capture_sizes(rows), rows)
         block_size = self.config.core_block_size
         return DecodeGraphs(model, self.device, capture, sizes, block_size,
                             -(-self.max_model_len // block_size), self.arch.sliding_window,
@@ -267,8 +268,11 @@ class Worker:
         sched, block_size = self.config.scheduler, self.config.core_block_size
         tokens = min(sched.max_num_batched_tokens, self.max_model_len)
         blocks = -(-tokens // block_size)
-        if self._state_plan():  # recurrent states at batch row 0
-            self._allocate_states()
+        # recurrent states (batch row 0's are used): allocated now, but the executor takes
+        # their bytes out of the plan's budget itself (blocks_in_budget), so not held here
+        states = 0
+        if self._state_plan():
+            states = self._allocate_states()
         caches = [spec.as_kv(torch.zeros(spec.shape(blocks + 1, self._rank_block(block_size)),
                                          dtype=self.kv_dtype, device=self.device))
                   for spec in self._kv_layers()][:len(stage_range(self.arch.num_layers))]
@@ -283,8 +287,8 @@ class Worker:
                     self.device, lambda: graphs.padding_step(graphs.largest_bucket()))
             graphs.bind(*bound)
         caches.clear()  # freed before the plan reads the GPU's free memory
-        plan = memory.plan(self.device, self.config.kv_memory_fraction, self.free_at_start,
-                           activations, graph_bytes)
+        plan = memory.plan(self.device, self.config.kv_memory_fraction,
+                           self.free_at_start + states, activations, graph_bytes)
         if self.placement.rank == 0:
             logger.info("%s", plan.describe(self.device, tokens))
         return plan

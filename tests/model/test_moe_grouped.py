@@ -23,6 +23,17 @@ def test_grouped_gemms_give_the_loop_s_outputs(monkeypatch, bias, weigh_inputs):
         loop = layer.eager_forward(x, logits)
         assert not layer.grouped(x.device)
         monkeypatch.setattr(moe, "GROUPED_DEVICES", ("cpu",))
+        assert not layer.grouped(x.device)  # torch's kernel would read offsets on the host
+        monkeypatch.setattr(moe, "grouped_gemm_on_device", lambda device, dtype: True)
         assert layer.grouped(x.device)
         grouped = layer.eager_forward(x, logits)
     assert torch.allclose(grouped, loop, atol=1e-5)
+
+
+def test_rows_torch_s_kernel_cannot_take_keep_the_loop(monkeypatch):
+    monkeypatch.setattr(moe, "GROUPED_DEVICES", ("cpu",))
+    monkeypatch.setattr(moe, "grouped_gemm_on_device", lambda device, dtype: True)
+    odd = FusedMoE(num_experts=4, top_k=2, hidden_size=30, intermediate_size=16,
+                   hidden_act="silu", renormalize=True)  # 120-byte rows: not 16-byte multiples
+    assert not odd.grouped(torch.device("cpu"))
+

@@ -18,7 +18,7 @@ import torch
 from octavo import LLM, SamplingParams
 from octavo.model.layers import moe
 from octavo.worker import decode_graphs
-from octavo.worker.decode_graphs import DecodeGraphs, default_capture_sizes
+from octavo.worker.decode_graphs import DecodeGraphs, default_capture_sizes, usable_sizes
 from tests.parity.test_tiny_models import _build
 
 
@@ -107,6 +107,8 @@ def test_buckets():
     assert default_capture_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
     assert default_capture_sizes(3) == (1, 2, 3)
     assert default_capture_sizes(1000)[-3:] == (496, 504, 512)
+    assert usable_sizes((1, 2, 4, 8, 16), 6) == (1, 2, 4, 8)  # 16 rows: never a step
+    assert usable_sizes((1, 2), 6) == (1, 2)
 
 
 def test_a_capture_that_fails_turns_the_graphs_off(tmp_path, smollm_oracle_folder, monkeypatch,

@@ -1,8 +1,8 @@
 """Mixture of experts: top-k routing and the experts' gated MLPs computed grouped by expert.
 
 Tokens are sorted by the expert they were routed to, so each expert runs one matmul over all of
-its tokens (a loop over experts, never over tokens; on a GPU two grouped GEMMs), then the
-outputs are weighted and summed back per token with one index_add. Quantized experts (a
+its tokens (a loop over experts, never over tokens; on sm90/sm100 GPUs two grouped GEMMs), then
+the outputs are weighted and summed back per token with one index_add. Quantized experts (a
 GPTQ/AWQ/FP8 checkpoint's, or --quantization) become one `Linear` per expert and projection
 (gate/up packed, down), each with the quant method any other linear layer gets, replacing the
 stacked dense tensors; so do dense bf16 experts once loaded, as views of them, where oneDNN
@@ -260,13 +260,14 @@ class FusedMoE(nn.Module):
         return parallel_state.tp_all_reduce(torch.zeros_like(x).index_add_(0, token, ys))
 
     def grouped(self, device: torch.device) -> bool:
-        """Whether the experts run as grouped GEMMs on `device` (stacked, local, no LoRA)."""
-        return (device.type in GROUPED_DEVICES and self.expert_linears is None
-                and self.lora is None and self.num_local == self.num_experts)
-
-    def capturable(self, device: torch.device) -> bool:
-        """Whether a CUDA graph can hold this layer's forward on `device`."""
-        return self.grouped(device) and grouped_gemm_on_device(device, self.w13.dtype)
+        """Whether the experts run as grouped GEMMs on `device` (a CUDA graph holds them):
+        stacked, local, no LoRA, 16-byte rows, where torch's kernel reads no offset on the host."""
+        if (device.type not in GROUPED_DEVICES or self.expert_linears is not None
+                or self.lora is not None or self.num_local != self.num_experts):
+            return False
+        size = self.w13.element_size()
+        return (self.hidden_size * size % 16 == 0 and self.intermediate_size * size % 16 == 0
+                and grouped_gemm_on_device(device, self.w13.dtype))
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor,
                  experts: torch.Tensor) -> torch.Tensor:
