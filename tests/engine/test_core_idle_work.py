@@ -81,6 +81,51 @@ def test_idle_work_runs_between_polls_answers_inputs_and_then_stops(tmp_path):
         ctx.term()
 
 
+class _SteppingCore(_IdleCore):
+    """No idle work until a step asks for some (as a step asks for a CUDA graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.work, self.wanted = 0, False
+
+    def has_unfinished_requests(self) -> bool:
+        return self.work > 0
+
+    def step(self):
+        self.work -= 1
+        self.wanted = True
+        return []
+
+    def do_idle_work(self) -> bool:
+        self.calls += 1
+        self.wanted = False
+        return False
+
+
+def test_idle_work_a_step_asked_for_runs_when_the_engine_next_idles(tmp_path):
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PUSH)
+    inputs.bind(f"ipc://{tmp_path}/in")
+    core = _SteppingCore()
+    proc = core_process.EngineCoreProcess(core, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    proc._send = lambda out: None
+    loop = threading.Thread(target=proc.run)
+    loop.start()
+    try:
+        _wait(lambda: core.calls == 1)  # at start; then none is left
+        core.work = 3
+        inputs.send(encoder.encode(Wake()))
+        _wait(lambda: core.work == 0 and not core.wanted)
+        assert core.calls == 2  # asked again once the steps were done, and only once
+    finally:
+        inputs.send(encoder.encode(Shutdown()))
+        loop.join(10)
+        assert not loop.is_alive()
+        proc.close()
+        inputs.close(linger=0)
+        ctx.term()
+
+
 class _Pair:
     """Two cores' lockstep group in one process: a round's flags are OR-ed at a barrier."""
 
