@@ -48,6 +48,17 @@ def _wait(condition, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def _stop(ctx, inputs, loop, proc, *sockets) -> None:
+    """Shut the loop down through its input and close everything."""
+    inputs.send(encoder.encode(Shutdown()))
+    loop.join(10)
+    assert not loop.is_alive()
+    proc.close()
+    for sock in (inputs, *sockets):
+        sock.close(linger=0)
+    ctx.term()
+
+
 def test_idle_work_runs_between_polls_answers_inputs_and_then_stops(tmp_path):
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PUSH)
@@ -72,13 +83,7 @@ def test_idle_work_runs_between_polls_answers_inputs_and_then_stops(tmp_path):
         time.sleep(0.3)
         assert core.calls == calls  # no work left: the loop waits for input, it does not spin
     finally:
-        inputs.send(encoder.encode(Shutdown()))
-        loop.join(10)
-        assert not loop.is_alive()
-        proc.close()
-        inputs.close(linger=0)
-        outputs.close(linger=0)
-        ctx.term()
+        _stop(ctx, inputs, loop, proc, outputs)
 
 
 class _SteppingCore(_IdleCore):
@@ -118,12 +123,7 @@ def test_idle_work_a_step_asked_for_runs_when_the_engine_next_idles(tmp_path):
         _wait(lambda: core.work == 0 and not core.wanted)
         assert core.calls == 2  # asked again once the steps were done, and only once
     finally:
-        inputs.send(encoder.encode(Shutdown()))
-        loop.join(10)
-        assert not loop.is_alive()
-        proc.close()
-        inputs.close(linger=0)
-        ctx.term()
+        _stop(ctx, inputs, loop, proc)
 
 
 class _Pair:
