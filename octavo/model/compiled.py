@@ -248,18 +248,23 @@ class _Graph:
         return self.runner.run(inputs)[0]
 
 
+def _whole(library: Path) -> bool:
+    """Whether a kind's graph is on disk: its library and its table of opaque calls."""
+    return library.exists() and library.with_suffix(".json").exists()
+
+
 def _graph(key: str, folder: Path, layer: nn.Module, modules: dict[str, nn.Module],
            tensors: dict[str, torch.Tensor], probe: tuple[torch.Tensor, torch.Tensor],
            device: torch.device) -> tuple[_Graph, bool]:
     """The graph of `key`'s kind, loaded from its library, made first where there is none (by
     one process at a time: tensor-parallel ranks make the same graphs)."""
     library = folder / f"{key}.so"
-    if library.exists() and library.with_suffix(".json").exists():
+    if _whole(library):
         return _Graph(library, device), False
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f"{key}.lock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # as the kernels' build: dropped if its holder dies
-        made = not (library.exists() and library.with_suffix(".json").exists())
+        made = not _whole(library)
         if made:
             # What a process killed while making this kind's graph left (the lock is ours).
             for stale in folder.glob(f"{key}.*{_PARTIAL}"):

@@ -159,13 +159,16 @@ class DecodeGraphs:
         return self._forward(self._padding(key))
 
     def _padding(self, key: tuple[int, int]) -> torch.Tensor:
-        """Static inputs of padding rows only (token 0 at position 0, every block the scratch
-        block): a graph is captured over these, so its writes go where no request reads."""
-        rows, blocks = key
-        static = torch.full((rows, 3 + blocks), self.scratch_block, dtype=torch.int64,
-                            device=self.device)
-        static[:, :3] = torch.tensor([0, 0, -1])
-        return static
+        """Static inputs of padding rows only: a graph is captured over these, so its writes
+        go where no request reads."""
+        return torch.from_numpy(self._padding_rows(*key)).to(self.device)
+
+    def _padding_rows(self, rows: int, blocks: int) -> np.ndarray:
+        """`rows` padding rows of the static inputs, on the host: token 0 at position 0, no
+        adapter, every block the scratch block."""
+        host = np.full((rows, 3 + blocks), self.scratch_block, np.int64)
+        host[:, :3] = (0, 0, -1)
+        return host
 
     def ready(self, key: tuple[int, int]) -> bool:
         """Whether `key` has a graph; if not, it is captured at the next idle work."""
@@ -180,12 +183,10 @@ class DecodeGraphs:
         graph; tables: their block tables (at least key's blocks wide); lora_slots: each
         request's adapter slot (-1: none), None where none has one."""
         static, replay = self.graphs[key]
-        rows, blocks = key
+        blocks = key[1]
         n = len(token_ids)
-        host = np.empty((rows, 3 + blocks), np.int64)
-        host[:n, 0], host[:n, 1], host[:n, 2], host[:n, 3:] = (token_ids, positions, -1,
-                                                               tables[:, :blocks])
-        host[n:, :3], host[n:, 3:] = (0, 0, -1), self.scratch_block
+        host = self._padding_rows(*key)
+        host[:n, 0], host[:n, 1], host[:n, 3:] = token_ids, positions, tables[:, :blocks]
         static.copy_(torch.from_numpy(host))
         if lora_slots is not None:
             static[:n, 2].copy_(lora_slots)

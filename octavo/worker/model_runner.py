@@ -120,7 +120,6 @@ class ModelRunner:
         seq_lens, starts, ends = layout.seq_lens, layout.starts, layout.ends
         input_ids = b.token_ids[rows[layout.req_of_token], layout.positions]
 
-        positions_t = torch.from_numpy(layout.positions).to(self.device)
         graph = self._decode_graph(sched, layout)
         if self.model.is_encoder or graph is not None:  # no plan: whole sequences; the graph's
             context = ForwardContext(None, [] if graph is None else self.kv_caches, layout=layout)
@@ -150,15 +149,16 @@ class ModelRunner:
             self.verified_spans.hold(req_ids, rows, computed, context.num_drafts)
         if b.rows_with_lora:
             context.lora = self.lora.step(b.lora_id[rows][layout.req_of_token])
-        input_ids_t = torch.from_numpy(input_ids).to(self.device)
         cp_step = context.context_parallel
-        if cp_step is not None:  # with split tokens, this rank runs its share of them
-            input_ids_t, positions_t = own_rows(cp_step, input_ids_t), own_rows(cp_step,
-                                                                                positions_t)
-        if graph is not None:
+        if graph is not None:  # the graph copies its inputs in itself
             hidden = self.graphs.run(graph, input_ids, layout.positions, b.block_table[rows],
                                      None if context.lora is None else context.lora.token_slot)
         else:
+            input_ids_t = torch.from_numpy(input_ids).to(self.device)
+            positions_t = torch.from_numpy(layout.positions).to(self.device)
+            if cp_step is not None:  # with split tokens, this rank runs its share of them
+                input_ids_t, positions_t = own_rows(cp_step, input_ids_t), own_rows(
+                    cp_step, positions_t)
             with forward_context(context):
                 hidden = self.model(input_ids_t, positions_t)
         if not last_stage:

@@ -273,9 +273,7 @@ class Worker:
         states = 0
         if self._state_plan():
             states = self._allocate_states()
-        caches = [spec.as_kv(torch.zeros(spec.shape(blocks + 1, self._rank_block(block_size)),
-                                         dtype=self.kv_dtype, device=self.device))
-                  for spec in self._kv_layers()][:len(stage_range(self.arch.num_layers))]
+        caches = self._caches(blocks + 1, block_size)[:len(stage_range(self.arch.num_layers))]
         activations = memory.peak_of(self.device, lambda: self.runner.largest_step(
             caches, tokens, sched.max_num_seqs))
         graphs, graph_bytes = self.runner.graphs, 0
@@ -325,16 +323,19 @@ class Worker:
         memory.check_kv_fits((num_blocks + scratch) * self.kv_bytes_per_block(block_size)
                              + self.state_bytes(), self.device)
         self._allocate_states()
-        rank_block = self._rank_block(block_size)
-        caches = [spec.as_kv(memory.zeros(spec.shape(num_blocks + scratch, rank_block),
-                                          self.kv_dtype, self.device))
-                  for spec in self._kv_layers()]
+        caches = self._caches(num_blocks + scratch, block_size)
         self.runner.kv_caches = caches[:len(stage_range(self.arch.num_layers))]
         if graphs is not None:
             graphs.bind(self.runner.kv_caches, scratch_block=num_blocks)
         if self.runner.drafter is not None:
             self.runner.drafter.kv_caches = caches[self.arch.num_layers:]
         return num_blocks
+
+    def _caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        """A KV cache of `num_blocks` blocks for each KV layer (_kv_layers' order)."""
+        rank_block = self._rank_block(block_size)
+        return [spec.as_kv(memory.zeros(spec.shape(num_blocks, rank_block), self.kv_dtype,
+                                        self.device)) for spec in self._kv_layers()]
 
     def _allocate_states(self) -> int:
         """The recurrent states of linear-attention layers, one per batch row (the request in
