@@ -89,6 +89,9 @@ inline void int16_block(const uint8_t* q4, const void* high, const S* sz, const 
               dot[r][h], _mm256_add_epi32(_mm256_madd_epi16(words[0][h], x01),
                                           _mm256_madd_epi16(words[1][h], x23)));
       }
+      // As in int8_block_avx2: keeps GCC from reassociating the sums across the quads.
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) asm("" : "+x"(dot[r][h]));
     }
     for (int h = 0; h < 2; ++h) {
       __m256 scale, offset;
