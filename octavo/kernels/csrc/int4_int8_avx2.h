@@ -76,10 +76,14 @@ inline void unpack_quad_avx2(const uint8_t* q4, const void* high, int64_t c, __m
 
 // Output rows 16b .. 16b + 15 for R rows of quantized x; the block's quads either unpacked here
 // (Unpacked false: q4 and high) or read from `unpacked` (2 vectors a quad, unpack_quad_avx2).
+// Not inlined: inlined into the entry's lambda, its registers were allocated with the rest of
+// the lambda, and an edit to another kernel (int4_int16_avx2.h) halved its speed.
 template <int R, High H, bool Unpacked, typename S>
-inline void int8_block_avx2(const uint8_t* q4, const void* high, const __m256i* unpacked,
-                            const S* sz, const int8_t* xq, const float* d, const float* qsum,
-                            int64_t k, float* out, int64_t out_stride, bool once) {
+__attribute__((noinline)) void int8_block_avx2(const uint8_t* q4, const void* high,
+                                               const __m256i* unpacked, const S* sz,
+                                               const int8_t* xq, const float* d,
+                                               const float* qsum, int64_t k, float* out,
+                                               int64_t out_stride, bool once) {
   constexpr bool kSigned = H == High::kNibble;
   // Quads whose words add up in 16 bits before vpmaddwd widens them: a word of vpmaddubsw is
   // at most 2 * 15 * 127 with 4-bit codes (8 quads: 30,480), 2 * 31 * 127 with 5-bit ones (4
@@ -202,11 +206,14 @@ inline void int4_int8_gemm_avx2(const at::Tensor& x, const at::Tensor& q4, const
           if (!stream)
             for (int64_t c = 0; c < k / 4; ++c)
               unpack_quad_avx2<H>(qb, hb, c, unpacked[2 * c], unpacked[2 * c + 1]);
-          for (int64_t c = 0; c < rows; c += kChunk) {
-            const int64_t m = std::min<int64_t>(kChunk, rows - c);
+          // Two spans a group keep each row's int32 sums live beside its words: 2 rows a pass
+          // then, so that they fit AVX2's 16 registers.
+          constexpr int64_t chunk = H == High::kFifthBit ? 2 : kChunk;
+          for (int64_t c = 0; c < rows; c += chunk) {
+            const int64_t m = std::min<int64_t>(chunk, rows - c);
             for_rows(m, [&](auto r) {
               constexpr int R = decltype(r)::value;
-              if constexpr (R <= kChunk) {
+              if constexpr (R <= chunk) {
                 const int8_t* xr = xq.q.data() + c * k;
                 const float* dr = xq.d.data() + c * groups;
                 const float* qr = xq.qsum.data() + c * groups;
