@@ -12,9 +12,10 @@
 // 4c .. 4c + 3) as bytes: rows 0-3 and 8-11 in `a`, rows 4-7 and 12-15 in `b` (the order of
 // vpunpck*wd within 128-bit lanes); outputs and scales are permuted to match, once per group.
 // 4- and 5-bit codes are unsigned bytes: a word of vpmaddubsw is small enough that eight quads
-// (4-bit) or four (5-bit) add up in 16 bits before vpmaddwd widens them. 8-bit codes would overflow a word, so
-// they are taken as code - 128 (signed) against x with their signs (vpsignb; |code - 128| <=
-// 128, a word at most 2 * 128 * 127), and the group adds 128 * scale * sum q back.
+// (4-bit) or four (5-bit) add up in 16 bits before vpmaddwd widens them. 8-bit codes would
+// overflow a word, so they are taken as code - 128 (signed) against x with their signs
+// (vpsignb; |code - 128| <= 128, a word at most 2 * 128 * 127), and the group adds
+// 128 * scale * sum q back.
 
 namespace {
 
