@@ -90,6 +90,29 @@ def test_decode_rows_stream_the_codes(native_kernels, bits, rows):
     assert ((y - ref).abs() <= 2e-6 * ref.abs().amax(1, keepdim=True)).all()
 
 
+@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize("rows", [3, 37])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_largest_codes_and_inputs_do_not_overflow_the_words(native_kernels, bits, rows, sign):
+    """The AVX2 kernel adds a group's 4-bit products over eight quads (5-bit: four) in 16-bit
+    words before widening them: with every code at its largest and every input quantized to
+    +-127, a word reaches 30,480 (31,496). A longer span would wrap and fail this; 37 rows take
+    the unpacked blocks in passes of 4 (5-bit: 2) and a partial one, 3 rows the streaming path."""
+    from octavo.kernels import fused
+
+    _needs_kernel(torch.float32)
+    n, k = 32, 128
+    q = torch.full((n, k), (1 << bits) - 1, dtype=torch.uint8)
+    scale = torch.full((n, k // 32), 0.01)
+    low = torch.zeros(n, k // 32)
+    packed = Int4Packed.from_affine(q, scale, low, 32, torch.bfloat16, bits)
+    w = scale.repeat_interleave(32, 1).double() * q.double()
+    x = torch.full((rows, k), sign)
+    y = fused.int4_int8_gemm(x, *packed.native_layout())[:, :n].double()
+    ref = _quantized(x) @ w.t()
+    assert ((y - ref).abs() <= 2e-6 * ref.abs().amax(1, keepdim=True)).all()
+
+
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_where_octavo_takes_it(native_kernels, monkeypatch, native_bf16):
     """Batches past the int4 kernel's rows: bf16 ones (not on AMX), float32 ones on a CPU
