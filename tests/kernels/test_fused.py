@@ -128,16 +128,32 @@ def test_kernels_can_be_switched_off(native_kernels):
 def test_decode_attention_matches_padded_path(native_kernels, dtype, window, softcap, seq_lens):
     """With fewer requests than threads each context is split into key ranges that are
     merged afterwards; with more, each request is one work item."""
+    _check_decode_attention(dtype, window, softcap, seq_lens, heads=9, kv_heads=3, dim=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(14, 2, 64), (4, 1, 256), (20, 1, 128),
+                                                  (2, 2, 128), (16, 2, 64)])
+def test_decode_attention_groups_of_query_heads(native_kernels, dtype, heads, kv_heads, dim):
+    """The query heads of a KV head are computed together (AVX2, float32 queries over a cache of
+    any dtype: 8 at a time, so 20 heads take passes of 8, 8 and 4); every group size and head
+    size gives the padded path's result."""
+    _check_decode_attention(dtype, None, 30.0, [1, 40, 131, 9, 77], heads, kv_heads, dim,
+                            q_dtype=torch.float32)
+
+
+def _check_decode_attention(dtype, window, softcap, seq_lens, heads, kv_heads, dim,
+                            q_dtype=None):
     import numpy as np
 
     from octavo.kernels.paged_attention import build_plan, paged_attention, step_layout
 
-    heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 40
+    block_size, num_blocks = 16, 50
     cache = torch.randn(2, num_blocks, block_size, kv_heads, dim).to(dtype)
     seq_lens = np.array(seq_lens)
     n = len(seq_lens)
     table = np.random.default_rng(0).permutation(num_blocks)[:n * 9].reshape(n, 9)
-    q = torch.randn(n, heads, dim).to(dtype)
+    q = torch.randn(n, heads, dim).to(q_dtype or dtype)
     query_lens = np.ones(n, np.int64)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
