@@ -263,34 +263,54 @@ inline void heads_values(const cache_t* values, const int64_t* slots, int64_t n,
 
 // The query heads of one KV head over the keys at `slots[0..n)`, n >= 1, all in bf16: scores
 // by bf16 dot products, exps against each head's peak, and the values weighed by them (read once
-// for the group), left unnormalized as attend_head leaves them. Returns false where this path
-// does not apply (no AVX-512-BF16, another dtype or head size).
+// for the group), left unnormalized as attend_head leaves them.
+#if defined(__AVX512BF16__)
+inline void attend_kv_head_bf16(const c10::BFloat16* keys, const c10::BFloat16* values,
+                                const int64_t* slots, int64_t n, int64_t row, int64_t dim,
+                                const c10::BFloat16* q, int64_t q_stride, int64_t group,
+                                float scale, float cap, float* scores, float* out, float* peak,
+                                float* total, KvPrefetch* pf, bool first) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * n;
+    const c10::BFloat16* qg = q + g * q_stride;
+    const bool ahead = first && g == 0;
+    switch (dim) {
+      case 64: head_scores_bf16<64>(keys, slots, n, row, qg, scale, sg, pf, ahead); break;
+      case 128: head_scores_bf16<128>(keys, slots, n, row, qg, scale, sg, pf, ahead); break;
+      default: head_scores_bf16<256>(keys, slots, n, row, qg, scale, sg, pf, ahead); break;
+    }
+    if (cap > 0.f)
+      for (int64_t j = 0; j < n; ++j) sg[j] = std::tanh(sg[j] / cap) * cap;
+    peak[g] = peak_of(sg, n);
+    total[g] = exp_shifted(sg, n, peak[g]);
+  }
+  switch (dim) {
+    case 64: heads_values<64>(values, slots, n, row, scores, n, group, out, pf); break;
+    case 128: heads_values<128>(values, slots, n, row, scores, n, group, out, pf); break;
+    default: heads_values<256>(values, slots, n, row, scores, n, group, out, pf); break;
+  }
+}
+#endif
+
+// Every query head of a work item over the keys at `slots[0..n)`, n >= 1 (q: its first head,
+// heads q_stride apart; `group` query heads a KV head): scores, exps against each head's peak and
+// the values weighed, unnormalized (out [heads, dim], peak and total [heads]). Here the bf16
+// path, a KV head at a time; false where it does not apply (no AVX-512-BF16, another dtype or
+// head size).
 template <typename q_t, typename cache_t>
-inline bool attend_kv_head(const cache_t* keys, const cache_t* values, const int64_t* slots,
-                           int64_t n, int64_t row, int64_t dim, const q_t* q, int64_t q_stride,
-                           int64_t group, float scale, float cap, float* scores, float* out,
-                           float* peak, float* total, KvPrefetch* pf, bool first) {
+inline bool attend_kv_heads(const cache_t* keys, const cache_t* values, const int64_t* slots,
+                            int64_t n, int64_t row, int64_t dim, int64_t kv_heads, const q_t* q,
+                            int64_t q_stride, int64_t group, float scale, float cap,
+                            float* scores, float* out, float* peak, float* total,
+                            KvPrefetch* pf, bool first) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
     if (dim != 64 && dim != 128 && dim != 256) return false;
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = scores + g * n;
-      const c10::BFloat16* qg = q + g * q_stride;
-      const bool ahead = first && g == 0;
-      switch (dim) {
-        case 64: head_scores_bf16<64>(keys, slots, n, row, qg, scale, sg, pf, ahead); break;
-        case 128: head_scores_bf16<128>(keys, slots, n, row, qg, scale, sg, pf, ahead); break;
-        default: head_scores_bf16<256>(keys, slots, n, row, qg, scale, sg, pf, ahead); break;
-      }
-      if (cap > 0.f)
-        for (int64_t j = 0; j < n; ++j) sg[j] = std::tanh(sg[j] / cap) * cap;
-      peak[g] = peak_of(sg, n);
-      total[g] = exp_shifted(sg, n, peak[g]);
-    }
-    switch (dim) {
-      case 64: heads_values<64>(values, slots, n, row, scores, n, group, out, pf); break;
-      case 128: heads_values<128>(values, slots, n, row, scores, n, group, out, pf); break;
-      default: heads_values<256>(values, slots, n, row, scores, n, group, out, pf); break;
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+      const int64_t h0 = kvh * group;
+      attend_kv_head_bf16(keys + kvh * dim, values + kvh * dim, slots, n, row, dim,
+                          q + h0 * q_stride, q_stride, group, scale, cap, scores + h0 * n,
+                          out + h0 * dim, peak + h0, total + h0, pf, kvh == 0 && first);
     }
     return true;
   }
@@ -302,80 +322,7 @@ inline bool attend_kv_head(const cache_t* keys, const cache_t* values, const int
 template <typename cache_t>
 constexpr bool kHeadRows = !std::is_same_v<cache_t, double>;
 #elif defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// Lane i of the result is the sum of v[i]'s 8 lanes (three rounds of pairwise adds).
-inline __m256 sum_lanes8(const __m256* v) {
-  const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
-}
-
-// head_scores and head_values with 8 lanes: scores 8 keys at a time, summed by one tree; values
-// weighed 64 columns at a time (8 accumulators: AVX2 has 16 registers).
-template <int DIM, typename cache_t>
-inline void head_scores(const cache_t* keys, const int64_t* slots, int64_t n, int64_t row,
-                         const float* qf, float scale, float* scores) {
-  __m256 part[8];
-  for (int64_t j0 = 0; j0 < n; j0 += 8) {
-    const int64_t m = std::min<int64_t>(8, n - j0);
-    for (int64_t t = 0; t < 8; ++t) {
-      if (t >= m) {
-        part[t] = _mm256_setzero_ps();
-        continue;
-      }
-      const cache_t* key = keys + slots[j0 + t] * row;
-      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qf), load8(key));
-      __m256 b = _mm256_mul_ps(_mm256_loadu_ps(qf + 8), load8(key + 8));
-      for (int c = 16; c < DIM; c += 16) {
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + c), load8(key + c), a);
-        b = _mm256_fmadd_ps(_mm256_loadu_ps(qf + c + 8), load8(key + c + 8), b);
-      }
-      part[t] = _mm256_add_ps(a, b);
-    }
-    const __m256 s = _mm256_mul_ps(sum_lanes8(part), _mm256_set1_ps(scale));
-    if (m == 8) {
-      _mm256_storeu_ps(scores + j0, s);
-    } else {
-      float tmp[8];
-      _mm256_storeu_ps(tmp, s);
-      std::copy(tmp, tmp + m, scores + j0);
-    }
-  }
-}
-
-template <int DIM, typename cache_t>
-inline void head_values(const cache_t* values, const int64_t* slots, int64_t n, int64_t row,
-                         const float* probs, float* out) {
-  for (int c0 = 0; c0 < DIM; c0 += 64) {
-    __m256 acc[8];
-    for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const cache_t* v = values + slots[j] * row + c0;
-      const __m256 p = _mm256_set1_ps(probs[j]);
-      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
-    }
-    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + c0 + 8 * c, acc[c]);
-  }
-}
-
-template <typename cache_t>
-constexpr bool kHeadRows = std::is_same_v<cache_t, float> ||
-                           std::is_same_v<cache_t, c10::BFloat16> || std::is_same_v<cache_t, c10::Half>;
-template <typename q_t, typename cache_t>
-inline bool attend_kv_head(const cache_t*, const cache_t*, const int64_t*, int64_t, int64_t,
-                           int64_t, const q_t*, int64_t, int64_t, float, float, float*, float*,
-                           float*, float*, KvPrefetch*, bool) {
-  return false;
-}
+#include "decode_attention_avx2.h"
 #else
 template <typename cache_t>
 inline bool attend_head(const cache_t*, const cache_t*, const int64_t*, int64_t, int64_t, int64_t,
@@ -383,9 +330,9 @@ inline bool attend_head(const cache_t*, const cache_t*, const int64_t*, int64_t,
   return false;
 }
 template <typename q_t, typename cache_t>
-inline bool attend_kv_head(const cache_t*, const cache_t*, const int64_t*, int64_t, int64_t,
-                           int64_t, const q_t*, int64_t, int64_t, float, float, float*, float*,
-                           float*, float*, KvPrefetch*, bool) {
+inline bool attend_kv_heads(const cache_t*, const cache_t*, const int64_t*, int64_t, int64_t,
+                            int64_t, int64_t, const q_t*, int64_t, int64_t, float, float, float*,
+                            float*, float*, float*, KvPrefetch*, bool) {
   return false;
 }
 #endif

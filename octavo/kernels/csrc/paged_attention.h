@@ -347,17 +347,12 @@ void decode_attention_typed(at::Tensor& out, const at::Tensor& q, const at::Tens
       KvPrefetch* stream = pf.next_n > 0 ? &pf : nullptr;
       if (n > 0) {
         scores.resize(heads * n);
-        // The bf16 path (whole KV-head groups) where it applies, else float32 head by head,
-        // else the generic loops.
-        bool fast = true;
-        for (int64_t kvh = 0; kvh < kv_heads && fast; ++kvh) {
-          const int64_t h0 = kvh * group;
-          fast = attend_kv_head(kp + kvh * dim, vp + kvh * dim, slots.data(), n, row, dim,
-                                qp + tok[r] * qs0 + h0 * qs1, qs1, group, fscale, fcap,
-                                scores.data() + h0 * n, acc.data() + h0 * dim, &peak[h0],
-                                &total[h0], first || stream != nullptr ? &pf : nullptr,
-                                kvh == 0 && first);
-        }
+        // Every head of the item at once where a path does (bf16 on AVX-512-BF16, float32
+        // queries on AVX2), else float32 head by head, else the generic loops.
+        bool fast = attend_kv_heads(kp, vp, slots.data(), n, row, dim, kv_heads,
+                                    qp + tok[r] * qs0, qs1, group, fscale, fcap, scores.data(),
+                                    acc.data(), peak.data(), total.data(),
+                                    first || stream != nullptr ? &pf : nullptr, first);
         if (!fast) {  // the float32 paths take q widened
           for (int64_t h = 0; h < heads; ++h) {
             const q_t* src = qp + tok[r] * qs0 + h * qs1;
