@@ -8,6 +8,15 @@
 
 namespace {
 
+// One head's scores [n] -> their exps against the peak (after the softcap, when cap > 0), left
+// unnormalized: *peak and *total let key ranges computed apart be merged.
+inline void exp_scores(float* scores, int64_t n, float cap, float* peak, float* total) {
+  if (cap > 0.f)
+    for (int64_t j = 0; j < n; ++j) scores[j] = std::tanh(scores[j] / cap) * cap;
+  *peak = peak_of(scores, n);
+  *total = exp_shifted(scores, n, *peak);
+}
+
 // dots[g] = <q_g, key> for the `group` query heads sharing this KV head.
 template <typename cache_t>
 inline void dot_queries(const cache_t* key, const float* qf, int64_t group, int64_t dim,
@@ -279,10 +288,7 @@ inline void attend_kv_head_bf16(const c10::BFloat16* keys, const c10::BFloat16* 
       case 128: head_scores_bf16<128>(keys, slots, n, row, qg, scale, sg, pf, ahead); break;
       default: head_scores_bf16<256>(keys, slots, n, row, qg, scale, sg, pf, ahead); break;
     }
-    if (cap > 0.f)
-      for (int64_t j = 0; j < n; ++j) sg[j] = std::tanh(sg[j] / cap) * cap;
-    peak[g] = peak_of(sg, n);
-    total[g] = exp_shifted(sg, n, peak[g]);
+    exp_scores(sg, n, cap, &peak[g], &total[g]);
   }
   switch (dim) {
     case 64: heads_values<64>(values, slots, n, row, scores, n, group, out, pf); break;
@@ -355,10 +361,7 @@ inline bool attend_head(const cache_t* keys, const cache_t* values, const int64_
       case 256: head_scores<256>(keys, slots, n, row, qf, scale, scores); break;
       default: return false;
     }
-    if (cap > 0.f)
-      for (int64_t j = 0; j < n; ++j) scores[j] = std::tanh(scores[j] / cap) * cap;
-    *peak = peak_of(scores, n);
-    *total = exp_shifted(scores, n, *peak);
+    exp_scores(scores, n, cap, peak, total);
     switch (dim) {
       case 64: head_values<64>(values, slots, n, row, scores, out); break;
       case 128: head_values<128>(values, slots, n, row, scores, out); break;

@@ -70,11 +70,11 @@ inline void head_values(const cache_t* values, const int64_t* slots, int64_t n, 
 template <typename cache_t>
 constexpr bool kHeadRows = std::is_same_v<cache_t, float> ||
                            std::is_same_v<cache_t, c10::BFloat16> || std::is_same_v<cache_t, c10::Half>;
+
 // Every query head of a work item together: the scores of every KV head's group over 8 keys
 // while their rows are in L1, then the values over 16 keys the same way. A query head at a time,
-// each head read the item's keys and values again (from L2 at best) with two loads an FMA; 64
-// requests of 350 tokens, cache-hot, took 1.3 / 2.2-3.3 / 2.0-3.4 ms for SmolLM2's / Qwen2.5's /
-// Gemma 3's heads, and 1.2 / 1.1-1.3 / 1.3-1.6 so (AMD EPYC Zen 3, 2 threads).
+// each head read the item's keys and values again (from L2 at best) with two loads an FMA
+// (docs/performance.md has the before and after).
 
 // scores[g * stride + t] = scale * <q_g, key t> for G heads (at most 8) and the m <= 8 keys at
 // `slots`: every 32 columns of a key are loaded once for the G heads. With few heads a key's sums
@@ -196,13 +196,7 @@ inline void attend_groups(const cache_t* keys, const cache_t* values, const int6
     });
   }
   fetch_rows(values, slots, 0, std::min<int64_t>(n, kPrefetchKeys), row);
-  for (int64_t h = 0; h < heads; ++h) {
-    float* sh = scores + h * n;
-    if (cap > 0.f)
-      for (int64_t j = 0; j < n; ++j) sh[j] = std::tanh(sh[j] / cap) * cap;
-    peak[h] = peak_of(sh, n);
-    total[h] = exp_shifted(sh, n, peak[h]);
-  }
+  for (int64_t h = 0; h < heads; ++h) exp_scores(scores + h * n, n, cap, &peak[h], &total[h]);
   // The values 16 keys at a time: each pass's sums go back to `out` after a block.
   std::fill(out, out + heads * DIM, 0.f);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
