@@ -215,7 +215,7 @@ def panel_ready(dtype: torch.dtype) -> bool:
 
 
 def int4_int16_gemm_ready(dtype: torch.dtype) -> bool:
-    """Whether small batches of `dtype` activations may take them quantized to int16
+    """Whether batches of `dtype` activations may take them quantized to int16
     (int4_int16_gemm): float32 ones where bf16 is not native, C++ built with AVX2."""
     return (dtype == torch.float32 and _native is not None and _native.has_int4_int16_gemm
             and not cpu_platform().native_bf16)

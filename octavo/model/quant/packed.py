@@ -11,8 +11,8 @@ the activation dtype and use the dense GEMM, the whole matrix never dequantized 
 int4-layout codes in `--dtype auto`'s plan (PackedWeight.quantized_activations) with bf16
 activations on a CPU with AVX-512 VNNI and no AMX or float32 ones on a CPU without native bf16,
 quantize the activations to int8 and take vpdpbusd / vpmaddubsw products with the codes
-(csrc/int4_int8_gemm.h); there float32 decode batches of 5- and 8-bit codes take int16
-activations (csrc/int4_int16_avx2.h).
+(csrc/int4_int8_gemm.h); there float32 batches up to `dense_rows` take int16 activations
+(csrc/int4_int16_avx2.h).
 
 Measured (bf16, 2 threads, SmolLM2's gate/up 3072 x 576; microseconds; dense bf16 in brackets):
 rows      1          4          16         32          128           512
@@ -87,7 +87,7 @@ class PackedWeight:
     perm: torch.Tensor | None
     dense_rows = 64  # above this many rows: large_batch_matmul
     # Whether products may take their activations quantized where a kernel computes them:
-    # large batches to int8 (fused.int4_int8_gemm_ready), small ones of wide codes to int16
+    # large batches to int8 (fused.int4_int8_gemm_ready), the others to int16
     # (fused.int4_int16_gemm_ready). `--dtype auto`'s plan, set at load (quant/weights.py,
     # allow_quantized_activations); an explicit dtype computes exactly in it.
     quantized_activations = False
@@ -166,12 +166,11 @@ class Int4Packed(PackedWeight):
                 and not (dtype == torch.float32 and self.bits == 8))
 
     def int16_product_ready(self, dtype: torch.dtype) -> bool:
-        """Whether small batches of `dtype` activations take the int16 product: 5- and 8-bit
-        codes, with float32 activations where bf16 is not native (AVX2, 1 row: 5-bit codes
-        2.4x and 8-bit 1.2x the exact float32 kernel's speed; 4-bit codes gain nothing). From
-        8-12 rows the kernel hands them to the exact panel (csrc/int4_int16_avx2.h)."""
-        return (self.quantized_activations and self.bits > 4
-                and fused.int4_int16_gemm_ready(dtype))
+        """Whether batches of `dtype` activations up to `dense_rows` take the int16 product
+        (csrc/int4_int16_avx2.h): float32 activations where bf16 is not native, every code
+        width. AMD EPYC Zen 3 with AVX2, 2 threads, against the exact float32 kernel and its
+        panel: 1.1-1.4x for 4-bit codes, 1.3-1.9x for 5-bit and 8-bit, from 1 row to 512."""
+        return self.quantized_activations and fused.int4_int16_gemm_ready(dtype)
 
     @staticmethod
     def kernel_ready(dtype: torch.dtype, bits: int) -> bool:
