@@ -22,6 +22,7 @@ from octavo.model.layers.moe import FusedMoE, exchange_without_rows, tokens_per_
 from octavo.model.loader import load_model
 from octavo.model.loader.gemm_packing import StepwisePacking
 from octavo.model.pipeline import stage_range
+from octavo.model.quant.packed import INT4_ROWS
 from octavo.model.registry import model_class
 from octavo.model_source import ModelSource, cache_dir, resolve_model
 from octavo.platform import cpu_platform
@@ -98,6 +99,18 @@ class Worker:
         self.draft_arch: ArchConfig | None = None  # speculative decoding's draft model
         self.routed_by: list[FusedMoE] = []  # MoE layers counting their routing (expert parallel)
 
+    def _log_quantized_activations(self) -> None:
+        """dtype auto's plan for packed weights' activations on this CPU (Int4Packed)."""
+        plan = []
+        if fused.int4_int16_gemm_ready(self.dtype):
+            plan.append(f"int16 for batches up to {INT4_ROWS} rows (every batch for 8-bit codes)")
+        if fused.int4_int8_gemm_ready(self.dtype):
+            plan.append("int8 for larger ones (prefill)")
+        if plan:
+            logger.info("packed weights take their activations quantized to %s per 32 inputs: "
+                        "dtype auto's plan on this CPU; an explicit --dtype computes them "
+                        "exactly", " and ".join(plan))
+
     def load_model(self) -> None:
         fused.enable_native(self.config.device.native_kernels if self.device.type == "cpu"
                             else "off")
@@ -112,11 +125,8 @@ class Worker:
                            model_impl=self.config.model.model_impl)
         logger.info("loaded %s (%s, %s) in %.1f s", self.source.name, self.arch.architecture,
                     self.dtype, time.perf_counter() - start)
-        if (self.placement.rank == 0 and self.config.model.dtype == "auto"
-                and fused.int4_int8_gemm_ready(self.dtype)):
-            logger.info("packed weights' large batches (prefill) take their activations "
-                        "quantized to int8: dtype auto's plan on this CPU; an explicit --dtype "
-                        "computes them exactly")
+        if self.placement.rank == 0 and self.config.model.dtype == "auto":
+            self._log_quantized_activations()
         mixtures = [m for m in model.modules() if isinstance(m, FusedMoE)]
         self.routed_by = [m for m in mixtures if m.routed is not None]  # expert parallelism
         if mixtures and parallel_state.ep_size() > 1:

@@ -4,8 +4,11 @@ the rows that stream the codes and at those that unpack each row block once), it
 the exact product, and where octavo uses it: bf16 batches past the int4 kernel's rows on CPUs
 with AVX-512 VNNI and without AMX, and float32 ones on CPUs without native bf16 (where float32
 is `auto`'s dtype), both only in `--dtype auto`'s plan (an explicit dtype computes exactly);
-float32 stays exact where bf16 is native, and decode's rows everywhere."""
+float32 stays exact where bf16 is native; decode's rows never take int8 (the int16 product,
+also here, takes float32 ones where bf16 is not native)."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -160,15 +163,19 @@ def test_where_octavo_takes_it(native_kernels, monkeypatch, native_bf16):
     assert calls == ([] if native_bf16 else [1])
 
 
-def test_only_dtype_auto_allows_it(native_kernels, smollm_gguf):
-    """A GGUF loaded with dtype auto lets its packed weights take int8 activations where this
-    CPU has the kernel; an explicit dtype keeps every product exact."""
+def test_only_dtype_auto_allows_it(native_kernels, smollm_gguf, caplog):
+    """A GGUF loaded with dtype auto lets its packed weights take int8 (and int16) activations
+    where this CPU has the kernels, and the log says so; an explicit dtype keeps every product
+    exact."""
     from octavo import LLM
     from octavo.kernels import fused
     from octavo.model.quant.weights import PackedWeights
 
     for dtype in ("auto", "float32"):
-        llm = LLM(str(smollm_gguf), dtype=dtype, max_model_len=64, kv_cache_memory=8 << 20)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="octavo.worker.worker"):
+            llm = LLM(str(smollm_gguf), dtype=dtype, max_model_len=64,
+                      kv_cache_memory=8 << 20)
         model = llm.engine.client.core.executor.worker.runner.model
         packed = [m.weights.packed for m in model.modules()
                   if isinstance(getattr(m, "weights", None), PackedWeights)]
@@ -177,6 +184,11 @@ def test_only_dtype_auto_allows_it(native_kernels, smollm_gguf):
         assert all(p.quantized_activations == expected for p in packed)
         ready = any(p.int8_product_ready(p.dtype) for p in packed)
         assert ready == (expected and fused.int4_int8_gemm_ready(packed[0].dtype))
+        int16 = fused.int4_int16_gemm_ready(packed[0].dtype)
+        assert all(p.int16_product_ready(p.dtype) == (expected and int16) for p in packed)
+        plan = [r.getMessage() for r in caplog.records if "quantized to" in r.getMessage()]
+        assert len(plan) == (1 if expected and (ready or int16) else 0)
+        assert all(("int16" in m) == int16 and ("int8" in m) == ready for m in plan)
         del llm
 
 
