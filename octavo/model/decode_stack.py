@@ -181,7 +181,7 @@ def _row_limit(lin: Linear | torch.Tensor) -> int | None:
 def _kind(low: PackedWeight | None) -> str:
     """The low-bit kind the C++ stack computes `low` as (csrc/stack_linear.h, LowBitKind)."""
     if isinstance(low, Int4Packed) and low.int16_product_ready(low.dtype):
-        return "int4_int16"  # int16 activations for small batches, int8 for large ones
+        return "int4_int16"  # int16 activations up to dense_rows, int8 past them (4-, 5-bit)
     if isinstance(low, Int4Packed) and low.kernel_ready(low.dtype, low.bits):
         # large batches: int8-quantized activations (Int4Packed.large_batch_matmul) or tiles
         return "int4_int8" if low.int8_product_ready(low.dtype) else "int4"
