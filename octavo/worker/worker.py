@@ -22,7 +22,6 @@ from octavo.model.layers.moe import FusedMoE, exchange_without_rows, tokens_per_
 from octavo.model.loader import load_model
 from octavo.model.loader.gemm_packing import StepwisePacking
 from octavo.model.pipeline import stage_range
-from octavo.model.quant.packed import INT4_ROWS
 from octavo.model.registry import model_class
 from octavo.model_source import ModelSource, cache_dir, resolve_model
 from octavo.platform import cpu_platform
@@ -103,9 +102,9 @@ class Worker:
         """dtype auto's plan for packed weights' activations on this CPU (Int4Packed)."""
         plan = []
         if fused.int4_int16_gemm_ready(self.dtype):
-            plan.append(f"int16 for batches up to {INT4_ROWS} rows (every batch for 8-bit codes)")
+            plan.append("int16 for decode batches (every batch for 8-bit codes)")
         if fused.int4_int8_gemm_ready(self.dtype):
-            plan.append("int8 for larger ones (prefill)")
+            plan.append("int8 for large batches (prefill)")
         if plan:
             logger.info("packed weights take their activations quantized to %s per 32 inputs: "
                         "dtype auto's plan on this CPU; an explicit --dtype computes them "

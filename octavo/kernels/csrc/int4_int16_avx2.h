@@ -181,6 +181,7 @@ at::Tensor int4_int16_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
           constexpr High H = decltype(h)::value;
           const uint8_t* qb = qp + b * k * 8;
           const uint8_t* hb = hp + b * plane_bytes;
+          const auto* sb = sp + b * groups * 32;
           if (!stream) widen_block<H>(qb, hb, k, widened.data());
           for (int64_t c = 0; c < rows; c += kChunk)
             for_rows(std::min(kChunk, rows - c), [&](auto r) {
@@ -189,12 +190,11 @@ at::Tensor int4_int16_gemm(at::Tensor x, at::Tensor q4, at::Tensor sz,
                 const int16_t* xr = xq.q.data() + c * k;
                 const float* dr = xq.d.data() + c * groups;
                 const float* sr = xq.qsum.data() + c * groups;
+                float* ob = op + c * n + b * 16;
                 if (stream)
-                  int16_block<R, H, false>(qb, hb, nullptr, sp + b * groups * 32, xr, dr, sr, k,
-                                           op + c * n + b * 16, n, true);
+                  int16_block<R, H, false>(qb, hb, nullptr, sb, xr, dr, sr, k, ob, n, true);
                 else
-                  int16_block<R, H, true>(qb, hb, widened.data(), sp + b * groups * 32, xr, dr,
-                                          sr, k, op + c * n + b * 16, n, false);
+                  int16_block<R, H, true>(qb, hb, widened.data(), sb, xr, dr, sr, k, ob, n, false);
               }
             });
         });
