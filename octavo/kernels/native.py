@@ -1,4 +1,4 @@
-"""octavo's C++ CPU kernels (csrc/cpu_ops.cpp and the headers it includes), compiled once per
+"""octavo's C++ CPU kernels (csrc/*.cpp and the headers they include), compiled once per
 machine and cached on disk, and registered with PyTorch's dispatcher as `torch.ops.octavo.*` and
 `torch.classes.octavo.DecodeStack` (so the profiler names them; with their output shapes
 registered here, torch.compile can trace calls to them).
@@ -6,7 +6,7 @@ registered here, torch.compile can trace calls to them).
 `pip install` builds them (setup.py runs `octavo.kernels.build` against the installing
 environment's torch), as does `octavo build-kernels`; a start then loads the cached library in
 well under a second. The build uses the system C++ compiler through `torch.utils.cpp_extension`
-(about 30-140 s on two cores). A server that finds no build serves with the PyTorch ops and builds
+(about 30-95 s on two cores). A server that finds no build serves with the PyTorch ops and builds
 in a child process at idle priority (`build.run_beside_engine`), so the compiler only has the
 cycles the engine leaves; without a compiler the engine runs the PyTorch ops and says so.
 """
@@ -28,8 +28,10 @@ from octavo.platform import cpu_platform
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"  # one translation unit: it includes
-_HEADERS = sorted(_SOURCE.parent.glob("*.h"))  # the kernels' headers, part of the build key
+# The kernels (cpu_ops.cpp) and DecodeStack (decode_stack.cpp): two translation units, which
+# ninja compiles in parallel on two cores.
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # part of the build key
 _lock = threading.Lock()
 _state: dict[str, Kernels | threading.Thread | None] = {}
 
@@ -44,9 +46,9 @@ def _build_key() -> str:
     """Source, torch version and CPU flags: a library built elsewhere is never reused here."""
     import torch
 
-    h = hashlib.sha256(_SOURCE.read_bytes())
-    for header in _HEADERS:
-        h.update(header.name.encode() + header.read_bytes())
+    h = hashlib.sha256()
+    for source in (*_SOURCES, *_HEADERS):
+        h.update(source.name.encode() + source.read_bytes())
     h.update(torch.__version__.encode())
     h.update(cpu_platform().key().encode())
     return h.hexdigest()[:16]
@@ -272,7 +274,8 @@ def _compile(key: str, build_dir: Path) -> Kernels | None:
         # Not a Python module: the library registers its ops with torch when opened, and
         # without torch/extension.h (pybind11) it compiles in a fraction of the time.
         cpp_extension.load(
-            name=f"octavo_cpu_ops_{key}", sources=[str(_SOURCE)], build_directory=str(build_dir),
+            name=f"octavo_cpu_ops_{key}", sources=[str(source) for source in _SOURCES],
+            build_directory=str(build_dir),
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
                           "-mprefer-vector-width=512"], extra_ldflags=["-fopenmp"],
             is_python_module=False, verbose=False)

@@ -2,7 +2,7 @@
 ratio to the speed with nothing beside it, measured side by side in one run.
 
 A build (into a scratch cache, so it really compiles) starts at the priority a serving engine
-gives it (`--build-priority idle`: SCHED_IDLE, nice 19, one job) or at the user's own priority
+gives it (`--build-priority idle`: SCHED_IDLE, nice 19) or at the user's own priority
 (`normal`: what a compiler started by hand, or by the engine before, does to decode); each round
 times one quiet request and one while the compiler runs, then stops the build.
 """

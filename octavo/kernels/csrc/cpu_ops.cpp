@@ -1,14 +1,17 @@
 // Fused CPU kernels for the decode hot path. Each one replaces a chain of small ATen calls whose
 // dispatch cost, not arithmetic, dominates a decode step of a small model. Every kernel has a
 // pure-PyTorch twin in octavo/kernels/fused.py that the tests compare it with.
-// The kernels live in the headers beside this file (one translation unit, so calls between them
-// inline); here are their entry points and their registration with PyTorch's dispatcher
-// (TORCH_LIBRARY: torch.ops.octavo.*, seen by the profiler and the compiler), and DecodeStack
-// (decode_stack.h), the decoder layers of a step in one call, as torch.classes.octavo.DecodeStack.
-#include <torch/custom_class.h>
+// The kernels live in the headers beside this file; here are their entry points (ops.h names
+// those DecodeStack calls) and their registration with PyTorch's dispatcher (TORCH_LIBRARY:
+// torch.ops.octavo.*, seen by the profiler and the compiler). DecodeStack, the decoder layers of
+// a step in one call, is the library's other translation unit (decode_stack.cpp): the two
+// compile in parallel.
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include "dequant.h"
+#include "delta_rule.h"
 #include "panel_gemm.h"
 #include "int4_gemm.h"
 #include "int4_int8_gemm.h"
@@ -19,15 +22,11 @@
 #include "microscaled.h"
 #include "paged_attention.h"
 
-namespace {
-
 void check_cache(const at::Tensor& kc, const at::Tensor& vc) {
   TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous(),
               "cache must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(kc.scalar_type() == vc.scalar_type(), "K and V caches differ in dtype");
 }
-
-}  // namespace
 
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
               at::Tensor slot_mapping) {
@@ -55,7 +54,7 @@ void write_fp8_kv(const at::Tensor& cache, const at::Tensor& rows, const at::Ten
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache,
                       at::Tensor v_cache, at::Tensor token_index, at::Tensor block_table,
                       at::Tensor seq_lens, double scale, double softcap, int64_t window,
-                      const std::optional<at::Tensor>& lse = std::nullopt) {
+                      const std::optional<at::Tensor>& lse) {
   check_cache(k_cache, v_cache);
   float* lse_out = nullptr;  // each query's log-sum-exp per head, [tokens, heads] (optional)
   if (lse.has_value()) {
@@ -149,10 +148,6 @@ at::Tensor gelu_tanh_and_mul(at::Tensor x) {
   return out;
 }
 
-#include "delta_rule.h"
-#include "stack_linear.h"
-#include "decode_stack.h"  // DecodeStack, over these StackLinears (stack_layer.h)
-
 namespace {
 
 // What this build computes natively (a constant of the build: octavo/kernels/native.py reads it
@@ -170,7 +165,8 @@ std::vector<std::string> features() {
 }  // namespace
 
 // The schemas here, the CPU kernels below: other dispatch keys stay free for the output-shape
-// functions octavo/kernels/native.py registers (torch.compile and FakeTensor tracing).
+// functions octavo/kernels/native.py registers (torch.compile and FakeTensor tracing). The
+// DecodeStack class joins the library from decode_stack.cpp (TORCH_LIBRARY_FRAGMENT).
 TORCH_LIBRARY(octavo, m) {
   m.def("features() -> str[]", &features);  // no tensor to dispatch on: one kernel for all
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -208,20 +204,6 @@ TORCH_LIBRARY(octavo, m) {
         "Tensor scale_lut, int block) -> Tensor");
   m.def("delta_rule_step(Tensor(a!) state, Tensor rows, Tensor q, Tensor k, Tensor v, "
         "Tensor beta, Tensor g) -> Tensor");
-  m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<int64_t, int64_t, int64_t, double>())
-      .def("add_layer", &DecodeStack::add_layer)
-      .def("set_norms", &DecodeStack::set_norms)
-      .def("set_linears", &DecodeStack::set_linears)
-      .def("set_query_temperature", &DecodeStack::set_query_temperature)
-      .def("set_latent", &DecodeStack::set_latent)
-      .def("set_output_gate", &DecodeStack::set_output_gate)
-      .def("set_delta_net", &DecodeStack::set_delta_net)
-      .def("set_delta_net_spans", &DecodeStack::set_delta_net_spans)
-      .def("set_routing", &DecodeStack::set_routing)
-      .def("set_mlp", &DecodeStack::set_mlp)
-      .def("set_all_reduce", &DecodeStack::set_all_reduce)
-      .def("forward", &DecodeStack::forward);
 }
 
 TORCH_LIBRARY_IMPL(octavo, CPU, m) {

@@ -1,7 +1,7 @@
 // Decode attention over the paged KV cache, one query token at a time: per-head scores
 // and weighted values, prefetching of the next item's K and V rows, the bf16 dot-product path.
-// Included by cpu_ops.cpp only: the kernels are one translation unit, so every call
-// between these files can still be inlined.
+// Included by cpu_ops.cpp only (the kernels' translation unit), so calls between these files
+// inline.
 #pragma once
 
 #include "simd.h"

@@ -7,7 +7,7 @@
 // each sublayer, after it or both, sequential or parallel residuals (scaled or not), q/k norms
 // per head or over all heads (RMS, or LayerNorms per head), RoPE over all or part of a head or none, dense gated or plain MLPs
 // and mixtures of experts.
-// Included by cpu_ops.cpp after the kernels and StackLinear it calls (one translation unit).
+// Included by decode_stack.cpp after StackLinear; the kernels it calls are ops.h's.
 #pragma once
 
 #include <ATen/record_function.h>

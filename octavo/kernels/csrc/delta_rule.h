@@ -6,7 +6,7 @@
 //
 // in place, in two passes over S (decay with S^T k, then the update with S^T q) where the
 // PyTorch form reads and writes a copy of every state several times. float32 throughout.
-// Included by cpu_ops.cpp only.
+// Included by cpu_ops.cpp only (ops.h declares the step for DecodeStack).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -16,9 +16,9 @@
 
 // state: float32 [N, H, d_k, d_v]; rows: int64 [R], distinct (one per request); q, k: float32 [R, H, d_k]; v: [R, H, d_v];
 // beta, g: float32 [R, H] -> o float32 [R, H, d_v].
-inline at::Tensor delta_rule_step(at::Tensor state, const at::Tensor& rows, const at::Tensor& q,
-                                  const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& beta, const at::Tensor& g) {
+at::Tensor delta_rule_step(at::Tensor state, const at::Tensor& rows, const at::Tensor& q,
+                           const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
+                           const at::Tensor& g) {
   TORCH_CHECK(state.scalar_type() == at::kFloat && state.dim() == 4 && state.is_contiguous(),
               "delta_rule_step: state must be contiguous float32 [N, H, d_k, d_v]");
   const int64_t heads = state.size(1), dk = state.size(2), dv = state.size(3);

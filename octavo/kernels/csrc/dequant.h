@@ -239,8 +239,8 @@ at::Tensor tiled_linear(const at::Tensor& x, int64_t units, int64_t unit_rows, F
 }
 
 // x [M, K] times int4 weights in octavo's layout -> [M, N padded to 16], tile by tile.
-inline at::Tensor int4_tiled_linear(const at::Tensor& x, const at::Tensor& q4,
-                                    const at::Tensor& sz, const std::optional<at::Tensor>& high) {
+at::Tensor int4_tiled_linear(const at::Tensor& x, const at::Tensor& q4,
+                             const at::Tensor& sz, const std::optional<at::Tensor>& high) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == q4.size(1) * 4 &&
               (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "int4_tiled_linear: x must be [M, K] bf16 or float32 with the weight's K");

@@ -1,7 +1,7 @@
 // Int4 weights in octavo's layout times a few rows of bf16 (AVX-512-BF16) or float32 (AVX2)
 // activations, and its entry point int4_gemm.
-// Included by cpu_ops.cpp only: the kernels are one translation unit, so every call
-// between these files can still be inlined.
+// Included by cpu_ops.cpp only (the kernels' translation unit), so calls between these files
+// inline.
 #pragma once
 
 #include "streaming.h"

@@ -1,8 +1,8 @@
 // Int8 weights (per output channel, or grouped with float32 or float16 scales) times a few rows
 // of bf16 or float32 activations (decode), and its entry point int8_gemv; for larger batches,
 // int8_tiled_linear (dense tiles into the GEMM).
-// Included by cpu_ops.cpp only: the kernels are one translation unit, so every call
-// between these files can still be inlined.
+// Included by cpu_ops.cpp only (the kernels' translation unit), so calls between these files
+// inline.
 #pragma once
 
 #include "dequant.h"
@@ -198,8 +198,8 @@ inline at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale, 
 }
 
 // x [M, K] (bf16 or float32) times grouped int8 weights -> [M, N], tile by tile.
-inline at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& q,
-                                    const at::Tensor& scale) {
+at::Tensor int8_tiled_linear(const at::Tensor& x, const at::Tensor& q,
+                             const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == q.size(1) &&
               (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "int8_tiled_linear: x must be [M, K] bf16 or float32 with the weight's K");

@@ -1,7 +1,7 @@
 // The elementwise layers of a step: RMSNorm (plain and Gemma's 1 + w, and with a residual add),
 // rotary embedding, RoPE with the KV write, SiLU-and-mul and GELU(tanh)-and-mul.
-// Included by cpu_ops.cpp only: the kernels are one translation unit, so every call
-// between these files can still be inlined.
+// Included by both translation units (cpu_ops.cpp, decode_stack.cpp): each compiles what it
+// calls.
 #pragma once
 
 #include "simd.h"

@@ -6,7 +6,7 @@
 // along N, which vectorizes. A x and B A x are kept in float32 and y rounded once. More rows
 // than kLoraKernelRows go through two GEMMs instead (lora_apply below, and the Python side's
 // own).
-// Included by cpu_ops.cpp only, after simd.h.
+// Included by cpu_ops.cpp only, after simd.h (ops.h declares lora_apply for DecodeStack).
 #pragma once
 
 #include <ATen/record_function.h>
@@ -231,7 +231,7 @@ void lora_add_rows(at::Tensor& y, const at::Tensor& delta, int64_t lo, const int
 // Ask for slot `slot`'s A and B before the base product that precedes their delta, so that
 // they arrive while it streams the layer's weights (read cold, they cost more than their
 // arithmetic).
-inline void lora_prefetch(const at::Tensor& a, const at::Tensor& b, int64_t slot) {
+void lora_prefetch(const at::Tensor& a, const at::Tensor& b, int64_t slot) {
   prefetch_lines(static_cast<const char*>(a.data_ptr()) + slot * a.stride(0) * a.element_size(),
                  a.stride(0) * a.element_size(), false);
   prefetch_lines(static_cast<const char*>(b.data_ptr()) + slot * b.stride(0) * b.element_size(),
@@ -258,9 +258,9 @@ inline std::vector<std::vector<int64_t>> lora_rows_by_slot(const at::Tensor& tok
 // y += each row's adapter delta (a [slots, packed * rank, K], bt [slots, rank, N]): per slot in
 // the step, its rows in one pass over its A and B (a few rows, the slots side by side on the
 // cores) or two GEMMs (more rows): the punica/SGMV grouping, one call per layer.
-inline void lora_apply(at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
-                       const at::Tensor& b, const std::vector<int64_t>& bounds,
-                       const at::Tensor& used, const at::Tensor& token_slot) {
+void lora_apply(at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
+                const at::Tensor& b, const std::vector<int64_t>& bounds,
+                const at::Tensor& used, const at::Tensor& token_slot) {
   RECORD_FUNCTION("octavo::lora_apply", std::vector<c10::IValue>());
   const int64_t packed = static_cast<int64_t>(bounds.size()) - 1;
   const int64_t rank = b.size(1), k = a.size(2);

@@ -1,7 +1,7 @@
 // Paged attention of a mixed batch: prompt tokens 16 at a time (online softmax over
 // bf16 tiles), the split of work items between threads, and the entry that runs both paths.
-// Included by cpu_ops.cpp only: the kernels are one translation unit, so every call
-// between these files can still be inlined.
+// Included by cpu_ops.cpp only (the kernels' translation unit), so calls between these files
+// inline.
 #pragma once
 
 #include "decode_attention.h"

@@ -1,7 +1,7 @@
 // The kernels' building blocks: writing K and V rows to their cache slots, widening, 16- and
 // 8-lane loads, stores and rounding, exp/tanh and softmax helpers (AVX-512, AVX2, scalar).
-// Included by cpu_ops.cpp only: the kernels are one translation unit, so every call
-// between these files can still be inlined.
+// Included by both translation units (cpu_ops.cpp, decode_stack.cpp): each compiles what it
+// calls.
 #pragma once
 
 #include <ATen/ATen.h>

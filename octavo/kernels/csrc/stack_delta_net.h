@@ -4,7 +4,7 @@
 // spans one request at a time in the chunked form) in its order, up to out_proj's input. The
 // states, saved states and span buffers live in the Python layer's buffers, at each request's
 // batch row; the stack moves and fills them in place as the layer does.
-// Included by cpu_ops.cpp only, after delta_rule.h and stack_linear.h.
+// Included by decode_stack.cpp only, after stack_linear.h.
 #pragma once
 
 #include <algorithm>

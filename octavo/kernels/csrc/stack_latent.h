@@ -3,7 +3,7 @@
 // input. The cache holds one latent row a token (the RMS-normalized compressed KV, then the key's
 // rotated part shared by every head), read as both K and V; each head's query is taken into the
 // latent space by its key projection (W_UK) and its output out of it by its value projection
-// (W_UV). Included by cpu_ops.cpp only, after the kernels it calls and stack_linear.h.
+// (W_UV). Included by decode_stack.cpp only, after stack_linear.h.
 #pragma once
 
 // The latent attention's weights and sizes (octavo/model/layer_spec.py, LatentSpec).

@@ -1,6 +1,6 @@
 // What one decoder layer of DecodeStack (decode_stack.h) is: its norms, linear layers, MLP (dense
 // or a mixture of experts), attention settings and cache, each named by the value the Python side
-// gives it (octavo/model/layer_spec.py, LayerSpec). Included by cpu_ops.cpp only, after
+// gives it (octavo/model/layer_spec.py, LayerSpec). Included by decode_stack.cpp only, after
 // stack_linear.h.
 #pragma once
 

@@ -1,5 +1,5 @@
 // A linear layer of DecodeStack (decode_stack.h): its dense weight and/or its low-bit one.
-// Included by cpu_ops.cpp only, after the GEMMs it calls.
+// Included by decode_stack.cpp only; the GEMMs it calls are ops.h's.
 #pragma once
 
 #include <string>

@@ -1,7 +1,7 @@
 // How the low-bit GEMVs stream their weights: software prefetch ahead of the reads, activation
 // rows widened to float32, and the row count of a call made a template argument.
-// Included by cpu_ops.cpp only: the kernels are one translation unit, so every call
-// between these files can still be inlined.
+// Included by cpu_ops.cpp only (the kernels' translation unit), so calls between these files
+// inline.
 #pragma once
 
 #include "simd.h"
