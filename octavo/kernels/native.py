@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 
 # The kernels (cpu_ops.cpp) and DecodeStack (decode_stack.cpp): two translation units, which
 # ninja compiles in parallel on two cores.
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
-_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # part of the build key
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
+_HEADERS = sorted(_CSRC.glob("*.h"))  # part of the build key
 _lock = threading.Lock()
 _state: dict[str, Kernels | threading.Thread | None] = {}
 
